@@ -1,4 +1,36 @@
 """plait: train one PyTorch model on many devices.
 
-The public API lives here and nowhere else; see README.md for a tour.
+Users write a plain ``torch.nn.Module``; plait splits it the way MindSpore's parallel system
+does (data parallel, semi-automatic operator-level parallel with strategies and layouts, ...)
+and runs it on ``torch.distributed``. See README.md for a tour.
 """
+
+from plait import ops, testing
+from plait.annotate import shard
+from plait.config import CommFusion, ParallelConfig
+from plait.errors import ConfigError, LayoutError, NotBuiltError, PlaitError, ShardingError
+from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
+from plait.mesh import MeshSpec
+from plait.runtime.job import Job
+from plait.runtime.parallelize import parallelize
+
+__all__ = [
+    "CommFusion",
+    "ConfigError",
+    "Job",
+    "Layout",
+    "LayoutError",
+    "MeshSpec",
+    "NotBuiltError",
+    "ParallelConfig",
+    "Partial",
+    "PlaitError",
+    "Replicate",
+    "Shard",
+    "ShardingError",
+    "TensorLayout",
+    "ops",
+    "parallelize",
+    "shard",
+    "testing",
+]

@@ -1,0 +1,90 @@
+"""Every private torch import plait makes, behind one door.
+
+torch 2.13 and 2.14 are supported. The names below live in underscore modules or in
+``torch.testing._internal`` and may move between releases; when one does, this file is the only
+one to change. Each import is probed once at import time and failures are re-raised with the
+torch version and what plait needed it for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._local_tensor
+
+__all__ = [
+    "FakeStore",
+    "LocalTensor",
+    "LocalTensorMode",
+    "StridedShard",
+    "TORCH_VERSION",
+    "local_tensor_mode_active",
+    "own_per_rank",
+    "same_on_every_rank",
+    "simulated_ranks",
+]
+
+TORCH_VERSION = torch.__version__
+
+
+def _fail(what: str, purpose: str, err: Exception) -> ImportError:
+    return ImportError(
+        f"plait needs {what} from torch for {purpose}, but torch {TORCH_VERSION} does not provide "
+        f"it ({err}); plait supports torch>=2.13,<2.15"
+    )
+
+
+try:  # simulated ranks: one real tensor per rank inside one process
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+except ImportError as e:  # pragma: no cover - depends on the torch build
+    raise _fail("torch.distributed._local_tensor", "plait.testing.simulate", e) from e
+
+try:  # the fake process group's store, for simulated worlds
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+except ImportError as e:  # pragma: no cover
+    raise _fail("FakeStore", "plait.testing.simulate", e) from e
+
+try:  # layouts that split one dim over several mesh axes against mesh order
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+except ImportError as e:  # pragma: no cover
+    raise _fail("_StridedShard", "multi-axis layouts", e) from e
+
+
+def local_tensor_mode_active() -> bool:
+    """True inside a ``LocalTensorMode`` (a simulated world)."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode() is not None
+
+
+def simulated_ranks() -> tuple[int, ...] | None:
+    """The simulated ranks of the active ``LocalTensorMode``, or None outside one."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    mode = local_tensor_mode()
+    return None if mode is None else tuple(sorted(mode.ranks))
+
+
+def own_per_rank(tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
+    """A LocalTensor whose every rank owns a private copy of its local piece.
+
+    Under ``LocalTensorMode`` a replicated DTensor made from a plain tensor keeps that one
+    tensor for every simulated rank, and sharded ones keep views of the same storage; an
+    in-place optimizer update then lands once per rank on shared memory. Real processes never
+    share, so simulation must not either.
+    """
+    pieces = tensor._local_tensors if isinstance(tensor, LocalTensor) else dict.fromkeys(ranks, tensor)
+    with torch.distributed._local_tensor.maybe_disable_local_tensor_mode():
+        return LocalTensor({r: pieces[r].detach().clone() for r in ranks})
+
+
+def same_on_every_rank(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """The plain tensor a LocalTensor holds on every rank; an error if ranks disagree."""
+    if not isinstance(tensor, LocalTensor):
+        return tensor
+    pieces = list(tensor._local_tensors.values())
+    with torch.distributed._local_tensor.maybe_disable_local_tensor_mode():
+        first = pieces[0]
+        for other in pieces[1:]:
+            if not torch.equal(first, other):
+                raise RuntimeError(f"{what}: simulated ranks hold different values")
+        return first.clone()

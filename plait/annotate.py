@@ -1,0 +1,125 @@
+"""Semi-automatic annotations: ``plait.shard`` marks how a module's tensors are split.
+
+MindSpore's ``Cell.shard(in_strategy, out_strategy, parameter_plan)`` for PyTorch modules.
+A strategy is a tuple of split counts per tensor dim, or a :class:`~plait.layout.TensorLayout`
+made by calling a :class:`~plait.layout.Layout`. Strategies refer to PyTorch's own dims: an
+``nn.Linear`` weight is ``[out_features, in_features]``, so ``(2, 1)`` is column parallel and
+``(1, 2)`` row parallel. Annotations are stored on the module and read by
+:func:`plait.parallelize`; nothing is split until then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from torch import nn
+
+from plait.errors import ShardingError
+from plait.layout import TensorLayout
+
+__all__ = ["ShardSpec", "get_shard_spec", "shard"]
+
+StrategyLike = tuple[int, ...] | TensorLayout
+M = TypeVar("M", bound=nn.Module)
+_ATTR = "_plait_shard"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """The annotation of one module."""
+
+    in_strategy: tuple[StrategyLike | None, ...] | None = None
+    out_strategy: tuple[StrategyLike | None, ...] | None = None
+    parameter_strategy: Mapping[str, StrategyLike] = field(default_factory=dict)
+
+
+def _normalise_one(value: object, where: str) -> StrategyLike | None:
+    if value is None or isinstance(value, TensorLayout):
+        return value
+    if isinstance(value, Sequence) and not isinstance(value, str) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in value
+    ):
+        if any(n < 1 for n in value):
+            raise ShardingError(f"{where}: strategy {tuple(value)!r} has a split < 1; splits are integers >= 1")
+        return tuple(value)
+    raise ShardingError(
+        f"{where}: {value!r} is not a strategy; use a tuple of split counts such as (2, 1), or "
+        "a layout such as Layout((2, 2), ('dp', 'tp'))('dp', 'None')"
+    )
+
+
+def _normalise_many(value: object, where: str) -> tuple[StrategyLike | None, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, TensorLayout):
+        return (value,)
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise ShardingError(f"{where}: {value!r} is not a tuple of per-tensor strategies, e.g. ((2, 1),)")
+    if all(isinstance(n, int) for n in value):
+        raise ShardingError(
+            f"{where}: {tuple(value)!r} is one strategy, but this takes one per tensor; wrap it: ({tuple(value)!r},)"
+        )
+    return tuple(_normalise_one(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+def shard(
+    module: M,
+    in_strategy: object = None,
+    out_strategy: object = None,
+    parameter_strategy: Mapping[str, object] | None = None,
+) -> M:
+    """Annotate ``module`` with strategies; returns the module.
+
+    Args:
+        module: an ``nn.Linear``, ``nn.Embedding`` (plait's op rules) or any module, whose inner
+            ops then follow DTensor's propagation from the given layouts.
+        in_strategy: one strategy per positional tensor input, e.g. ``((2, 1),)``.
+        out_strategy: one strategy per output; for Linear and Embedding it may add the summed
+            axes to one dim (``((4, 1),)`` after a row split of 2 on dp=2), turning the
+            all-reduce of partial sums into a reduce-scatter.
+        parameter_strategy: ``{parameter name: strategy}``, names relative to ``module``.
+
+    Raises:
+        ShardingError: a strategy is malformed or names a parameter the module lacks; or the
+            module was annotated before with a different strategy for the same parameter.
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardingError(f"plait.shard expects an nn.Module, got {type(module).__name__}")
+    where = f"plait.shard({type(module).__name__})"
+    params = dict(module.named_parameters())
+    new: dict[str, StrategyLike] = {}
+    for name, value in (parameter_strategy or {}).items():
+        if name not in params:
+            raise ShardingError(
+                f"{where}: parameter_strategy names {name!r}, which is not a parameter of the "
+                f"module; its parameters are {sorted(params)!r}"
+            )
+        s = _normalise_one(value, f"{where}.parameter_strategy[{name!r}]")
+        assert s is not None
+        new[name] = s
+    old = get_shard_spec(module)
+    merged = dict(old.parameter_strategy) if old else {}
+    for name, s in new.items():
+        if name in merged and merged[name] != s:
+            raise ShardingError(
+                f"{where}: parameter {name!r} was annotated {_text(merged[name])} and now "
+                f"{_text(s)}; a parameter has one layout, remove one of the annotations"
+            )
+        merged[name] = s
+    spec = ShardSpec(
+        _normalise_many(in_strategy, f"{where}.in_strategy") if in_strategy is not None else (old.in_strategy if old else None),
+        _normalise_many(out_strategy, f"{where}.out_strategy") if out_strategy is not None else (old.out_strategy if old else None),
+        merged,
+    )
+    object.__setattr__(module, _ATTR, spec)
+    return module
+
+
+def get_shard_spec(module: nn.Module) -> ShardSpec | None:
+    return getattr(module, _ATTR, None)
+
+
+def _text(s: StrategyLike) -> str:
+    return s.describe() if isinstance(s, TensorLayout) else repr(s)

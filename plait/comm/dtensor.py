@@ -1,0 +1,202 @@
+"""Conversion between plait layouts and DTensor placements, and DTensor helpers.
+
+plait's :class:`~plait.layout.TensorLayout` lists, per tensor dim, the mesh axes that split it,
+outermost first. DTensor lists one placement per mesh axis and, for a dim split over several
+axes, applies them in mesh order (the first mesh axis picks the outer block). When a layout's
+order differs from mesh order, the axes that are inner in the layout but earlier in the mesh
+get DTensor's strided shard: ``_StridedShard(dim, split_factor=f)`` where ``f`` is the product
+of the sizes of the axes that are outer in the layout but later in the mesh. Example, mesh
+``(dp=2, tp=2)``, dim 0 laid out ``("tp", "dp")``: placements ``(S_strided(0, sf=2), S(0))``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Partial as TPartial
+from torch.distributed.tensor import Replicate as TReplicate
+from torch.distributed.tensor import Shard as TShard
+from torch.distributed.tensor.placement_types import Placement as TPlacement
+
+from plait._compat import StridedShard, own_per_rank, simulated_ranks
+from plait.errors import LayoutError
+from plait.layout import Partial, Replicate, Shard, TensorLayout
+from plait.layout.placement import Placement
+from plait.mesh import MeshSpec
+
+__all__ = [
+    "build_device_mesh",
+    "distribute",
+    "from_dtensor_placements",
+    "layout_of",
+    "mesh_spec_of",
+    "to_dtensor_placements",
+    "to_layout",
+]
+
+
+def build_device_mesh(mesh: MeshSpec, device_type: str = "cpu") -> DeviceMesh:
+    """A ``DeviceMesh`` over the current world with ``mesh``'s axis names and sizes."""
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+
+
+def mesh_spec_of(device_mesh: DeviceMesh) -> MeshSpec:
+    names = device_mesh.mesh_dim_names
+    assert names is not None, "plait meshes always carry axis names"
+    return MeshSpec(tuple(names), tuple(device_mesh.shape))
+
+
+def _strided_factor(layout: TensorLayout, dim: int, axis: str) -> int:
+    """Product of sizes of axes outer than ``axis`` in the layout but later in the mesh."""
+    mesh = layout.mesh
+    order = layout.dims[dim]
+    pos = order.index(axis)
+    mine = mesh.axis_index(axis)
+    return math.prod(
+        mesh.axis_size(b) for b in order[:pos] if mesh.axis_index(b) > mine
+    )
+
+
+def to_dtensor_placements(layout: TensorLayout) -> tuple[TPlacement, ...]:
+    """DTensor placements (one per mesh axis) for ``layout``; exact, including axis order."""
+    out: list[TPlacement] = []
+    for axis, p in zip(layout.mesh.axis_names, layout.placements(), strict=True):
+        if isinstance(p, Shard):
+            factor = _strided_factor(layout, p.dim, axis)
+            out.append(StridedShard(p.dim, split_factor=factor) if factor > 1 else TShard(p.dim))
+        elif isinstance(p, Partial):
+            out.append(TPartial(p.reduce_op))
+        else:
+            out.append(TReplicate())
+    return tuple(out)
+
+
+def _plain(p: TPlacement, ndim: int) -> Placement:
+    if isinstance(p, StridedShard | TShard):
+        return Shard(p.dim % ndim)
+    if isinstance(p, TPartial):
+        return Partial(p.reduce_op)  # type: ignore[arg-type]
+    if isinstance(p, TReplicate):
+        return Replicate()
+    raise LayoutError(f"DTensor placement {p!r} has no plait equivalent")
+
+
+def from_dtensor_placements(
+    mesh: MeshSpec, placements: Sequence[TPlacement], ndim: int
+) -> TensorLayout:
+    """Inverse of :func:`to_dtensor_placements`, decoding strided shards into axis order."""
+    plain = [_plain(p, ndim) for p in placements]
+    base = TensorLayout.from_placements(mesh, plain, ndim)
+    orders = []
+    for dim, axes in enumerate(base.dims):
+        if len(axes) < 2:
+            continue
+        order = _decode_order(mesh, placements, base, dim)
+        if order != axes:
+            orders.append((dim, order))
+    return TensorLayout.from_placements(mesh, plain, ndim, orders)
+
+
+def _decode_order(
+    mesh: MeshSpec, placements: Sequence[TPlacement], base: TensorLayout, dim: int
+) -> tuple[str, ...]:
+    wanted = {
+        axis: (p.split_factor if isinstance(p, StridedShard) else 1)
+        for axis, p in zip(mesh.axis_names, placements, strict=True)
+        if axis in base.dims[dim]
+    }
+    for order in itertools.permutations(base.dims[dim]):
+        cand = TensorLayout(mesh, tuple(order if d == dim else a for d, a in enumerate(base.dims)))
+        if all(_strided_factor(cand, dim, a) == f for a, f in wanted.items()):
+            return tuple(order)
+    raise LayoutError(f"strided placements {list(placements)} of dim {dim} match no axis order")
+
+
+def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout) -> DTensor:
+    """Slice a full tensor, present on every rank, into a DTensor with ``layout``; no communication."""
+    layout.check_shape(tuple(tensor.shape))
+    placements = to_dtensor_placements(layout)
+    out = distribute_tensor(tensor, device_mesh, placements, src_data_rank=None)
+    ranks = simulated_ranks()
+    if ranks is None:
+        return out
+    local = own_per_rank(out.to_local(), ranks)
+    return DTensor.from_local(
+        local, device_mesh, placements, run_check=False, shape=out.shape, stride=out.stride()
+    )
+
+
+def layout_of(tensor: DTensor) -> TensorLayout:
+    return from_dtensor_placements(mesh_spec_of(tensor.device_mesh), tensor.placements, tensor.ndim)
+
+
+def to_layout(tensor: DTensor, layout: TensorLayout) -> DTensor:
+    """Redistribute ``tensor`` to ``layout`` (a no-op when it already has it)."""
+    placements = to_dtensor_placements(layout)
+    if tuple(tensor.placements) == placements:
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, placements)
+
+
+def is_dtensor(value: object) -> bool:
+    return isinstance(value, DTensor)
+
+
+def as_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout) -> DTensor:
+    """``tensor`` as a DTensor with ``layout``: redistributed if it is one, sliced if it is full."""
+    if isinstance(tensor, DTensor):
+        return to_layout(tensor, layout)
+    return distribute(tensor, device_mesh, layout)
+
+
+def from_local_piece(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout) -> DTensor:
+    """A DTensor from this rank's own piece (each rank passes its slice; no communication)."""
+    shape = tuple(s * n for s, n in zip(tensor.shape, layout.splits(), strict=True))
+    return DTensor.from_local(tensor, device_mesh, to_dtensor_placements(layout), run_check=False, shape=shape)
+
+
+def pin_grad_layout(tensor: DTensor) -> DTensor:
+    """Identity in forward; in backward, the gradient is brought to ``tensor``'s own layout.
+
+    An op that consumes a replicated activation with a split weight (a column-parallel
+    Linear) produces a pending-sum gradient for it. MindSpore reduces it inside the op, which
+    keeps every gradient that leaves an op in its activation's layout; DTensor would instead
+    carry the pending sum on through earlier ops and into many parameter gradients. The
+    round trip through the local tensor installs that reduction point.
+    """
+    local = tensor.to_local()
+    return DTensor.from_local(
+        local, tensor.device_mesh, tensor.placements, run_check=False,
+        shape=tensor.shape, stride=tensor.stride(),
+    )
+
+
+def sync_grad(param: torch.Tensor) -> None:
+    """Reduce a DTensor parameter's pending-sum gradient to the parameter's own layout."""
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def replicate(tensor: DTensor) -> DTensor:
+    return tensor.redistribute(tensor.device_mesh, [TReplicate()] * tensor.device_mesh.ndim)
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor as a plain tensor (collective for DTensors: every rank must call it)."""
+    from plait._compat import same_on_every_rank
+
+    value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return same_on_every_rank(value.detach(), "full_value")
+
+
+def implicit_replication():  # type: ignore[no-untyped-def]
+    """Treat plain tensors met in DTensor ops (e.g. masks built in forward) as replicated."""
+    from torch.distributed.tensor.experimental import implicit_replication as ctx
+
+    return ctx()

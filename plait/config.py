@@ -1,0 +1,227 @@
+"""``ParallelConfig``: every knob of a parallel training job, validated at construction.
+
+One frozen value, passed explicitly (never global state). An invalid value raises
+:class:`~plait.errors.ConfigError` naming the field, the value and what is allowed. Knobs of
+features that are not built yet are accepted here (so configs are stable) and refused by
+:func:`plait.parallelize` with an error naming the feature; none is silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Literal, get_args
+
+from plait.errors import ConfigError
+
+__all__ = ["CommFusion", "ParallelConfig"]
+
+Mode = Literal["stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"]
+Search = Literal["sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_v"]
+Recompute = Literal["none", "full", "selective"]
+Offload = Literal["optimizer", "parameters", "activations"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Hardware = Literal["local", "a100-40g", "a100-80g", "h100", "h200", "ascend-910"]
+DatasetStrategy = Literal["data_parallel", "full_batch"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _allowed(kind: Any) -> str:
+    return ", ".join(repr(a) for a in get_args(kind))
+
+
+def _check_choice(name: str, value: object, kind: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if value not in get_args(kind):
+        extra = " or None" if optional else ""
+        raise ConfigError(f"ParallelConfig.{name}={value!r} is not allowed; use one of {_allowed(kind)}{extra}")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"ParallelConfig.{name}={value!r} is not allowed; use an integer >= 1")
+
+
+def parse_bytes(text: str | int, where: str = "memory_limit") -> int:
+    """``"80GiB"`` -> 85899345920; integers are bytes."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(
+            f"ParallelConfig.{where}={text!r} is not a size; write bytes as an integer or a "
+            "number with a unit, e.g. '80GiB' or '512MB'"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommFusion:
+    """Gradient communication fusion (MindSpore ``comm_fusion``).
+
+    ``mode="size"`` fuses gradients into buckets of ``bucket_mb`` megabytes; ``mode="index"``
+    cuts buckets at the parameter indices in ``boundaries`` (in parameter order).
+    """
+
+    mode: Literal["size", "index"] = "size"
+    """How buckets are formed."""
+    bucket_mb: float = 25.0
+    """Bucket size in MB for ``mode="size"``."""
+    boundaries: tuple[int, ...] = ()
+    """Parameter indices where a new bucket starts, for ``mode="index"``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("size", "index"):
+            raise ConfigError(f"CommFusion.mode={self.mode!r} is not allowed; use 'size' or 'index'")
+        if not isinstance(self.bucket_mb, int | float) or self.bucket_mb <= 0:
+            raise ConfigError(f"CommFusion.bucket_mb={self.bucket_mb!r} is not allowed; use a number > 0")
+        object.__setattr__(self, "boundaries", tuple(self.boundaries))
+        b = self.boundaries
+        if self.mode == "index" and (not b or list(b) != sorted(set(b)) or b[0] < 1):
+            raise ConfigError(
+                f"CommFusion.boundaries={b!r} is not allowed for mode 'index'; give strictly "
+                "increasing parameter indices >= 1, e.g. (4, 8)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """How to split one training job across devices.
+
+    Example:
+        >>> cfg = ParallelConfig(mode="semi_auto", devices=4, mesh={"dp": 2, "tp": 2})
+        >>> cfg.mesh_dict, cfg.data_parallel_size
+        ({'dp': 2, 'tp': 2}, 2)
+    """
+
+    mode: Mode = "data_parallel"
+    """stand_alone | data_parallel | semi_auto | auto | hybrid | parameter_server."""
+    search: Search | None = None
+    """Strategy searcher for mode 'auto' (None = sharding_propagation)."""
+    devices: int | None = None
+    """Number of devices (ranks); None = the world size at parallelize time."""
+    mesh: Mapping[str, int] | None = None
+    """Named mesh axes, outermost first, e.g. {"dp": 2, "tp": 2}; None = {dp_axis: devices}."""
+    dp_axis: str = "dp"
+    """The mesh axis that plays data parallel (the batch is split across it)."""
+    pipeline_stages: int = 1
+    """Number of pipeline stages."""
+    micro_batches: int = 1
+    """Micro-batches per step for the pipeline."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule."""
+    optimizer_shard: Literal[1, 2, 3] | None = None
+    """Optimizer parallel level (ZeRO-1/2/3); None = off."""
+    recompute: Recompute = "none"
+    """Activation recompute policy."""
+    grad_accumulation: int = 1
+    """Micro-steps per optimizer step."""
+    comm_fusion: CommFusion | None = None
+    """Gradient fusion buckets; None = plait's default."""
+    offload: Offload | None = None
+    """What to keep on the host between uses; None = nothing."""
+    precision: Precision = "fp32"
+    """Compute precision (master weights and optimizer states stay fp32)."""
+    hardware: Hardware | None = None
+    """Hardware profile for the cost model (auto mode); None = 'local'."""
+    memory_limit: int | str | None = None
+    """Per-device memory cap for planning, bytes or e.g. '80GiB'."""
+    dataset_strategy: DatasetStrategy | tuple[Any, ...] = "data_parallel"
+    """How step() inputs are split: each rank passes its slice, or all pass the global batch."""
+    plan: str | os.PathLike[str] | None = None
+    """A saved plan file to run."""
+    _mesh: MappingProxyType[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_counts()
+        object.__setattr__(self, "_mesh", MappingProxyType(self._resolve_mesh()))
+        if self.memory_limit is not None:
+            object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        if isinstance(self.comm_fusion, Mapping):
+            try:
+                object.__setattr__(self, "comm_fusion", CommFusion(**self.comm_fusion))
+            except TypeError as e:
+                raise ConfigError(f"ParallelConfig.comm_fusion={self.comm_fusion!r}: {e}") from None
+        elif self.comm_fusion is not None and not isinstance(self.comm_fusion, CommFusion):
+            raise ConfigError(
+                f"ParallelConfig.comm_fusion={self.comm_fusion!r} is not allowed; use a CommFusion "
+                "or a dict such as {'mode': 'size', 'bucket_mb': 25}"
+            )
+
+    def _check_choices(self) -> None:
+        _check_choice("mode", self.mode, Mode)
+        _check_choice("search", self.search, Search, optional=True)
+        _check_choice("schedule", self.schedule, Schedule)
+        _check_choice("recompute", self.recompute, Recompute)
+        _check_choice("offload", self.offload, Offload, optional=True)
+        _check_choice("precision", self.precision, Precision)
+        _check_choice("hardware", self.hardware, Hardware, optional=True)
+        if self.optimizer_shard not in (None, 1, 2, 3) or isinstance(self.optimizer_shard, bool):
+            raise ConfigError(
+                f"ParallelConfig.optimizer_shard={self.optimizer_shard!r} is not allowed; use 1, 2, 3 or None"
+            )
+        ds = self.dataset_strategy
+        if not (ds in get_args(DatasetStrategy) or isinstance(ds, tuple)):
+            raise ConfigError(
+                f"ParallelConfig.dataset_strategy={ds!r} is not allowed; use "
+                f"{_allowed(DatasetStrategy)} or a tuple of per-input strategies"
+            )
+        if self.plan is not None and not isinstance(self.plan, str | os.PathLike):
+            raise ConfigError(f"ParallelConfig.plan={self.plan!r} is not allowed; give a path to a plan file")
+
+    def _check_counts(self) -> None:
+        for name in ("pipeline_stages", "micro_batches", "grad_accumulation"):
+            _check_positive_int(name, getattr(self, name))
+        if self.devices is not None:
+            _check_positive_int("devices", self.devices)
+        if not isinstance(self.dp_axis, str) or not self.dp_axis:
+            raise ConfigError(f"ParallelConfig.dp_axis={self.dp_axis!r} is not allowed; use an axis name")
+
+    def _resolve_mesh(self) -> dict[str, int]:
+        if self.mesh is None:
+            return {self.dp_axis: self.devices} if self.devices is not None else {}
+        if not isinstance(self.mesh, Mapping) or not self.mesh:
+            raise ConfigError(
+                f"ParallelConfig.mesh={self.mesh!r} is not allowed; use a dict of axis name to "
+                "size, e.g. {'dp': 2, 'tp': 2}"
+            )
+        for name, size in self.mesh.items():
+            if not isinstance(name, str) or not name or name == "None":
+                raise ConfigError(f"ParallelConfig.mesh axis name {name!r} is not allowed; use a non-empty string")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ConfigError(f"ParallelConfig.mesh[{name!r}]={size!r} is not allowed; sizes are integers >= 1")
+        total = math.prod(self.mesh.values())
+        if self.devices is not None and total != self.devices:
+            raise ConfigError(
+                f"ParallelConfig.mesh={dict(self.mesh)!r} has {total} devices but devices={self.devices}; "
+                "make the product of the mesh sizes equal devices"
+            )
+        return dict(self.mesh)
+
+    @property
+    def mesh_dict(self) -> dict[str, int]:
+        """The mesh as a plain dict (empty when it is left to the world size)."""
+        return dict(self._mesh)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._mesh.get(self.dp_axis, 1)
+
+    def non_default_fields(self) -> dict[str, Any]:
+        """Fields whose values differ from their defaults (for errors and logs)."""
+        defaults = ParallelConfig()
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.init and getattr(self, f.name) != getattr(defaults, f.name)
+        }

@@ -1,0 +1,36 @@
+"""plait's exception hierarchy.
+
+User input errors derive from ``ValueError``/``TypeError`` through :class:`PlaitError`, so a
+caller can catch plait's errors alone or treat them as the ordinary Python errors they are.
+Every message says what was given, where, which rule it breaks and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "LayoutError",
+    "NotBuiltError",
+    "PlaitError",
+    "ShardingError",
+]
+
+
+class PlaitError(ValueError):
+    """Base class of every error plait raises for bad user input."""
+
+
+class ConfigError(PlaitError):
+    """A :class:`plait.ParallelConfig` field holds an invalid value."""
+
+
+class LayoutError(PlaitError):
+    """A layout or strategy is malformed or does not fit its tensor or mesh."""
+
+
+class ShardingError(PlaitError):
+    """A sharding annotation does not fit the module, op or world it is applied to."""
+
+
+class NotBuiltError(PlaitError):
+    """A configured feature exists in the config surface but is not implemented yet."""

@@ -1,0 +1,147 @@
+"""The `plait run` command line: its flags, and turning them into a `RunConfig`.
+
+`add_run_arguments` declares the flags (msrun's, in kebab case, plus `--emit` and
+`--dry-run`); `config_from_args` validates them, reads the rank table when one is given, and
+returns the `RunConfig`. Printing and exit codes belong to `plait/cli.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+
+from plait.launch.config import DEFAULT_CLUSTER_TIMEOUT, RunConfig
+from plait.launch.emit import EmitOptions, EmitTarget, KubernetesApi
+from plait.launch.environment import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+from plait.launch.errors import LaunchError
+from plait.launch.rank_table import RankTable, find_this_node, load_rank_table
+
+__all__ = ["add_run_arguments", "config_from_args", "emit_options_from_args", "with_log_dir"]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of `plait run`."""
+    add = parser.add_argument
+    add("--worker-num", type=int, help="workers in the whole job (default: --local-worker-num, or 1)")
+    add("--local-worker-num", type=int, help="workers on this node (default: --worker-num)")
+    add("--master-addr", default=None,
+        help=f"host of node 0, where nodes meet (default {DEFAULT_MASTER_ADDR}; the first server"
+             " of --rank-table)")
+    add("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+        help=f"rendezvous port on --master-addr (default {DEFAULT_MASTER_PORT})")
+    add("--node-rank", type=int, default=None,
+        help="this node's index, 0..nodes-1; node 0 hosts the rendezvous (default: assigned"
+             " in arrival order)")
+    add("--log-dir", default=None,
+        help="directory for worker_<rank>.log and launcher.log (default: a new temporary one)")
+    add("--join", action="store_true",
+        help="echo every worker's output to the console (msrun --join); plait run always waits")
+    add("--tail-worker-log", default="0",
+        help="ranks echoed to the console: '0,3', 'all' or 'none' (default 0)")
+    add("--cluster-timeout", type=float, default=DEFAULT_CLUSTER_TIMEOUT,
+        help=f"seconds for all nodes to join the rendezvous (default {DEFAULT_CLUSTER_TIMEOUT:g})")
+    add("--max-restarts", type=int, default=0,
+        help="restart the whole worker group up to this many times after a failure (default 0)")
+    add("--bind-core", action="store_true",
+        help="pin each worker to its own slice of this node's CPUs (Linux)")
+    add("--rank-table", default=None, metavar="FILE",
+        help="JSON rank table (MindSpore format) giving nodes, devices and ranks")
+    add("--run-id", default="plait", help="rendezvous id, the same on every node (default plait)")
+    add("--dry-run", action="store_true",
+        help="print each local worker's environment and command, then exit without starting")
+    add("--emit", choices=[t.value for t in EmitTarget], default=None,
+        help="write an sbatch script or Kubernetes manifest that runs this job, then exit")
+    add("--output", "-o", default=None, metavar="FILE", help="where --emit writes (default stdout)")
+    add("--image", default=None, help="container image for --emit kubernetes")
+    add("--job-name", default="plait", help="job name for --emit (default plait)")
+    add("--k8s-api", choices=[a.value for a in KubernetesApi], default=KubernetesApi.PYTORCHJOB.value,
+        help="--emit kubernetes as a Kubeflow PyTorchJob (default) or a JobSet")
+    add("-m", dest="module", action="store_true",
+        help="run the program as a module (python -m), like torchrun -m")
+    add("program", help="script to run (or module name with -m)")
+    add("program_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Validate the flags of `plait run` and build its `RunConfig`.
+
+    Raises:
+        LaunchError: a flag or the rank table is invalid; nothing has started.
+    """
+    program = (("-m",) if args.module else ()) + (args.program, *args.program_args)
+    table = load_rank_table(args.rank_table) if args.rank_table else None
+    worker_num, local_worker_num = _worker_counts(args, table)
+    node_rank = args.node_rank
+    master_addr = args.master_addr or DEFAULT_MASTER_ADDR
+    if table is not None:
+        if node_rank is None:
+            node_rank = find_this_node(table)
+        elif not 0 <= node_rank < table.num_nodes:
+            raise LaunchError(
+                f"--node-rank {node_rank} is outside the rank table's servers"
+                f" 0..{table.num_nodes - 1} ({table.source})."
+            )
+        master_addr = args.master_addr or table.servers[0].server_id
+    return RunConfig(
+        program=program, worker_num=worker_num, local_worker_num=local_worker_num,
+        master_addr=master_addr, master_port=args.master_port, node_rank=node_rank,
+        log_dir=args.log_dir, tail_ranks=_tail_ranks(args.tail_worker_log, worker_num),
+        join=args.join, cluster_timeout=args.cluster_timeout, max_restarts=args.max_restarts,
+        bind_core=args.bind_core, rank_table=args.rank_table, run_id=args.run_id,
+    )  # fmt: skip
+
+
+def _worker_counts(args: argparse.Namespace, table: RankTable | None) -> tuple[int, int]:
+    total, local = args.worker_num, args.local_worker_num
+    if table is None:
+        return total or local or 1, local or total or 1
+    if total is not None and total != table.world_size:
+        raise LaunchError(
+            f"--worker-num {total} does not match rank table {table.source}, which lists"
+            f" {table.world_size} ranks. Drop --worker-num or fix the table."
+        )
+    if local is not None and local != table.local_world_size:
+        raise LaunchError(
+            f"--local-worker-num {local} does not match rank table {table.source}, which lists"
+            f" {table.local_world_size} devices per server. Drop --local-worker-num."
+        )
+    return table.world_size, table.local_world_size
+
+
+def _tail_ranks(value: str, worker_num: int) -> tuple[int, ...]:
+    text = value.strip().lower()
+    if text in ("all", "-1"):
+        return tuple(range(worker_num))
+    if text in ("none", ""):
+        return ()
+    try:
+        return tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError as e:
+        raise LaunchError(
+            f"--tail-worker-log {value!r} is not a list of ranks. Use e.g. '0', '0,3', 'all'"
+            " or 'none'."
+        ) from e
+
+
+def emit_options_from_args(args: argparse.Namespace) -> EmitOptions:
+    """`EmitOptions` from the `--emit` flags."""
+    return EmitOptions(
+        target=EmitTarget(args.emit), job_name=args.job_name, image=args.image,
+        k8s_api=KubernetesApi(args.k8s_api),
+    )  # fmt: skip
+
+
+def with_log_dir(config: RunConfig) -> RunConfig:
+    """`config` with a log directory: the given one, or a new temporary directory."""
+    if config.log_dir is not None:
+        try:
+            os.makedirs(config.log_dir, exist_ok=True)
+        except OSError as e:
+            raise LaunchError(
+                f"--log-dir {config.log_dir!r} cannot be created ({e.strerror}). Pass a writable"
+                " directory."
+            ) from e
+        return config
+    return dataclasses.replace(config, log_dir=tempfile.mkdtemp(prefix="plait-run-"))

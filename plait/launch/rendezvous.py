@@ -1,0 +1,141 @@
+"""The `plait` rendezvous backend: torch's c10d rendezvous, plus node ranks and clear timeouts.
+
+Nodes meet through torch elastic's c10d dynamic rendezvous (`create_backend` + `create_handler`,
+the same objects `torchrun --rdzv-backend c10d` uses). This module wraps the resulting handler
+to add two things torch leaves out:
+
+1. **Fixed node ranks.** c10d numbers nodes by sorting their descriptors (host, pid), so
+   `--node-rank` would be ignored. When every node passes `--node-rank`, each one publishes its
+   rank in the round's store after the rendezvous and takes it as its group rank; a duplicate
+   or missing rank fails the launch on every node, naming the ranks seen.
+   -> `NodeRankedHandler._reorder()`
+2. **Timeouts that say who is missing.** Each node adds itself to an arrival counter before
+   joining; when the join times out the error says how many of the expected nodes arrived and,
+   with node ranks, which ones did not. A node that cannot reach the rendezvous host says so.
+   -> `NodeRankedHandler.next_rendezvous()`, `create_plait_handler()`
+
+It is not a new rendezvous protocol: membership, rounds, heartbeats and restarts stay c10d's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from plait.launch.errors import LaunchError
+
+__all__ = ["BACKEND_NAME", "NodeRankedHandler", "create_plait_handler", "register_backend"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "plait"
+"""Name under which the backend is registered with torch elastic."""
+
+
+class NodeRankedHandler(RendezvousHandler):
+    """A c10d `DynamicRendezvousHandler` that honours node ranks and explains timeouts."""
+
+    def __init__(
+        self, inner: RendezvousHandler, store: Store, params: RendezvousParameters
+    ) -> None:
+        self._inner = inner
+        self._store = store
+        self._node_rank = params.get_as_int("plait_node_rank")
+        self._expected = params.max_nodes
+        self._timeout = params.get_as_int("join_timeout", 600)
+        self._endpoint = params.endpoint
+        self._attempt = 0
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        key = f"plait.arrived.{self.get_run_id()}.{self._attempt}"
+        self._attempt += 1
+        self._store.add(key, 1)
+        if self._node_rank is not None:
+            self._store.set(f"{key}.node{self._node_rank}", "1")
+        try:
+            info = self._inner.next_rendezvous()
+        except RendezvousTimeoutError as e:
+            raise LaunchError(self._timeout_message(key)) from e
+        if self._node_rank is None:
+            return info
+        return self._reorder(info)
+
+    def _timeout_message(self, key: str) -> str:
+        arrived = self._store.add(key, 0)
+        msg = (
+            f"Rendezvous at {self._endpoint} timed out after {self._timeout} s: {arrived} of"
+            f" {self._expected} nodes arrived."
+        )
+        if self._node_rank is not None:
+            missing = [
+                r for r in range(self._expected) if not self._store.check([f"{key}.node{r}"])
+            ]
+            msg += f" Node ranks never seen: {missing}."
+        return msg + (
+            " Start `plait run` on every node with the same --master-addr/--master-port and"
+            " --worker-num, or raise --cluster-timeout."
+        )
+
+    def _reorder(self, info: RendezvousInfo) -> RendezvousInfo:
+        store = info.store
+        store.set(f"plait.node_rank.{info.rank}", str(self._node_rank))
+        keys = [f"plait.node_rank.{r}" for r in range(info.world_size)]
+        seen = sorted(int(v) for v in store.multi_get(keys))
+        if seen != list(range(info.world_size)):
+            raise LaunchError(
+                f"The {info.world_size} nodes at rendezvous {self._endpoint} passed --node-rank"
+                f" values {seen}; they must be 0..{info.world_size - 1}, each once. Give each"
+                " node its own --node-rank (or none at all, to number nodes automatically)."
+            )
+        return RendezvousInfo(store, self._node_rank, info.world_size, info.bootstrap_store_info)
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self._inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def create_plait_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the c10d backend and handler for `params` and wrap them (registry callback)."""
+    try:
+        backend, store = create_backend(params)
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        timeout = params.get_as_int("read_timeout", 60)
+        raise LaunchError(
+            f"Could not reach the rendezvous host {params.endpoint} within {timeout} s: {e}."
+            " Start node 0 (`--node-rank 0`, the host named by --master-addr) first, and check"
+            " that --master-addr/--master-port are reachable from this node."
+        ) from e
+    return NodeRankedHandler(create_handler(store, backend, params), store, params)
+
+
+def register_backend() -> None:
+    """Register the `plait` backend with torch elastic (idempotent: same creator each time)."""
+    rendezvous_handler_registry.register(BACKEND_NAME, create_plait_handler)

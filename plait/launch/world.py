@@ -1,0 +1,217 @@
+"""`init()`: one idempotent call that joins this process to the job's default process group.
+
+`init()` reads the launcher's environment (see `plait.launch.environment`), picks a backend
+(NCCL when CUDA is available, gloo otherwise), sets the collective timeout and calls
+`torch.distributed.init_process_group` once. Without any launcher it makes a one-process
+world, so the same script runs alone, under `plait run`, torchrun, mpirun or srun.
+
+How the store is reached:
+
+| launcher | init method |
+|---|---|
+| `plait run`, torchrun | `env://` (the elastic agent's store, `MASTER_ADDR`/`MASTER_PORT`) |
+| MPI, Slurm, rank table | `tcp://MASTER_ADDR:MASTER_PORT`; rank 0 hosts the store |
+| none | a `FileStore` in a fresh temporary file |
+
+The one constraint users trip on: under MPI or Slurm on several nodes, `MASTER_ADDR` must be
+rank 0's host, reachable from every rank (it defaults to 127.0.0.1 for MPI).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from plait.launch.environment import LauncherKind, ProcessEnv, detect_environment
+from plait.launch.errors import LaunchError
+
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "World", "current_world", "init"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+"""How long a collective may wait for its peers before it fails, naming the operation."""
+
+Backend = Literal["nccl", "gloo"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class World:
+    """This process's place in the job, after `init()`.
+
+    Example:
+        >>> World(rank=1, world_size=4, local_rank=1, local_world_size=2, node_rank=0,
+        ...       num_nodes=2, backend="gloo", device="cpu", launcher="torchrun").is_main
+        False
+    """
+
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank among the processes on this node."""
+    local_world_size: int
+    """Number of processes on this node."""
+    node_rank: int
+    """Index of this node, 0..num_nodes-1."""
+    num_nodes: int
+    """Number of nodes."""
+    backend: str
+    """Process-group backend: "nccl" or "gloo" (or what the caller initialised)."""
+    device: str
+    """Device this process computes on: "cuda:<i>" or "cpu"."""
+    launcher: str
+    """Which launcher's environment was read ("torchrun", "openmpi", "single", ...)."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that logs and writes files."""
+        return self.rank == 0
+
+
+# The default process group is process-wide state in torch itself; caching the World that
+# describes it is what makes init() idempotent. Nothing else in plait keeps global state.
+_world: World | None = None
+
+
+def current_world() -> World | None:
+    """The World returned by the last `init()`, or None before it (or after teardown)."""
+    import torch.distributed as dist
+
+    return _world if _world is not None and dist.is_initialized() else None
+
+
+def init(
+    *,
+    backend: Backend | None = None,
+    timeout: timedelta | float = DEFAULT_COLLECTIVE_TIMEOUT,
+) -> World:
+    """Join the job's default process group and return this process's `World`.
+
+    Idempotent: a second call returns the same `World` without re-initialising. If the caller
+    already initialised `torch.distributed`, that group is described, not replaced.
+
+    Args:
+        backend: "nccl" or "gloo"; default NCCL when CUDA is available, gloo otherwise.
+        timeout: collective timeout (a `timedelta`, or seconds).
+
+    Returns:
+        The `World`: rank, world size, local rank and size, node, backend, device.
+
+    Raises:
+        LaunchError: the launcher environment is malformed, or NCCL was asked for without
+            enough GPUs.
+    """
+    global _world
+    import torch.distributed as dist
+
+    if _world is not None and dist.is_initialized():
+        return _world
+    penv = detect_environment()
+    if dist.is_initialized():
+        _world = _describe_existing(penv)
+        return _world
+    chosen = resolve_backend(backend, penv)
+    device = _select_device(chosen, penv)
+    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    _init_process_group(chosen, penv, wait)
+    _world = _make_world(penv, chosen, device)
+    logger.info("joined %s", _world)
+    return _world
+
+
+def resolve_backend(backend: str | None, penv: ProcessEnv) -> Backend:
+    """Pick the backend: the caller's, else NCCL with CUDA, else gloo."""
+    import torch
+
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise LaunchError(
+            f"init(backend={backend!r}) is not supported; use 'nccl' (GPUs) or 'gloo' (CPUs),"
+            " or None to choose by CUDA availability."
+        )
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise LaunchError(
+            f"init(backend='nccl') on rank {penv.rank}, but CUDA is not available here."
+            " Use backend='gloo' or None."
+        )
+    return backend  # type: ignore[return-value]
+
+
+def _select_device(backend: Backend, penv: ProcessEnv) -> str:
+    if backend != "nccl":
+        return "cpu"
+    import torch
+
+    count = torch.cuda.device_count()
+    if penv.device_index >= count:
+        raise LaunchError(
+            f"Rank {penv.rank} (local rank {penv.local_rank}) wants GPU {penv.device_index} but"
+            f" this node has {count}. Start at most {count} workers per node"
+            " (--local-worker-num), or use backend='gloo'."
+        )
+    torch.cuda.set_device(penv.device_index)
+    return f"cuda:{penv.device_index}"
+
+
+def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) -> None:
+    import torch.distributed as dist
+
+    if penv.launcher is LauncherKind.SINGLE:
+        # A FileStore needs no port, so a lone process can never collide with another job.
+        path = tempfile.NamedTemporaryFile(prefix="plait-store-", delete=False).name
+        store = dist.FileStore(path, 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    if penv.launcher is LauncherKind.TORCHRUN:
+        init_method = "env://"
+    else:
+        init_method = f"tcp://{_bracket(penv.master_addr)}:{penv.master_port}"
+    logger.debug("rank %d: init_process_group(%s, %s)", penv.rank, backend, init_method)
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=penv.rank, world_size=penv.world_size,
+            timeout=timeout,
+        )  # fmt: skip
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        raise LaunchError(
+            f"Rank {penv.rank} of {penv.world_size} ({penv.launcher} environment) could not join"
+            f" the process group at {init_method}: {e}. Check MASTER_ADDR/MASTER_PORT: rank 0's"
+            " host and a free port, reachable from every rank."
+        ) from e
+
+
+def _make_world(penv: ProcessEnv, backend: str, device: str) -> World:
+    num_nodes = max(-(-penv.world_size // max(penv.local_world_size, 1)), penv.node_rank + 1)
+    return World(
+        rank=penv.rank, world_size=penv.world_size, local_rank=penv.local_rank,
+        local_world_size=penv.local_world_size, node_rank=penv.node_rank, num_nodes=num_nodes,
+        backend=backend, device=device, launcher=str(penv.launcher),
+    )  # fmt: skip
+
+
+def _describe_existing(penv: ProcessEnv) -> World:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    local = penv if (penv.rank, penv.world_size) == (rank, world_size) else None
+    return World(
+        rank=rank, world_size=world_size,
+        local_rank=local.local_rank if local else 0,
+        local_world_size=local.local_world_size if local else 1,
+        node_rank=local.node_rank if local else rank,
+        num_nodes=max(world_size // (local.local_world_size if local else 1), 1),
+        backend=backend, device=f"cuda:{local.device_index if local else 0}"
+        if backend == "nccl" else "cpu",
+        launcher=str(penv.launcher) if local else "external",
+    )  # fmt: skip
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,124 @@
+"""The Job: one training step (forward, backward, gradient sync, update) on a parallel model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from plait.comm.dtensor import (
+    distribute,
+    from_local_piece,
+    full_value,
+    implicit_replication,
+    is_dtensor,
+    replicate,
+    sync_grad,
+)
+from plait.config import ParallelConfig
+from plait.errors import ShardingError
+from plait.layout import TensorLayout
+from plait.mesh import MeshSpec
+
+__all__ = ["Job", "LossFn", "OptimizerFactory"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Job:
+    """A model laid out on a mesh, with its optimizer and loss; ``step(batch)`` trains once.
+
+    Create it with :func:`plait.parallelize`, not directly.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: ParallelConfig,
+        *,
+        mesh: MeshSpec | None,
+        device_mesh: Any,
+        slice_inputs: bool,
+        layouts: dict[str, TensorLayout],
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.config = config
+        self.mesh = mesh
+        self.device_mesh = device_mesh
+        self.parameter_layouts = layouts
+        self._slice_inputs = slice_inputs
+
+    def step(self, batch: Any) -> float:
+        """Forward, backward, gradient reduction and one optimizer update; returns the global loss."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(batch)
+        loss.backward()
+        for p in self.model.parameters():
+            sync_grad(p)
+        self.optimizer.step()
+        return float(full_value(loss).item())
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any) -> float:
+        """The global loss on ``batch`` without training."""
+        self.model.eval()
+        return float(full_value(self._loss(batch)).item())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
+
+        Gathers sharded tensors: on real processes every rank must call it.
+        """
+        return {k: full_value(v) for k, v in self.model.state_dict().items()}
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        batch = self.shard_batch(batch)
+        if self.device_mesh is None:
+            return self.loss_fn(self.model, batch)
+        with implicit_replication():
+            loss = self.loss_fn(self.model, batch)
+        if not is_dtensor(loss):
+            raise ShardingError(
+                f"loss_fn returned a plain {type(loss).__name__}, not a tensor computed from the "
+                "model's output; return the loss tensor itself (no .item() or .detach())"
+            )
+        if loss.numel() != 1:
+            raise ShardingError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss")
+        return replicate(loss)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Lay out every tensor of ``batch``: dim 0 across the data-parallel axis."""
+        if self.device_mesh is None or self.mesh is None:
+            return batch
+        return tree_map(self._shard_input, batch)
+
+    def _shard_input(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or is_dtensor(x):
+            return x
+        mesh, dp = self.mesh, self.config.dp_axis
+        assert mesh is not None
+        dp_size = mesh.axis_size(dp) if dp in mesh.axis_names else 1
+        if x.ndim == 0 or dp_size == 1:
+            return distribute(x, self.device_mesh, TensorLayout.replicated(mesh, x.ndim))
+        layout = TensorLayout(mesh, ((dp,),) + ((),) * (x.ndim - 1))
+        if self._slice_inputs:
+            if x.shape[0] % dp_size:
+                raise ShardingError(
+                    f"batch tensor of shape {tuple(x.shape)}: dim 0 ({x.shape[0]}) does not divide "
+                    f"into {dp_size} data-parallel pieces (mesh axis {dp!r}); use a global batch "
+                    f"size divisible by {dp_size}"
+                )
+            return distribute(x, self.device_mesh, layout)
+        return from_local_piece(x, self.device_mesh, layout)

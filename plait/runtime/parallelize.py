@@ -1,0 +1,126 @@
+"""``plait.parallelize``: lay a model out on the world and return a :class:`Job`.
+
+Order of work: refuse features not built yet, check the world and the mesh, resolve and
+validate every annotation (no mutation, no communication), then turn parameters into
+DTensors and build the optimizer. Errors therefore come before any process waits on another.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from plait.comm.dtensor import build_device_mesh
+from plait.comm.world import current_world
+from plait.config import ParallelConfig
+from plait.errors import ConfigError, NotBuiltError
+from plait.mesh import MeshSpec
+from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.modules import apply_layouts, collect_layouts
+
+__all__ = ["parallelize"]
+
+logger = logging.getLogger(__name__)
+
+_BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto")
+
+
+def _refuse_unbuilt(cfg: ParallelConfig) -> None:
+    checks = [
+        (cfg.mode not in _BUILT_MODES, f"mode={cfg.mode!r}", f"modes {list(_BUILT_MODES)!r}"),
+        (cfg.search is not None, f"search={cfg.search!r}", "search is used by mode 'auto'"),
+        (cfg.pipeline_stages != 1, f"pipeline_stages={cfg.pipeline_stages}", "pipeline parallel"),
+        (cfg.micro_batches != 1, f"micro_batches={cfg.micro_batches}", "pipeline micro-batches"),
+        (cfg.schedule != "1f1b", f"schedule={cfg.schedule!r}", "pipeline schedules"),
+        (cfg.optimizer_shard is not None, f"optimizer_shard={cfg.optimizer_shard}", "optimizer parallel"),
+        (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
+        (cfg.grad_accumulation != 1, f"grad_accumulation={cfg.grad_accumulation}", "gradient accumulation"),
+        (cfg.comm_fusion is not None, f"comm_fusion={cfg.comm_fusion!r}", "communication fusion"),
+        (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
+        (cfg.precision != "fp32", f"precision={cfg.precision!r}", "mixed precision"),
+        (cfg.hardware is not None, f"hardware={cfg.hardware!r}", "the cost model (mode 'auto')"),
+        (cfg.memory_limit is not None, f"memory_limit={cfg.memory_limit}", "memory-aware planning (mode 'auto')"),
+        (isinstance(cfg.dataset_strategy, tuple), "dataset_strategy=<per-input strategies>", "per-input dataset strategies"),
+        (cfg.plan is not None, f"plan={cfg.plan!r}", "running saved plans"),
+    ]
+    for unbuilt, given, feature in checks:
+        if unbuilt:
+            raise NotBuiltError(
+                f"ParallelConfig({given}): {feature} is not built in this version of plait yet; "
+                f"leave the field at its default (built so far: modes {list(_BUILT_MODES)!r}, fp32)"
+            )
+
+
+def _job_mesh(cfg: ParallelConfig, world_size: int) -> MeshSpec:
+    mesh = cfg.mesh_dict or {cfg.dp_axis: world_size}
+    spec = MeshSpec.from_dict(mesh)
+    if spec.size != world_size:
+        raise ConfigError(
+            f"ParallelConfig.mesh={mesh!r} covers {spec.size} devices but the world has "
+            f"{world_size} ranks; make the product of the mesh sizes equal the number of "
+            f"processes (or launch {spec.size} processes)"
+        )
+    if cfg.devices is not None and cfg.devices != world_size:
+        raise ConfigError(
+            f"ParallelConfig.devices={cfg.devices} but the world has {world_size} ranks; "
+            "launch that many processes or change devices"
+        )
+    return spec
+
+
+def parallelize(
+    model: nn.Module,
+    config: ParallelConfig,
+    *,
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+) -> Job:
+    """Split ``model`` across the current world as ``config`` says; returns a :class:`Job`.
+
+    Args:
+        model: the full model, built identically (same seed) on every rank.
+        config: the parallel configuration.
+        optimizer: called with the (now distributed) parameters, returns the optimizer.
+        loss_fn: ``loss_fn(model, batch)`` returns the scalar loss of a batch.
+
+    Raises:
+        NotBuiltError: a config knob asks for a feature not built yet.
+        ConfigError: the mesh does not match the world.
+        ShardingError, LayoutError: an annotation does not fit the model or the mesh.
+    """
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"parallelize expects a plait.ParallelConfig, got {type(config).__name__}")
+    _refuse_unbuilt(config)
+    world = current_world()
+    if config.mode == "stand_alone":
+        return Job(model, optimizer(model.parameters()), loss_fn, config, mesh=None,
+                   device_mesh=None, slice_inputs=False, layouts={})
+    if world is None:
+        raise ConfigError(
+            f"parallelize(mode={config.mode!r}) needs a process group: call plait.init() first "
+            "(under `plait run` or torchrun), or use plait.testing.simulate(world_size=N) to run "
+            "N ranks in this process"
+        )
+    mesh = _job_mesh(config, world.world_size)
+    if config.mode == "data_parallel":
+        _refuse_annotations(model)
+    layouts = collect_layouts(model, mesh, config.dp_axis)
+    named = layouts.layout_by_name(model)
+    device_mesh = build_device_mesh(mesh, world.device_type)
+    apply_layouts(model, layouts, device_mesh)
+    slice_inputs = world.simulated or config.dataset_strategy == "full_batch"
+    logger.info("parallelized %s on mesh %s (mode %s)", type(model).__name__, mesh.as_dict(), config.mode)
+    return Job(model, optimizer(model.parameters()), loss_fn, config, mesh=mesh,
+               device_mesh=device_mesh, slice_inputs=slice_inputs, layouts=named)
+
+
+def _refuse_annotations(model: nn.Module) -> None:
+    from plait.annotate import get_shard_spec
+
+    for path, module in model.named_modules():
+        if get_shard_spec(module) is not None:
+            raise ConfigError(
+                f"module {path or type(module).__name__!r} carries a plait.shard annotation but "
+                "mode is 'data_parallel', which ignores annotations; use mode='semi_auto'"
+            )

@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def _emit(config, options, output: str | None) -> int:  # noqa: ANN001
+def _emit(config, options, output: str | None) -> int:
     from plait.launch.emit import emit
 
     text = emit(config, options)
@@ -111,7 +111,7 @@ def _emit(config, options, output: str | None) -> int:  # noqa: ANN001
     return 0
 
 
-def _dry_run(config) -> int:  # noqa: ANN001
+def _dry_run(config) -> int:
     from plait.launch.runner import effective_node_rank, preview_worker_envs
 
     node = effective_node_rank(config)
@@ -130,7 +130,7 @@ def _dry_run(config) -> int:  # noqa: ANN001
     return 0
 
 
-def _launch(config) -> int:  # noqa: ANN001
+def _launch(config) -> int:
     from plait.launch.runner import format_failure, run_job
 
     assert config.log_dir is not None, "with_log_dir sets it"

@@ -21,7 +21,7 @@ from plait.launch.rank_table import RankTable, load_rank_table, parse_rank_table
 from plait.launch.world import World, current_world, init
 
 
-def run_job(config: RunConfig):  # noqa: ANN201 - lazy import keeps `plait --help` torch-free
+def run_job(config: RunConfig):
     """Start this node's workers and supervise them; see `plait.launch.runner.run_job`."""
     from plait.launch.runner import run_job as _run_job
 

@@ -24,42 +24,96 @@ __all__ = ["add_run_arguments", "config_from_args", "emit_options_from_args", "w
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `plait run`."""
     add = parser.add_argument
-    add("--worker-num", type=int, help="workers in the whole job (default: --local-worker-num, or 1)")
+    add(
+        "--worker-num",
+        type=int,
+        help="workers in the whole job (default: --local-worker-num, or 1)",
+    )
     add("--local-worker-num", type=int, help="workers on this node (default: --worker-num)")
-    add("--master-addr", default=None,
+    add(
+        "--master-addr",
+        default=None,
         help=f"host of node 0, where nodes meet (default {DEFAULT_MASTER_ADDR}; the first server"
-             " of --rank-table)")
-    add("--master-port", type=int, default=DEFAULT_MASTER_PORT,
-        help=f"rendezvous port on --master-addr (default {DEFAULT_MASTER_PORT})")
-    add("--node-rank", type=int, default=None,
+        " of --rank-table)",
+    )
+    add(
+        "--master-port",
+        type=int,
+        default=DEFAULT_MASTER_PORT,
+        help=f"rendezvous port on --master-addr (default {DEFAULT_MASTER_PORT})",
+    )
+    add(
+        "--node-rank",
+        type=int,
+        default=None,
         help="this node's index, 0..nodes-1; node 0 hosts the rendezvous (default: assigned"
-             " in arrival order)")
-    add("--log-dir", default=None,
-        help="directory for worker_<rank>.log and launcher.log (default: a new temporary one)")
-    add("--join", action="store_true",
-        help="echo every worker's output to the console (msrun --join); plait run always waits")
-    add("--tail-worker-log", default="0",
-        help="ranks echoed to the console: '0,3', 'all' or 'none' (default 0)")
-    add("--cluster-timeout", type=float, default=DEFAULT_CLUSTER_TIMEOUT,
-        help=f"seconds for all nodes to join the rendezvous (default {DEFAULT_CLUSTER_TIMEOUT:g})")
-    add("--max-restarts", type=int, default=0,
-        help="restart the whole worker group up to this many times after a failure (default 0)")
-    add("--bind-core", action="store_true",
-        help="pin each worker to its own slice of this node's CPUs (Linux)")
-    add("--rank-table", default=None, metavar="FILE",
-        help="JSON rank table (MindSpore format) giving nodes, devices and ranks")
+        " in arrival order)",
+    )
+    add(
+        "--log-dir",
+        default=None,
+        help="directory for worker_<rank>.log and launcher.log (default: a new temporary one)",
+    )
+    add(
+        "--join",
+        action="store_true",
+        help="echo every worker's output to the console (msrun --join); plait run always waits",
+    )
+    add(
+        "--tail-worker-log",
+        default="0",
+        help="ranks echoed to the console: '0,3', 'all' or 'none' (default 0)",
+    )
+    add(
+        "--cluster-timeout",
+        type=float,
+        default=DEFAULT_CLUSTER_TIMEOUT,
+        help=f"seconds for all nodes to join the rendezvous (default {DEFAULT_CLUSTER_TIMEOUT:g})",
+    )
+    add(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole worker group up to this many times after a failure (default 0)",
+    )
+    add(
+        "--bind-core",
+        action="store_true",
+        help="pin each worker to its own slice of this node's CPUs (Linux)",
+    )
+    add(
+        "--rank-table",
+        default=None,
+        metavar="FILE",
+        help="JSON rank table (MindSpore format) giving nodes, devices and ranks",
+    )
     add("--run-id", default="plait", help="rendezvous id, the same on every node (default plait)")
-    add("--dry-run", action="store_true",
-        help="print each local worker's environment and command, then exit without starting")
-    add("--emit", choices=[t.value for t in EmitTarget], default=None,
-        help="write an sbatch script or Kubernetes manifest that runs this job, then exit")
+    add(
+        "--dry-run",
+        action="store_true",
+        help="print each local worker's environment and command, then exit without starting",
+    )
+    add(
+        "--emit",
+        choices=[t.value for t in EmitTarget],
+        default=None,
+        help="write an sbatch script or Kubernetes manifest that runs this job, then exit",
+    )
     add("--output", "-o", default=None, metavar="FILE", help="where --emit writes (default stdout)")
     add("--image", default=None, help="container image for --emit kubernetes")
     add("--job-name", default="plait", help="job name for --emit (default plait)")
-    add("--k8s-api", choices=[a.value for a in KubernetesApi], default=KubernetesApi.PYTORCHJOB.value,
-        help="--emit kubernetes as a Kubeflow PyTorchJob (default) or a JobSet")
-    add("-m", dest="module", action="store_true",
-        help="run the program as a module (python -m), like torchrun -m")
+    add(
+        "--k8s-api",
+        choices=[a.value for a in KubernetesApi],
+        default=KubernetesApi.PYTORCHJOB.value,
+        help="--emit kubernetes as a Kubeflow PyTorchJob (default) or a JobSet",
+    )
+    add(
+        "-m",
+        dest="module",
+        action="store_true",
+        help="run the program as a module (python -m), like torchrun -m",
+    )
     add("program", help="script to run (or module name with -m)")
     add("program_args", nargs=argparse.REMAINDER, help="arguments for the script")
 

@@ -5,9 +5,9 @@ that runs the same command on every node of a cluster:
 
 | target | file | node rank from | rendezvous host |
 |---|---|---|---|
-| `slurm` | sbatch script, one `srun` task per node | `$SLURM_NODEID` | first host of the allocation |
-| `kubernetes` (`--k8s-api pytorchjob`) | Kubeflow `PyTorchJob` | `$(RANK)` (pod index) | `$(MASTER_ADDR)`, set by the operator |
-| `kubernetes` (`--k8s-api jobset`) | `JobSet` with an Indexed Job | job completion index | pod 0's DNS name |
+| `slurm` | sbatch script, one `srun` task per node | `$SLURM_NODEID` | first host |
+| `kubernetes` | Kubeflow `PyTorchJob` (`--k8s-api pytorchjob`) | `$(RANK)` | `$(MASTER_ADDR)` |
+| `kubernetes` | `JobSet` of one Indexed Job (`--k8s-api jobset`) | completion index | pod 0 |
 
 In every case each node runs `plait run --worker-num W --local-worker-num L --node-rank R
 --master-addr A --master-port P ...`, so the c10d rendezvous, restarts and logs behave as on

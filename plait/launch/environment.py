@@ -4,14 +4,16 @@ Each adapter is a pure function from an environment mapping to a `ProcessEnv` (o
 its launcher did not start this process). `detect_environment` tries them in this order and
 takes the first that applies:
 
-| launcher | recognised by | rank / size / local rank / local size / node |
+| launcher | recognised by | rank, size, local rank, local size (node) |
 |---|---|---|
-| `plait run`, torchrun, Kubeflow | `RANK` and `WORLD_SIZE` | `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK` |
-| rank table (MindSpore style) | `RANK_ID` with `RANK_TABLE_FILE` or `PLAIT_RANK_TABLE` | `RANK_ID`; the rest from the table |
+| `plait run`, torchrun | `RANK`, `WORLD_SIZE` | same, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` |
+| rank table | `RANK_ID` + `RANK_TABLE_FILE` | `RANK_ID`; the rest from the table |
+|   (MindSpore style) | or `PLAIT_RANK_TABLE` | |
 | OpenMPI `mpirun` | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}` |
 | MVAPICH2 | `MV2_COMM_WORLD_RANK` | `MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}` |
-| MPICH, Intel MPI (PMI) | `PMI_RANK` and `PMI_SIZE` | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
-| Slurm `srun` | `SLURM_PROCID` and `SLURM_STEP_NUM_TASKS` | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_NODEID` |
+| MPICH, Intel MPI | `PMI_RANK`, `PMI_SIZE` | same, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` |
+| Slurm `srun` | `SLURM_PROCID`, | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_LOCALID`, |
+|   | `SLURM_STEP_NUM_TASKS` | `SLURM_STEP_TASKS_PER_NODE` (`SLURM_NODEID`) |
 | nothing | - | a one-process world |
 
 Where a launcher gives no node index, it is `rank // local_world_size` (processes placed by

@@ -86,8 +86,9 @@ class RankTable:
     """A validated rank table; build it with `load_rank_table` or `parse_rank_table`.
 
     Example:
+        >>> devices = [{"device_id": "0", "rank_id": "0"}, {"device_id": "1", "rank_id": "1"}]
         >>> table = parse_rank_table({"server_list": [{"server_id": "127.0.0.1",
-        ...     "device": [{"device_id": "0", "rank_id": "0"}, {"device_id": "1", "rank_id": "1"}]}]})
+        ...                                            "device": devices}]})
         >>> table.world_size, table.num_nodes, table.local_world_size
         (2, 1, 2)
     """
@@ -116,8 +117,8 @@ class RankTable:
         """Return `(node_rank, local_rank, device_id)` of global rank `rank`."""
         if not 0 <= rank < self.world_size:
             raise LaunchError(
-                f"Rank {rank!r} is not in rank table {self.source} (ranks 0..{self.world_size - 1})."
-                " Check RANK/RANK_ID against the table."
+                f"Rank {rank!r} is not in rank table {self.source} (ranks"
+                f" 0..{self.world_size - 1}). Check RANK/RANK_ID against the table."
             )
         node_rank, local_rank = divmod(rank, self.local_world_size)
         return node_rank, local_rank, self.servers[node_rank].devices[local_rank].device_id
@@ -151,16 +152,13 @@ def load_rank_table(path: str | Path, *, check_hosts: bool = True) -> RankTable:
     return parse_rank_table(data, source=str(file), check_hosts=check_hosts)
 
 
-def parse_rank_table(
-    data: Any, *, source: str = "<dict>", check_hosts: bool = False
-) -> RankTable:
+def parse_rank_table(data: Any, *, source: str = "<dict>", check_hosts: bool = False) -> RankTable:
     """Validate a decoded rank table (see `load_rank_table`)."""
     if not isinstance(data, Mapping):
         raise LaunchError(f"Rank table {source}: the top level must be a JSON object. {_FIX}")
     _check_top_level(data, source)
-    servers = tuple(
-        _parse_server(s, i, source) for i, s in enumerate(_require_list(data, "server_list", source))
-    )
+    raw_servers = _require_list(data, "server_list", source)
+    servers = tuple(_parse_server(s, i, source) for i, s in enumerate(raw_servers))
     table = RankTable(servers=servers, source=source)
     _check_server_ids(table)
     _check_ranks(table)
@@ -324,9 +322,7 @@ def local_host_names() -> set[str]:
     return names
 
 
-def find_this_node(
-    table: RankTable, *, is_local: Callable[[str], bool] | None = None
-) -> int:
+def find_this_node(table: RankTable, *, is_local: Callable[[str], bool] | None = None) -> int:
     """Return the node rank of this machine in `table`.
 
     Raises:

@@ -20,9 +20,11 @@ It is not a new rendezvous protocol: membership, rounds, heartbeats and restarts
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -124,15 +126,19 @@ class NodeRankedHandler(RendezvousHandler):
 
 def create_plait_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the c10d backend and handler for `params` and wrap them (registry callback)."""
+    timeout = params.get_as_int("read_timeout", 60) or 60
     try:
         backend, store = create_backend(params)
-    except (RuntimeError, TimeoutError, ValueError) as e:
-        timeout = params.get_as_int("read_timeout", 60)
+    except (RendezvousConnectionError, RuntimeError, TimeoutError) as e:
+        reason = str(e).rstrip(".")
         raise LaunchError(
-            f"Could not reach the rendezvous host {params.endpoint} within {timeout} s: {e}."
+            f"Could not reach the rendezvous host {params.endpoint} within {timeout} s ({reason})."
             " Start node 0 (`--node-rank 0`, the host named by --master-addr) first, and check"
             " that --master-addr/--master-port are reachable from this node."
         ) from e
+    # read_timeout bounded the wait for the host; later store operations are quick unless a
+    # peer is gone, so give them at least a minute.
+    store.set_timeout(timedelta(seconds=max(timeout, 60)))
     return NodeRankedHandler(create_handler(store, backend, params), store, params)
 
 

@@ -72,7 +72,7 @@ class WorkerFailure:
 
     @property
     def how(self) -> str:
-        """"exit code 3" or "signal SIGKILL (9)"."""
+        """Say how it ended: "exit code 3" or "signal SIGKILL (9)"."""
         if self.exitcode < 0:
             try:
                 name = signal.Signals(-self.exitcode).name
@@ -121,7 +121,7 @@ def build_launch_config(config: RunConfig, logs_specs: RankLogsSpecs) -> LaunchC
     rdzv_configs: dict[str, object] = {
         "join_timeout": timeout,
         "timeout": timeout,
-        "read_timeout": max(timeout, 60),
+        "read_timeout": timeout,
     }
     node_rank = effective_node_rank(config)
     if node_rank is not None:
@@ -240,8 +240,10 @@ def preview_worker_envs(config: RunConfig) -> list[WorkerPreview]:
     _, args = worker_command(config)
     previews = []
     for local_rank in range(config.local_worker_num):
-        rank = "<set at rendezvous>" if node_rank is None else str(
-            node_rank * config.local_worker_num + local_rank
+        rank = (
+            "<set at rendezvous>"
+            if node_rank is None
+            else str(node_rank * config.local_worker_num + local_rank)
         )
         env = {
             "RANK": rank, "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(config.worker_num),

@@ -20,6 +20,7 @@ rank 0's host, reachable from every rank (it defaults to 127.0.0.1 for MPI).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -164,7 +165,8 @@ def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) 
 
     if penv.launcher is LauncherKind.SINGLE:
         # A FileStore needs no port, so a lone process can never collide with another job.
-        path = tempfile.NamedTemporaryFile(prefix="plait-store-", delete=False).name
+        fd, path = tempfile.mkstemp(prefix="plait-store-")
+        os.close(fd)
         store = dist.FileStore(path, 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return

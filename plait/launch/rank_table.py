@@ -279,6 +279,7 @@ def _check_layout(table: RankTable) -> None:
                 f" {len(server.devices)} devices but server_list[0] has {k}. plait run starts"
                 " the same number of workers on every node; list the same device count on each."
             )
+    for i, server in enumerate(table.servers):
         ranks = [d.rank_id for d in server.devices]
         if ranks != list(range(i * k, (i + 1) * k)):
             raise LaunchError(

@@ -30,11 +30,19 @@ from plait.layout.placement import Placement
 from plait.mesh import MeshSpec
 
 __all__ = [
+    "as_dtensor",
     "build_device_mesh",
     "distribute",
     "from_dtensor_placements",
+    "from_local_piece",
+    "full_value",
+    "implicit_replication",
+    "is_dtensor",
     "layout_of",
     "mesh_spec_of",
+    "pin_grad_layout",
+    "replicate",
+    "sync_grad",
     "to_dtensor_placements",
     "to_layout",
 ]

@@ -10,15 +10,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from plait._compat import greedy_redistribution_planning
 from plait.comm.dtensor import (
     distribute,
     from_local_piece,
     full_value,
     implicit_replication,
     is_dtensor,
-    replicate,
     sync_grad,
 )
+from plait.comm.dispatch import PlaitDispatchMode
 from plait.config import ParallelConfig
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
@@ -63,8 +64,11 @@ class Job:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(batch)
-        loss.backward()
+        with greedy_redistribution_planning():
+            loss = self._loss(batch)
+            # Backward from the loss as it is (a pending mean over the data-parallel axis):
+            # going through a replicated copy would add an all-reduce to the backward pass.
+            loss.backward()
         for p in self.model.parameters():
             sync_grad(p)
         self.optimizer.step()
@@ -74,7 +78,8 @@ class Job:
     def evaluate(self, batch: Any) -> float:
         """The global loss on ``batch`` without training."""
         self.model.eval()
-        return float(full_value(self._loss(batch)).item())
+        with greedy_redistribution_planning():
+            return float(full_value(self._loss(batch)).item())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
@@ -87,7 +92,7 @@ class Job:
         batch = self.shard_batch(batch)
         if self.device_mesh is None:
             return self.loss_fn(self.model, batch)
-        with implicit_replication():
+        with implicit_replication(), PlaitDispatchMode():
             loss = self.loss_fn(self.model, batch)
         if not is_dtensor(loss):
             raise ShardingError(
@@ -96,7 +101,7 @@ class Job:
             )
         if loss.numel() != 1:
             raise ShardingError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss")
-        return replicate(loss)
+        return loss
 
     def shard_batch(self, batch: Any) -> Any:
         """Lay out every tensor of ``batch``: dim 0 across the data-parallel axis."""

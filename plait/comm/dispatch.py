@@ -1,0 +1,76 @@
+"""plait's own handling of a few ops on DTensors, ahead of DTensor's generic dispatch.
+
+Active during a Job's forward and backward as a ``TorchFunctionMode``. Two cases:
+
+1. **Mean-reduced losses.** In torch 2.13/2.14 DTensor runs the backward kernels of several
+   losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
+   ``soft_margin_loss``) on each rank's piece with that piece's element count, so with the batch
+   split ``n`` ways their ``reduction="mean"`` gradient comes out ``n`` times too large (the
+   value is right). Computed as ``reduction="none"`` then ``.mean()`` they are exact, because
+   DTensor's ``mean`` knows the global count.
+2. **Batched matmul with matching batch splits** (attention's ``q @ k.T`` and ``p @ v``).
+   DTensor prices every candidate strategy of ``bmm`` with a search over placements that,
+   on a 3-D mesh with 4-D activations, takes minutes. When both operands split their batch
+   dims alike and neither splits the contraction dim, the product is purely local: plait's
+   matmul rule says so and the op runs on the local pieces.
+
+Anything else goes to DTensor unchanged; plain tensors are never touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from plait.comm.dtensor import layout_of, to_dtensor_placements
+from plait.layout import TensorLayout
+
+__all__ = ["PlaitDispatchMode"]
+
+_MEAN_LOSSES = {F.mse_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy, F.soft_margin_loss}
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+
+
+def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
+    """``x @ y`` on local pieces when plait's batched-matmul rule needs no communication.
+
+    Applies to ``x[..., m, k] @ y[..., k, n]`` with equal batch shapes and layouts, ``k``
+    unsplit in both, no pending sums; ``m`` and ``n`` may be split on distinct axes.
+    Returns None when the rule does not apply.
+    """
+    if x.ndim < 3 or x.ndim != y.ndim or x.shape[:-2] != y.shape[:-2] or x.device_mesh != y.device_mesh:
+        return None
+    lx, ly = layout_of(x), layout_of(y)
+    if lx.partial or ly.partial or lx.dims[:-2] != ly.dims[:-2] or lx.dims[-1] or ly.dims[-2]:
+        return None
+    m_axes, n_axes = lx.dims[-2], ly.dims[-1]
+    if set(m_axes) & set(n_axes):
+        return None
+    out = TensorLayout(lx.mesh, (*lx.dims[:-2], m_axes, n_axes))
+    local = torch.matmul(x.to_local(), y.to_local())
+    shape = torch.Size((*x.shape[:-1], y.shape[-1]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, x.device_mesh, to_dtensor_placements(out), run_check=False, shape=shape, stride=stride
+    )
+
+
+class PlaitDispatchMode(TorchFunctionMode):
+    """Route the ops above to plait's rules when their inputs are DTensors."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _MEAN_LOSSES and kwargs.get("reduction", "mean") == "mean" and any(
+            isinstance(a, DTensor) for a in args
+        ):
+            kwargs["reduction"] = "none"
+            return func(*args, **kwargs).mean()
+        if func in _MATMULS and len(args) == 2 and not kwargs and all(isinstance(a, DTensor) for a in args):
+            out = local_batched_matmul(*args)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)

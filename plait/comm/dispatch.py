@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from plait.comm.dtensor import layout_of, to_dtensor_placements
+from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
 from plait.layout import TensorLayout
 
 __all__ = ["PlaitDispatchMode"]
@@ -53,9 +53,9 @@ def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
     out = TensorLayout(lx.mesh, (*lx.dims[:-2], m_axes, n_axes))
     local = torch.matmul(x.to_local(), y.to_local())
     shape = torch.Size((*x.shape[:-1], y.shape[-1]))
-    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(
-        local, x.device_mesh, to_dtensor_placements(out), run_check=False, shape=shape, stride=stride
+        local, x.device_mesh, to_dtensor_placements(out), run_check=False,
+        shape=shape, stride=contiguous_stride(shape),
     )
 
 

@@ -164,8 +164,20 @@ def as_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayo
 
 def from_local_piece(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout) -> DTensor:
     """A DTensor from this rank's own piece (each rank passes its slice; no communication)."""
-    shape = tuple(s * n for s, n in zip(tensor.shape, layout.splits(), strict=True))
-    return DTensor.from_local(tensor, device_mesh, to_dtensor_placements(layout), run_check=False, shape=shape)
+    shape = torch.Size(s * n for s, n in zip(tensor.shape, layout.splits(), strict=True))
+    return DTensor.from_local(
+        tensor, device_mesh, to_dtensor_placements(layout), run_check=False,
+        shape=shape, stride=contiguous_stride(shape),
+    )
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape``."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def pin_grad_layout(tensor: DTensor) -> DTensor:

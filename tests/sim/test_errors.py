@@ -1,0 +1,142 @@
+"""Bad input is refused by parallelize with a clear error, before any collective runs.
+
+One test per rule. Each runs under a simulated world with ``CommDebugMode`` active and checks
+that no collective was issued before the error.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor.debug import CommDebugMode
+
+import plait
+from plait import ConfigError, Layout, LayoutError, NotBuiltError, ParallelConfig, ShardingError
+from plait.testing.models import MLP, mlp_loss
+from tests.sim.conftest import adamw
+
+SEMI = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2})
+
+
+@contextlib.contextmanager
+def no_collectives(world=4):
+    with plait.testing.simulate(world), CommDebugMode() as debug:
+        yield
+    assert debug.get_total_counts() == 0
+
+
+def _parallelize(model, config=SEMI, world=4):
+    with no_collectives(world):
+        plait.parallelize(model, config, optimizer=adamw, loss_fn=mlp_loss)
+
+
+def test_error_strategy_length_differs_from_tensor_rank():
+    model = MLP((16, 32, 8))
+    plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1, 1)})
+    with pytest.raises(ShardingError, match=r"layers\.0\.weight: strategy \(2, 1, 1\) has 3 entries but the tensor has 2 dims"):
+        _parallelize(model)
+
+
+def test_error_product_of_splits_exceeds_devices():
+    model = MLP((16, 32, 8))
+    plait.shard(model.layers[0], parameter_strategy={"weight": (4, 2)})
+    with pytest.raises(ShardingError, match=r"layers\.0\.weight: the splits of tensor multiply to 8, which exceeds the 4 devices"):
+        _parallelize(model)
+
+
+def test_error_product_of_splits_does_not_divide_devices():
+    model = MLP((18, 30, 8))
+    plait.shard(model.layers[0], parameter_strategy={"weight": (3, 1)})
+    with pytest.raises(ShardingError, match="multiply to 3, which does not divide the 4 devices"):
+        _parallelize(model)
+
+
+def test_error_dim_not_divisible_by_split():
+    model = MLP((16, 30, 8))
+    plait.shard(model.layers[0], parameter_strategy={"weight": (4, 1)})
+    with pytest.raises(LayoutError, match=r"layers\.0\.weight: dim 0 has size 30, which does not divide into 4 pieces"):
+        _parallelize(model)
+
+
+def test_error_two_annotations_disagree_on_a_shared_parameter():
+    model = MLP((16, 16, 16))
+    model.layers[1].weight = model.layers[0].weight  # tied
+    plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1)})
+    plait.shard(model.layers[1], parameter_strategy={"weight": (1, 2)})
+    with pytest.raises(ShardingError, match=r"layers\.1\.weight \(also reached as layers\.0\.weight\) is annotated"):
+        _parallelize(model)
+
+
+def test_error_reannotating_a_parameter_differently():
+    layer = nn.Linear(8, 8)
+    plait.shard(layer, parameter_strategy={"weight": (2, 1)})
+    with pytest.raises(ShardingError, match=r"parameter 'weight' was annotated \(2, 1\) and now \(1, 2\)"):
+        plait.shard(layer, parameter_strategy={"weight": (1, 2)})
+
+
+def test_error_mesh_does_not_match_world_size():
+    with pytest.raises(ConfigError, match=r"mesh=\{'dp': 2, 'tp': 4\} covers 8 devices but the world has 4 ranks"):
+        _parallelize(MLP(), ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 4}))
+
+
+def test_error_alias_not_in_layout():
+    with pytest.raises(LayoutError, match=r"mesh axis 'mp' is not in the mesh \{'dp': 2, 'tp': 2\}"):
+        Layout((2, 2), ("dp", "tp"))("mp", "None")
+
+
+def test_error_layout_axis_not_in_job_mesh():
+    model = MLP((16, 32, 8))
+    plait.shard(model.layers[0], parameter_strategy={"weight": Layout((2, 2), ("dp", "mp"))("mp", "None")})
+    with pytest.raises(ShardingError, match=r"layers\.0\.weight: layout axis 'mp' of size 2 is not in the job's mesh"):
+        _parallelize(model)
+
+
+def test_error_unknown_parameter_name():
+    with pytest.raises(ShardingError, match=r"names 'w', which is not a parameter of the module; its parameters are \['bias', 'weight'\]"):
+        plait.shard(nn.Linear(4, 4), parameter_strategy={"w": (2, 1)})
+
+
+def test_error_annotations_in_data_parallel_mode():
+    model = MLP((16, 32, 8))
+    plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1)})
+    with pytest.raises(ConfigError, match="mode is 'data_parallel', which ignores annotations; use mode='semi_auto'"):
+        _parallelize(model, ParallelConfig(mode="data_parallel"))
+
+
+def test_error_batch_not_divisible_by_data_parallel_size():
+    with plait.testing.simulate(4):
+        job = plait.parallelize(MLP((16, 8)), ParallelConfig(), optimizer=adamw, loss_fn=mlp_loss)
+        with CommDebugMode() as debug, pytest.raises(ShardingError, match=r"dim 0 \(6\) does not divide into 4 data-parallel pieces"):
+            job.step((torch.randn(6, 16), torch.randn(6, 8)))
+    assert debug.get_total_counts() == 0
+
+
+def test_error_no_process_group():
+    with pytest.raises(ConfigError, match=r"needs a process group: call plait.init\(\) first"):
+        plait.parallelize(MLP(), ParallelConfig(), optimizer=adamw, loss_fn=mlp_loss)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "feature"),
+    [
+        ("mode", "auto", "modes"),
+        ("pipeline_stages", 2, "pipeline parallel"),
+        ("micro_batches", 4, "pipeline micro-batches"),
+        ("schedule", "gpipe", "pipeline schedules"),
+        ("optimizer_shard", 1, "optimizer parallel"),
+        ("recompute", "full", "recompute"),
+        ("grad_accumulation", 4, "gradient accumulation"),
+        ("comm_fusion", {"mode": "size", "bucket_mb": 1}, "communication fusion"),
+        ("offload", "optimizer", "memory offload"),
+        ("precision", "bf16", "mixed precision"),
+        ("hardware", "h100", "the cost model"),
+        ("memory_limit", "80GiB", "memory-aware planning"),
+        ("dataset_strategy", ((2, 1),), "per-input dataset strategies"),
+        ("plan", "plan.json", "running saved plans"),
+        ("search", "ilp", "search is used by mode 'auto'"),
+    ],
+)
+def test_unbuilt_feature_is_refused_by_name(field, value, feature):
+    with pytest.raises(NotBuiltError, match=rf"ParallelConfig\({field}=.*{feature}.* is not built"):
+        _parallelize(MLP(), ParallelConfig(**{field: value}))

@@ -9,6 +9,7 @@ from plait import ops, testing
 from plait.annotate import shard
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, LayoutError, NotBuiltError, PlaitError, ShardingError
+from plait.launch import World, init
 from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.job import Job
@@ -29,6 +30,8 @@ __all__ = [
     "Shard",
     "ShardingError",
     "TensorLayout",
+    "World",
+    "init",
     "ops",
     "parallelize",
     "shard",

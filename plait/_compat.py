@@ -12,11 +12,11 @@ import torch
 import torch.distributed._local_tensor
 
 __all__ = [
+    "TORCH_VERSION",
     "FakeStore",
     "LocalTensor",
     "LocalTensorMode",
     "StridedShard",
-    "TORCH_VERSION",
     "local_tensor_mode_active",
     "own_per_rank",
     "same_on_every_rank",
@@ -72,7 +72,9 @@ def own_per_rank(tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
     in-place optimizer update then lands once per rank on shared memory. Real processes never
     share, so simulation must not either.
     """
-    pieces = tensor._local_tensors if isinstance(tensor, LocalTensor) else dict.fromkeys(ranks, tensor)
+    pieces = (
+        tensor._local_tensors if isinstance(tensor, LocalTensor) else dict.fromkeys(ranks, tensor)
+    )
     with torch.distributed._local_tensor.maybe_disable_local_tensor_mode():
         return LocalTensor({r: pieces[r].detach().clone() for r in ranks})
 

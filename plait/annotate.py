@@ -38,11 +38,15 @@ class ShardSpec:
 def _normalise_one(value: object, where: str) -> StrategyLike | None:
     if value is None or isinstance(value, TensorLayout):
         return value
-    if isinstance(value, Sequence) and not isinstance(value, str) and all(
-        isinstance(n, int) and not isinstance(n, bool) for n in value
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in value)
     ):
         if any(n < 1 for n in value):
-            raise ShardingError(f"{where}: strategy {tuple(value)!r} has a split < 1; splits are integers >= 1")
+            raise ShardingError(
+                f"{where}: strategy {tuple(value)!r} has a split < 1; splits are integers >= 1"
+            )
         return tuple(value)
     raise ShardingError(
         f"{where}: {value!r} is not a strategy; use a tuple of split counts such as (2, 1), or "
@@ -56,7 +60,9 @@ def _normalise_many(value: object, where: str) -> tuple[StrategyLike | None, ...
     if isinstance(value, TensorLayout):
         return (value,)
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
-        raise ShardingError(f"{where}: {value!r} is not a tuple of per-tensor strategies, e.g. ((2, 1),)")
+        raise ShardingError(
+            f"{where}: {value!r} is not a tuple of per-tensor strategies, e.g. ((2, 1),)"
+        )
     if all(isinstance(n, int) for n in value):
         raise ShardingError(
             f"{where}: {tuple(value)!r} is one strategy, but this takes one per tensor; wrap it: ({tuple(value)!r},)"
@@ -109,8 +115,12 @@ def shard(
             )
         merged[name] = s
     spec = ShardSpec(
-        _normalise_many(in_strategy, f"{where}.in_strategy") if in_strategy is not None else (old.in_strategy if old else None),
-        _normalise_many(out_strategy, f"{where}.out_strategy") if out_strategy is not None else (old.out_strategy if old else None),
+        _normalise_many(in_strategy, f"{where}.in_strategy")
+        if in_strategy is not None
+        else (old.in_strategy if old else None),
+        _normalise_many(out_strategy, f"{where}.out_strategy")
+        if out_strategy is not None
+        else (old.out_strategy if old else None),
         merged,
     )
     object.__setattr__(module, _ATTR, spec)

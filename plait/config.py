@@ -29,8 +29,18 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Hardware = Literal["local", "a100-40g", "a100-80g", "h100", "h200", "ascend-910"]
 DatasetStrategy = Literal["data_parallel", "full_batch"]
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def _allowed(kind: Any) -> str:
@@ -42,7 +52,9 @@ def _check_choice(name: str, value: object, kind: Any, optional: bool = False) -
         return
     if value not in get_args(kind):
         extra = " or None" if optional else ""
-        raise ConfigError(f"ParallelConfig.{name}={value!r} is not allowed; use one of {_allowed(kind)}{extra}")
+        raise ConfigError(
+            f"ParallelConfig.{name}={value!r} is not allowed; use one of {_allowed(kind)}{extra}"
+        )
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -81,9 +93,13 @@ class CommFusion:
 
     def __post_init__(self) -> None:
         if self.mode not in ("size", "index"):
-            raise ConfigError(f"CommFusion.mode={self.mode!r} is not allowed; use 'size' or 'index'")
+            raise ConfigError(
+                f"CommFusion.mode={self.mode!r} is not allowed; use 'size' or 'index'"
+            )
         if not isinstance(self.bucket_mb, int | float) or self.bucket_mb <= 0:
-            raise ConfigError(f"CommFusion.bucket_mb={self.bucket_mb!r} is not allowed; use a number > 0")
+            raise ConfigError(
+                f"CommFusion.bucket_mb={self.bucket_mb!r} is not allowed; use a number > 0"
+            )
         object.__setattr__(self, "boundaries", tuple(self.boundaries))
         b = self.boundaries
         if self.mode == "index" and (not b or list(b) != sorted(set(b)) or b[0] < 1):
@@ -177,7 +193,9 @@ class ParallelConfig:
                 f"{_allowed(DatasetStrategy)} or a tuple of per-input strategies"
             )
         if self.plan is not None and not isinstance(self.plan, str | os.PathLike):
-            raise ConfigError(f"ParallelConfig.plan={self.plan!r} is not allowed; give a path to a plan file")
+            raise ConfigError(
+                f"ParallelConfig.plan={self.plan!r} is not allowed; give a path to a plan file"
+            )
 
     def _check_counts(self) -> None:
         for name in ("pipeline_stages", "micro_batches", "grad_accumulation"):
@@ -185,7 +203,9 @@ class ParallelConfig:
         if self.devices is not None:
             _check_positive_int("devices", self.devices)
         if not isinstance(self.dp_axis, str) or not self.dp_axis:
-            raise ConfigError(f"ParallelConfig.dp_axis={self.dp_axis!r} is not allowed; use an axis name")
+            raise ConfigError(
+                f"ParallelConfig.dp_axis={self.dp_axis!r} is not allowed; use an axis name"
+            )
 
     def _resolve_mesh(self) -> dict[str, int]:
         if self.mesh is None:
@@ -197,9 +217,13 @@ class ParallelConfig:
             )
         for name, size in self.mesh.items():
             if not isinstance(name, str) or not name or name == "None":
-                raise ConfigError(f"ParallelConfig.mesh axis name {name!r} is not allowed; use a non-empty string")
+                raise ConfigError(
+                    f"ParallelConfig.mesh axis name {name!r} is not allowed; use a non-empty string"
+                )
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ConfigError(f"ParallelConfig.mesh[{name!r}]={size!r} is not allowed; sizes are integers >= 1")
+                raise ConfigError(
+                    f"ParallelConfig.mesh[{name!r}]={size!r} is not allowed; sizes are integers >= 1"
+                )
         total = math.prod(self.mesh.values())
         if self.devices is not None and total != self.devices:
             raise ConfigError(

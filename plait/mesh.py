@@ -44,7 +44,9 @@ class MeshSpec:
                 "give one size per axis name"
             )
         if len(set(self.axis_names)) != len(self.axis_names):
-            raise LayoutError(f"mesh axis names {self.axis_names!r} repeat a name; make them unique")
+            raise LayoutError(
+                f"mesh axis names {self.axis_names!r} repeat a name; make them unique"
+            )
         for name, size in zip(self.axis_names, self.shape, strict=True):
             if not isinstance(name, str) or not name or name == "None":
                 raise LayoutError(f"mesh axis name {name!r} is not allowed; use a non-empty string")

@@ -31,7 +31,13 @@ from plait.layout import TensorLayout
 
 __all__ = ["PlaitDispatchMode"]
 
-_MEAN_LOSSES = {F.mse_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy, F.soft_margin_loss}
+_MEAN_LOSSES = {
+    F.mse_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.binary_cross_entropy,
+    F.soft_margin_loss,
+}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 
 
@@ -42,7 +48,12 @@ def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
     unsplit in both, no pending sums; ``m`` and ``n`` may be split on distinct axes.
     Returns None when the rule does not apply.
     """
-    if x.ndim < 3 or x.ndim != y.ndim or x.shape[:-2] != y.shape[:-2] or x.device_mesh != y.device_mesh:
+    if (
+        x.ndim < 3
+        or x.ndim != y.ndim
+        or x.shape[:-2] != y.shape[:-2]
+        or x.device_mesh != y.device_mesh
+    ):
         return None
     lx, ly = layout_of(x), layout_of(y)
     if lx.partial or ly.partial or lx.dims[:-2] != ly.dims[:-2] or lx.dims[-1] or ly.dims[-2]:
@@ -54,8 +65,12 @@ def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
     local = torch.matmul(x.to_local(), y.to_local())
     shape = torch.Size((*x.shape[:-1], y.shape[-1]))
     return DTensor.from_local(
-        local, x.device_mesh, to_dtensor_placements(out), run_check=False,
-        shape=shape, stride=contiguous_stride(shape),
+        local,
+        x.device_mesh,
+        to_dtensor_placements(out),
+        run_check=False,
+        shape=shape,
+        stride=contiguous_stride(shape),
     )
 
 
@@ -64,12 +79,19 @@ class PlaitDispatchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
-        if func in _MEAN_LOSSES and kwargs.get("reduction", "mean") == "mean" and any(
-            isinstance(a, DTensor) for a in args
+        if (
+            func in _MEAN_LOSSES
+            and kwargs.get("reduction", "mean") == "mean"
+            and any(isinstance(a, DTensor) for a in args)
         ):
             kwargs["reduction"] = "none"
             return func(*args, **kwargs).mean()
-        if func in _MATMULS and len(args) == 2 and not kwargs and all(isinstance(a, DTensor) for a in args):
+        if (
+            func in _MATMULS
+            and len(args) == 2
+            and not kwargs
+            and all(isinstance(a, DTensor) for a in args)
+        ):
             out = local_batched_matmul(*args)
             if out is not None:
                 return out

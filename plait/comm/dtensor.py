@@ -65,9 +65,7 @@ def _strided_factor(layout: TensorLayout, dim: int, axis: str) -> int:
     order = layout.dims[dim]
     pos = order.index(axis)
     mine = mesh.axis_index(axis)
-    return math.prod(
-        mesh.axis_size(b) for b in order[:pos] if mesh.axis_index(b) > mine
-    )
+    return math.prod(mesh.axis_size(b) for b in order[:pos] if mesh.axis_index(b) > mine)
 
 
 def to_dtensor_placements(layout: TensorLayout) -> tuple[TPlacement, ...]:
@@ -162,12 +160,18 @@ def as_dtensor(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayo
     return distribute(tensor, device_mesh, layout)
 
 
-def from_local_piece(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout) -> DTensor:
+def from_local_piece(
+    tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout
+) -> DTensor:
     """A DTensor from this rank's own piece (each rank passes its slice; no communication)."""
     shape = torch.Size(s * n for s, n in zip(tensor.shape, layout.splits(), strict=True))
     return DTensor.from_local(
-        tensor, device_mesh, to_dtensor_placements(layout), run_check=False,
-        shape=shape, stride=contiguous_stride(shape),
+        tensor,
+        device_mesh,
+        to_dtensor_placements(layout),
+        run_check=False,
+        shape=shape,
+        stride=contiguous_stride(shape),
     )
 
 
@@ -191,15 +195,23 @@ def pin_grad_layout(tensor: DTensor) -> DTensor:
     """
     local = tensor.to_local()
     return DTensor.from_local(
-        local, tensor.device_mesh, tensor.placements, run_check=False,
-        shape=tensor.shape, stride=tensor.stride(),
+        local,
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
     )
 
 
 def sync_grad(param: torch.Tensor) -> None:
     """Reduce a DTensor parameter's pending-sum gradient to the parameter's own layout."""
     grad = param.grad
-    if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+    if (
+        isinstance(param, DTensor)
+        and isinstance(grad, DTensor)
+        and grad.placements != param.placements
+    ):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 

@@ -7,11 +7,13 @@ where, the rule it broke and how to fix it.
 
 from __future__ import annotations
 
+from plait.errors import PlaitError
+
 __all__ = ["LaunchError"]
 
 
-class LaunchError(ValueError):
+class LaunchError(PlaitError):
     """A launch cannot start: bad flags, environment, rank table or rendezvous.
 
-    It subclasses `ValueError` because it is raised for bad user input.
+    A `PlaitError`, hence a `ValueError`: it is raised for bad user input.
     """

@@ -206,7 +206,9 @@ class TensorLayout:
         """Short text form, e.g. ``[dp, (sp, mp)] P(sum)@tp``."""
         parts = []
         for axes in self.dims:
-            parts.append("None" if not axes else axes[0] if len(axes) == 1 else f"({', '.join(axes)})")
+            parts.append(
+                "None" if not axes else axes[0] if len(axes) == 1 else f"({', '.join(axes)})"
+            )
         text = "[" + ", ".join(parts) + "]"
         if self.partial:
             text += f" P({self.reduce_op})@{','.join(self.partial)}"
@@ -245,7 +247,9 @@ class TensorLayout:
             raise LayoutError(f"partial placements mix reduce ops {sorted(reduce_ops)}")
         for dim, order in shard_order:
             if sorted(order) != sorted(dims[dim]):
-                raise LayoutError(f"shard order {order!r} for dim {dim} names other axes than {dims[dim]!r}")
+                raise LayoutError(
+                    f"shard order {order!r} for dim {dim} names other axes than {dims[dim]!r}"
+                )
             dims[dim] = list(order)
         op: ReduceOp = reduce_ops.pop() if reduce_ops else "sum"  # type: ignore[assignment]
         return cls(mesh, tuple(tuple(d) for d in dims), tuple(partial), op)

@@ -58,7 +58,9 @@ class ResolvedStrategy:
     factor_axes: dict[str, tuple[str, ...]]
 
 
-def _check_shape_of_strategy(sig: OpSignature, strategy: Sequence[Sequence[int]], where: str) -> None:
+def _check_shape_of_strategy(
+    sig: OpSignature, strategy: Sequence[Sequence[int]], where: str
+) -> None:
     if len(strategy) != len(sig.inputs):
         raise ShardingError(
             f"{where}: strategy {tuple(map(tuple, strategy))!r} gives {len(strategy)} input "
@@ -80,7 +82,9 @@ def _check_shape_of_strategy(sig: OpSignature, strategy: Sequence[Sequence[int]]
                 )
 
 
-def _factor_splits(sig: OpSignature, strategy: Sequence[Sequence[int]], where: str) -> dict[str, int]:
+def _factor_splits(
+    sig: OpSignature, strategy: Sequence[Sequence[int]], where: str
+) -> dict[str, int]:
     factors: dict[str, int] = {}
     first: dict[str, tuple[int, int]] = {}
     for i, (dims, split) in enumerate(zip(sig.inputs, strategy, strict=True)):

@@ -48,7 +48,9 @@ def resolve_output(
     if isinstance(requested, TensorLayout):
         out = to_mesh(requested, mesh, where)
         if out.ndim != natural.ndim:
-            raise ShardingError(f"{where}: out layout {out.describe()} has {out.ndim} dims, the output has {natural.ndim}")
+            raise ShardingError(
+                f"{where}: out layout {out.describe()} has {out.ndim} dims, the output has {natural.ndim}"
+            )
         return out
     if len(requested) != natural.ndim:
         raise ShardingError(

@@ -60,7 +60,9 @@ class EmbeddingRule:
                 )
             free = [a for a in self.mesh.axis_names if a not in used]
             sub = MeshSpec(tuple(free), tuple(self.mesh.axis_size(a) for a in free))
-            ids = TensorLayout(self.mesh, resolve_tensor_strategy(self.in_strategy, sub, self.where).dims)
+            ids = TensorLayout(
+                self.mesh, resolve_tensor_strategy(self.in_strategy, sub, self.where).dims
+            )
         clash = used & {a for axes in ids.dims for a in axes}
         if clash:
             raise ShardingError(

@@ -33,8 +33,10 @@ def matmul_signature(x_ndim: int, w_ndim: int) -> OpSignature:
             f"plait.ops.matmul takes x with >= 2 dims and w with 2..x.ndim dims, got {x_ndim} and {w_ndim}"
         )
     batch = tuple(f"b{i}" for i in range(x_ndim - 2))
-    w_batch = batch[len(batch) - (w_ndim - 2):] if w_ndim > 2 else ()
-    return OpSignature("matmul", ((*batch, "m", "k"), (*w_batch, "k", "n")), (*batch, "m", "n"), ("x", "w"))
+    w_batch = batch[len(batch) - (w_ndim - 2) :] if w_ndim > 2 else ()
+    return OpSignature(
+        "matmul", ((*batch, "m", "k"), (*w_batch, "k", "n")), (*batch, "m", "n"), ("x", "w")
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +67,9 @@ class LinearRule:
         sig = linear_signature(x_ndim)
         x = self._input_layout(x_ndim, sig)
         k_axes, n_axes = self.weight.dims[1], self.weight.dims[0]
-        natural = TensorLayout(self.mesh, (*x.dims[:-1], n_axes), tuple(
-            a for a in self.mesh.axis_names if a in k_axes
-        ))
+        natural = TensorLayout(
+            self.mesh, (*x.dims[:-1], n_axes), tuple(a for a in self.mesh.axis_names if a in k_axes)
+        )
         out = resolve_output(natural, self.out_strategy, self.where)
         bias = TensorLayout(self.mesh, (out.dims[-1],)) if self.has_bias else None
         if bias is not None and out.dims[-1] != n_axes:
@@ -86,9 +88,13 @@ class LinearRule:
         if isinstance(self.in_strategy, TensorLayout):
             x = to_mesh(self.in_strategy, self.mesh, self.where)
             if x.ndim != x_ndim:
-                raise ShardingError(f"{self.where}: in layout {x.describe()} has {x.ndim} dims, the input has {x_ndim}")
+                raise ShardingError(
+                    f"{self.where}: in layout {x.describe()} has {x.ndim} dims, the input has {x_ndim}"
+                )
         else:
-            resolved = resolve_strategy(sig, (tuple(self.in_strategy), self.weight.splits()), self.mesh, self.where)
+            resolved = resolve_strategy(
+                sig, (tuple(self.in_strategy), self.weight.splits()), self.mesh, self.where
+            )
             x = resolved.inputs[0]
             if resolved.inputs[1].dims != self.weight.dims:
                 raise ShardingError(

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from plait._compat import greedy_redistribution_planning
+from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     distribute,
     from_local_piece,
@@ -19,7 +20,6 @@ from plait.comm.dtensor import (
     is_dtensor,
     sync_grad,
 )
-from plait.comm.dispatch import PlaitDispatchMode
 from plait.config import ParallelConfig
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
@@ -100,7 +100,9 @@ class Job:
                 "model's output; return the loss tensor itself (no .item() or .detach())"
             )
         if loss.numel() != 1:
-            raise ShardingError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss")
+            raise ShardingError(
+                f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss"
+            )
         return loss
 
     def shard_batch(self, batch: Any) -> Any:

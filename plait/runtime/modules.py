@@ -23,7 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.annotate import StrategyLike, get_shard_spec
-from plait.comm.dtensor import as_dtensor, distribute, is_dtensor, layout_of, pin_grad_layout, to_layout
+from plait.comm.dtensor import (
+    as_dtensor,
+    distribute,
+    is_dtensor,
+    layout_of,
+    pin_grad_layout,
+    to_layout,
+)
 from plait.errors import ShardingError
 from plait.layout import TensorLayout, resolve_tensor_strategy
 from plait.mesh import MeshSpec
@@ -39,13 +46,21 @@ class ModelLayouts:
 
     params: dict[int, tuple[TensorLayout, str]] = field(default_factory=dict)
     rules: dict[str, LinearRule | EmbeddingRule] = field(default_factory=dict)
-    hooks: dict[str, tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]] = field(default_factory=dict)
+    hooks: dict[str, tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]] = field(
+        default_factory=dict
+    )
 
     def layout_by_name(self, model: nn.Module) -> dict[str, TensorLayout]:
-        return {name: self.params[id(p)][0] for name, p in model.named_parameters() if id(p) in self.params}
+        return {
+            name: self.params[id(p)][0]
+            for name, p in model.named_parameters()
+            if id(p) in self.params
+        }
 
 
-def _resolve_param(strategy: StrategyLike, p: torch.Tensor, mesh: MeshSpec, where: str) -> TensorLayout:
+def _resolve_param(
+    strategy: StrategyLike, p: torch.Tensor, mesh: MeshSpec, where: str
+) -> TensorLayout:
     if isinstance(strategy, TensorLayout):
         layout = to_mesh(strategy, mesh, where)
         layout.check_shape(tuple(p.shape), where)
@@ -72,7 +87,9 @@ def _first(strategies: tuple[Any, ...] | None, where: str, what: str) -> Any:
     if strategies is None:
         return None
     if len(strategies) != 1:
-        raise ShardingError(f"{where}: {what} has {len(strategies)} strategies but the module takes one tensor")
+        raise ShardingError(
+            f"{where}: {what} has {len(strategies)} strategies but the module takes one tensor"
+        )
     return strategies[0]
 
 
@@ -93,8 +110,13 @@ def collect_layouts(model: nn.Module, mesh: MeshSpec, dp_axis: str) -> ModelLayo
         if isinstance(module, nn.Linear):
             w = _layout_or_replicated(layouts, module.weight, mesh)
             rule: LinearRule | EmbeddingRule = LinearRule(
-                where, mesh, dp_axis, w, module.bias is not None,
-                _first(ins, where, "in_strategy"), _first(outs, where, "out_strategy"),
+                where,
+                mesh,
+                dp_axis,
+                w,
+                module.bias is not None,
+                _first(ins, where, "in_strategy"),
+                _first(outs, where, "out_strategy"),
             )
             _record(layouts, module.weight, w, _join(path, "weight"))
             if module.bias is not None:
@@ -103,7 +125,12 @@ def collect_layouts(model: nn.Module, mesh: MeshSpec, dp_axis: str) -> ModelLayo
         elif isinstance(module, nn.Embedding):
             w = _layout_or_replicated(layouts, module.weight, mesh)
             layouts.rules[path] = EmbeddingRule(
-                where, mesh, dp_axis, w, _first(ins, where, "in_strategy"), _first(outs, where, "out_strategy")
+                where,
+                mesh,
+                dp_axis,
+                w,
+                _first(ins, where, "in_strategy"),
+                _first(outs, where, "out_strategy"),
             )
             _record(layouts, module.weight, w, _join(path, "weight"))
         elif ins is not None or outs is not None:
@@ -119,7 +146,9 @@ def _layout_or_replicated(layouts: ModelLayouts, p: torch.Tensor, mesh: MeshSpec
     return found[0] if found else TensorLayout.replicated(mesh, p.ndim)
 
 
-def _input_layout(x: torch.Tensor, needed_last: tuple[str, ...] | None, weight: TensorLayout) -> TensorLayout:
+def _input_layout(
+    x: torch.Tensor, needed_last: tuple[str, ...] | None, weight: TensorLayout
+) -> TensorLayout:
     """Default input layout: keep the producer's split, minus the weight's axes; fix the last dim."""
     mesh = weight.mesh
     if not is_dtensor(x):
@@ -132,25 +161,56 @@ def _input_layout(x: torch.Tensor, needed_last: tuple[str, ...] | None, weight: 
     return TensorLayout(mesh, tuple(dims))
 
 
-def _linear_forward(module: nn.Linear, rule: LinearRule, device_mesh: Any, x: torch.Tensor) -> torch.Tensor:
+def _linear_forward(
+    module: nn.Linear, rule: LinearRule, device_mesh: Any, x: torch.Tensor
+) -> torch.Tensor:
     lay = rule.layouts(x.ndim)
-    x_layout = lay.input if rule.in_strategy is not None else _input_layout(x, rule.weight.dims[1], rule.weight)
-    x = x if is_dtensor(x) else distribute(x, device_mesh, TensorLayout.replicated(rule.mesh, x.ndim))
+    x_layout = (
+        lay.input
+        if rule.in_strategy is not None
+        else _input_layout(x, rule.weight.dims[1], rule.weight)
+    )
+    x = (
+        x
+        if is_dtensor(x)
+        else distribute(x, device_mesh, TensorLayout.replicated(rule.mesh, x.ndim))
+    )
     y = F.linear(pin_grad_layout(to_layout(x, x_layout)), module.weight)
-    out = lay.output if rule.out_strategy is not None else TensorLayout(rule.mesh, (*x_layout.dims[:-1], rule.weight.dims[0]))
+    out = (
+        lay.output
+        if rule.out_strategy is not None
+        else TensorLayout(rule.mesh, (*x_layout.dims[:-1], rule.weight.dims[0]))
+    )
     y = to_layout(y, out)
     return y + module.bias if module.bias is not None else y
 
 
-def _embedding_forward(module: nn.Embedding, rule: EmbeddingRule, device_mesh: Any, ids: torch.Tensor) -> torch.Tensor:
+def _embedding_forward(
+    module: nn.Embedding, rule: EmbeddingRule, device_mesh: Any, ids: torch.Tensor
+) -> torch.Tensor:
     lay = rule.layouts(ids.ndim)
-    ids_layout = lay.input if rule.in_strategy is not None else _input_layout(ids, None, rule.weight)
-    ids = ids if is_dtensor(ids) else distribute(ids, device_mesh, TensorLayout.replicated(rule.mesh, ids.ndim))
-    y = F.embedding(
-        to_layout(ids, ids_layout), module.weight, module.padding_idx, module.max_norm,
-        module.norm_type, module.scale_grad_by_freq, module.sparse,
+    ids_layout = (
+        lay.input if rule.in_strategy is not None else _input_layout(ids, None, rule.weight)
     )
-    out = lay.output if rule.out_strategy is not None else TensorLayout(rule.mesh, (*ids_layout.dims, rule.weight.dims[1]))
+    ids = (
+        ids
+        if is_dtensor(ids)
+        else distribute(ids, device_mesh, TensorLayout.replicated(rule.mesh, ids.ndim))
+    )
+    y = F.embedding(
+        to_layout(ids, ids_layout),
+        module.weight,
+        module.padding_idx,
+        module.max_norm,
+        module.norm_type,
+        module.scale_grad_by_freq,
+        module.sparse,
+    )
+    out = (
+        lay.output
+        if rule.out_strategy is not None
+        else TensorLayout(rule.mesh, (*ids_layout.dims, rule.weight.dims[1]))
+    )
     return to_layout(y, out)
 
 
@@ -162,7 +222,9 @@ def _tensor_layout(strategy: Any, x: torch.Tensor, mesh: MeshSpec, where: str) -
     return resolve_tensor_strategy(strategy, mesh, where, tuple(x.shape))
 
 
-def _relayout_all(values: Any, strategies: tuple[Any, ...], mesh: MeshSpec, device_mesh: Any, where: str) -> Any:
+def _relayout_all(
+    values: Any, strategies: tuple[Any, ...], mesh: MeshSpec, device_mesh: Any, where: str
+) -> Any:
     single = isinstance(values, torch.Tensor)
     items = (values,) if single else tuple(values)
     tensors = [v for v in items if isinstance(v, torch.Tensor)]
@@ -174,11 +236,15 @@ def _relayout_all(values: Any, strategies: tuple[Any, ...], mesh: MeshSpec, devi
     out = []
     for v in items:
         s = next(it) if isinstance(v, torch.Tensor) else None
-        out.append(v if s is None else as_dtensor(v, device_mesh, _tensor_layout(s, v, mesh, where)))
+        out.append(
+            v if s is None else as_dtensor(v, device_mesh, _tensor_layout(s, v, mesh, where))
+        )
     return out[0] if single else type(values)(out) if isinstance(values, tuple) else out
 
 
-def _install_hooks(module: nn.Module, where: str, ins: Any, outs: Any, mesh: MeshSpec, device_mesh: Any) -> None:
+def _install_hooks(
+    module: nn.Module, where: str, ins: Any, outs: Any, mesh: MeshSpec, device_mesh: Any
+) -> None:
     if ins is not None:
         module.register_forward_pre_hook(
             lambda _m, args: _relayout_all(args, ins, mesh, device_mesh, f"{where} in_strategy")
@@ -199,16 +265,24 @@ def apply_layouts(model: nn.Module, layouts: ModelLayouts, device_mesh: Any) -> 
                 continue
             if id(p) not in done:
                 layout = layouts.params[id(p)][0]
-                done[id(p)] = nn.Parameter(distribute(p.detach(), device_mesh, layout), p.requires_grad)
+                done[id(p)] = nn.Parameter(
+                    distribute(p.detach(), device_mesh, layout), p.requires_grad
+                )
             module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None and mesh is not None:
-                module._buffers[name] = distribute(b, device_mesh, TensorLayout.replicated(mesh, b.ndim))
+                module._buffers[name] = distribute(
+                    b, device_mesh, TensorLayout.replicated(mesh, b.ndim)
+                )
     modules = dict(model.named_modules())
     for path, rule in layouts.rules.items():
         module = modules[path]
-        forward: Callable[..., torch.Tensor] = _linear_forward if isinstance(rule, LinearRule) else _embedding_forward  # type: ignore[assignment]
+        forward: Callable[..., torch.Tensor] = (
+            _linear_forward if isinstance(rule, LinearRule) else _embedding_forward
+        )  # type: ignore[assignment]
         module.forward = functools.partial(forward, module, rule, device_mesh)  # type: ignore[method-assign]
     for path, (ins, outs) in layouts.hooks.items():
         assert mesh is not None
-        _install_hooks(modules[path], path or type(modules[path]).__name__, ins, outs, mesh, device_mesh)
+        _install_hooks(
+            modules[path], path or type(modules[path]).__name__, ins, outs, mesh, device_mesh
+        )

@@ -33,15 +33,31 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
         (cfg.pipeline_stages != 1, f"pipeline_stages={cfg.pipeline_stages}", "pipeline parallel"),
         (cfg.micro_batches != 1, f"micro_batches={cfg.micro_batches}", "pipeline micro-batches"),
         (cfg.schedule != "1f1b", f"schedule={cfg.schedule!r}", "pipeline schedules"),
-        (cfg.optimizer_shard is not None, f"optimizer_shard={cfg.optimizer_shard}", "optimizer parallel"),
+        (
+            cfg.optimizer_shard is not None,
+            f"optimizer_shard={cfg.optimizer_shard}",
+            "optimizer parallel",
+        ),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
-        (cfg.grad_accumulation != 1, f"grad_accumulation={cfg.grad_accumulation}", "gradient accumulation"),
+        (
+            cfg.grad_accumulation != 1,
+            f"grad_accumulation={cfg.grad_accumulation}",
+            "gradient accumulation",
+        ),
         (cfg.comm_fusion is not None, f"comm_fusion={cfg.comm_fusion!r}", "communication fusion"),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
         (cfg.precision != "fp32", f"precision={cfg.precision!r}", "mixed precision"),
         (cfg.hardware is not None, f"hardware={cfg.hardware!r}", "the cost model (mode 'auto')"),
-        (cfg.memory_limit is not None, f"memory_limit={cfg.memory_limit}", "memory-aware planning (mode 'auto')"),
-        (isinstance(cfg.dataset_strategy, tuple), "dataset_strategy=<per-input strategies>", "per-input dataset strategies"),
+        (
+            cfg.memory_limit is not None,
+            f"memory_limit={cfg.memory_limit}",
+            "memory-aware planning (mode 'auto')",
+        ),
+        (
+            isinstance(cfg.dataset_strategy, tuple),
+            "dataset_strategy=<per-input strategies>",
+            "per-input dataset strategies",
+        ),
         (cfg.plan is not None, f"plan={cfg.plan!r}", "running saved plans"),
     ]
     for unbuilt, given, feature in checks:
@@ -90,12 +106,22 @@ def parallelize(
         ShardingError, LayoutError: an annotation does not fit the model or the mesh.
     """
     if not isinstance(config, ParallelConfig):
-        raise ConfigError(f"parallelize expects a plait.ParallelConfig, got {type(config).__name__}")
+        raise ConfigError(
+            f"parallelize expects a plait.ParallelConfig, got {type(config).__name__}"
+        )
     _refuse_unbuilt(config)
     world = current_world()
     if config.mode == "stand_alone":
-        return Job(model, optimizer(model.parameters()), loss_fn, config, mesh=None,
-                   device_mesh=None, slice_inputs=False, layouts={})
+        return Job(
+            model,
+            optimizer(model.parameters()),
+            loss_fn,
+            config,
+            mesh=None,
+            device_mesh=None,
+            slice_inputs=False,
+            layouts={},
+        )
     if world is None:
         raise ConfigError(
             f"parallelize(mode={config.mode!r}) needs a process group: call plait.init() first "
@@ -110,9 +136,19 @@ def parallelize(
     device_mesh = build_device_mesh(mesh, world.device_type)
     apply_layouts(model, layouts, device_mesh)
     slice_inputs = world.simulated or config.dataset_strategy == "full_batch"
-    logger.info("parallelized %s on mesh %s (mode %s)", type(model).__name__, mesh.as_dict(), config.mode)
-    return Job(model, optimizer(model.parameters()), loss_fn, config, mesh=mesh,
-               device_mesh=device_mesh, slice_inputs=slice_inputs, layouts=named)
+    logger.info(
+        "parallelized %s on mesh %s (mode %s)", type(model).__name__, mesh.as_dict(), config.mode
+    )
+    return Job(
+        model,
+        optimizer(model.parameters()),
+        loss_fn,
+        config,
+        mesh=mesh,
+        device_mesh=device_mesh,
+        slice_inputs=slice_inputs,
+        layouts=named,
+    )
 
 
 def _refuse_annotations(model: nn.Module) -> None:

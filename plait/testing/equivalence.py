@@ -31,7 +31,9 @@ class Run:
     state: dict[str, torch.Tensor]
 
 
-def reference_run(model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, batches: Sequence[Any]) -> Run:
+def reference_run(
+    model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, batches: Sequence[Any]
+) -> Run:
     """Single-device training of a copy of ``model`` on ``batches``."""
     model = copy.deepcopy(model)
     opt = optimizer(model.parameters())
@@ -69,7 +71,10 @@ def simulated_run(
 def assert_same_run(expected: Run, actual: Run, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Every loss and every final parameter agree (``atol`` guards values near zero)."""
     torch.testing.assert_close(
-        torch.tensor(actual.losses), torch.tensor(expected.losses), rtol=rtol, atol=atol,
+        torch.tensor(actual.losses),
+        torch.tensor(expected.losses),
+        rtol=rtol,
+        atol=atol,
         msg=lambda m: f"losses differ: {actual.losses} vs reference {expected.losses}\n{m}",
     )
     assert actual.state.keys() == expected.state.keys(), (

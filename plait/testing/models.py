@@ -5,6 +5,7 @@ Tensor-name legend: B batch, T sequence, D model width, H heads, K head width, V
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ class MLP(nn.Module):
 
     def __init__(self, dims: Sequence[int] = (16, 32, 16, 8)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in itertools.pairwise(dims)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

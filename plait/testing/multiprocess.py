@@ -26,14 +26,28 @@ class WorkerFailed(RuntimeError):
     """A worker raised; the message holds its rank and traceback."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str,
-            fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+def _worker(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    out_dir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout_s: float,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     result: tuple[str, Any]
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         result = ("ok", fn(*args))
@@ -46,7 +60,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str,
         pickle.dump(result, f)
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0
+) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` gloo processes; return each rank's result.
 
     ``fn`` must be importable (defined at module level) so the spawned processes can find it.
@@ -54,8 +70,11 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
     with tempfile.TemporaryDirectory(prefix="plait-workers-") as tmp:
         init_file = os.path.join(tmp, "init")
         mp.start_processes(
-            _worker, args=(world_size, init_file, tmp, fn, args, timeout_s),
-            nprocs=world_size, join=True, start_method="spawn",
+            _worker,
+            args=(world_size, init_file, tmp, fn, args, timeout_s),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
         )
         results = []
         for rank in range(world_size):

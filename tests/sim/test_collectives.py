@@ -34,7 +34,9 @@ def test_megatron_gpt_step_collectives(gpt_and_batches):
     model, batches = gpt_and_batches
     num_params = len(list(model.parameters()))
     annotate_megatron(model, 2)
-    counts = _one_step(model, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), gpt_loss, batches[0], 4)
+    counts = _one_step(
+        model, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), gpt_loss, batches[0], 4
+    )
     assert counts == {("all_reduce", "tp"): 2 + 4, ("all_reduce", "dp"): num_params + 2}
 
 
@@ -42,7 +44,9 @@ def test_tp4_gpt_step_has_no_data_parallel_traffic(gpt_and_batches):
     """dp=1 x tp=4: only the six tensor-parallel all-reduces; nothing on the size-1 dp axis."""
     model, batches = gpt_and_batches
     annotate_megatron(model, 4)
-    counts = _one_step(model, ParallelConfig(mode="semi_auto", mesh={"dp": 1, "tp": 4}), gpt_loss, batches[0], 4)
+    counts = _one_step(
+        model, ParallelConfig(mode="semi_auto", mesh={"dp": 1, "tp": 4}), gpt_loss, batches[0], 4
+    )
     assert counts == {("all_reduce", "tp"): 6}
 
 
@@ -64,8 +68,12 @@ def test_row_parallel_out_strategy_reduce_scatters(mlp_and_batches):
     plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1)})
     plait.shard(model.layers[1], parameter_strategy={"weight": (1, 2)}, out_strategy=((4, 1),))
     with plait.testing.simulate(4):
-        job = plait.parallelize(model, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
-                                optimizer=adamw, loss_fn=mlp_loss)
+        job = plait.parallelize(
+            model,
+            ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+            optimizer=adamw,
+            loss_fn=mlp_loss,
+        )
         with CollectiveLog(job.device_mesh) as log:
             out = job.model(job.shard_batch(batches[0])[0])
         assert [str(p) for p in out.placements] == ["S(0)", "S(0)"]

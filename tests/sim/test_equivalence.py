@@ -24,7 +24,11 @@ def _annotate_mlp(model, weight_strategies):
 
 MLP_CASES = {
     "data_parallel_4": (ParallelConfig(mode="data_parallel"), 4, None),
-    "megatron_dp2_tp2": (ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), 4, [(2, 1), (1, 2)]),
+    "megatron_dp2_tp2": (
+        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+        4,
+        [(2, 1), (1, 2)],
+    ),
     "tp4": (ParallelConfig(mode="semi_auto", mesh={"dp": 1, "tp": 4}), 4, [(4, 1), (1, 4)]),
 }
 
@@ -90,6 +94,8 @@ def test_gpt_three_axis_layout_heads_over_two_axes_matches(gpt_and_batches):
 def test_stand_alone_is_plain_training(mlp_and_batches):
     model, batches = mlp_and_batches
     expected = reference_run(model, mlp_loss, adamw, batches)
-    job = plait.parallelize(model, ParallelConfig(mode="stand_alone"), optimizer=adamw, loss_fn=mlp_loss)
+    job = plait.parallelize(
+        model, ParallelConfig(mode="stand_alone"), optimizer=adamw, loss_fn=mlp_loss
+    )
     losses = [job.step(b) for b in batches]
     assert_same_run(expected, plait.testing.equivalence.Run(losses, job.full_state_dict()))

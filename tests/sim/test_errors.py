@@ -34,14 +34,20 @@ def _parallelize(model, config=SEMI, world=4):
 def test_error_strategy_length_differs_from_tensor_rank():
     model = MLP((16, 32, 8))
     plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1, 1)})
-    with pytest.raises(ShardingError, match=r"layers\.0\.weight: strategy \(2, 1, 1\) has 3 entries but the tensor has 2 dims"):
+    with pytest.raises(
+        ShardingError,
+        match=r"layers\.0\.weight: strategy \(2, 1, 1\) has 3 entries but the tensor has 2 dims",
+    ):
         _parallelize(model)
 
 
 def test_error_product_of_splits_exceeds_devices():
     model = MLP((16, 32, 8))
     plait.shard(model.layers[0], parameter_strategy={"weight": (4, 2)})
-    with pytest.raises(ShardingError, match=r"layers\.0\.weight: the splits of tensor multiply to 8, which exceeds the 4 devices"):
+    with pytest.raises(
+        ShardingError,
+        match=r"layers\.0\.weight: the splits of tensor multiply to 8, which exceeds the 4 devices",
+    ):
         _parallelize(model)
 
 
@@ -55,7 +61,10 @@ def test_error_product_of_splits_does_not_divide_devices():
 def test_error_dim_not_divisible_by_split():
     model = MLP((16, 30, 8))
     plait.shard(model.layers[0], parameter_strategy={"weight": (4, 1)})
-    with pytest.raises(LayoutError, match=r"layers\.0\.weight: dim 0 has size 30, which does not divide into 4 pieces"):
+    with pytest.raises(
+        LayoutError,
+        match=r"layers\.0\.weight: dim 0 has size 30, which does not divide into 4 pieces",
+    ):
         _parallelize(model)
 
 
@@ -64,50 +73,74 @@ def test_error_two_annotations_disagree_on_a_shared_parameter():
     model.layers[1].weight = model.layers[0].weight  # tied
     plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1)})
     plait.shard(model.layers[1], parameter_strategy={"weight": (1, 2)})
-    with pytest.raises(ShardingError, match=r"layers\.1\.weight \(also reached as layers\.0\.weight\) is annotated"):
+    with pytest.raises(
+        ShardingError, match=r"layers\.1\.weight \(also reached as layers\.0\.weight\) is annotated"
+    ):
         _parallelize(model)
 
 
 def test_error_reannotating_a_parameter_differently():
     layer = nn.Linear(8, 8)
     plait.shard(layer, parameter_strategy={"weight": (2, 1)})
-    with pytest.raises(ShardingError, match=r"parameter 'weight' was annotated \(2, 1\) and now \(1, 2\)"):
+    with pytest.raises(
+        ShardingError, match=r"parameter 'weight' was annotated \(2, 1\) and now \(1, 2\)"
+    ):
         plait.shard(layer, parameter_strategy={"weight": (1, 2)})
 
 
 def test_error_mesh_does_not_match_world_size():
-    with pytest.raises(ConfigError, match=r"mesh=\{'dp': 2, 'tp': 4\} covers 8 devices but the world has 4 ranks"):
+    with pytest.raises(
+        ConfigError, match=r"mesh=\{'dp': 2, 'tp': 4\} covers 8 devices but the world has 4 ranks"
+    ):
         _parallelize(MLP(), ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 4}))
 
 
 def test_error_alias_not_in_layout():
-    with pytest.raises(LayoutError, match=r"mesh axis 'mp' is not in the mesh \{'dp': 2, 'tp': 2\}"):
+    with pytest.raises(
+        LayoutError, match=r"mesh axis 'mp' is not in the mesh \{'dp': 2, 'tp': 2\}"
+    ):
         Layout((2, 2), ("dp", "tp"))("mp", "None")
 
 
 def test_error_layout_axis_not_in_job_mesh():
     model = MLP((16, 32, 8))
-    plait.shard(model.layers[0], parameter_strategy={"weight": Layout((2, 2), ("dp", "mp"))("mp", "None")})
-    with pytest.raises(ShardingError, match=r"layers\.0\.weight: layout axis 'mp' of size 2 is not in the job's mesh"):
+    plait.shard(
+        model.layers[0], parameter_strategy={"weight": Layout((2, 2), ("dp", "mp"))("mp", "None")}
+    )
+    with pytest.raises(
+        ShardingError,
+        match=r"layers\.0\.weight: layout axis 'mp' of size 2 is not in the job's mesh",
+    ):
         _parallelize(model)
 
 
 def test_error_unknown_parameter_name():
-    with pytest.raises(ShardingError, match=r"names 'w', which is not a parameter of the module; its parameters are \['bias', 'weight'\]"):
+    with pytest.raises(
+        ShardingError,
+        match=r"names 'w', which is not a parameter of the module; its parameters are \['bias', 'weight'\]",
+    ):
         plait.shard(nn.Linear(4, 4), parameter_strategy={"w": (2, 1)})
 
 
 def test_error_annotations_in_data_parallel_mode():
     model = MLP((16, 32, 8))
     plait.shard(model.layers[0], parameter_strategy={"weight": (2, 1)})
-    with pytest.raises(ConfigError, match="mode is 'data_parallel', which ignores annotations; use mode='semi_auto'"):
+    with pytest.raises(
+        ConfigError,
+        match="mode is 'data_parallel', which ignores annotations; use mode='semi_auto'",
+    ):
         _parallelize(model, ParallelConfig(mode="data_parallel"))
 
 
 def test_error_batch_not_divisible_by_data_parallel_size():
     with plait.testing.simulate(4):
         job = plait.parallelize(MLP((16, 8)), ParallelConfig(), optimizer=adamw, loss_fn=mlp_loss)
-        with CommDebugMode() as debug, pytest.raises(ShardingError, match=r"dim 0 \(6\) does not divide into 4 data-parallel pieces"):
+        with (
+            CommDebugMode() as debug,
+            pytest.raises(
+                ShardingError, match=r"dim 0 \(6\) does not divide into 4 data-parallel pieces"
+            ),
+        ):
             job.step((torch.randn(6, 16), torch.randn(6, 8)))
     assert debug.get_total_counts() == 0
 

@@ -13,7 +13,14 @@ from torch.distributed.tensor import DTensor
 import plait
 from plait import Layout, TensorLayout
 from plait._compat import StridedShard
-from plait.comm.dtensor import build_device_mesh, distribute, from_dtensor_placements, layout_of, to_dtensor_placements, to_layout
+from plait.comm.dtensor import (
+    build_device_mesh,
+    distribute,
+    from_dtensor_placements,
+    layout_of,
+    to_dtensor_placements,
+    to_layout,
+)
 
 LAYOUT = Layout((2, 2, 2), ("dp", "sp", "mp"))
 AXES = ("dp", "sp", "mp")
@@ -44,7 +51,9 @@ def _expected_piece(full, layout, rank):
 def test_every_two_dim_layout_on_a_3d_mesh_converts_exactly():
     full = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
     layouts = list(_layouts())
-    assert len(layouts) == 49  # every disjoint assignment of the three axes to two dims, in every order
+    assert (
+        len(layouts) == 49
+    )  # every disjoint assignment of the three axes to two dims, in every order
     with plait.testing.simulate(8):
         mesh = build_device_mesh(LAYOUT.mesh)
         for layout in layouts:
@@ -52,7 +61,10 @@ def test_every_two_dim_layout_on_a_3d_mesh_converts_exactly():
             assert layout_of(dt) == layout, layout.describe()
             pieces = dt.to_local()._local_tensors
             for rank in range(8):
-                assert torch.equal(pieces[rank], _expected_piece(full, layout, rank)), (layout.describe(), rank)
+                assert torch.equal(pieces[rank], _expected_piece(full, layout, rank)), (
+                    layout.describe(),
+                    rank,
+                )
             assert torch.equal(plait.comm.dtensor.full_value(dt), full)
 
 
@@ -71,7 +83,9 @@ def test_partial_round_trip_and_reduction():
     with plait.testing.simulate(4):
         mesh = build_device_mesh(mesh_spec)
         # every rank contributes ones; the pending sum over tp (2 ranks) is 2
-        pending = DTensor.from_local(torch.ones(2, 3), mesh, to_dtensor_placements(partial), run_check=False)
+        pending = DTensor.from_local(
+            torch.ones(2, 3), mesh, to_dtensor_placements(partial), run_check=False
+        )
         assert layout_of(pending) == partial
         reduced = to_layout(pending, TensorLayout(mesh_spec, (("dp",), ())))
         assert torch.equal(plait.comm.dtensor.full_value(reduced), torch.full((4, 3), 2.0))

@@ -44,17 +44,25 @@ def test_ops_matmul_matches_torch(strategy, out_strategy, expected):
     ref_w = net.w.detach().clone().requires_grad_()
     (x @ ref_w).square().mean().backward()
     with plait.testing.simulate(4):
-        job = plait.parallelize(net, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
-                                optimizer=adamw, loss_fn=_loss)
+        job = plait.parallelize(
+            net,
+            ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+            optimizer=adamw,
+            loss_fn=_loss,
+        )
         xd = job.shard_batch((x,))[0]
         with CollectiveLog(job.device_mesh) as log:
             y = net(xd)
         assert log.counts() == expected
-        torch.testing.assert_close(plait.comm.dtensor.full_value(y), x @ ref_w.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            plait.comm.dtensor.full_value(y), x @ ref_w.detach(), rtol=1e-5, atol=1e-6
+        )
         job.optimizer.zero_grad()
         job._loss((x,)).backward()
         plait.comm.dtensor.sync_grad(net.w)
-        torch.testing.assert_close(plait.comm.dtensor.full_value(net.w.grad), ref_w.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            plait.comm.dtensor.full_value(net.w.grad), ref_w.grad, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_ops_matmul_is_torch_matmul_outside_a_job():
@@ -65,8 +73,12 @@ def test_ops_matmul_is_torch_matmul_outside_a_job():
 def test_ops_matmul_inconsistent_strategy_is_refused():
     net = MatmulNet(((2, 2), (1, 2)))
     with plait.testing.simulate(4):
-        job = plait.parallelize(net, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
-                                optimizer=adamw, loss_fn=_loss)
+        job = plait.parallelize(
+            net,
+            ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+            optimizer=adamw,
+            loss_fn=_loss,
+        )
         with pytest.raises(plait.ShardingError, match="split 2 and 1; make the two splits equal"):
             job.step((torch.randn(8, 8),))
 
@@ -85,10 +97,16 @@ def test_sharded_embedding_matches_torch(strategy):
         return model(batch[0]).square().mean()
 
     with plait.testing.simulate(4):
-        job = plait.parallelize(emb, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
-                                optimizer=adamw, loss_fn=loss)
+        job = plait.parallelize(
+            emb,
+            ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+            optimizer=adamw,
+            loss_fn=loss,
+        )
         job.optimizer.zero_grad()
         out = job._loss((ids,))
         out.backward()
         plait.comm.dtensor.sync_grad(emb.weight)
-        torch.testing.assert_close(plait.comm.dtensor.full_value(emb.weight.grad), ref.weight.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            plait.comm.dtensor.full_value(emb.weight.grad), ref.weight.grad, rtol=1e-5, atol=1e-7
+        )

@@ -15,7 +15,10 @@ def test_config_defaults_and_mesh():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mode": "auto_parallel"}, r"mode='auto_parallel' is not allowed; use one of 'stand_alone'"),
+        (
+            {"mode": "auto_parallel"},
+            r"mode='auto_parallel' is not allowed; use one of 'stand_alone'",
+        ),
         ({"search": "greedy"}, r"search='greedy' is not allowed"),
         ({"devices": 0}, r"devices=0 is not allowed; use an integer >= 1"),
         ({"mesh": {"dp": 0}}, r"mesh\['dp'\]=0 is not allowed"),

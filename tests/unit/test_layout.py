@@ -3,7 +3,16 @@
 import pytest
 
 from plait.errors import LayoutError, ShardingError
-from plait.layout import Layout, OpSignature, Partial, Replicate, Shard, TensorLayout, resolve_strategy, resolve_tensor_strategy
+from plait.layout import (
+    Layout,
+    OpSignature,
+    Partial,
+    Replicate,
+    Shard,
+    TensorLayout,
+    resolve_strategy,
+    resolve_tensor_strategy,
+)
 from plait.mesh import MeshSpec
 
 DP_TP = MeshSpec.from_dict({"dp": 2, "tp": 2})

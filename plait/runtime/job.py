@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from plait._compat import greedy_redistribution_planning
 from plait.comm.dispatch import PlaitDispatchMode
@@ -25,12 +25,30 @@ from plait.errors import ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 
-__all__ = ["Job", "LossFn", "OptimizerFactory"]
+__all__ = ["Job", "LossFn", "OptimizerFactory", "split_micro_batches"]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def split_micro_batches(batch: Any, k: int) -> list[Any]:
+    """Cut every tensor of ``batch`` into ``k`` equal pieces along dim 0 (``[batch]`` if k == 1)."""
+    if k == 1:
+        return [batch]
+    leaves = [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    for x in leaves:
+        if x.ndim == 0 or x.shape[0] % k:
+            raise ShardingError(
+                f"batch tensor of shape {tuple(x.shape)}: dim 0 does not divide into "
+                f"grad_accumulation={k} micro-batches; use a batch size divisible by {k}"
+            )
+    pieces = [
+        tree_map(lambda x, i=i: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch)
+        for i in range(k)
+    ]
+    return pieces
 
 
 class Job:
@@ -61,18 +79,29 @@ class Job:
         self._slice_inputs = slice_inputs
 
     def step(self, batch: Any) -> float:
-        """Forward, backward, gradient reduction and one optimizer update; returns the global loss."""
+        """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
+
+        With ``grad_accumulation=k`` the batch is cut into ``k`` micro-batches along dim 0, run
+        one after another with their gradients summed locally, and reduced across devices once,
+        after the last: the update equals one step on the whole batch (MindSpore's gradient
+        accumulation).
+        """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        k = self.config.grad_accumulation
+        total: torch.Tensor | None = None
         with greedy_redistribution_planning():
-            loss = self._loss(batch)
-            # Backward from the loss as it is (a pending mean over the data-parallel axis):
-            # going through a replicated copy would add an all-reduce to the backward pass.
-            loss.backward()
+            for micro in split_micro_batches(batch, k):
+                loss = self._loss(micro)
+                # Backward from the loss as it is (a pending mean over the data-parallel axis):
+                # going through a replicated copy would add an all-reduce to the backward pass.
+                (loss if k == 1 else loss / k).backward()
+                total = loss.detach() if total is None else total + loss.detach()
         for p in self.model.parameters():
             sync_grad(p)
         self.optimizer.step()
-        return float(full_value(loss).item())
+        assert total is not None
+        return float(full_value(total if k == 1 else total / k).item())
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> float:

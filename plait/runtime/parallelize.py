@@ -39,11 +39,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "optimizer parallel",
         ),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
-        (
-            cfg.grad_accumulation != 1,
-            f"grad_accumulation={cfg.grad_accumulation}",
-            "gradient accumulation",
-        ),
         (cfg.comm_fusion is not None, f"comm_fusion={cfg.comm_fusion!r}", "communication fusion"),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
         (cfg.precision != "fp32", f"precision={cfg.precision!r}", "mixed precision"),

@@ -24,9 +24,7 @@ class MLP(nn.Module):
 
     def __init__(self, dims: Sequence[int] = (16, 32, 16, 8)) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            nn.Linear(a, b) for a, b in itertools.pairwise(dims)
-        )
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):

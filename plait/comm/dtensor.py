@@ -38,13 +38,16 @@ __all__ = [
     "full_value",
     "implicit_replication",
     "is_dtensor",
+    "is_pending_sum_over",
     "layout_of",
     "mesh_spec_of",
     "pin_grad_layout",
     "replicate",
+    "start_all_reduce",
     "sync_grad",
     "to_dtensor_placements",
     "to_layout",
+    "with_local",
 ]
 
 
@@ -232,3 +235,37 @@ def implicit_replication():  # type: ignore[no-untyped-def]
     from torch.distributed.tensor.experimental import implicit_replication as ctx
 
     return ctx()
+
+
+def start_all_reduce(flat: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
+    """Start a sum all-reduce of a 1-D local buffer over a 1-D (sub-)mesh; returns its result.
+
+    The result is an async tensor: the collective runs while the caller goes on, and the first
+    use of the result waits for it. Built on DTensor's redistribution (a partial sum made
+    replicated), so it is exact under simulated ranks too.
+    """
+    pending = DTensor.from_local(
+        flat, group_mesh, [TPartial("sum")], run_check=False, shape=flat.shape, stride=(1,)
+    )
+    return pending.redistribute(group_mesh, [TReplicate()], async_op=True).to_local()
+
+
+def with_local(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out like ``param`` whose local piece is ``local``."""
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def is_pending_sum_over(grad: torch.Tensor, param: torch.Tensor, axis_index: int) -> bool:
+    """True when ``grad`` equals ``param``'s layout except for a pending sum on one mesh axis."""
+    if not isinstance(grad, DTensor) or not isinstance(param, DTensor):
+        return False
+    expected = list(param.placements)
+    expected[axis_index] = TPartial("sum")
+    return tuple(grad.placements) == tuple(expected)

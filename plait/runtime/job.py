@@ -24,6 +24,7 @@ from plait.config import ParallelConfig
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
+from plait.runtime.grad_sync import GradSync
 
 __all__ = ["Job", "LossFn", "OptimizerFactory", "split_micro_batches"]
 
@@ -68,6 +69,7 @@ class Job:
         device_mesh: Any,
         slice_inputs: bool,
         layouts: dict[str, TensorLayout],
+        grad_sync: GradSync | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -77,6 +79,7 @@ class Job:
         self.device_mesh = device_mesh
         self.parameter_layouts = layouts
         self._slice_inputs = slice_inputs
+        self.grad_sync = grad_sync
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -90,13 +93,20 @@ class Job:
         self.optimizer.zero_grad(set_to_none=True)
         k = self.config.grad_accumulation
         total: torch.Tensor | None = None
+        if self.grad_sync is not None:
+            self.grad_sync.launched_in_backward = 0
         with greedy_redistribution_planning():
-            for micro in split_micro_batches(batch, k):
+            for i, micro in enumerate(split_micro_batches(batch, k)):
+                if self.grad_sync is not None:
+                    # Reduce gradients only once they are complete: after the last micro-batch.
+                    self.grad_sync.enabled = i == k - 1
                 loss = self._loss(micro)
                 # Backward from the loss as it is (a pending mean over the data-parallel axis):
                 # going through a replicated copy would add an all-reduce to the backward pass.
                 (loss if k == 1 else loss / k).backward()
                 total = loss.detach() if total is None else total + loss.detach()
+            if self.grad_sync is not None:
+                self.grad_sync.finish()
         for p in self.model.parameters():
             sync_grad(p)
         self.optimizer.step()

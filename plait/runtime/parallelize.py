@@ -8,14 +8,17 @@ DTensors and build the optimizer. Errors therefore come before any process waits
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
-from plait.config import ParallelConfig
+from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, NotBuiltError
+from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
+from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.modules import apply_layouts, collect_layouts
 
@@ -39,7 +42,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "optimizer parallel",
         ),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
-        (cfg.comm_fusion is not None, f"comm_fusion={cfg.comm_fusion!r}", "communication fusion"),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
         (cfg.precision != "fp32", f"precision={cfg.precision!r}", "mixed precision"),
         (cfg.hardware is not None, f"hardware={cfg.hardware!r}", "the cost model (mode 'auto')"),
@@ -131,6 +133,7 @@ def parallelize(
     device_mesh = build_device_mesh(mesh, world.device_type)
     apply_layouts(model, layouts, device_mesh)
     slice_inputs = world.simulated or config.dataset_strategy == "full_batch"
+    grad_sync = _build_grad_sync(model, named, mesh, device_mesh, config)
     logger.info(
         "parallelized %s on mesh %s (mode %s)", type(model).__name__, mesh.as_dict(), config.mode
     )
@@ -143,7 +146,29 @@ def parallelize(
         device_mesh=device_mesh,
         slice_inputs=slice_inputs,
         layouts=named,
+        grad_sync=grad_sync,
     )
+
+
+def _build_grad_sync(
+    model: nn.Module,
+    layouts: dict[str, TensorLayout],
+    mesh: MeshSpec,
+    device_mesh: Any,
+    cfg: ParallelConfig,
+) -> GradSync | None:
+    """Fused gradient reduction for the parameters replicated over the data-parallel axis."""
+    dp = cfg.dp_axis
+    if dp not in mesh.axis_names or mesh.axis_size(dp) == 1:
+        return None
+    replicated = [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad and all(dp not in axes for axes in layouts[name].dims)
+    ]
+    if not replicated:
+        return None
+    return GradSync(replicated, device_mesh, dp, cfg.comm_fusion or CommFusion())
 
 
 def _refuse_annotations(model: nn.Module) -> None:

@@ -36,20 +36,20 @@ def test_accumulation_k2_megatron_gpt_matches_whole_batch(gpt_and_batches):
 
 
 def test_accumulation_reduces_gradients_once(mlp_and_batches):
-    """k = 4 micro-steps, one all-reduce per parameter (after the last) plus the loss value.
+    """k = 4 micro-steps, one fused gradient all-reduce (after the last) plus the loss value.
 
     Counted with CollectiveLog alone: CommDebugMode's module tracker (torch 2.13) fails on a
     second forward after a backward inside one mode.
     """
     model, batches = mlp_and_batches
-    num_params = len(list(model.parameters()))
     with plait.testing.simulate(2):
         job = plait.parallelize(
             model, ParallelConfig(grad_accumulation=4), optimizer=adamw, loss_fn=mlp_loss
         )
         with CollectiveLog(job.device_mesh) as log:
             job.step(batches[0])
-    assert log.counts() == {("all_reduce", "dp"): num_params + 1}
+    assert len(job.grad_sync.buckets) == 1  # the whole model fits one default bucket
+    assert log.counts() == {("all_reduce", "dp"): 1 + 1}
 
 
 def test_accumulation_batch_not_divisible_is_refused(mlp_and_batches):

@@ -47,6 +47,7 @@ __all__ = [
     "sync_grad",
     "to_dtensor_placements",
     "to_layout",
+    "wait_for",
     "with_local",
 ]
 
@@ -248,6 +249,12 @@ def start_all_reduce(flat: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor
         flat, group_mesh, [TPartial("sum")], run_check=False, shape=flat.shape, stride=(1,)
     )
     return pending.redistribute(group_mesh, [TReplicate()], async_op=True).to_local()
+
+
+def wait_for(result: torch.Tensor) -> torch.Tensor:
+    """The finished value of a collective started by :func:`start_all_reduce`."""
+    wait = getattr(result, "wait", None)
+    return wait() if callable(wait) else result
 
 
 def with_local(param: DTensor, local: torch.Tensor) -> DTensor:

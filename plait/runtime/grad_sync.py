@@ -29,7 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.comm.dtensor import is_pending_sum_over, start_all_reduce, sync_grad, with_local
+from plait.comm.dtensor import (
+    is_pending_sum_over,
+    start_all_reduce,
+    sync_grad,
+    wait_for,
+    with_local,
+)
 from plait.config import CommFusion
 
 __all__ = ["GradSync", "plan_buckets"]
@@ -116,10 +122,11 @@ class GradSync:
             if bucket.result is None and bucket.ready < len(bucket.params):
                 self._launch(bucket)
             if bucket.result is not None:
+                result = wait_for(bucket.result)
                 offset = 0
                 for p in bucket.members:
                     local = p.grad.to_local()  # type: ignore[union-attr]
-                    piece = bucket.result[offset : offset + local.numel()].view_as(local)
+                    piece = result[offset : offset + local.numel()].view_as(local)
                     p.grad = with_local(p, piece)  # type: ignore[arg-type]
                     offset += local.numel()
             bucket.ready, bucket.result, bucket.members = 0, None, []

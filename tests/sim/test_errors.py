@@ -159,7 +159,6 @@ def test_error_no_process_group():
         ("schedule", "gpipe", "pipeline schedules"),
         ("optimizer_shard", 1, "optimizer parallel"),
         ("recompute", "full", "recompute"),
-        ("comm_fusion", {"mode": "size", "bucket_mb": 1}, "communication fusion"),
         ("offload", "optimizer", "memory offload"),
         ("precision", "bf16", "mixed precision"),
         ("hardware", "h100", "the cost model"),

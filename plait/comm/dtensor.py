@@ -30,6 +30,7 @@ from plait.layout.placement import Placement
 from plait.mesh import MeshSpec
 
 __all__ = [
+    "any_rank_true",
     "as_dtensor",
     "build_device_mesh",
     "distribute",
@@ -40,6 +41,7 @@ __all__ = [
     "is_dtensor",
     "is_pending_sum_over",
     "layout_of",
+    "local_piece",
     "mesh_spec_of",
     "pin_grad_layout",
     "replicate",
@@ -276,3 +278,29 @@ def is_pending_sum_over(grad: torch.Tensor, param: torch.Tensor, axis_index: int
     expected = list(param.placements)
     expected[axis_index] = TPartial("sum")
     return tuple(grad.placements) == tuple(expected)
+
+
+def any_rank_true(flag: bool, device_mesh: DeviceMesh | None) -> bool:
+    """True if ``flag`` is true on any rank of ``device_mesh`` (one all-reduce per mesh axis)."""
+    local = torch.tensor([1.0 if flag else 0.0])
+    if device_mesh is None:
+        return flag
+    from plait._compat import simulated_ranks
+
+    ranks = simulated_ranks()
+    if ranks is not None:
+        local = own_per_rank(local, ranks)
+    pending = DTensor.from_local(
+        local,
+        device_mesh,
+        [TPartial("max")] * device_mesh.ndim,
+        run_check=False,
+        shape=torch.Size([1]),
+        stride=(1,),
+    )
+    return bool(full_value(pending).item() > 0)
+
+
+def local_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (the tensor itself otherwise)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

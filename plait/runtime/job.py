@@ -25,6 +25,7 @@ from plait.errors import ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.grad_sync import GradSync
+from plait.runtime.precision import LossScaler, autocast_for
 
 __all__ = ["Job", "LossFn", "OptimizerFactory", "split_micro_batches"]
 
@@ -80,6 +81,8 @@ class Job:
         self.parameter_layouts = layouts
         self._slice_inputs = slice_inputs
         self.grad_sync = grad_sync
+        self.loss_scaler = LossScaler() if config.precision == "fp16" else None
+        self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -103,15 +106,25 @@ class Job:
                 loss = self._loss(micro)
                 # Backward from the loss as it is (a pending mean over the data-parallel axis):
                 # going through a replicated copy would add an all-reduce to the backward pass.
-                (loss if k == 1 else loss / k).backward()
+                scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+                (loss * (scale / k) if scale != 1.0 or k != 1 else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
             if self.grad_sync is not None:
                 self.grad_sync.finish()
         for p in self.model.parameters():
             sync_grad(p)
-        self.optimizer.step()
+        if self._gradients_usable():
+            self.optimizer.step()
         assert total is not None
         return float(full_value(total if k == 1 else total / k).item())
+
+    def _gradients_usable(self) -> bool:
+        """Unscale fp16 gradients; False (skip the update) if any rank saw an inf or NaN."""
+        if self.loss_scaler is None:
+            return True
+        finite = self.loss_scaler.unscale_and_check(self.model.parameters(), self.device_mesh)
+        self.loss_scaler.update(finite)
+        return finite
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> float:
@@ -129,9 +142,11 @@ class Job:
 
     def _loss(self, batch: Any) -> torch.Tensor:
         batch = self.shard_batch(batch)
+        precision = autocast_for(self.config.precision, self._device_type)
         if self.device_mesh is None:
-            return self.loss_fn(self.model, batch)
-        with implicit_replication(), PlaitDispatchMode():
+            with precision:
+                return self.loss_fn(self.model, batch)
+        with implicit_replication(), PlaitDispatchMode(), precision:
             loss = self.loss_fn(self.model, batch)
         if not is_dtensor(loss):
             raise ShardingError(

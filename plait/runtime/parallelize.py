@@ -43,7 +43,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
         ),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
-        (cfg.precision != "fp32", f"precision={cfg.precision!r}", "mixed precision"),
         (cfg.hardware is not None, f"hardware={cfg.hardware!r}", "the cost model (mode 'auto')"),
         (
             cfg.memory_limit is not None,
@@ -61,7 +60,7 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
         if unbuilt:
             raise NotBuiltError(
                 f"ParallelConfig({given}): {feature} is not built in this version of plait yet; "
-                f"leave the field at its default (built so far: modes {list(_BUILT_MODES)!r}, fp32)"
+                f"leave the field at its default (built so far: modes {list(_BUILT_MODES)!r})"
             )
 
 

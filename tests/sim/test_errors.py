@@ -160,7 +160,6 @@ def test_error_no_process_group():
         ("optimizer_shard", 1, "optimizer parallel"),
         ("recompute", "full", "recompute"),
         ("offload", "optimizer", "memory offload"),
-        ("precision", "bf16", "mixed precision"),
         ("hardware", "h100", "the cost model"),
         ("memory_limit", "80GiB", "memory-aware planning"),
         ("dataset_strategy", ((2, 1),), "per-input dataset strategies"),

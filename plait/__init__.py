@@ -5,7 +5,7 @@ does (data parallel, semi-automatic operator-level parallel with strategies and 
 and runs it on ``torch.distributed``. See README.md for a tour.
 """
 
-from plait import ops, testing
+from plait import data, ops, testing
 from plait.annotate import shard
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, LayoutError, NotBuiltError, PlaitError, ShardingError
@@ -31,6 +31,7 @@ __all__ = [
     "ShardingError",
     "TensorLayout",
     "World",
+    "data",
     "init",
     "ops",
     "parallelize",

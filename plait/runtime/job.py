@@ -21,6 +21,7 @@ from plait.comm.dtensor import (
     sync_grad,
 )
 from plait.config import ParallelConfig
+from plait.data import input_layouts
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -160,10 +161,36 @@ class Job:
         return loss
 
     def shard_batch(self, batch: Any) -> Any:
-        """Lay out every tensor of ``batch``: dim 0 across the data-parallel axis."""
+        """Lay out every tensor of ``batch`` as ``dataset_strategy`` says.
+
+        ``"data_parallel"``/``"full_batch"``: dim 0 across the data-parallel axis. Per-input
+        strategies: each input of a tuple/list batch takes its own layout (``plait.data``).
+        """
         if self.device_mesh is None or self.mesh is None:
             return batch
+        strategies = self.config.dataset_strategy
+        if isinstance(strategies, tuple):
+            return self._shard_per_input(batch, strategies)
         return tree_map(self._shard_input, batch)
+
+    def _shard_per_input(self, batch: Any, strategies: tuple[Any, ...]) -> Any:
+        if not isinstance(batch, tuple | list) or len(batch) != len(strategies):
+            raise ShardingError(
+                f"dataset_strategy gives {len(strategies)} per-input strategies, so step() takes a "
+                f"tuple of {len(strategies)} tensors; got {type(batch).__name__} "
+                f"{'of ' + str(len(batch)) if isinstance(batch, tuple | list) else ''}"
+            )
+        assert self.mesh is not None
+        # Layouts depend on the strategies and ranks only; shapes are checked when slicing.
+        probe = [(self.mesh.size,) * x.ndim for x in batch]
+        layouts = input_layouts(strategies, probe, self.mesh, dp_axis=self.config.dp_axis)
+        out = [
+            distribute(x, self.device_mesh, layout)
+            if self._slice_inputs
+            else from_local_piece(x, self.device_mesh, layout)
+            for x, layout in zip(batch, layouts, strict=True)
+        ]
+        return type(batch)(out)
 
     def _shard_input(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or is_dtensor(x):

@@ -49,11 +49,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             f"memory_limit={cfg.memory_limit}",
             "memory-aware planning (mode 'auto')",
         ),
-        (
-            isinstance(cfg.dataset_strategy, tuple),
-            "dataset_strategy=<per-input strategies>",
-            "per-input dataset strategies",
-        ),
         (cfg.plan is not None, f"plan={cfg.plan!r}", "running saved plans"),
     ]
     for unbuilt, given, feature in checks:

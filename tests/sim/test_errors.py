@@ -162,7 +162,6 @@ def test_error_no_process_group():
         ("offload", "optimizer", "memory offload"),
         ("hardware", "h100", "the cost model"),
         ("memory_limit", "80GiB", "memory-aware planning"),
-        ("dataset_strategy", ((2, 1),), "per-input dataset strategies"),
         ("plan", "plan.json", "running saved plans"),
         ("search", "ilp", "search is used by mode 'auto'"),
     ],

@@ -1,76 +1,353 @@
-"""The demo worker: Megatron dp=2 x tp=2 GPT training on the bundled corpus (run under plait run)."""
+"""The GPT example: a character-level GPT trained on the bundled corpus, in any built mode.
+
+Run it under ``plait run`` (``make demo`` does ``plait run --worker-num 4 -m plait.demo.train``;
+``examples/gpt/train.py`` is the same program as a script). Every rank builds the same model
+(seeded), draws the same global batches from a seeded generator, and passes its own slice of
+each batch to ``job.step``: ranks with the same ``dp`` coordinate get the same slice.
+
+Rank 0 draws the progress bar and prints evaluation losses and the final summary; the other
+ranks log the same events with ``logging`` into their own files (``worker_<rank>.log`` under
+``plait run --log-dir``). The program exits with status 1 if the training loss did not fall.
+
+The model is :class:`plait.testing.models.TinyGPT`: token and position embeddings, pre-norm
+blocks with causal multi-head attention (explicit matmuls and softmax), a GELU MLP, a final
+LayerNorm and an LM head.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
+from tqdm import tqdm
 
 import plait
+from plait.launch import detect_environment
 from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
-logger = logging.getLogger("plait.demo")
+logger = logging.getLogger("plait.demo.gpt")
+
+CORPUS = Path(__file__).with_name("corpus.txt")
+MODES = ("stand_alone", "data_parallel", "semi_auto")
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def load_corpus() -> tuple[torch.Tensor, int]:
-    text = (Path(__file__).parent / "corpus.txt").read_text()
-    chars = sorted(set(text))
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; defaults are the ``make demo`` run (about a minute on 4 CPU workers)."""
+    p = argparse.ArgumentParser(prog="plait GPT example", description=__doc__.split("\n", 1)[0])
+    p.add_argument("--mode", choices=MODES, default="semi_auto", help="parallel mode")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (semi_auto)")
+    p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
+                   help="micro-batches per step, one gradient reduction")  # fmt: skip
+    p.add_argument("--steps", type=int, default=250, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=16, help="global batch size (sequences)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length (characters)")
+    p.add_argument("--width", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--eval-batches", type=int, default=2, help="batches per evaluation")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
+    p.add_argument("--corpus", type=Path, default=CORPUS, help="a text file to train on")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
+    args = p.parse_args(argv)
+    for name in ("tp", "grad_accumulation", "steps", "batch", "seq", "width", "layers", "heads",
+                 "eval_every", "eval_batches"):  # fmt: skip
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.width % args.heads:
+        p.error(f"--width {args.width} is not divisible by --heads {args.heads}")
+    return args
+
+
+def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None:
+    """The mesh of ``--mode`` on ``world_size`` ranks (None for stand_alone)."""
+    if args.mode == "stand_alone":
+        return None
+    if args.mode == "data_parallel":
+        return {"dp": world_size}
+    tp = args.tp
+    if world_size % tp or args.heads % tp:
+        raise SystemExit(
+            f"semi_auto with --tp {tp} needs a world size and --heads divisible by {tp} "
+            f"(world size {world_size}, heads {args.heads}); run under "
+            f"`plait run --worker-num {2 * tp}` or pick another --tp"
+        )
+    return {"dp": world_size // tp, "tp": tp}
+
+
+def check_batch(args: argparse.Namespace, dp: int) -> None:
+    """The global batch must split into ``dp`` slices of ``grad_accumulation`` micro-batches."""
+    if args.batch % (dp * args.grad_accumulation):
+        raise SystemExit(
+            f"--batch {args.batch} does not split into {dp} data-parallel slices of "
+            f"{args.grad_accumulation} micro-batches; use a multiple of {dp * args.grad_accumulation}"
+        )
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A character-level corpus: ids of the training and evaluation parts, and the alphabet."""
+
+    train: torch.Tensor
+    eval: torch.Tensor
+    chars: str
+
+
+def load_corpus(path: Path, eval_fraction: float = 0.1) -> Corpus:
+    """Read ``path`` and split it: the last ``eval_fraction`` of the text is for evaluation."""
+    text = path.read_text(encoding="utf-8")
+    chars = "".join(sorted(set(text)))
     index = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([index[c] for c in text]), len(chars)
+    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+    cut = int(len(ids) * (1 - eval_fraction))
+    return Corpus(train=ids[:cut], eval=ids[cut:], chars=chars)
 
 
-def sample_batch(
-    data: torch.Tensor, seq: int, batch: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+def sample_batch(data: torch.Tensor, seq: int, batch: int, gen: torch.Generator) -> Batch:
+    """``batch`` random windows of ``seq`` characters and the same windows shifted by one."""
+    if len(data) <= seq + 1:
+        raise SystemExit(f"a corpus part of {len(data)} characters is too short for --seq {seq}")
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen).tolist()
     ids = torch.stack([data[s : s + seq] for s in starts])
     targets = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
     return ids, targets
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    parser.add_argument("--batch", type=int, default=16, help="global batch size (sequences)")
-    parser.add_argument("--seq", type=int, default=32, help="sequence length (characters)")
-    args = parser.parse_args()
-    world = plait.init()
-    data, vocab = load_corpus()
-    torch.manual_seed(0)  # every rank builds the same initial model
-    model = TinyGPT(GPTConfig(vocab=vocab, seq=args.seq, width=64, heads=4, layers=2))
-    tp = 2 if world.world_size % 2 == 0 else 1
-    annotate_megatron(model, tp)
-    mesh = {"dp": world.world_size // tp, "tp": tp}
-    job = plait.parallelize(
+def dp_place(job: plait.Job) -> tuple[int, int]:
+    """This rank's data-parallel (index, size); (0, 1) without a mesh."""
+    if job.device_mesh is None or job.mesh is None:
+        return 0, 1
+    axis = job.mesh.axis_index("dp")
+    return int(job.device_mesh.get_coordinate()[axis]), job.mesh.axis_size("dp")
+
+
+def local_slice(batch: Batch, index: int, size: int) -> Batch:
+    """This rank's slice of a global batch: piece ``index`` of ``size`` along dim 0."""
+    ids, targets = batch
+    return ids.chunk(size)[index], targets.chunk(size)[index]
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+class LineStream:
+    """A file for tqdm that turns each redraw into a whole line.
+
+    Under ``plait run`` stdout is a log file that the launcher echoes line by line; carriage
+    returns would come out as fragments. Here every non-blank redraw becomes one line, and a
+    redraw identical to the line before it is dropped.
+    """
+
+    def __init__(self, target: TextIO) -> None:
+        self.target = target
+        self.last = ""
+
+    def write(self, text: str) -> int:
+        for piece in text.replace("\r", "\n").split("\n"):
+            line = piece.rstrip()
+            if line.strip() and line != self.last:
+                self.target.write(line + "\n")
+                self.last = line
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+def progress_bar(steps: int, stream: TextIO | LineStream, *, enabled: bool) -> tqdm:
+    """Rank 0's bar; on a log file (``LineStream``) one line every 5 s at most, none before 5 s."""
+    pace = {"mininterval": 5.0, "delay": 5.0} if isinstance(stream, LineStream) else {}
+    return tqdm(total=steps, desc="train", unit="step", file=stream, disable=not enabled,
+                ncols=100, **pace)  # fmt: skip
+
+
+def configure_logging(level: str, rank: int) -> None:
+    """Log records of every rank go to stderr (``plait run`` merges it into the rank's log)."""
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def reporter(rank: int, stream: TextIO | LineStream) -> Callable[[str], None]:
+    """Rank 0 writes events to the console (above a live bar on a terminal); others log them."""
+    if rank != 0:
+        return logger.info
+    if isinstance(stream, LineStream):
+        return lambda msg: stream.write(msg + "\n")
+    return lambda msg: tqdm.write(msg, file=stream)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    """What a run did; ``text()`` is the block rank 0 prints at the end."""
+
+    mode: str
+    mesh: dict[str, int] | None
+    parameters: int
+    steps: int
+    tokens_per_step: int
+    first_loss: float
+    last_loss: float
+    eval_losses: list[tuple[int, float]]
+    train_seconds: float
+    wall_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.steps * self.tokens_per_step / self.train_seconds
+
+    @property
+    def loss_fell(self) -> bool:
+        return self.last_loss < self.first_loss
+
+    def text(self) -> str:
+        first_eval, last_eval = self.eval_losses[0][1], self.eval_losses[-1][1]
+        return "\n".join([
+            "summary",
+            f"  mode        {self.mode}, mesh {self.mesh or 'none (one device per rank)'}",
+            f"  model       TinyGPT, {self.parameters:,} parameters",
+            f"  steps       {self.steps} x {self.tokens_per_step:,} tokens",
+            f"  train loss  {self.first_loss:.4f} -> {self.last_loss:.4f} (first step -> mean of the last 10%)",
+            f"  eval loss   {first_eval:.4f} -> {last_eval:.4f}",
+            f"  throughput  {self.tokens_per_second:,.0f} tokens/s",
+            f"  wall time   {self.wall_seconds:.1f} s ({self.train_seconds:.1f} s training)",
+        ])  # fmt: skip
+
+
+def build_job(args: argparse.Namespace, vocab: int, world_size: int) -> plait.Job:
+    """Build the model (seeded: the same on every rank), annotate it and parallelize it."""
+    mesh = mesh_for(args, world_size)
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab=vocab, seq=args.seq, width=args.width, heads=args.heads,
+                    layers=args.layers)  # fmt: skip
+    model = TinyGPT(cfg)
+    if args.mode == "semi_auto":
+        annotate_megatron(model, args.tp)
+    config = plait.ParallelConfig(
+        mode=args.mode, mesh=mesh, grad_accumulation=args.grad_accumulation
+    )
+    return plait.parallelize(
         model,
-        plait.ParallelConfig(mode="semi_auto", mesh=mesh),
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+        config,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
         loss_fn=gpt_loss,
     )
-    dp_size, dp_index = mesh["dp"], job.device_mesh.get_coordinate()[0]
-    gen = torch.Generator().manual_seed(1234)  # same global batches on every rank
-    say = print if world.rank == 0 else (lambda *a, **k: None)
-    say(
-        f"plait demo: GPT ({sum(p.numel() for p in model.parameters())} parameters) on mesh {mesh}, "
-        f"{args.steps} steps of {args.batch} x {args.seq} characters"
+
+
+def evaluate(job: plait.Job, batches: list[Batch], index: int, size: int) -> float:
+    """Mean global loss over the fixed evaluation batches."""
+    losses = [job.evaluate(local_slice(b, index, size)) for b in batches]
+    return sum(losses) / len(losses)
+
+
+def train(args: argparse.Namespace) -> Summary:
+    """Train as ``args`` say and return the summary (on every rank)."""
+    wall_start = time.perf_counter()
+    world_size = 1
+    if args.mode == "stand_alone":
+        rank = detect_environment().rank  # no process group: every rank trains alone
+    else:
+        world = plait.init()
+        rank, world_size = world.rank, world.world_size
+    corpus = load_corpus(args.corpus)
+    job = build_job(args, len(corpus.chars), world_size)
+    index, size = dp_place(job)
+    check_batch(args, size)
+    logger.info("mesh %s, dp slice %d of %d, %d local sequences a step",
+                job.mesh.as_dict() if job.mesh else None, index, size, args.batch // size)  # fmt: skip
+
+    gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches on every rank
+    eval_batches = [
+        sample_batch(corpus.eval, args.seq, args.batch, gen) for _ in range(args.eval_batches)
+    ]
+    params = sum(p.numel() for p in job.model.parameters())
+    tokens = args.batch * args.seq
+    stream: TextIO | LineStream = sys.stdout if sys.stdout.isatty() else LineStream(sys.stdout)
+    report = reporter(rank, stream)
+    report(
+        f"plait GPT example: mode {args.mode}, mesh {job.mesh.as_dict() if job.mesh else None}, "
+        f"{params:,} parameters; corpus {len(corpus.train):,} train + {len(corpus.eval):,} eval "
+        f"characters ({len(corpus.chars)} distinct); {args.steps} steps of {args.batch} x "
+        f"{args.seq} characters"
     )
-    first = last = None
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        ids, targets = sample_batch(data, args.seq, args.batch, gen)
-        local = (ids.chunk(dp_size)[dp_index], targets.chunk(dp_size)[dp_index])
-        last = job.step(local)
-        first = first if first is not None else last
-        if step == 1 or step % 10 == 0:
-            rate = step * args.batch * args.seq / (time.perf_counter() - start)
-            say(f"step {step:4d}  loss {last:.4f}  {rate:,.0f} tokens/s")
-    say(f"done: loss {first:.4f} -> {last:.4f} in {time.perf_counter() - start:.1f} s")
-    if last >= first:
-        raise SystemExit(f"the loss did not fall ({first:.4f} -> {last:.4f})")
+
+    def run_eval() -> float:
+        return evaluate(job, eval_batches, index, size)
+
+    eval_losses = [(0, run_eval())]
+    report(f"step {0:5d}  eval loss {eval_losses[-1][1]:.4f}")
+    bar = progress_bar(args.steps, stream, enabled=rank == 0)
+    losses: list[float] = []
+    train_seconds = 0.0
+    with bar:
+        for step in range(1, args.steps + 1):
+            batch = local_slice(sample_batch(corpus.train, args.seq, args.batch, gen), index, size)
+            start = time.perf_counter()
+            losses.append(job.step(batch))
+            train_seconds += time.perf_counter() - start
+            rate = step * tokens / train_seconds
+            logger.debug("step %d loss %.4f %.0f tokens/s", step, losses[-1], rate)
+            bar.set_postfix_str(f"loss {losses[-1]:.4f}, {rate:,.0f} tok/s", refresh=False)
+            bar.update(1)
+            if step % args.eval_every == 0 or step == args.steps:
+                if step == args.steps:
+                    bar.close()  # the bar's last line comes before the final evaluation
+                eval_losses.append((step, run_eval()))
+                report(f"step {step:5d}  eval loss {eval_losses[-1][1]:.4f}  "
+                       f"train loss {losses[-1]:.4f}")  # fmt: skip
+
+    tail = losses[-max(1, len(losses) // 10) :]
+    return Summary(
+        mode=args.mode,
+        mesh=job.mesh.as_dict() if job.mesh else None,
+        parameters=params,
+        steps=args.steps,
+        tokens_per_step=tokens,
+        first_loss=losses[0],
+        last_loss=sum(tail) / len(tail),
+        eval_losses=eval_losses,
+        train_seconds=train_seconds,
+        wall_seconds=time.perf_counter() - wall_start,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the example; 0 if the training loss fell, 1 otherwise."""
+    args = parse_args(argv)
+    rank = detect_environment().rank
+    configure_logging(args.log_level, rank)
+    summary = train(args)
+    report = print if rank == 0 else logger.info
+    report(summary.text())
+    if not summary.loss_fell:
+        report(f"FAILED: the training loss did not fall ({summary.first_loss:.4f} -> "
+               f"{summary.last_loss:.4f})")  # fmt: skip
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -151,7 +151,8 @@ class LineStream:
 
     Under ``plait run`` stdout is a log file that the launcher echoes line by line; carriage
     returns would come out as fragments. Here every non-blank redraw becomes one line, and a
-    redraw identical to the line before it is dropped.
+    redraw of the same step as the line before it (the same text up to the bar's ``[``) is
+    dropped.
     """
 
     def __init__(self, target: TextIO) -> None:
@@ -161,10 +162,17 @@ class LineStream:
     def write(self, text: str) -> int:
         for piece in text.replace("\r", "\n").split("\n"):
             line = piece.rstrip()
-            if line.strip() and line != self.last:
+            key = line.split("[", 1)[0]
+            if line.strip() and key != self.last:
                 self.target.write(line + "\n")
-                self.last = line
+                self.last = key
         return len(text)
+
+    def message(self, text: str) -> None:
+        """Write ``text`` as it is (not a redraw: never dropped)."""
+        self.target.write(text + "\n")
+        self.target.flush()
+        self.last = ""
 
     def flush(self) -> None:
         self.target.flush()
@@ -193,7 +201,7 @@ def reporter(rank: int, stream: TextIO | LineStream) -> Callable[[str], None]:
     if rank != 0:
         return logger.info
     if isinstance(stream, LineStream):
-        return lambda msg: stream.write(msg + "\n")
+        return stream.message
     return lambda msg: tqdm.write(msg, file=stream)
 
 

@@ -1,8 +1,9 @@
 """Step time of plait data_parallel against torch DistributedDataParallel, side by side.
 
 4 gloo processes on this machine, the same model, initial weights and batches for both; each
-rank trains on its own quarter of every global batch. Per variant: 5 warm-up steps, then the
-median (and p90) over the timed steps, each step starting after a barrier. Also prints the
+rank trains on its own quarter of every global batch. The two variants alternate step by step
+in the same processes (so both see the same machine load): 5 warm-up steps, then the median
+(and p90) over the timed steps, each step starting after a barrier. Also prints the
 largest difference between the two variants' losses, which must be ~1e-6 (both equal
 single-device training).
 
@@ -13,20 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import plait  # noqa: E402
-from plait.testing import run_workers  # noqa: E402
-from plait.testing.models import MLP  # noqa: E402
+import plait
+from plait.testing import run_workers
+from plait.testing.models import MLP
 
 WORLD = 4
 WARMUP = 5
@@ -39,36 +36,17 @@ def _model(width: int, layers: int) -> nn.Module:
 
 def _batches(n: int, batch: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)) for _ in range(n)]
+    return [
+        (torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
+        for _ in range(n)
+    ]
 
 
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def _timed(step, batches) -> tuple[list[float], list[float]]:  # type: ignore[no-untyped-def]
-    times, losses = [], []
-    for i, batch in enumerate(batches):
-        dist.barrier()
-        start = time.perf_counter()
-        losses.append(step(batch))
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return times, losses
-
-
-def run_plait(steps: int, width: int, layers: int, batch: int) -> tuple[list[float], list[float]]:
-    rank = dist.get_rank()
-    job = plait.parallelize(
-        _model(width, layers), plait.ParallelConfig(mode="data_parallel"),
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), loss_fn=_loss,
-    )
-    local = [tuple(t.chunk(WORLD)[rank] for t in b) for b in _batches(steps, batch, width)]
-    return _timed(job.step, local)
-
-
-def run_ddp(steps: int, width: int, layers: int, batch: int) -> tuple[list[float], list[float]]:
-    rank = dist.get_rank()
+def _ddp_step_fn(width: int, layers: int):  # type: ignore[no-untyped-def]
     model = nn.parallel.DistributedDataParallel(_model(width, layers))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -81,8 +59,33 @@ def run_ddp(steps: int, width: int, layers: int, batch: int) -> tuple[list[float
         dist.all_reduce(value)  # the global loss, as plait's step returns it
         return value.item() / WORLD
 
+    return step
+
+
+def _plait_step_fn(width: int, layers: int):  # type: ignore[no-untyped-def]
+    job = plait.parallelize(
+        _model(width, layers),
+        plait.ParallelConfig(mode="data_parallel"),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+        loss_fn=_loss,
+    )
+    return job.step
+
+
+def run_both(steps: int, width: int, layers: int, batch: int) -> dict[str, list[float]]:
+    """Alternate DDP and plait step by step in the same processes, so both see the same load."""
+    rank = dist.get_rank()
+    variants = {"ddp": _ddp_step_fn(width, layers), "plait": _plait_step_fn(width, layers)}
     local = [tuple(t.chunk(WORLD)[rank] for t in b) for b in _batches(steps, batch, width)]
-    return _timed(step, local)
+    out: dict[str, list[float]] = {f"{k}_{w}": [] for k in variants for w in ("times", "losses")}
+    for i, b in enumerate(local):
+        for name, step in variants.items():
+            dist.barrier()
+            start = time.perf_counter()
+            out[f"{name}_losses"].append(step(b))
+            if i >= WARMUP:
+                out[f"{name}_times"].append(time.perf_counter() - start)
+    return out
 
 
 def _row(name: str, times: list[float], tokens: int, base: float | None) -> str:
@@ -94,18 +97,23 @@ def _row(name: str, times: list[float], tokens: int, base: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (plus 5 warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=30, help="timed steps per variant (plus 5 warm-up)"
+    )
     parser.add_argument("--width", type=int, default=512, help="MLP width")
     parser.add_argument("--layers", type=int, default=4, help="MLP layers")
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     args = parser.parse_args()
     total = args.steps + WARMUP
     shape = (total, args.width, args.layers, args.batch)
-    ddp_times, ddp_losses = run_workers(run_ddp, WORLD, *shape)[0]
-    plait_times, plait_losses = run_workers(run_plait, WORLD, *shape)[0]
+    result = run_workers(run_both, WORLD, *shape)[0]
+    ddp_times, ddp_losses = result["ddp_times"], result["ddp_losses"]
+    plait_times, plait_losses = result["plait_times"], result["plait_losses"]
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
-    print(f"MLP width {args.width} x {args.layers} layers ({params:,} parameters), global batch "
-          f"{args.batch}, {WORLD} gloo processes, torch {torch.__version__}, {args.steps} timed steps")
+    print(
+        f"MLP width {args.width} x {args.layers} layers ({params:,} parameters), global batch "
+        f"{args.batch}, {WORLD} gloo processes, torch {torch.__version__}, {args.steps} timed steps"
+    )
     print("| variant | median step ms | p90 ms | samples/s | ratio to DDP |")
     print("|---|---|---|---|---|")
     base = statistics.median(ddp_times)

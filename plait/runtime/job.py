@@ -95,6 +95,7 @@ class Job:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         k = self.config.grad_accumulation
         total: torch.Tensor | None = None
         if self.grad_sync is not None:
@@ -115,6 +116,9 @@ class Job:
         for p in self.model.parameters():
             sync_grad(p)
         if self._gradients_usable():
+            shadows = getattr(self.optimizer, "_plait_shadows", None)
+            if shadows is not None:
+                shadows.load_grads()
             self.optimizer.step()
         assert total is not None
         return float(full_value(total if k == 1 else total / k).item())

@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
-from plait.comm.dtensor import build_device_mesh
+from plait.comm.dtensor import build_device_mesh, is_dtensor
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, NotBuiltError
@@ -20,6 +21,7 @@ from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.local_optim import LocalShadows, is_elementwise
 from plait.runtime.modules import apply_layouts, collect_layouts
 
 __all__ = ["parallelize"]
@@ -133,7 +135,7 @@ def parallelize(
     )
     return Job(
         model,
-        optimizer(model.parameters()),
+        _build_optimizer(model, optimizer),
         loss_fn,
         config,
         mesh=mesh,
@@ -142,6 +144,18 @@ def parallelize(
         layouts=named,
         grad_sync=grad_sync,
     )
+
+
+def _build_optimizer(model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+    """The user's optimizer, on local pieces when its update is elementwise (local_optim)."""
+    params = list(model.parameters())
+    probe = factory(params)
+    if not is_elementwise(probe) or not any(is_dtensor(p) for p in params):
+        return probe
+    shadows = LocalShadows(params)
+    optimizer = factory(shadows.shadows)
+    optimizer._plait_shadows = shadows  # type: ignore[attr-defined]
+    return optimizer
 
 
 def _build_grad_sync(

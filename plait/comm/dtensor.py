@@ -11,6 +11,7 @@ of the sizes of the axes that are outer in the layout but later in the mesh. Exa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -74,6 +75,7 @@ def _strided_factor(layout: TensorLayout, dim: int, axis: str) -> int:
     return math.prod(mesh.axis_size(b) for b in order[:pos] if mesh.axis_index(b) > mine)
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and called for every op of every step
 def to_dtensor_placements(layout: TensorLayout) -> tuple[TPlacement, ...]:
     """DTensor placements (one per mesh axis) for ``layout``; exact, including axis order."""
     out: list[TPlacement] = []
@@ -102,6 +104,13 @@ def from_dtensor_placements(
     mesh: MeshSpec, placements: Sequence[TPlacement], ndim: int
 ) -> TensorLayout:
     """Inverse of :func:`to_dtensor_placements`, decoding strided shards into axis order."""
+    return _from_dtensor_placements(mesh, tuple(placements), ndim)
+
+
+@functools.lru_cache(maxsize=4096)  # pure, and called for every op of every step
+def _from_dtensor_placements(
+    mesh: MeshSpec, placements: tuple[TPlacement, ...], ndim: int
+) -> TensorLayout:
     plain = [_plain(p, ndim) for p in placements]
     base = TensorLayout.from_placements(mesh, plain, ndim)
     orders = []

@@ -164,10 +164,11 @@ def _input_layout(
 def _linear_forward(
     module: nn.Linear, rule: LinearRule, device_mesh: Any, x: torch.Tensor
 ) -> torch.Tensor:
-    lay = rule.layouts(x.ndim)
+    explicit = rule.in_strategy is not None or rule.out_strategy is not None
+    lay = rule.layouts(x.ndim) if explicit else None
     x_layout = (
         lay.input
-        if rule.in_strategy is not None
+        if lay is not None and rule.in_strategy is not None
         else _input_layout(x, rule.weight.dims[1], rule.weight)
     )
     x = (
@@ -175,10 +176,14 @@ def _linear_forward(
         if is_dtensor(x)
         else distribute(x, device_mesh, TensorLayout.replicated(rule.mesh, x.ndim))
     )
-    y = F.linear(pin_grad_layout(to_layout(x, x_layout)), module.weight)
+    x = to_layout(x, x_layout)
+    if any(rule.weight.dims):
+        # A split weight leaves the input's gradient a pending sum: reduce it here (see pin).
+        x = pin_grad_layout(x)
+    y = F.linear(x, module.weight)
     out = (
         lay.output
-        if rule.out_strategy is not None
+        if lay is not None and rule.out_strategy is not None
         else TensorLayout(rule.mesh, (*x_layout.dims[:-1], rule.weight.dims[0]))
     )
     y = to_layout(y, out)

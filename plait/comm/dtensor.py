@@ -45,7 +45,6 @@ __all__ = [
     "local_piece",
     "mesh_spec_of",
     "pin_grad_layout",
-    "replicate",
     "start_all_reduce",
     "sync_grad",
     "to_dtensor_placements",
@@ -208,15 +207,7 @@ def pin_grad_layout(tensor: DTensor) -> DTensor:
     carry the pending sum on through earlier ops and into many parameter gradients. The
     round trip through the local tensor installs that reduction point.
     """
-    local = tensor.to_local()
-    return DTensor.from_local(
-        local,
-        tensor.device_mesh,
-        tensor.placements,
-        run_check=False,
-        shape=tensor.shape,
-        stride=tensor.stride(),
-    )
+    return with_local(tensor, tensor.to_local())
 
 
 def sync_grad(param: torch.Tensor) -> None:
@@ -228,10 +219,6 @@ def sync_grad(param: torch.Tensor) -> None:
         and grad.placements != param.placements
     ):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def replicate(tensor: DTensor) -> DTensor:
-    return tensor.redistribute(tensor.device_mesh, [TReplicate()] * tensor.device_mesh.ndim)
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

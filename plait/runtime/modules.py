@@ -161,6 +161,12 @@ def _input_layout(
     return TensorLayout(mesh, tuple(dims))
 
 
+def _as_replicated_if_plain(x: torch.Tensor, device_mesh: Any, mesh: MeshSpec) -> torch.Tensor:
+    """A plain tensor met inside forward (e.g. ``torch.arange`` positions) is the same on
+    every rank: treat it as replicated."""
+    return x if is_dtensor(x) else distribute(x, device_mesh, TensorLayout.replicated(mesh, x.ndim))
+
+
 def _linear_forward(
     module: nn.Linear, rule: LinearRule, device_mesh: Any, x: torch.Tensor
 ) -> torch.Tensor:
@@ -171,12 +177,7 @@ def _linear_forward(
         if lay is not None and rule.in_strategy is not None
         else _input_layout(x, rule.weight.dims[1], rule.weight)
     )
-    x = (
-        x
-        if is_dtensor(x)
-        else distribute(x, device_mesh, TensorLayout.replicated(rule.mesh, x.ndim))
-    )
-    x = to_layout(x, x_layout)
+    x = to_layout(_as_replicated_if_plain(x, device_mesh, rule.mesh), x_layout)
     if any(rule.weight.dims):
         # A split weight leaves the input's gradient a pending sum: reduce it here (see pin).
         x = pin_grad_layout(x)
@@ -193,17 +194,15 @@ def _linear_forward(
 def _embedding_forward(
     module: nn.Embedding, rule: EmbeddingRule, device_mesh: Any, ids: torch.Tensor
 ) -> torch.Tensor:
-    lay = rule.layouts(ids.ndim)
+    explicit = rule.in_strategy is not None or rule.out_strategy is not None
+    lay = rule.layouts(ids.ndim) if explicit else None
     ids_layout = (
-        lay.input if rule.in_strategy is not None else _input_layout(ids, None, rule.weight)
-    )
-    ids = (
-        ids
-        if is_dtensor(ids)
-        else distribute(ids, device_mesh, TensorLayout.replicated(rule.mesh, ids.ndim))
+        lay.input
+        if lay is not None and rule.in_strategy is not None
+        else _input_layout(ids, None, rule.weight)
     )
     y = F.embedding(
-        to_layout(ids, ids_layout),
+        to_layout(_as_replicated_if_plain(ids, device_mesh, rule.mesh), ids_layout),
         module.weight,
         module.padding_idx,
         module.max_norm,
@@ -213,7 +212,7 @@ def _embedding_forward(
     )
     out = (
         lay.output
-        if rule.out_strategy is not None
+        if lay is not None and rule.out_strategy is not None
         else TensorLayout(rule.mesh, (*ids_layout.dims, rule.weight.dims[1]))
     )
     return to_layout(y, out)

@@ -1,0 +1,187 @@
+"""OpGraph: a captured model as operators over tensors, with shapes, FLOPs and bytes.
+
+Pure data: building one needs no process group and no real memory (see :mod:`plait.capture`).
+Values are named by *value refs*: ``"linear_3"`` is output 0 of op ``linear_3``, and
+``"split_1:2"`` is its output 2; graph inputs (parameters, buffers, the user's batch) are
+refs too, named as in the captured program.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "GraphInput",
+    "LayerGroup",
+    "OpGraph",
+    "OpNode",
+    "Ref",
+    "TensorMeta",
+    "value_ref",
+]
+
+ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape and dtype of one tensor; ``dtype`` is torch's name without ``torch.``."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE.get(self.dtype, 4)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """Marks, inside :attr:`OpNode.args`, the place of the op's tensor input number ``index``."""
+
+    index: int
+
+
+ValueKind = Literal["parameter", "buffer", "input", "constant"]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphInput:
+    """A value that enters the graph: a parameter, a buffer, or a tensor of the batch."""
+
+    name: str
+    kind: ValueKind
+    meta: TensorMeta
+    target: str  # parameter/buffer FQN ("layers.0.attn.q.weight"), or "batch[0]" for inputs
+
+
+@dataclass(frozen=True, slots=True)
+class OpNode:
+    """One operator call of the forward pass (loss included).
+
+    ``inputs`` are the value refs of the op's tensor arguments, in argument order; ``args``
+    and ``kwargs`` are the call's arguments with each tensor replaced by :class:`Ref` to its
+    position in ``inputs`` (so rules can read dims, shapes and flags).
+    """
+
+    name: str
+    target: str  # "aten.linear.default"
+    inputs: tuple[str, ...]
+    input_metas: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    args: tuple[object, ...] = ()
+    kwargs: tuple[tuple[str, object], ...] = ()
+    flops: int = 0  # forward FLOPs of the whole (unsharded) op
+    bytes: int = 0  # forward bytes read and written
+    params: tuple[str, ...] = ()  # FQNs of the parameters among ``inputs``
+    module_path: str = ""  # innermost module FQN, "" for the root
+    layer: str | None = None  # member of a repeated layer, e.g. "blocks.3"
+
+    def kwarg(self, key: str, default: object = None) -> object:
+        for k, v in self.kwargs:
+            if k == key:
+                return v
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Structurally identical repeated layers, e.g. ``blocks.0`` .. ``blocks.95``.
+
+    ``members[0]`` is the representative: search can solve it once and copy the result,
+    op for op, to the other members (``OpGraph.representative``).
+    """
+
+    prefix: str
+    members: tuple[str, ...]
+
+
+def value_ref(op: str, index: int = 0) -> str:
+    return op if index == 0 else f"{op}:{index}"
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """Ops in topological order, the values entering the graph, and the outputs (loss first)."""
+
+    inputs: tuple[GraphInput, ...]
+    ops: tuple[OpNode, ...]
+    outputs: tuple[str, ...]
+    layers: tuple[LayerGroup, ...] = ()
+    _by_name: dict[str, OpNode] = field(init=False, repr=False, compare=False)
+    _inputs_by_name: dict[str, GraphInput] = field(init=False, repr=False, compare=False)
+    _consumers: dict[str, list[tuple[str, int]]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_name = {op.name: op for op in self.ops}
+        consumers: dict[str, list[tuple[str, int]]] = {}
+        for op in self.ops:
+            for i, ref in enumerate(op.inputs):
+                consumers.setdefault(ref, []).append((op.name, i))
+        object.__setattr__(self, "_by_name", by_name)
+        object.__setattr__(self, "_inputs_by_name", {g.name: g for g in self.inputs})
+        object.__setattr__(self, "_consumers", consumers)
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def op(self, name: str) -> OpNode:
+        return self._by_name[name]
+
+    def graph_input(self, name: str) -> GraphInput | None:
+        return self._inputs_by_name.get(name)
+
+    def producer(self, ref: str) -> tuple[OpNode | GraphInput, int]:
+        """The op (and its output index) or graph input that makes value ``ref``."""
+        if ref in self._inputs_by_name:
+            return self._inputs_by_name[ref], 0
+        name, _, index = ref.partition(":")
+        return self._by_name[name], int(index) if index else 0
+
+    def meta(self, ref: str) -> TensorMeta:
+        node, index = self.producer(ref)
+        return node.meta if isinstance(node, GraphInput) else node.outputs[index]
+
+    def consumers(self, ref: str) -> list[tuple[OpNode, int]]:
+        """Ops reading ``ref``, each with the position of ``ref`` among its inputs."""
+        return [(self._by_name[n], i) for n, i in self._consumers.get(ref, [])]
+
+    def parameters(self) -> dict[str, GraphInput]:
+        """Parameters by FQN."""
+        return {g.target: g for g in self.inputs if g.kind == "parameter"}
+
+    @property
+    def flops(self) -> int:
+        return sum(op.flops for op in self.ops)

@@ -12,6 +12,7 @@ __all__ = [
     "LayoutError",
     "NotBuiltError",
     "PlaitError",
+    "PlanError",
     "ShardingError",
 ]
 
@@ -34,3 +35,7 @@ class ShardingError(PlaitError):
 
 class NotBuiltError(PlaitError):
     """A configured feature exists in the config surface but is not implemented yet."""
+
+
+class PlanError(PlaitError):
+    """A plan (or plan file) is malformed, from another schema version, or does not fit a model."""

@@ -1,0 +1,226 @@
+"""Communication cost: links, which mesh axes cross nodes, and alpha-beta collective times.
+
+The model (nccl-tests ``doc/PERFORMANCE.md`` bandwidth terms, plus a per-step latency as in
+alpha-beta planners; see ``/work/shared/reference/cost-model.md`` section 2.vi)::
+
+    seconds = link.overhead + steps * link.latency + wire_bytes / link.bandwidth
+
+**Byte convention** (the one the redistribution planner and the Plan use): ``nbytes`` is the
+size of ONE device's local piece BEFORE the collective. With ``p`` the group size:
+
+    kind            nbytes is              full array S   wire_bytes per device   steps
+    all_reduce      the buffer             nbytes         2 (p-1)/p * nbytes      2 (p-1)
+    all_gather      the input shard        p * nbytes     (p-1) * nbytes          p-1
+    reduce_scatter  the full input         nbytes         (p-1)/p * nbytes        p-1
+    all_to_all      the local buffer       -              (p-1)/p * nbytes        p-1
+    broadcast       the root's buffer      nbytes         nbytes (pipelined)      p-1
+    reduce          each rank's buffer     nbytes         nbytes (pipelined)      p-1
+    send_recv       the message            -              nbytes                  1
+    slice           (local, no traffic)    -              0                       0
+
+A group of one device costs 0 s for every kind. Ring algorithms are assumed (NCCL's default
+for large messages; gloo's ring all-reduce); tree and in-network reductions are not modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Literal, get_args
+
+from plait.cost.errors import CostError
+from plait.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    from plait.cost.hardware import HardwareProfile
+
+__all__ = ["CollectiveKind", "Link", "Topology", "collective_seconds", "wire_bytes"]
+
+CollectiveKind = Literal[
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "send_recv",
+    "slice",
+]
+_KINDS: tuple[str, ...] = get_args(CollectiveKind)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One device's connection to its peers on one level (intra-node or across nodes).
+
+    Example:
+        >>> Link(bandwidth=300e9, latency=0.6e-6).bandwidth
+        300000000000.0
+    """
+
+    bandwidth: float
+    """Bytes per second per device per direction (NVLink3: 600 GB/s total = 300e9)."""
+    latency: float
+    """Seconds per algorithm step (per ring hop): the alpha of the alpha-beta model."""
+    overhead: float = 0.0
+    """Seconds paid once per collective (launch and setup), on top of the per-step latency."""
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.bandwidth) or self.bandwidth <= 0:
+            raise CostError(
+                f"Link.bandwidth={self.bandwidth!r} is not allowed; give bytes per second > 0"
+            )
+        for name in ("latency", "overhead"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise CostError(f"Link.{name}={value!r} is not allowed; give seconds >= 0")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth": self.bandwidth, "latency": self.latency, "overhead": self.overhead}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _steps_and_wire(kind: str, group_size: int) -> tuple[int, Fraction]:
+    """Ring steps and wire bytes per byte of ``nbytes`` (the convention in the module doc)."""
+    p = group_size
+    table: dict[str, tuple[int, Fraction]] = {
+        "all_reduce": (2 * (p - 1), Fraction(2 * (p - 1), p)),
+        "all_gather": (p - 1, Fraction(p - 1)),
+        "reduce_scatter": (p - 1, Fraction(p - 1, p)),
+        "all_to_all": (p - 1, Fraction(p - 1, p)),
+        "broadcast": (p - 1, Fraction(1)),
+        "reduce": (p - 1, Fraction(1)),
+        "send_recv": (1, Fraction(1)),
+        "slice": (0, Fraction(0)),
+    }
+    return table[kind]
+
+
+def _check_args(kind: str, nbytes: int, group_size: int) -> None:
+    if kind not in _KINDS:
+        raise CostError(
+            f"collective kind {kind!r} is unknown to the cost model; use one of {list(_KINDS)}"
+        )
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise CostError(
+            f"{kind}: nbytes={nbytes!r} is not allowed; give the bytes of one device's local "
+            "piece before the collective as an integer >= 0"
+        )
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise CostError(
+            f"{kind}: group_size={group_size!r} is not allowed; give the number of devices in "
+            "the group, an integer >= 1"
+        )
+
+
+def wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
+    """Bytes one device sends over its link for the collective (0 for a group of one)."""
+    _check_args(kind, nbytes, group_size)
+    if group_size == 1:
+        return 0.0
+    return float(_steps_and_wire(kind, group_size)[1] * nbytes)
+
+
+def collective_seconds(kind: str, nbytes: int, group_size: int, link: Link) -> float:
+    """Seconds for one collective over ``link`` (alpha-beta ring model; see the module doc).
+
+    Example:
+        >>> link = Link(bandwidth=1e9, latency=1e-6)
+        >>> round(collective_seconds("all_reduce", 4_000_000, 4, link), 9)  # 6 steps, 6 MB
+        0.006006
+    """
+    _check_args(kind, nbytes, group_size)
+    if group_size == 1 or kind == "slice":
+        return 0.0
+    steps, per_byte = _steps_and_wire(kind, group_size)
+    return link.overhead + steps * link.latency + float(per_byte * nbytes) / link.bandwidth
+
+
+AxisSeconds = Callable[[str, str, int], float]
+"""``fn(kind, axis, nbytes) -> seconds``: the cost hook the redistribution planner takes."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A mesh placed on hardware: which axes stay inside a node and which cross nodes.
+
+    Ranks fill nodes in order (rank ``r`` lives on node ``r // devices_per_node``) and the mesh
+    is row-major, so the innermost axes are the ones that stay inside a node: an axis is
+    intra-node when the product of its size and the sizes of all axes inside it is at most
+    ``devices_per_node``. Every other axis has groups that span nodes; a ring over such a
+    group is paced by its slowest hop, the inter-node link.
+
+        mesh {"dp": 4, "tp": 4}, 8 devices per node:
+        axis  inner product  link
+        tp    4              intra_node
+        dp    16             inter_node   (dp group {0, 4, 8, 12} spans nodes 0 and 1)
+
+    Example:
+        >>> from plait.cost.hardware import get_profile
+        >>> topo = Topology(MeshSpec.from_dict({"dp": 4, "tp": 8}), get_profile("h100"))
+        >>> topo.intra_node_axes, topo.inter_node_axes
+        (('tp',), ('dp',))
+    """
+
+    mesh: MeshSpec
+    hardware: HardwareProfile
+    devices_per_node: int | None = None
+    """Overrides ``hardware.devices_per_node`` (e.g. fewer workers per node than devices)."""
+
+    def __post_init__(self) -> None:
+        dpn = self.devices_per_node
+        if dpn is not None and (not isinstance(dpn, int) or isinstance(dpn, bool) or dpn < 1):
+            raise CostError(
+                f"Topology.devices_per_node={dpn!r} is not allowed; give an integer >= 1 or None "
+                "to use the hardware profile's"
+            )
+
+    @property
+    def node_size(self) -> int:
+        """Devices per node in effect."""
+        return self.devices_per_node or self.hardware.devices_per_node
+
+    def is_intra_node(self, axis: str) -> bool:
+        """Whether every group of ``axis`` lies inside one node."""
+        index = self.mesh.axis_index(axis)
+        inner = 1
+        for size in self.mesh.shape[index:]:
+            inner *= size
+        return inner <= self.node_size
+
+    @property
+    def intra_node_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if self.is_intra_node(a))
+
+    @property
+    def inter_node_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if not self.is_intra_node(a))
+
+    def link(self, axis: str) -> Link:
+        """The link that paces collectives over ``axis``."""
+        return self.hardware.intra_node if self.is_intra_node(axis) else self.hardware.inter_node
+
+    def axis_seconds(self, kind: str, axis: str, nbytes: int) -> float:
+        """Seconds for one ``kind`` collective over mesh axis ``axis`` (an :data:`AxisSeconds`).
+
+        Fits ``Redistribution.seconds(fn)``: pass ``topology.axis_seconds``.
+        """
+        return collective_seconds(kind, nbytes, self.mesh.axis_size(axis), self.link(axis))
+
+    def group_seconds(self, kind: str, axes: tuple[str, ...], nbytes: int) -> float:
+        """One collective over the group spanned by several axes (e.g. dp x tp flattened).
+
+        The group is paced by the slowest link among the axes.
+        """
+        if not axes:
+            return collective_seconds(kind, nbytes, 1, self.hardware.intra_node)
+        size = 1
+        for axis in axes:
+            size *= self.mesh.axis_size(axis)
+        crosses = any(not self.is_intra_node(a) for a in axes)
+        link = self.hardware.inter_node if crosses else self.hardware.intra_node
+        return collective_seconds(kind, nbytes, size, link)

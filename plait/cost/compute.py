@@ -1,0 +1,102 @@
+"""Compute cost: a roofline per op, and the FLOPs of the backward pass.
+
+One op on one device takes
+
+    seconds = max(flops / (peak(dtype) * compute_efficiency),
+                  nbytes / (memory_bandwidth * memory_efficiency),
+                  kernel_latency)                       # only when the op does any work
+
+i.e. it is bound either by arithmetic or by memory traffic, never faster than a kernel
+launch. The efficiencies and the floor come from the :class:`HardwareProfile` (0.7 and 7 us
+on the datasheet GPUs, as meta-pytorch/autoparallel assumes; 1.0 and measured on ``local``).
+
+Backward FLOPs: an op with a weight computes two products per forward product (dX and dW),
+so its backward is 2x its forward and a training step 3x (the "6 N" rule for transformers:
+2 forward + 4 backward FLOPs per parameter per token). An op without weights computes only
+dX: 1x. Full recomputation runs the forward once more.
+"""
+
+from __future__ import annotations
+
+from plait.cost.errors import CostError
+from plait.cost.hardware import HardwareProfile
+
+__all__ = [
+    "PRECISION_DTYPES",
+    "backward_flops",
+    "compute_dtype",
+    "op_seconds",
+    "training_flops",
+    "training_seconds",
+]
+
+PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``ParallelConfig.precision`` -> the dtype whose peak the matmuls run at."""
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype name for a ``ParallelConfig.precision`` value ("bf16" -> "bfloat16")."""
+    try:
+        return PRECISION_DTYPES[precision]
+    except KeyError:
+        raise CostError(
+            f"precision {precision!r} is unknown to the cost model; use one of "
+            f"{list(PRECISION_DTYPES)}"
+        ) from None
+
+
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise CostError(f"{name}={value!r} is not allowed; give a number >= 0")
+
+
+def op_seconds(flops: float, nbytes: float, dtype: str, hardware: HardwareProfile) -> float:
+    """Roofline time of one op on one device (its local share of FLOPs and bytes).
+
+    Example:
+        >>> from plait.cost.hardware import get_profile
+        >>> a100 = get_profile("a100-80g")
+        >>> round(op_seconds(2 * 4096**3, 3 * 4096**2 * 2, "bfloat16", a100) * 1e3, 3)  # ms
+        0.629
+    """
+    _check_count("flops", flops)
+    _check_count("nbytes", nbytes)
+    if flops == 0 and nbytes == 0:
+        return 0.0
+    compute = flops / (hardware.peak(dtype) * hardware.compute_efficiency) if flops else 0.0
+    memory = nbytes / (hardware.memory_bandwidth * hardware.memory_efficiency)
+    return max(compute, memory, hardware.kernel_latency)
+
+
+def backward_flops(forward_flops: float, has_weight: bool = True) -> float:
+    """FLOPs of the backward of an op: 2x forward with a weight (dX, dW), else 1x (dX)."""
+    _check_count("forward_flops", forward_flops)
+    return forward_flops * (2 if has_weight else 1)
+
+
+def training_flops(forward_flops: float, has_weight: bool = True, recompute: bool = False) -> float:
+    """Forward + backward (+ the recomputed forward) FLOPs of one op in a training step."""
+    extra_forward = forward_flops if recompute else 0
+    return forward_flops + backward_flops(forward_flops, has_weight) + extra_forward
+
+
+def training_seconds(
+    forward_flops: float,
+    forward_bytes: float,
+    dtype: str,
+    hardware: HardwareProfile,
+    *,
+    has_weight: bool = True,
+    recompute: bool = False,
+) -> float:
+    """Roofline time of one op's forward + backward (+ recomputed forward) on one device.
+
+    Each pass is its own kernel(s) with its own floor; the backward reads and writes about
+    twice the forward's bytes with a weight (two products), as many without.
+    """
+    factor = 2 if has_weight else 1
+    forward = op_seconds(forward_flops, forward_bytes, dtype, hardware)
+    backward = op_seconds(
+        backward_flops(forward_flops, has_weight), forward_bytes * factor, dtype, hardware
+    )
+    return forward * (2 if recompute else 1) + backward

@@ -1,0 +1,370 @@
+"""Hardware profiles: peak compute, memory, links, with the sources of every number.
+
+A :class:`HardwareProfile` is a value the cost model reads; it is never looked up from a live
+device. Built-in profiles carry datasheet numbers (``/work/shared/reference/cost-model.md``
+section 2.vi, cited in each profile's ``source``); ``local`` is measured on the current machine
+by ``plait calibrate`` and read from a JSON file, or, when there is none, conservative CPU
+defaults that say so in their ``source``.
+
+Peaks are what the vendor quotes; ``compute_efficiency`` and ``memory_efficiency`` scale them
+down to what kernels reach (0.7, as meta-pytorch/autoparallel's estimator assumes for both).
+Measured profiles already hold achieved numbers, so their efficiencies are 1.0.
+
+What a profile is not: a description of the cluster. Nodes, and which mesh axes cross them,
+come from :class:`plait.cost.comm.Topology`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from plait.cost.comm import Link
+from plait.cost.errors import CostError
+
+__all__ = [
+    "BUILTIN_NAMES",
+    "PROFILE_FORMAT",
+    "HardwareProfile",
+    "builtin_profiles",
+    "default_profile_path",
+    "get_profile",
+    "load_profile",
+    "local_defaults",
+    "save_profile",
+]
+
+PROFILE_FORMAT = "plait-hardware-profile"
+PROFILE_VERSION = 1
+DTYPES = ("float32", "tf32", "bfloat16", "float16")
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, eq=True)
+class HardwareProfile:
+    """One device type and its links.
+
+    Example:
+        >>> h100 = get_profile("h100")
+        >>> h100.peak("bfloat16") / 1e12, h100.intra_node.bandwidth / 1e9
+        (989.0, 450.0)
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    """Dense peak FLOP/s per dtype name: "float32", "tf32", "bfloat16", "float16"."""
+    memory_bytes: int
+    """Device memory (HBM; for CPUs, host RAM shared by the processes on it)."""
+    memory_bandwidth: float
+    """Device memory bandwidth, bytes per second."""
+    intra_node: Link
+    inter_node: Link
+    devices_per_node: int
+    source: str
+    """Where the numbers come from (datasheets, papers, or the calibration run)."""
+    compute_efficiency: float = 1.0
+    """Fraction of ``peak_flops`` that kernels reach."""
+    memory_efficiency: float = 1.0
+    """Fraction of ``memory_bandwidth`` that kernels reach."""
+    kernel_latency: float = 0.0
+    """Floor on one op's time, seconds (kernel launch; autoparallel uses 7 us on GPUs)."""
+    measured: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """Raw calibration data (sizes and timings), kept for reports; empty for built-ins."""
+
+    def __post_init__(self) -> None:
+        self._check_peaks()
+        for name in ("memory_bandwidth", "compute_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise CostError(
+                    f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give a number > 0"
+                )
+        for name in ("compute_efficiency", "memory_efficiency"):
+            if getattr(self, name) > 1:
+                raise CostError(
+                    f"HardwareProfile {self.name!r}: {name}={getattr(self, name)!r} is above 1; "
+                    "an efficiency is the fraction of the peak reached, in (0, 1]"
+                )
+        for name in ("memory_bytes", "devices_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CostError(
+                    f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give an integer >= 1"
+                )
+        if not _is_number(self.kernel_latency) or self.kernel_latency < 0:
+            raise CostError(
+                f"HardwareProfile {self.name!r}: kernel_latency={self.kernel_latency!r} is not "
+                "allowed; give seconds >= 0"
+            )
+        if not isinstance(self.intra_node, Link) or not isinstance(self.inter_node, Link):
+            raise CostError(
+                f"HardwareProfile {self.name!r}: intra_node and inter_node must be Link values"
+            )
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
+
+    def _check_peaks(self) -> None:
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise CostError(
+                f"HardwareProfile {self.name!r}: peak_flops={self.peak_flops!r} is not allowed; "
+                f"give a dict of dtype name ({', '.join(DTYPES)}) to FLOP/s"
+            )
+        for dtype, flops in self.peak_flops.items():
+            if dtype not in DTYPES or not _is_number(flops) or flops <= 0:
+                raise CostError(
+                    f"HardwareProfile {self.name!r}: peak_flops[{dtype!r}]={flops!r} is not "
+                    f"allowed; keys are {list(DTYPES)} and values FLOP/s > 0"
+                )
+
+    def __hash__(self) -> int:
+        # The mappings are read-only views; hash their items so profiles can key caches.
+        items = tuple(sorted(self.peak_flops.items()))
+        return hash((self.name, items, self.memory_bytes, self.memory_bandwidth, self.intra_node))
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (torch's name without ``torch.``, or "tf32")."""
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            raise CostError(
+                f"hardware {self.name!r} has no peak FLOP/s for dtype {dtype!r} (it lists "
+                f"{sorted(self.peak_flops)}); use one of those precisions or a profile that has it"
+            ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "devices_per_node": self.devices_per_node,
+            "compute_efficiency": self.compute_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+            "kernel_latency": self.kernel_latency,
+            "source": self.source,
+            "measured": dict(self.measured),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "profile") -> HardwareProfile:
+        """Inverse of :meth:`to_dict`; ``where`` names the file in errors."""
+        if data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
+            raise CostError(
+                f"{where}: format {data.get('format')!r} version {data.get('version')!r} is not a "
+                f"plait hardware profile ({PROFILE_FORMAT!r} version {PROFILE_VERSION}); "
+                "write it again with `plait calibrate`"
+            )
+        try:
+            return cls(
+                name=data["name"],
+                peak_flops=data["peak_flops"],
+                memory_bytes=data["memory_bytes"],
+                memory_bandwidth=data["memory_bandwidth"],
+                intra_node=Link(**data["intra_node"]),
+                inter_node=Link(**data["inter_node"]),
+                devices_per_node=data["devices_per_node"],
+                source=data["source"],
+                compute_efficiency=data.get("compute_efficiency", 1.0),
+                memory_efficiency=data.get("memory_efficiency", 1.0),
+                kernel_latency=data.get("kernel_latency", 0.0),
+                measured=data.get("measured", {}),
+            )
+        except (KeyError, TypeError) as e:
+            raise CostError(
+                f"{where}: hardware profile is missing or has a malformed field ({e}); "
+                "write it again with `plait calibrate`"
+            ) from None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# ------------------------------------------------------------------------------ built-ins
+
+# Sources, in the words of cost-model.md section 2.vi.
+_NV_A100 = "NVIDIA A100 datasheet (via glennklockwood.com/garden/processors/A100)"
+_NV_H100 = "NVIDIA H100 SXM5 datasheet (via glennklockwood.com/garden/processors/h100)"
+_NCCL = (
+    "link latencies: NCCL tuning tables as ported in meta-pytorch/autoparallel "
+    "nccl_cost_model.py (ring LL: base 6.6 us, per hop 0.6 us NVLink, 2.7 us network)"
+)
+_EFF = "efficiency 0.7 and 7 us kernel floor as in meta-pytorch/autoparallel's estimator"
+_HBM = "HBM capacity: vendor 'GB' taken as GiB (HBM stacks are binary)"
+
+_NVLINK3 = Link(bandwidth=300e9, latency=0.6e-6, overhead=6.6e-6)  # 600 GB/s total
+_NVLINK4 = Link(bandwidth=450e9, latency=0.6e-6, overhead=6.6e-6)  # 900 GB/s total
+_IB_HDR = Link(bandwidth=25e9, latency=2.7e-6, overhead=6.6e-6)  # 200 Gb/s, 1 NIC per GPU
+_IB_NDR = Link(bandwidth=50e9, latency=2.7e-6, overhead=6.6e-6)  # 400 Gb/s, 1 NIC per GPU
+
+
+def _a100(name: str, memory_gib: int, bandwidth: float) -> HardwareProfile:
+    return HardwareProfile(
+        name=name,
+        peak_flops={"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+        memory_bytes=memory_gib * GIB,
+        memory_bandwidth=bandwidth,
+        intra_node=_NVLINK3,
+        inter_node=_IB_HDR,
+        devices_per_node=8,
+        source=(
+            f"{_NV_A100}: dense fp16/bf16 312, TF32 156, FP32 19.5 TFLOP/s; {memory_gib} GB HBM "
+            f"at {bandwidth / 1e9:g} GB/s; NVLink3 600 GB/s total (300 per direction); "
+            "DGX A100: 8 GPUs, 8 x InfiniBand HDR 200 Gb/s (25 GB/s) per node (Megatron-LM "
+            f"SC21, Selene). {_NCCL}. {_EFF}. {_HBM}."
+        ),
+        compute_efficiency=0.7,
+        memory_efficiency=0.7,
+        kernel_latency=7e-6,
+    )
+
+
+def _hopper(name: str, memory_gib: int, bandwidth: float, confidence: str) -> HardwareProfile:
+    return HardwareProfile(
+        name=name,
+        peak_flops={"float32": 66.9e12, "tf32": 494.7e12, "bfloat16": 989e12, "float16": 989e12},
+        memory_bytes=memory_gib * GIB,
+        memory_bandwidth=bandwidth,
+        intra_node=_NVLINK4,
+        inter_node=_IB_NDR,
+        devices_per_node=8,
+        source=(
+            f"{_NV_H100}{confidence}: dense bf16/fp16 989, TF32 494.7, FP32 66.9 TFLOP/s; "
+            f"{memory_gib} GB HBM at {bandwidth / 1e12:g} TB/s; NVLink4 900 GB/s total (450 per "
+            "direction); DGX H100: 8 GPUs, 8 x NDR 400 Gb/s (50 GB/s) per node. "
+            f"{_NCCL}. {_EFF}. {_HBM}."
+        ),
+        compute_efficiency=0.7,
+        memory_efficiency=0.7,
+        kernel_latency=7e-6,
+    )
+
+
+def _ascend_910() -> HardwareProfile:
+    return HardwareProfile(
+        name="ascend-910",
+        # Ascend 910 computes matmuls in fp16 on its cube units; it has no bf16 (910B does).
+        peak_flops={"float16": 256e12},
+        memory_bytes=32 * GIB,
+        memory_bandwidth=1.2e12,
+        intra_node=Link(bandwidth=30e9, latency=2.7e-6, overhead=6.6e-6),
+        inter_node=Link(bandwidth=25e9, latency=2.7e-6, overhead=6.6e-6),
+        devices_per_node=8,
+        source=(
+            "Huawei Ascend 910, Hot Chips 2019 summaries: 256 TFLOP/s fp16, 512 TOPS int8 "
+            "(confidence A); 32 GB HBM2 at ~1.2 TB/s (confidence C); HCCS 3 x 240 Gb/s "
+            "(30 GB/s per link; one link per ring neighbour); 2 x 100 Gb/s RoCE v2 (25 GB/s) "
+            "across nodes. Atlas 800 servers hold 8 devices in two HCCS groups of 4; the "
+            "profile treats the 8 as one node. Latencies: no published figure; NCCL's network "
+            f"constants assumed. {_EFF}. {_HBM}."
+        ),
+        compute_efficiency=0.7,
+        memory_efficiency=0.7,
+        kernel_latency=7e-6,
+    )
+
+
+@functools.cache
+def builtin_profiles() -> Mapping[str, HardwareProfile]:
+    """The datasheet profiles by name (read-only; built once)."""
+    profiles = [
+        _a100("a100-40g", 40, 1555e9),
+        _a100("a100-80g", 80, 2039e9),
+        _hopper("h100", 80, 3.35e12, ""),
+        _hopper("h200", 141, 4.8e12, " (H200: same die and peaks as H100, confidence B)"),
+        _ascend_910(),
+    ]
+    return MappingProxyType({p.name: p for p in profiles})
+
+
+BUILTIN_NAMES = ("a100-40g", "a100-80g", "h100", "h200", "ascend-910")
+
+
+# ---------------------------------------------------------------------------------- local
+
+
+def local_defaults() -> HardwareProfile:
+    """Conservative CPU numbers for ``local`` when no calibration file exists."""
+    return HardwareProfile(
+        name="local",
+        peak_flops={"float32": 50e9, "bfloat16": 10e9, "float16": 5e9},
+        memory_bytes=16 * GIB,
+        memory_bandwidth=5e9,
+        intra_node=Link(bandwidth=1e9, latency=50e-6),  # gloo over loopback
+        inter_node=Link(bandwidth=1.25e9, latency=100e-6),  # 10 GbE
+        devices_per_node=8,
+        source="uncalibrated defaults; run `plait calibrate`",
+        kernel_latency=10e-6,
+    )
+
+
+def default_profile_path() -> Path:
+    """Where ``plait calibrate`` writes and ``local`` reads: ``$PLAIT_HOME/local.json``, else
+    ``~/.cache/plait/local.json``."""
+    home = os.environ.get("PLAIT_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "plait"
+    return base / "local.json"
+
+
+def load_profile(path: str | os.PathLike[str]) -> HardwareProfile:
+    """Read a profile written by :func:`save_profile` (or ``plait calibrate``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise CostError(
+            f"hardware profile {str(path)!r} cannot be read ({e.strerror}); check the path or "
+            "write it with `plait calibrate --out PATH`"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise CostError(
+            f"hardware profile {str(path)!r} is not JSON ({e}); write it again with `plait calibrate`"
+        ) from None
+    if not isinstance(data, dict):
+        raise CostError(
+            f"hardware profile {str(path)!r} holds {type(data).__name__}, not an object; "
+            "write it again with `plait calibrate`"
+        )
+    return HardwareProfile.from_dict(data, where=str(path))
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike[str]) -> Path:
+    """Write ``profile`` as JSON (parents created; replaced atomically); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def get_profile(
+    name: str | None = None, path: str | os.PathLike[str] | None = None
+) -> HardwareProfile:
+    """The profile called ``name`` (``ParallelConfig.hardware``); None means ``local``.
+
+    ``local`` reads ``path`` (default :func:`default_profile_path`); a missing default file
+    gives :func:`local_defaults`, a missing explicit ``path`` is an error.
+    """
+    if name is None or name == "local":
+        if path is not None:
+            return load_profile(path)
+        default = default_profile_path()
+        return load_profile(default) if default.exists() else local_defaults()
+    profiles = builtin_profiles()
+    if name not in profiles:
+        raise CostError(
+            f"hardware profile {name!r} is unknown; use 'local' or one of {list(BUILTIN_NAMES)}"
+        )
+    return profiles[name]

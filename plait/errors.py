@@ -8,6 +8,7 @@ Every message says what was given, where, which rule it breaks and how to fix it
 from __future__ import annotations
 
 __all__ = [
+    "CaptureError",
     "ConfigError",
     "LayoutError",
     "NotBuiltError",
@@ -39,3 +40,7 @@ class NotBuiltError(PlaitError):
 
 class PlanError(PlaitError):
     """A plan (or plan file) is malformed, from another schema version, or does not fit a model."""
+
+
+class CaptureError(PlaitError):
+    """A model, example batch or loss function cannot be captured into an OpGraph."""

@@ -73,23 +73,22 @@ class _Bucket:
     members: list[nn.Parameter] = field(default_factory=list)
 
 
-class GradSync:
-    """Reduce gradients of ``params`` over mesh axis ``axis`` in fused, overlapped buckets."""
+class _BucketedSync:
+    """Bucket bookkeeping shared by both kinds of gradients: hooks, readiness, waiting.
 
-    def __init__(
-        self, params: Sequence[nn.Parameter], device_mesh: Any, axis: str, fusion: CommFusion
-    ) -> None:
-        names = tuple(device_mesh.mesh_dim_names or ())
-        self._axis_index = names.index(axis)
-        self._group_mesh = device_mesh[axis]
+    Subclasses say how a bucket's gradients become one flat local buffer and its all-reduce
+    (``_start``), and how the reduced buffer's pieces go back into ``param.grad`` (``_put``).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], sizes: Sequence[int], fusion: CommFusion):
         self._all = list(params)
-        sizes = [p.to_local().numel() * p.element_size() for p in params]  # type: ignore[attr-defined]
-        self.buckets = [_Bucket([params[i] for i in b]) for b in plan_buckets(sizes, fusion)]
+        self.buckets = [_Bucket([self._all[i] for i in b]) for b in plan_buckets(sizes, fusion)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.enabled = True
+        """False while gradients are still being accumulated (no communication then)."""
         self.launched_in_backward = 0
         """Buckets started from backward's hooks in the last step (the overlapped ones)."""
-        for p in params:
+        for p in self._all:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -100,6 +99,46 @@ class GradSync:
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
             self.launched_in_backward += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        raise NotImplementedError
+
+    def _put(self, param: nn.Parameter, piece: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _local_grad(self, param: nn.Parameter) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _wait(self, result: torch.Tensor) -> torch.Tensor:
+        return wait_for(result)
+
+    def finish(self) -> None:
+        """Launch what backward did not (unused parameters), wait for all, unpack; reset."""
+        for bucket in self.buckets:
+            if bucket.result is None and bucket.ready < len(bucket.params):
+                self._launch(bucket)
+            if bucket.result is not None:
+                result = self._wait(bucket.result)
+                offset = 0
+                for p in bucket.members:
+                    local = self._local_grad(p)
+                    piece = result[offset : offset + local.numel()].view_as(local)
+                    self._put(p, piece)
+                    offset += local.numel()
+            bucket.ready, bucket.result, bucket.members = 0, None, []
+
+
+class GradSync(_BucketedSync):
+    """Reduce gradients of DTensor ``params`` over mesh axis ``axis`` in fused, overlapped buckets."""
+
+    def __init__(
+        self, params: Sequence[nn.Parameter], device_mesh: Any, axis: str, fusion: CommFusion
+    ) -> None:
+        names = tuple(device_mesh.mesh_dim_names or ())
+        self._axis_index = names.index(axis)
+        self._group_mesh = device_mesh[axis]
+        sizes = [p.to_local().numel() * p.element_size() for p in params]  # type: ignore[attr-defined]
+        super().__init__(params, sizes, fusion)
 
     def _launch(self, bucket: _Bucket) -> None:
         members = [
@@ -116,19 +155,13 @@ class GradSync:
             flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])  # type: ignore[union-attr]
             bucket.result = start_all_reduce(flat, self._group_mesh)
 
+    def _local_grad(self, param: nn.Parameter) -> torch.Tensor:
+        return param.grad.to_local()  # type: ignore[union-attr]
+
+    def _put(self, param: nn.Parameter, piece: torch.Tensor) -> None:
+        param.grad = with_local(param, piece)  # type: ignore[arg-type]
+
     def finish(self) -> None:
-        """Launch what backward did not (unused parameters), wait for all, unpack; reset."""
-        for bucket in self.buckets:
-            if bucket.result is None and bucket.ready < len(bucket.params):
-                self._launch(bucket)
-            if bucket.result is not None:
-                result = wait_for(bucket.result)
-                offset = 0
-                for p in bucket.members:
-                    local = p.grad.to_local()  # type: ignore[union-attr]
-                    piece = result[offset : offset + local.numel()].view_as(local)
-                    p.grad = with_local(p, piece)  # type: ignore[arg-type]
-                    offset += local.numel()
-            bucket.ready, bucket.result, bucket.members = 0, None, []
+        super().finish()
         for p in self._all:
             sync_grad(p)

@@ -25,6 +25,7 @@ from plait.data import input_layouts
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
+from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
 
@@ -71,7 +72,8 @@ class Job:
         device_mesh: Any,
         slice_inputs: bool,
         layouts: dict[str, TensorLayout],
-        grad_sync: GradSync | None = None,
+        grad_sync: GradSync | PlainGradSync | None = None,
+        plain: PlainDataParallel | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -82,6 +84,8 @@ class Job:
         self.parameter_layouts = layouts
         self._slice_inputs = slice_inputs
         self.grad_sync = grad_sync
+        self.plain = plain
+        """Set for pure data parallelism, which runs on plain tensors (runtime.data_parallel)."""
         self.loss_scaler = LossScaler() if config.precision == "fp16" else None
         self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
 
@@ -93,6 +97,8 @@ class Job:
         after the last: the update equals one step on the whole batch (MindSpore's gradient
         accumulation).
         """
+        if self.plain is not None:
+            return self._step_plain(batch, self.plain)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -123,11 +129,59 @@ class Job:
         assert total is not None
         return float(full_value(total if k == 1 else total / k).item())
 
+    def _step_plain(self, batch: Any, plain: PlainDataParallel) -> float:
+        """``step`` for pure data parallelism on plain tensors (see runtime.data_parallel)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        k = self.config.grad_accumulation
+        sync = self.grad_sync
+        if sync is not None:
+            sync.launched_in_backward = 0
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # Gradients are summed over ranks: scaling the loss by 1/dp makes the sum the mean.
+        weight = scale / (k * plain.size)
+        total: torch.Tensor | None = None
+        started: torch.Tensor | None = None
+        for i, micro in enumerate(split_micro_batches(batch, k)):
+            if sync is not None:
+                # Reduce gradients only once they are complete: after the last micro-batch.
+                sync.enabled = i == k - 1
+            loss = self._plain_loss(micro, plain, training=True)
+            total = loss.detach() if total is None else total + loss.detach()
+            if i == k - 1:
+                started = plain.start_loss_sum(total)  # runs while backward computes
+            (loss * weight if weight != 1.0 else loss).backward()
+        if sync is not None:
+            sync.finish()
+        if self._gradients_usable():
+            self.optimizer.step()
+        assert started is not None
+        return plain.mean_of(started) / k
+
+    def _plain_loss(self, batch: Any, plain: PlainDataParallel, *, training: bool) -> torch.Tensor:
+        local = plain.local_batch(batch)
+        with autocast_for(self.config.precision, self._device_type):
+            loss = self.loss_fn(self.model, local)
+        if not isinstance(loss, torch.Tensor) or (training and not loss.requires_grad):
+            raise ShardingError(
+                f"loss_fn returned a {type(loss).__name__} that does not depend on the model's "
+                "parameters; return the loss tensor itself (no .item() or .detach())"
+            )
+        if loss.numel() != 1:
+            raise ShardingError(
+                f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss"
+            )
+        return loss
+
     def _gradients_usable(self) -> bool:
         """Unscale fp16 gradients; False (skip the update) if any rank saw an inf or NaN."""
         if self.loss_scaler is None:
             return True
-        finite = self.loss_scaler.unscale_and_check(self.model.parameters(), self.device_mesh)
+        # Plain data parallelism checks summed gradients, the same on every rank (an inf or
+        # NaN anywhere is in the sum): no extra collective is needed to agree.
+        mesh = None if self.plain is not None else self.device_mesh
+        finite = self.loss_scaler.unscale_and_check(self.model.parameters(), mesh)
         self.loss_scaler.update(finite)
         return finite
 
@@ -135,15 +189,22 @@ class Job:
     def evaluate(self, batch: Any) -> float:
         """The global loss on ``batch`` without training."""
         self.model.eval()
+        if self.plain is not None:
+            loss = self._plain_loss(batch, self.plain, training=False)
+            return self.plain.mean_of(self.plain.start_loss_sum(loss))
         with greedy_redistribution_planning():
             return float(full_value(self._loss(batch)).item())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
 
-        Gathers sharded tensors: on real processes every rank must call it.
+        Gathers sharded tensors: on real processes every rank must call it. The values are
+        copies, never the live parameters.
         """
-        return {k: full_value(v) for k, v in self.model.state_dict().items()}
+        state = self.model.state_dict()
+        if self.plain is not None or self.device_mesh is None:
+            return {k: full_value(v).clone() for k, v in state.items()}
+        return {k: full_value(v) for k, v in state.items()}
 
     def _loss(self, batch: Any) -> torch.Tensor:
         batch = self.shard_batch(batch)
@@ -170,6 +231,8 @@ class Job:
         ``"data_parallel"``/``"full_batch"``: dim 0 across the data-parallel axis. Per-input
         strategies: each input of a tuple/list batch takes its own layout (``plait.data``).
         """
+        if self.plain is not None:
+            return self.plain.local_batch(batch)
         if self.device_mesh is None or self.mesh is None:
             return batch
         strategies = self.config.dataset_strategy

@@ -3,6 +3,10 @@
 Order of work: refuse features not built yet, check the world and the mesh, resolve and
 validate every annotation (no mutation, no communication), then turn parameters into
 DTensors and build the optimizer. Errors therefore come before any process waits on another.
+
+Pure data parallelism (mode ``data_parallel`` on a mesh whose only axis larger than one is the
+data-parallel one) skips DTensor: parameters stay plain tensors and gradients are summed in
+hook-driven buckets (:mod:`plait.runtime.data_parallel`), as DDP does.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, NotBuiltError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
+from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, own_model_copies
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import LocalShadows, is_elementwise
@@ -127,6 +132,8 @@ def parallelize(
     layouts = collect_layouts(model, mesh, config.dp_axis)
     named = layouts.layout_by_name(model)
     device_mesh = build_device_mesh(mesh, world.device_type)
+    if _is_pure_data_parallel(config, mesh):
+        return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
     apply_layouts(model, layouts, device_mesh)
     slice_inputs = world.simulated or config.dataset_strategy == "full_batch"
     grad_sync = _build_grad_sync(model, named, mesh, device_mesh, config)
@@ -144,6 +151,77 @@ def parallelize(
         layouts=named,
         grad_sync=grad_sync,
     )
+
+
+def _is_pure_data_parallel(cfg: ParallelConfig, mesh: MeshSpec) -> bool:
+    """Mode data_parallel, every axis but the data-parallel one of size 1, batch split on dim 0.
+
+    Then no parameter is split and no rank repeats another's work: plain tensors suffice.
+    """
+    return (
+        cfg.mode == "data_parallel"
+        and cfg.dp_axis in mesh.axis_names
+        and all(mesh.axis_size(a) == 1 for a in mesh.axis_names if a != cfg.dp_axis)
+        and cfg.dataset_strategy in ("data_parallel", "full_batch")
+    )
+
+
+def _plain_job(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    mesh: MeshSpec,
+    device_mesh: Any,
+    layouts: dict[str, TensorLayout],
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+) -> Job:
+    """The Job of pure data parallelism: plain parameters, bucketed gradient sums."""
+    world = current_world()
+    assert world is not None
+    dp = cfg.dp_axis
+    size = mesh.axis_size(dp)
+    device = _device_of(world.device_type)
+    if device.type != "cpu":
+        model.to(device)
+    own_model_copies(model)  # simulated ranks: one private copy each
+    plain = PlainDataParallel(
+        group_mesh=device_mesh[dp],
+        axis=dp,
+        size=size,
+        rank=None if world.simulated else int(device_mesh.get_coordinate()[mesh.axis_index(dp)]),
+        slice_inputs=world.simulated or cfg.dataset_strategy == "full_batch",
+        device=device,
+    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grad_sync = (
+        PlainGradSync(trained, device_mesh[dp], cfg.comm_fusion or CommFusion())
+        if size > 1 and trained
+        else None
+    )
+    logger.info(
+        "parallelized %s on mesh %s (pure data parallel, plain tensors)",
+        type(model).__name__,
+        mesh.as_dict(),
+    )
+    return Job(
+        model,
+        optimizer(model.parameters()),
+        loss_fn,
+        cfg,
+        mesh=mesh,
+        device_mesh=device_mesh,
+        slice_inputs=plain.slice_inputs,
+        layouts=layouts,
+        grad_sync=grad_sync,
+        plain=plain,
+    )
+
+
+def _device_of(device_type: str) -> torch.device:
+    """This process's device: the current CUDA device for NCCL worlds, else the CPU."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
 
 
 def _build_optimizer(model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:

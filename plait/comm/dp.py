@@ -1,0 +1,64 @@
+"""Communication for plain-tensor data parallelism: per-rank pieces and bucket all-reduces.
+
+When no parameter is split (pure data parallelism) plait keeps parameters, activations and
+gradients as ordinary tensors and talks to other ranks only to sum gradient buckets and the loss
+value. This module holds the few places where that path touches ``torch.distributed`` or the
+simulated world:
+
+* under :func:`plait.testing.simulate` a "plain" tensor must still hold one private value per
+  rank, so parameters become per-rank copies and a global batch becomes per-rank slices
+  (``LocalTensor``); in a real process these are the tensor itself and this rank's slice;
+* a sum all-reduce of a flat buffer over the data-parallel group, started asynchronously and
+  waited for later. It is one ``_c10d_functional.all_reduce`` (the collective that
+  ``CommDebugMode`` and plait's ``CollectiveLog`` both count), issued through DTensor's public
+  redistribution so that plait imports no private collective API.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait._compat import LocalTensor, own_per_rank, simulated_ranks
+from plait.comm.dtensor import start_all_reduce, wait_for
+
+__all__ = ["own_copy", "rank_slice", "start_sum", "wait_sum"]
+
+
+def own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` for this rank: itself in a real process, private per-rank copies if simulated.
+
+    Simulated ranks must not share storage: an in-place optimizer update on a shared tensor
+    would land once per rank.
+    """
+    ranks = simulated_ranks()
+    return tensor if ranks is None else own_per_rank(tensor.detach(), ranks)
+
+
+def rank_slice(tensor: torch.Tensor, parts: int, index: int | None) -> torch.Tensor:
+    """Piece ``index`` of ``parts`` equal pieces of ``tensor`` along dim 0.
+
+    ``index=None`` means "each rank its own": under simulation the piece of simulated rank
+    ``r`` is piece ``r`` (the caller guarantees the data-parallel coordinate equals the rank),
+    so the result is a ``LocalTensor``. Dim 0 must divide by ``parts`` (checked by the caller).
+    """
+    pieces = tensor.chunk(parts)
+    if index is not None:
+        return pieces[index]
+    ranks = simulated_ranks()
+    assert ranks is not None, "index=None is for simulated worlds only"
+    return LocalTensor({r: pieces[r] for r in ranks})
+
+
+def start_sum(flat: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
+    """Start summing the 1-D buffer ``flat`` over the 1-D mesh ``group_mesh``; async result.
+
+    The returned tensor is a new buffer (``flat`` is left as it was); read it through
+    :func:`wait_sum`, which blocks until the collective is done.
+    """
+    return start_all_reduce(flat, group_mesh)
+
+
+def wait_sum(result: torch.Tensor) -> torch.Tensor:
+    """The finished sum of a :func:`start_sum`."""
+    return wait_for(result)

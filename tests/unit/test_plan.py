@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -178,6 +179,7 @@ def test_round_trip_is_lossless_and_byte_identical():
     assert back == plan
     assert back.to_json() == text
     assert hash(back) == hash(plan)
+    assert pickle.loads(pickle.dumps(plan)) == plan  # plans travel to worker processes
     assert back.op("linear_1").outputs[0].partial == ("tp",)
     assert back.parameter("layers.0.fc1.weight").layout.dims == (("tp",), ())
 

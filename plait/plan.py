@@ -42,6 +42,9 @@ __all__ = [
     "PlannedOp",
     "PlannedParameter",
     "Prediction",
+    "fmt_bytes",
+    "fmt_flops",
+    "fmt_seconds",
 ]
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -350,6 +353,15 @@ def _recompute(where: str, value: object) -> str:
 @dataclass(frozen=True)
 class Plan:
     """The contract between planning and running: see the module docstring.
+
+    ``mode``, ``precision``, ``optimizer_shard`` and ``recompute`` take
+    :class:`~plait.config.ParallelConfig`'s values (``recompute`` also accepts MindSpore's
+    bool: True -> "full", False/None -> "none"); ``hardware`` names the cost profile;
+    ``stages[s]`` lists the op names or module paths of pipeline stage ``s``; ``options`` are
+    the configurations the outer planner weighed; ``memory_limit`` (bytes, optional) is the
+    per-device cap the summary compares the prediction with. Construction checks structure
+    (unique names, layouts on the plan's mesh, strategies matching layouts, references to
+    known ops); :meth:`validate` checks the plan against a model and a world.
 
     Example:
         >>> plan.save("gpt.plan.json")                       # doctest: +SKIP

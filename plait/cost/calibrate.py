@@ -258,7 +258,9 @@ def calibrate(
         memory_bandwidth=local["memory_bandwidth"],
         intra_node=link,
         inter_node=defaults.inter_node,
-        devices_per_node=cpus,
+        # A CPU host runs as many ranks as asked (gloo over loopback); take at least 8 as one
+        # node, like a GPU server. Topology(devices_per_node=...) says otherwise.
+        devices_per_node=max(cpus, 8),
         source=(
             f"measured by `plait calibrate{' --quick' if quick else ''}` on {platform.node()} "
             f"({platform.machine()}, {cpus} CPUs, torch {torch.__version__}) at "

@@ -17,6 +17,10 @@ size of ONE device's local piece BEFORE the collective. With ``p`` the group siz
     reduce          each rank's buffer     nbytes         nbytes (pipelined)      p-1
     send_recv       the message            -              nbytes                  1
     slice           (local, no traffic)    -              0                       0
+    partition       (local, no traffic)    -              0                       0
+
+``slice`` and ``partition`` are the redistribution planner's local steps (take a chunk; turn
+a replicated value into a pending sum); they cost nothing here.
 
 A group of one device costs 0 s for every kind. Ring algorithms are assumed (NCCL's default
 for large messages; gloo's ring all-reduce); tree and in-network reductions are not modelled.
@@ -25,8 +29,7 @@ for large messages; gloo's ring all-reduce); tree and in-network reductions are 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from fractions import Fraction
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, get_args
 
 from plait.cost.errors import CostError
@@ -46,6 +49,7 @@ CollectiveKind = Literal[
     "reduce",
     "send_recv",
     "slice",
+    "partition",
 ]
 _KINDS: tuple[str, ...] = get_args(CollectiveKind)
 
@@ -84,20 +88,20 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _steps_and_wire(kind: str, group_size: int) -> tuple[int, Fraction]:
-    """Ring steps and wire bytes per byte of ``nbytes`` (the convention in the module doc)."""
-    p = group_size
-    table: dict[str, tuple[int, Fraction]] = {
-        "all_reduce": (2 * (p - 1), Fraction(2 * (p - 1), p)),
-        "all_gather": (p - 1, Fraction(p - 1)),
-        "reduce_scatter": (p - 1, Fraction(p - 1, p)),
-        "all_to_all": (p - 1, Fraction(p - 1, p)),
-        "broadcast": (p - 1, Fraction(1)),
-        "reduce": (p - 1, Fraction(1)),
-        "send_recv": (1, Fraction(1)),
-        "slice": (0, Fraction(0)),
-    }
-    return table[kind]
+def _steps_and_wire(kind: str, p: int) -> tuple[int, float]:
+    """Ring steps, and wire bytes per byte of ``nbytes`` (the convention in the module doc)."""
+    # Plain floats and an if-chain: search calls this millions of times.
+    if kind == "all_reduce":
+        return 2 * (p - 1), 2 * (p - 1) / p
+    if kind == "all_gather":
+        return p - 1, float(p - 1)
+    if kind in ("reduce_scatter", "all_to_all"):
+        return p - 1, (p - 1) / p
+    if kind in ("broadcast", "reduce"):
+        return p - 1, 1.0
+    if kind == "send_recv":
+        return 1, 1.0
+    return 0, 0.0  # slice, partition: local
 
 
 def _check_args(kind: str, nbytes: int, group_size: int) -> None:
@@ -122,7 +126,7 @@ def wire_bytes(kind: str, nbytes: int, group_size: int) -> float:
     _check_args(kind, nbytes, group_size)
     if group_size == 1:
         return 0.0
-    return float(_steps_and_wire(kind, group_size)[1] * nbytes)
+    return _steps_and_wire(kind, group_size)[1] * nbytes
 
 
 def collective_seconds(kind: str, nbytes: int, group_size: int, link: Link) -> float:
@@ -134,10 +138,10 @@ def collective_seconds(kind: str, nbytes: int, group_size: int, link: Link) -> f
         0.006006
     """
     _check_args(kind, nbytes, group_size)
-    if group_size == 1 or kind == "slice":
+    if group_size == 1 or kind in ("slice", "partition"):
         return 0.0
     steps, per_byte = _steps_and_wire(kind, group_size)
-    return link.overhead + steps * link.latency + float(per_byte * nbytes) / link.bandwidth
+    return link.overhead + steps * link.latency + per_byte * nbytes / link.bandwidth
 
 
 AxisSeconds = Callable[[str, str, int], float]
@@ -171,6 +175,8 @@ class Topology:
     devices_per_node: int | None = None
     """Overrides ``hardware.devices_per_node`` (e.g. fewer workers per node than devices)."""
 
+    _axes: dict[str, tuple[int, Link]] = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         dpn = self.devices_per_node
         if dpn is not None and (not isinstance(dpn, int) or isinstance(dpn, bool) or dpn < 1):
@@ -178,6 +184,11 @@ class Topology:
                 f"Topology.devices_per_node={dpn!r} is not allowed; give an integer >= 1 or None "
                 "to use the hardware profile's"
             )
+        axes = {
+            axis: (size, self._link_of(axis))
+            for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True)
+        }
+        object.__setattr__(self, "_axes", axes)
 
     @property
     def node_size(self) -> int:
@@ -200,16 +211,24 @@ class Topology:
     def inter_node_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if not self.is_intra_node(a))
 
+    def _link_of(self, axis: str) -> Link:
+        return self.hardware.intra_node if self.is_intra_node(axis) else self.hardware.inter_node
+
     def link(self, axis: str) -> Link:
         """The link that paces collectives over ``axis``."""
-        return self.hardware.intra_node if self.is_intra_node(axis) else self.hardware.inter_node
+        if axis not in self._axes:
+            self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
+        return self._axes[axis][1]
 
     def axis_seconds(self, kind: str, axis: str, nbytes: int) -> float:
         """Seconds for one ``kind`` collective over mesh axis ``axis`` (an :data:`AxisSeconds`).
 
         Fits ``Redistribution.seconds(fn)``: pass ``topology.axis_seconds``.
         """
-        return collective_seconds(kind, nbytes, self.mesh.axis_size(axis), self.link(axis))
+        if axis not in self._axes:
+            self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
+        size, link = self._axes[axis]
+        return collective_seconds(kind, nbytes, size, link)
 
     def group_seconds(self, kind: str, axes: tuple[str, ...], nbytes: int) -> float:
         """One collective over the group spanned by several axes (e.g. dp x tp flattened).

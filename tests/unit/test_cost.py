@@ -1,0 +1,301 @@
+"""The cost model's time side: ring collectives, topology, roofline, hardware profiles."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import get_args
+
+import pytest
+
+from plait.config import Hardware
+from plait.cost import (
+    BUILTIN_NAMES,
+    CostError,
+    HardwareProfile,
+    Link,
+    Topology,
+    backward_flops,
+    collective_seconds,
+    compute_dtype,
+    get_profile,
+    load_profile,
+    local_defaults,
+    op_seconds,
+    save_profile,
+    training_flops,
+    training_seconds,
+    wire_bytes,
+)
+from plait.cost.calibrate import fit_alpha_beta
+from plait.errors import LayoutError, PlaitError
+from plait.layout import TensorLayout
+from plait.layout.redistribute import plan_redistribution
+from plait.mesh import MeshSpec
+
+LINK = Link(bandwidth=1e9, latency=1e-6)
+MB = 10**6
+
+
+# ------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.parametrize(
+    ("kind", "nbytes", "expected"),
+    [
+        # 4 devices, 1 GB/s, 1 us per step; nbytes is the local piece before the collective.
+        ("all_reduce", 4 * MB, 6 * 1e-6 + 6 * MB / 1e9),  # 2(p-1) steps, 2(p-1)/p * 4 MB
+        ("all_gather", 1 * MB, 3 * 1e-6 + 3 * MB / 1e9),  # p-1 steps, (p-1) shards of 1 MB
+        ("reduce_scatter", 4 * MB, 3 * 1e-6 + 3 * MB / 1e9),  # (p-1)/p of the full 4 MB
+        ("all_to_all", 4 * MB, 3 * 1e-6 + 3 * MB / 1e9),  # (p-1)/p of the local buffer leaves
+        ("broadcast", 4 * MB, 3 * 1e-6 + 4 * MB / 1e9),  # pipelined: S / B
+        ("reduce", 4 * MB, 3 * 1e-6 + 4 * MB / 1e9),
+        ("send_recv", 4 * MB, 1e-6 + 4 * MB / 1e9),
+        ("slice", 4 * MB, 0.0),
+        ("partition", 4 * MB, 0.0),
+    ],
+)
+def test_collective_seconds_ring_formulas(kind: str, nbytes: int, expected: float) -> None:
+    assert collective_seconds(kind, nbytes, 4, LINK) == pytest.approx(expected, rel=1e-12)
+
+
+def test_collective_seconds_group_of_one_is_free() -> None:
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        assert collective_seconds(kind, 10**9, 1, LINK) == 0.0
+        assert wire_bytes(kind, 10**9, 1) == 0.0
+
+
+def test_all_reduce_is_reduce_scatter_then_all_gather() -> None:
+    # The ring all-reduce is a reduce-scatter of the buffer and an all-gather of its shard;
+    # with the byte convention, the two halves must add up to the whole.
+    for p in (2, 3, 8, 64):
+        n = 3 * 2**20 * p
+        whole = collective_seconds("all_reduce", n, p, LINK)
+        halves = collective_seconds("reduce_scatter", n, p, LINK) + collective_seconds(
+            "all_gather", n // p, p, LINK
+        )
+        assert whole == pytest.approx(halves, rel=1e-12)
+        assert wire_bytes("all_reduce", n, p) == pytest.approx(2 * (p - 1) / p * n)
+
+
+def test_collective_seconds_overhead_paid_once() -> None:
+    link = Link(bandwidth=1e9, latency=0.0, overhead=5e-6)
+    assert collective_seconds("all_reduce", 0, 8, link) == pytest.approx(5e-6)
+    assert collective_seconds("all_gather", 8, 8, link) == pytest.approx(5e-6 + 56 / 1e9)
+
+
+def test_collective_seconds_rejects_bad_arguments() -> None:
+    with pytest.raises(CostError, match=r"'gather'.*all_gather"):
+        collective_seconds("gather", 8, 2, LINK)
+    with pytest.raises(CostError, match="nbytes=-1"):
+        collective_seconds("all_reduce", -1, 2, LINK)
+    with pytest.raises(CostError, match="group_size=0"):
+        collective_seconds("all_reduce", 8, 0, LINK)
+    with pytest.raises(CostError, match=r"Link.bandwidth=0"):
+        Link(bandwidth=0, latency=0)
+    assert issubclass(CostError, PlaitError)
+
+
+# ---------------------------------------------------------------------------- topology
+
+
+def test_topology_innermost_axes_inside_a_node() -> None:
+    h100 = get_profile("h100")
+    topo = Topology(MeshSpec.from_dict({"dp": 4, "tp": 8}), h100)
+    assert (topo.intra_node_axes, topo.inter_node_axes) == (("tp",), ("dp",))
+    assert topo.link("tp") == h100.intra_node
+    assert topo.link("dp") == h100.inter_node
+
+    # pp x dp x tp = 2 x 2 x 2 fits one 8-GPU node: every axis is intra-node.
+    small = Topology(MeshSpec.from_dict({"pp": 2, "dp": 2, "tp": 2}), h100)
+    assert small.inter_node_axes == ()
+    # dp 4 x tp 4 on 8 per node: dp groups {0,4,8,12} span two nodes.
+    split = Topology(MeshSpec.from_dict({"dp": 4, "tp": 4}), h100)
+    assert (split.intra_node_axes, split.inter_node_axes) == (("tp",), ("dp",))
+    # An axis larger than a node crosses nodes, and so does every axis outside it.
+    wide = Topology(MeshSpec.from_dict({"dp": 2, "tp": 16}), h100)
+    assert wide.intra_node_axes == ()
+
+
+def test_topology_devices_per_node_override() -> None:
+    mesh = MeshSpec.from_dict({"dp": 2, "tp": 4})
+    assert Topology(mesh, get_profile("a100-80g")).inter_node_axes == ()
+    assert Topology(mesh, get_profile("a100-80g"), devices_per_node=4).inter_node_axes == ("dp",)
+    with pytest.raises(CostError, match="devices_per_node=0"):
+        Topology(mesh, get_profile("h100"), devices_per_node=0)
+
+
+def test_topology_axis_seconds_uses_the_axis_link_and_size() -> None:
+    a100 = get_profile("a100-80g")
+    topo = Topology(MeshSpec.from_dict({"dp": 4, "tp": 8}), a100)
+    n = 64 * MB
+    assert topo.axis_seconds("all_reduce", "tp", n) == collective_seconds(
+        "all_reduce", n, 8, a100.intra_node
+    )
+    assert topo.axis_seconds("all_reduce", "dp", n) == collective_seconds(
+        "all_reduce", n, 4, a100.inter_node
+    )
+    # NVLink is 12x InfiniBand HDR per GPU: a large tp all-reduce is much cheaper.
+    assert topo.axis_seconds("all_reduce", "dp", n) > 5 * topo.axis_seconds("all_reduce", "tp", n)
+    with pytest.raises(LayoutError, match="'sp' is not in the mesh"):
+        topo.axis_seconds("all_reduce", "sp", n)
+    # Several axes: one group of 32 over the slowest link.
+    assert topo.group_seconds("all_reduce", ("dp", "tp"), n) == collective_seconds(
+        "all_reduce", n, 32, a100.inter_node
+    )
+    assert topo.group_seconds("all_reduce", (), n) == 0.0
+
+
+def test_topology_axis_seconds_prices_a_redistribution() -> None:
+    mesh = MeshSpec.from_dict({"dp": 2, "tp": 4})
+    topo = Topology(mesh, get_profile("h100"), devices_per_node=4)
+    # A column-parallel output (dim 1 split over tp) gathered to replicated: one all_gather of
+    # the local (8, 256) fp32 piece over tp; slices are free.
+    src = TensorLayout(mesh, dims=((), ("tp",)))
+    dst = TensorLayout(mesh, dims=((), ()))
+    plan = plan_redistribution(src, dst, (8, 1024))
+    expected = collective_seconds("all_gather", 8 * 256 * 4, 4, topo.hardware.intra_node)
+    assert plan.seconds(topo.axis_seconds) == pytest.approx(expected)
+    back = plan_redistribution(dst, src, (8, 1024))
+    assert back.seconds(topo.axis_seconds) == 0.0
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+def test_op_seconds_roofline() -> None:
+    a100 = get_profile("a100-80g")
+    # A 4096^3 bf16 matmul is compute bound: 2 * 4096^3 / (312e12 * 0.7).
+    flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 2
+    assert op_seconds(flops, nbytes, "bfloat16", a100) == pytest.approx(flops / (312e12 * 0.7))
+    # An elementwise add of 2^28 fp32 elements is memory bound: 3 * 4 B per element.
+    n = 2**28
+    assert op_seconds(n, 12 * n, "float32", a100) == pytest.approx(12 * n / (2039e9 * 0.7))
+    # A tiny op is never faster than a kernel launch; an op without work costs nothing.
+    assert op_seconds(10, 40, "float32", a100) == a100.kernel_latency == 7e-6
+    assert op_seconds(0, 0, "float32", a100) == 0.0
+
+
+def test_op_seconds_unknown_dtype_names_the_fix() -> None:
+    with pytest.raises(CostError, match=r"'ascend-910' has no peak FLOP/s for dtype 'float32'"):
+        op_seconds(1e9, 0, "float32", get_profile("ascend-910"))
+    with pytest.raises(CostError, match="flops=-1"):
+        op_seconds(-1, 0, "float32", get_profile("h100"))
+    assert compute_dtype("bf16") == "bfloat16"
+    with pytest.raises(CostError, match="'fp8'"):
+        compute_dtype("fp8")
+
+
+def test_training_flops_backward_doubles_weighted_ops() -> None:
+    assert backward_flops(100) == 200  # dX and dW
+    assert backward_flops(100, has_weight=False) == 100  # dX only
+    assert training_flops(100) == 300  # the "6N per token" rule: 2N forward + 4N backward
+    assert training_flops(100, has_weight=False) == 200
+    assert training_flops(100, recompute=True) == 400
+    h100 = get_profile("h100")
+    f = 2 * 8192**3
+    assert training_seconds(f, 0, "bfloat16", h100) == pytest.approx(3 * f / (989e12 * 0.7))
+
+
+# ---------------------------------------------------------------------------- profiles
+
+
+def test_builtin_profiles_cover_the_config_names_and_cite_sources() -> None:
+    names = set(get_args(Hardware)) - {"local"}
+    assert set(BUILTIN_NAMES) == names
+    for name in BUILTIN_NAMES:
+        profile = get_profile(name)
+        assert profile.name == name
+        assert "datasheet" in profile.source or "Hot Chips" in profile.source
+    a100 = get_profile("a100-40g")
+    assert a100.peak("bfloat16") == 312e12 and a100.peak("float32") == 19.5e12
+    assert a100.memory_bytes == 40 * 2**30 and a100.memory_bandwidth == 1555e9
+    assert a100.intra_node.bandwidth == 300e9 and a100.inter_node.bandwidth == 25e9
+    assert "1555 GB/s" in a100.source
+    h200 = get_profile("h200")
+    assert h200.peak("bfloat16") == get_profile("h100").peak("bfloat16") == 989e12
+    assert h200.memory_bandwidth == 4.8e12 and h200.memory_bytes == 141 * 2**30
+    assert get_profile("ascend-910").peak("float16") == 256e12
+
+
+def test_profiles_are_values() -> None:
+    h100 = get_profile("h100")
+    assert {h100: 1}[get_profile("h100")] == 1  # hashable, usable as a cache key
+    with pytest.raises(TypeError):
+        h100.peak_flops["float32"] = 1.0  # type: ignore[index]
+    with pytest.raises(CostError, match=r"'tpu-v5'.*'local'"):
+        get_profile("tpu-v5")
+    with pytest.raises(CostError, match=r"compute_efficiency=1.5 is above 1"):
+        HardwareProfile(**{**_fields(h100), "compute_efficiency": 1.5})
+    with pytest.raises(CostError, match=r"peak_flops\['fp8'\]"):
+        HardwareProfile(**{**_fields(h100), "peak_flops": {"fp8": 1e15}})
+
+
+def _fields(profile: HardwareProfile) -> dict[str, object]:
+    data = profile.to_dict()
+    return {
+        **{k: v for k, v in data.items() if k not in ("format", "version")},
+        "intra_node": profile.intra_node,
+        "inter_node": profile.inter_node,
+    }
+
+
+def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
+    measured = HardwareProfile(
+        name="local",
+        peak_flops={"float32": 2.5e11, "bfloat16": 4.6e10},
+        memory_bytes=8 * 2**30,
+        memory_bandwidth=2.2e10,
+        intra_node=Link(bandwidth=1.1e9, latency=1.6e-4),
+        inter_node=Link(bandwidth=1.25e9, latency=1e-4),
+        devices_per_node=8,
+        source="measured by a test",
+        measured={"matmul_size": 512},
+    )
+    path = save_profile(measured, tmp_path / "sub" / "local.json")
+    assert json.loads(path.read_text())["format"] == "plait-hardware-profile"
+    loaded = get_profile("local", path)
+    assert loaded == measured
+    assert loaded.measured["matmul_size"] == 512
+    assert load_profile(path).intra_node.latency == 1.6e-4
+
+
+def test_local_profile_default_path_and_fallback(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PLAIT_HOME", str(tmp_path))
+    fallback = get_profile(None)
+    assert fallback == local_defaults()
+    assert "uncalibrated defaults; run `plait calibrate`" in fallback.source
+    custom = HardwareProfile(**{**_fields(local_defaults()), "source": "from PLAIT_HOME"})
+    save_profile(custom, tmp_path / "local.json")
+    assert get_profile("local").source == "from PLAIT_HOME"
+
+
+def test_local_profile_bad_files_are_errors(tmp_path) -> None:
+    with pytest.raises(CostError, match=r"cannot be read.*plait calibrate --out"):
+        get_profile("local", tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CostError, match="is not JSON"):
+        load_profile(bad)
+    bad.write_text(json.dumps({"format": "something-else", "version": 1}))
+    with pytest.raises(CostError, match="not a plait hardware profile"):
+        load_profile(bad)
+    data = local_defaults().to_dict()
+    del data["intra_node"]
+    bad.write_text(json.dumps(data))
+    with pytest.raises(CostError, match="missing or has a malformed field"):
+        load_profile(bad)
+
+
+def test_fit_alpha_beta_recovers_the_ring_model() -> None:
+    p, latency, bandwidth = 4, 20e-6, 2e9
+    sizes = [4, 4096, 65536, 2**20, 16 * 2**20]
+    times = [2 * (p - 1) * latency + 2 * (p - 1) / p * n / bandwidth for n in sizes]
+    link = fit_alpha_beta(sizes, times, p)
+    assert link.latency == pytest.approx(latency, rel=1e-6)
+    assert link.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    # The fitted link predicts the timings it came from.
+    for n, t in zip(sizes, times, strict=True):
+        assert math.isclose(collective_seconds("all_reduce", n, p, link), t, rel_tol=1e-6)
+    with pytest.raises(CostError, match="group_size"):
+        fit_alpha_beta(sizes, times, 1)

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from plait.errors import CaptureError
+
 __all__ = [
     "GraphInput",
     "LayerGroup",
@@ -140,16 +142,29 @@ class OpGraph:
     _by_name: dict[str, OpNode] = field(init=False, repr=False, compare=False)
     _inputs_by_name: dict[str, GraphInput] = field(init=False, repr=False, compare=False)
     _consumers: dict[str, list[tuple[str, int]]] = field(init=False, repr=False, compare=False)
+    # member FQN -> its ops' names in order; op name -> position among its member's ops
+    _member_ops: dict[str, list[str]] = field(init=False, repr=False, compare=False)
+    _position: dict[str, int] = field(init=False, repr=False, compare=False)
+    _group_of_member: dict[str, LayerGroup] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         by_name = {op.name: op for op in self.ops}
         consumers: dict[str, list[tuple[str, int]]] = {}
+        member_ops: dict[str, list[str]] = {}
+        position: dict[str, int] = {}
         for op in self.ops:
             for i, ref in enumerate(op.inputs):
                 consumers.setdefault(ref, []).append((op.name, i))
+            if op.layer is not None:
+                names = member_ops.setdefault(op.layer, [])
+                position[op.name] = len(names)
+                names.append(op.name)
         object.__setattr__(self, "_by_name", by_name)
         object.__setattr__(self, "_inputs_by_name", {g.name: g for g in self.inputs})
         object.__setattr__(self, "_consumers", consumers)
+        object.__setattr__(self, "_member_ops", member_ops)
+        object.__setattr__(self, "_position", position)
+        object.__setattr__(self, "_group_of_member", {m: g for g in self.layers for m in g.members})
 
     def __iter__(self) -> Iterator[OpNode]:
         return iter(self.ops)
@@ -185,3 +200,65 @@ class OpGraph:
     @property
     def flops(self) -> int:
         return sum(op.flops for op in self.ops)
+
+    # ------------------------------------------------------------------ repeated layers
+
+    def group_of(self, op_name: str) -> LayerGroup | None:
+        """The layer group whose member runs ``op_name``, or None."""
+        layer = self._by_name[op_name].layer
+        return None if layer is None else self._group_of_member.get(layer)
+
+    def representative(self, op_name: str) -> str:
+        """The op of ``members[0]`` that corresponds to ``op_name`` (itself outside groups).
+
+        Members' ops correspond one to one in order (checked by :meth:`validate`), so a
+        strategy chosen for the representative applies to every member's matching op.
+        """
+        group = self.group_of(op_name)
+        if group is None:
+            return op_name
+        return self._member_ops[group.members[0]][self._position[op_name]]
+
+    def layer_ops(self, member: str) -> tuple[OpNode, ...]:
+        """The ops of one member of a layer group (``"blocks.3"``), in graph order."""
+        return tuple(self._by_name[n] for n in self._member_ops.get(member, ()))
+
+    def validate(self) -> None:
+        """Check that refs resolve and that layer groups' members correspond op for op.
+
+        Raises :class:`~plait.errors.CaptureError` naming the first broken op or member.
+        """
+        known: set[str] = set(self._inputs_by_name)
+        for op in self.ops:
+            for ref in op.inputs:
+                if ref not in known:
+                    raise CaptureError(
+                        f"OpGraph op {op.name!r} ({op.target}) reads {ref!r}, which no earlier "
+                        "op or graph input produces; ops must be in topological order and "
+                        "refs must name existing values"
+                    )
+            known.update(value_ref(op.name, i) for i in range(len(op.outputs)))
+        missing = [ref for ref in self.outputs if ref not in known]
+        if missing:
+            raise CaptureError(f"OpGraph outputs {missing} are produced by no op or input")
+        for group in self.layers:
+            self._check_group(group)
+
+    def _check_group(self, group: LayerGroup) -> None:
+        first = self.layer_ops(group.members[0])
+        for member in group.members[1:]:
+            ops = self.layer_ops(member)
+            if len(ops) != len(first):
+                raise CaptureError(
+                    f"layer group {group.prefix!r}: member {member!r} runs {len(ops)} ops but "
+                    f"{group.members[0]!r} runs {len(first)}; members of a group must "
+                    "correspond op for op (drop the group or fix the capture)"
+                )
+            for a, b in zip(first, ops, strict=True):
+                if (a.target, a.input_metas, a.outputs) != (b.target, b.input_metas, b.outputs):
+                    raise CaptureError(
+                        f"layer group {group.prefix!r}: op {b.name!r} ({b.target}) of "
+                        f"{member!r} does not match {a.name!r} ({a.target}) of "
+                        f"{group.members[0]!r} in target or shapes; members of a group must "
+                        "correspond op for op"
+                    )

@@ -5,6 +5,13 @@ Pure planning code: no process groups, no ``torch.distributed``.
 
 from plait.layout.layout import Layout, TensorLayout
 from plait.layout.placement import Partial, Placement, Replicate, Shard
+from plait.layout.redistribute import (
+    LOCAL_KINDS,
+    CollectiveKind,
+    Redistribution,
+    RedistStep,
+    plan_redistribution,
+)
 from plait.layout.strategy import (
     OpSignature,
     ResolvedStrategy,
@@ -13,14 +20,19 @@ from plait.layout.strategy import (
 )
 
 __all__ = [
+    "LOCAL_KINDS",
+    "CollectiveKind",
     "Layout",
     "OpSignature",
     "Partial",
     "Placement",
+    "RedistStep",
+    "Redistribution",
     "Replicate",
     "ResolvedStrategy",
     "Shard",
     "TensorLayout",
+    "plan_redistribution",
     "resolve_strategy",
     "resolve_tensor_strategy",
 ]

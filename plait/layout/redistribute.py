@@ -1,0 +1,433 @@
+"""The redistribution planner: layout A to layout B as single-axis steps, with bytes and a cost.
+
+MindSpore's tensor redistribution (``RedistributionOperatorInfer``) turns a pair of tensor maps
+into Split / AllToAll / AllGather ops, one device-matrix axis at a time. plait does the same on
+:class:`~plait.layout.TensorLayout`, and adds DTensor's ``Partial`` as a state of an axis, so a
+pending sum is reduced by the cheapest collective that the target allows. Pure: no process
+group, no ``torch.distributed``.
+
+Model. Each mesh axis ``X`` is in one of three states: it splits one tensor dim (at some
+position of that dim's axes, outermost first), it holds a pending reduction (partial), or it
+is replicated. A dim's axes behave as a stack: a rank's piece of a dim split ``(a, b)`` is
+block ``index_a * size_b + index_b``, so only the innermost axis can be gathered or moved in
+one collective, and a local slice can only add a new innermost axis. The steps:
+
+=================  ======================================  =================================
+kind               state change on axis ``X``              communication (group of ``X``)
+=================  ======================================  =================================
+``slice``          replicated -> innermost split of dim d  none: each rank keeps its chunk
+``partition``      replicated -> partial                   none: DTensor's choice, see below
+``all_gather``     innermost split of dim d -> replicated  gather the pieces along dim d
+``all_to_all``     innermost of dim d -> innermost of e    exchange: split e, concatenate d
+``all_reduce``     partial -> replicated                   reduce
+``reduce_scatter`` partial -> innermost split of dim d     reduce, each rank keeps its chunk
+=================  ======================================  =================================
+
+``partition`` does what DTensor does for ``Replicate -> Partial``
+(``Partial._partition_value``, torch 2.13): a pending ``sum`` divides the value by the axis
+size on every rank; ``avg``, ``max`` and ``min`` keep the value. A split axis that must become
+partial is first gathered (DTensor refuses ``Shard -> Partial`` outright).
+
+Order. The steps move each changing axis along the cheapest route known here (a partial axis
+that ends split is reduce-scattered, never all-reduced then sliced; an axis that moves between
+dims is one all-to-all, unless a cycle forces a gather, as in MindSpore), and are scheduled
+greedily: free local steps first (slices shrink the piece every later collective carries),
+then reduce-scatters, all-to-alls, all-reduces, and all-gathers last (they grow it). Gathers
+that unblock other work go before gathers that do not. Bytes moved per device are those of
+ring collectives (:meth:`RedistStep.moved_bytes`).
+
+Axes of size 1 move nothing: changes on them are folded into the neighbouring step, so a plan
+never holds a collective over a group of one device.
+
+``RedistStep.nbytes`` is the size of ONE device's local piece BEFORE the step, the convention
+of :mod:`plait.cost` (``all_gather``: the input shard; ``reduce_scatter``: the full input;
+``all_reduce``: the buffer; ``all_to_all``: the local buffer). The cost model converts it to
+the message size of its formula.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from plait.errors import LayoutError
+from plait.layout.layout import TensorLayout
+from plait.layout.placement import ReduceOp
+
+__all__ = [
+    "LOCAL_KINDS",
+    "CollectiveKind",
+    "RedistStep",
+    "Redistribution",
+    "plan_redistribution",
+]
+
+CollectiveKind = Literal[
+    "all_gather", "all_to_all", "reduce_scatter", "all_reduce", "slice", "partition"
+]
+KINDS: frozenset[str] = frozenset(get_args(CollectiveKind))
+LOCAL_KINDS: frozenset[str] = frozenset({"slice", "partition"})
+"""Step kinds that need no communication (each rank works on its own piece)."""
+
+# Fraction of the local piece one device sends (= receives) per step, ring algorithms on a
+# group of n: all-gather sends its piece n-1 times; reduce-scatter and all-to-all send
+# (n-1)/n of the buffer; all-reduce is a reduce-scatter plus an all-gather.
+_TRAFFIC: dict[str, Callable[[int], float]] = {
+    "all_gather": lambda n: n - 1.0,
+    "all_to_all": lambda n: (n - 1.0) / n,
+    "reduce_scatter": lambda n: (n - 1.0) / n,
+    "all_reduce": lambda n: 2.0 * (n - 1.0) / n,
+    "slice": lambda n: 0.0,
+    "partition": lambda n: 0.0,
+}
+
+_CACHE_SIZE = 1 << 16  # distinct (src, dst, shape, itemsize) keys one search keeps hot
+
+
+@dataclass(frozen=True, slots=True)
+class RedistStep:
+    """One step of a redistribution: a collective over one mesh axis, or a local op.
+
+    Attributes:
+        kind: the collective (or ``slice`` / ``partition``, local).
+        axis: the mesh axis whose device groups run it.
+        before: the tensor's layout before the step; ``after``: after it.
+        nbytes: bytes of ONE device's local piece BEFORE the step.
+    """
+
+    kind: CollectiveKind
+    axis: str
+    before: TensorLayout
+    after: TensorLayout
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise LayoutError(
+                f"redistribution step kind {self.kind!r} is unknown; use one of {sorted(KINDS)}"
+            )
+        if self.before.mesh != self.after.mesh:
+            raise LayoutError(
+                f"redistribution step {self.kind}@{self.axis}: layouts {self.before.describe()} "
+                f"and {self.after.describe()} are on different meshes; a step stays on one mesh"
+            )
+        self.before.mesh.axis_index(self.axis)
+        if not isinstance(self.nbytes, int) or self.nbytes < 0:
+            raise LayoutError(
+                f"redistribution step {self.kind}@{self.axis}: nbytes={self.nbytes!r}; "
+                "give the local piece's size in bytes, an integer >= 0"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Devices in each group of the step (the size of ``axis``)."""
+        return self.before.mesh.axis_size(self.axis)
+
+    @property
+    def is_local(self) -> bool:
+        """True for steps without communication (``slice``, ``partition``)."""
+        return self.kind in LOCAL_KINDS
+
+    @property
+    def from_dim(self) -> int | None:
+        """The tensor dim ``axis`` splits before the step (None: replicated or partial)."""
+        return _dim_of(self.before, self.axis)
+
+    @property
+    def to_dim(self) -> int | None:
+        """The tensor dim ``axis`` splits after the step (None: replicated or partial)."""
+        return _dim_of(self.after, self.axis)
+
+    def moved_bytes(self) -> float:
+        """Bytes one device sends (and receives) in a ring implementation of the step."""
+        return self.nbytes * _TRAFFIC[self.kind](self.group_size)
+
+    def describe(self) -> str:
+        return (
+            f"{self.kind}@{self.axis}: {self.before.describe()} -> {self.after.describe()} "
+            f"({self.nbytes} B local)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Redistribution:
+    """How a tensor of ``shape`` goes from layout ``src`` to layout ``dst``, step by step.
+
+    ``steps[0].before == src``, ``steps[-1].after == dst`` and each step starts from the
+    layout the previous one left; no steps when the two layouts place the tensor alike.
+    """
+
+    src: TensorLayout
+    dst: TensorLayout
+    shape: tuple[int, ...]
+    itemsize: int
+    steps: tuple[RedistStep, ...]
+
+    def __post_init__(self) -> None:
+        chain = [self.src, *(x for s in self.steps for x in (s.before, s.after)), self.dst]
+        if self.steps and any(chain[i] != chain[i + 1] for i in range(0, len(chain), 2)):
+            raise LayoutError(
+                f"redistribution {self.src.describe()} -> {self.dst.describe()}: steps "
+                f"{[s.describe() for s in self.steps]} do not chain from the source to the "
+                "target; each step must start where the previous one ended"
+            )
+
+    def kinds(self) -> Counter[str]:
+        """Collective kind -> how many steps use it; local steps are left out."""
+        return Counter(s.kind for s in self.steps if s.kind not in LOCAL_KINDS)
+
+    def is_noop(self) -> bool:
+        """True when nothing needs to happen: the layouts place the tensor alike."""
+        return not self.steps
+
+    def moved_bytes(self) -> float:
+        """Bytes one device sends over the whole plan (ring algorithms)."""
+        return sum(s.moved_bytes() for s in self.steps)
+
+    def seconds(self, collective_seconds: Callable[[str, str, int], float]) -> float:
+        """Predicted time: the sum of ``collective_seconds(kind, axis, nbytes)`` over the steps.
+
+        Every step is passed, local ones (``slice``, ``partition``) included, so that a cost
+        model may charge their memory traffic; one that returns 0 for them makes them free.
+        ``nbytes`` follows the convention of :class:`RedistStep`.
+        """
+        return sum(collective_seconds(s.kind, s.axis, s.nbytes) for s in self.steps)
+
+    def describe(self) -> str:
+        """One line per step, for people."""
+        head = f"{self.src.describe()} -> {self.dst.describe()} shape {self.shape}"
+        if not self.steps:
+            return head + ": no-op"
+        return "\n".join([head + ":", *(f"  {s.describe()}" for s in self.steps)])
+
+
+def plan_redistribution(
+    src: TensorLayout, dst: TensorLayout, shape: Sequence[int], itemsize: int = 4
+) -> Redistribution:
+    """Plan how a tensor of ``shape`` (``itemsize`` bytes per element) goes from ``src`` to ``dst``.
+
+    Both layouts must be on the same mesh and split every dim evenly. Deterministic, and
+    cached on its arguments: search calls it for the same pairs many times.
+
+    Example:
+        >>> from plait import Layout
+        >>> lay = Layout((2, 2), ("dp", "tp"))
+        >>> plan = plan_redistribution(lay("tp", "None"), lay("None", "tp"), (8, 12))
+        >>> [(s.kind, s.axis, s.nbytes) for s in plan.steps]
+        [('all_to_all', 'tp', 192)]
+    """
+    key = shape if type(shape) is tuple else tuple(shape)
+    return _plan_cached(src, dst, key, itemsize)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _plan_cached(
+    src: TensorLayout, dst: TensorLayout, shape: tuple[int, ...], itemsize: int
+) -> Redistribution:
+    _check_inputs(src, dst, shape, itemsize)
+    if src == dst:
+        return Redistribution(src, dst, shape, itemsize, ())
+    walk = _Walk(src, dst, math.prod(shape) * itemsize)
+    walk.run()
+    steps = _fold_unit_axes(walk.steps, src, dst)
+    return Redistribution(src, dst, shape, itemsize, steps)
+
+
+def _check_inputs(
+    src: TensorLayout, dst: TensorLayout, shape: tuple[int, ...], itemsize: int
+) -> None:
+    if not isinstance(src, TensorLayout) or not isinstance(dst, TensorLayout):
+        raise LayoutError(
+            f"plan_redistribution takes two TensorLayouts, got {type(src).__name__} and "
+            f"{type(dst).__name__}; build them with Layout(...)(...) or TensorLayout(...)"
+        )
+    if src.mesh != dst.mesh:
+        raise LayoutError(
+            f"redistribution {src.describe()} -> {dst.describe()}: the layouts are on different "
+            f"meshes {src.mesh.as_dict()} and {dst.mesh.as_dict()}; redistribution stays on one "
+            "mesh: lay both out on the same MeshSpec"
+        )
+    if not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise LayoutError(
+            f"redistribution of shape {shape!r}: sizes must be integers >= 0; pass the "
+            "tensor's shape"
+        )
+    if not isinstance(itemsize, int) or itemsize < 1:
+        raise LayoutError(
+            f"redistribution itemsize={itemsize!r}: give bytes per element, an integer >= 1"
+        )
+    src.check_shape(shape, f"redistribution source layout {src.describe()}")
+    dst.check_shape(shape, f"redistribution target layout {dst.describe()}")
+
+
+def _dim_of(layout: TensorLayout, axis: str) -> int | None:
+    for d, axes in enumerate(layout.dims):
+        if axis in axes:
+            return d
+    return None
+
+
+# Step priorities, lowest first: free steps, then shrinking, neutral and growing collectives.
+_SLICE, _PARTITION, _RS, _A2A, _AR, _GATHER_USEFUL, _GATHER_FORCED, _GATHER_LAST = range(8)
+
+
+class _Walk:
+    """Mutable working state of one planning call (never shared, never global)."""
+
+    def __init__(self, src: TensorLayout, dst: TensorLayout, total_bytes: int) -> None:
+        self.mesh = src.mesh
+        self.dst = dst
+        self.total_bytes = total_bytes
+        self.dims: list[list[str]] = [list(axes) for axes in src.dims]
+        self.partial: list[str] = list(src.partial)
+        self.reduce_op: ReduceOp = src.reduce_op
+        self.layout = src
+        self.steps: list[RedistStep] = []
+        self.target_dim = {a: d for d, axes in enumerate(dst.dims) for a in axes}
+        self.order = {a: i for i, a in enumerate(self.mesh.axis_names)}
+
+    # -- reading the state ------------------------------------------------------------------
+    def level(self, d: int) -> int:
+        """Length of the common prefix of dim ``d``'s current and target axes."""
+        cur, want = self.dims[d], self.dst.dims[d]
+        n = 0
+        for a, b in zip(cur, want, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def next_push(self, d: int) -> str | None:
+        """The axis dim ``d`` takes next, once its extra axes are gone; else None."""
+        lvl = self.level(d)
+        if len(self.dims[d]) == lvl < len(self.dst.dims[d]):
+            return self.dst.dims[d][lvl]
+        return None
+
+    def partial_settled(self, axis: str) -> bool:
+        return axis in self.dst.partial and self.reduce_op == self.dst.reduce_op
+
+    def gather_unblocks(self, d: int) -> bool:
+        """True if popping dim ``d``'s innermost axis clears the way for other steps."""
+        rest = self.dims[d][self.level(d) : -1]
+        moving = any(self.target_dim.get(a, d) != d for a in rest)
+        return moving or len(self.dst.dims[d]) > self.level(d)
+
+    # -- choosing the next step ---------------------------------------------------------------
+    def candidates(self) -> list[tuple[int, int, str, str, int | None]]:
+        """(priority, axis order, kind, axis, target dim) of every step allowed now."""
+        out: list[tuple[int, int, str, str, int | None]] = []
+        out += self._pop_candidates()
+        out += self._push_candidates()
+        out += self._partial_candidates()
+        return out
+
+    def _pop_candidates(self) -> list[tuple[int, int, str, str, int | None]]:
+        out: list[tuple[int, int, str, str, int | None]] = []
+        for d, axes in enumerate(self.dims):
+            if len(axes) <= self.level(d):
+                continue
+            x = axes[-1]
+            e = self.target_dim.get(x)
+            if e is not None and e != d:
+                if self.next_push(e) == x:
+                    out.append((_A2A, self.order[x], "all_to_all", x, e))
+                else:  # blocked move: gather only if nothing else can go
+                    out.append((_GATHER_FORCED, self.order[x], "all_gather", x, None))
+                continue
+            prio = _GATHER_USEFUL if self.gather_unblocks(d) else _GATHER_LAST
+            out.append((prio, self.order[x], "all_gather", x, None))
+        return out
+
+    def _push_candidates(self) -> list[tuple[int, int, str, str, int | None]]:
+        out: list[tuple[int, int, str, str, int | None]] = []
+        split = {a for axes in self.dims for a in axes}
+        for e in range(len(self.dims)):
+            y = self.next_push(e)
+            if y is None or y in split:
+                continue  # nothing to take, or an all-to-all found by _pop_candidates
+            if y in self.partial:
+                out.append((_RS, self.order[y], "reduce_scatter", y, e))
+            else:
+                out.append((_SLICE, self.order[y], "slice", y, e))
+        return out
+
+    def _partial_candidates(self) -> list[tuple[int, int, str, str, int | None]]:
+        out: list[tuple[int, int, str, str, int | None]] = []
+        for x in self.partial:
+            if not self.partial_settled(x) and x not in self.target_dim:
+                out.append((_AR, self.order[x], "all_reduce", x, None))
+        split = {a for axes in self.dims for a in axes}
+        mixed = bool(self.partial) and self.reduce_op != self.dst.reduce_op
+        for x in self.dst.partial:
+            if x not in self.partial and x not in split and not mixed:
+                out.append((_PARTITION, self.order[x], "partition", x, None))
+        return out
+
+    # -- applying a step ----------------------------------------------------------------------
+    def apply(self, kind: str, axis: str, to_dim: int | None) -> None:
+        before = self.layout
+        nbytes = self.total_bytes // math.prod(before.splits())
+        for axes in self.dims:
+            if axis in axes:
+                axes.remove(axis)  # always the innermost: see _pop_candidates
+        if axis in self.partial:
+            self.partial.remove(axis)
+        if to_dim is not None:
+            self.dims[to_dim].append(axis)
+        if kind == "partition":
+            self.partial.append(axis)
+            self.reduce_op = self.dst.reduce_op
+        self.layout = self._current_layout()
+        self.steps.append(RedistStep(kind, axis, before, self.layout, nbytes))  # type: ignore[arg-type]
+
+    def _current_layout(self) -> TensorLayout:
+        # Target order first so the last layout equals dst exactly; with no pending
+        # reduction the op is dst's (TensorLayout compares it even then).
+        rank = {a: i for i, a in enumerate(self.dst.partial)}
+        partial = tuple(sorted(self.partial, key=lambda a: (rank.get(a, len(rank)), self.order[a])))
+        op = self.reduce_op if partial else self.dst.reduce_op
+        return TensorLayout(self.mesh, tuple(map(tuple, self.dims)), partial, op)
+
+    def run(self) -> None:
+        # Each step pops an extra axis, pushes a wanted one or settles a partial axis, so
+        # the walk ends; the bound only guards against a planner bug.
+        for _ in range(4 * self.mesh.ndim + 4):
+            found = self.candidates()
+            if not found:
+                break
+            _, _, kind, axis, to_dim = min(found)
+            self.apply(kind, axis, to_dim)
+        else:  # pragma: no cover - would be a planner bug
+            raise AssertionError(f"redistribution did not converge: {self.steps}")
+        if self.layout != self.dst and not _alike(self.layout, self.dst):  # pragma: no cover
+            raise AssertionError(f"redistribution ended at {self.layout} not {self.dst}")
+
+
+def _alike(a: TensorLayout, b: TensorLayout) -> bool:
+    """Same placement of the tensor (partial axis order and an unused reduce op aside)."""
+    return (
+        a.dims == b.dims
+        and set(a.partial) == set(b.partial)
+        and (not a.partial or a.reduce_op == b.reduce_op)
+    )
+
+
+def _fold_unit_axes(
+    steps: list[RedistStep], src: TensorLayout, dst: TensorLayout
+) -> tuple[RedistStep, ...]:
+    """Drop steps on axes of size 1, stretching the neighbours so the chain stays exact."""
+    kept = [s for s in steps if s.group_size > 1]
+    if len(kept) == len(steps) and (not steps or steps[-1].after == dst):
+        return tuple(steps)
+    out: list[RedistStep] = []
+    before = src
+    for i, s in enumerate(kept):
+        after = dst if i == len(kept) - 1 else s.after
+        out.append(RedistStep(s.kind, s.axis, before, after, s.nbytes))
+        before = after
+    return tuple(out)

@@ -1,0 +1,294 @@
+"""The redistribution planner: step lists for the classic moves, bytes, no-ops, errors, cache.
+
+Execution of every plan on simulated ranks is in tests/sim/test_redistribute_exec.py; here
+the plans themselves, and their bytes against an exhaustive search over the same steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+
+import pytest
+
+from plait import Layout, LayoutError, TensorLayout
+from plait.layout import Redistribution, RedistStep, plan_redistribution
+from plait.mesh import MeshSpec
+
+LAY = Layout((2, 2), ("a", "b"))
+SHAPE = (8, 12)  # 96 elements, 384 B in float32
+
+
+def steps(src: TensorLayout, dst: TensorLayout, shape=SHAPE, itemsize=4):
+    plan = plan_redistribution(src, dst, shape, itemsize)
+    return [(s.kind, s.axis, s.nbytes) for s in plan.steps]
+
+
+def P(layout: TensorLayout, *axes: str, op="sum") -> TensorLayout:
+    return layout.with_partial(axes, op)
+
+
+# -- the classic moves -------------------------------------------------------------------------
+def test_shard_to_replicate_is_one_all_gather_of_the_shard():
+    assert steps(LAY("a", "None"), LAY("None", "None")) == [("all_gather", "a", 192)]
+
+
+def test_replicate_to_shard_is_a_free_local_slice():
+    plan = plan_redistribution(LAY("None", "None"), LAY("a", "b"), SHAPE)
+    assert [(s.kind, s.axis, s.nbytes) for s in plan.steps] == [
+        ("slice", "a", 384),
+        ("slice", "b", 192),
+    ]
+    assert plan.kinds() == {} and plan.moved_bytes() == 0
+
+
+def test_shard_to_other_dim_on_the_same_axis_is_one_all_to_all():
+    plan = plan_redistribution(LAY("a", "None"), LAY("None", "a"), SHAPE)
+    assert [(s.kind, s.axis, s.nbytes) for s in plan.steps] == [("all_to_all", "a", 192)]
+    (step,) = plan.steps
+    assert (step.from_dim, step.to_dim) == (0, 1)
+    assert step.moved_bytes() == 96  # half of the piece leaves the device
+
+
+def test_partial_to_replicate_is_all_reduce_and_to_shard_is_reduce_scatter():
+    assert steps(P(LAY("None", "None"), "a"), LAY("None", "None")) == [("all_reduce", "a", 384)]
+    assert steps(P(LAY("None", "None"), "a"), LAY("None", "a")) == [("reduce_scatter", "a", 384)]
+
+
+def test_replicate_to_partial_is_local_as_dtensor_does_it():
+    plan = plan_redistribution(LAY("None", "None"), P(LAY("None", "None"), "b"), SHAPE)
+    assert [(s.kind, s.axis) for s in plan.steps] == [("partition", "b")]
+    assert plan.kinds() == {} and plan.steps[0].is_local
+
+
+def test_shard_to_partial_gathers_first():
+    # DTensor refuses Shard -> Partial; the plan gathers, then partitions the replica.
+    assert [k for k, _, _ in steps(LAY("a", "None"), P(LAY("None", "None"), "a"))] == [
+        "all_gather",
+        "partition",
+    ]
+
+
+def test_two_axis_dim_gathers_inner_axis_before_outer():
+    assert steps(LAY(("a", "b"), "None"), LAY("None", "None")) == [
+        ("all_gather", "b", 96),
+        ("all_gather", "a", 192),
+    ]
+    assert steps(LAY(("b", "a"), "None"), LAY("None", "None")) == [
+        ("all_gather", "a", 96),
+        ("all_gather", "b", 192),
+    ]
+
+
+def test_slices_outer_axis_first_and_only_appends_inner():
+    assert steps(LAY("None", "None"), LAY("None", ("b", "a"))) == [
+        ("slice", "b", 384),
+        ("slice", "a", 192),
+    ]
+
+
+def test_reduce_scatter_and_slice_come_before_the_all_gather():
+    # a: partial -> splits dim 1; b: splits dim 0 -> replicated. Reducing first halves what
+    # the gather carries: 384 B reduce-scattered, then a 192 B piece gathered.
+    plan = plan_redistribution(P(LAY("b", "None"), "a"), LAY("None", "a"), SHAPE)
+    assert [(s.kind, s.axis, s.nbytes) for s in plan.steps] == [
+        ("reduce_scatter", "a", 192),
+        ("all_gather", "b", 96),
+    ]
+
+
+def test_all_reduce_runs_on_the_small_piece_before_a_gather():
+    plan = plan_redistribution(P(LAY("b", "None"), "a"), LAY("None", "None"), SHAPE)
+    kinds = [s.kind for s in plan.steps]
+    assert kinds.index("all_reduce") < kinds.index("all_gather") or "all_reduce" not in kinds
+    assert plan.moved_bytes() <= 2 * 192 * 0.5 + 192  # all-reduce of 192 B, gather of 192 B
+
+
+def test_axes_swapping_dims_break_the_cycle_with_one_gather():
+    plan = plan_redistribution(LAY("a", "b"), LAY("b", "a"), SHAPE)
+    assert plan.kinds() == {"all_gather": 1, "all_to_all": 1}
+
+
+def test_several_axes_changing_at_once_chain_exactly():
+    src, dst = P(LAY(("a", "b"), "None")), P(LAY("None", "b"), "a")
+    plan = plan_redistribution(src, dst, SHAPE)
+    assert plan.steps[0].before == src and plan.steps[-1].after == dst
+    for prev, nxt in itertools.pairwise(plan.steps):
+        assert prev.after == nxt.before
+
+
+# -- no-ops, partial ops, unit axes ------------------------------------------------------------
+def test_same_layout_is_a_noop():
+    plan = plan_redistribution(LAY("a", "b"), LAY("a", "b"), SHAPE)
+    assert plan.is_noop() and plan.steps == () and plan.moved_bytes() == 0
+    assert plan.seconds(lambda kind, axis, nbytes: 1.0) == 0.0
+
+
+def test_partial_axis_order_and_unused_reduce_op_are_no_change():
+    a = TensorLayout(LAY.mesh, ((), ()), ("a", "b"))
+    b = TensorLayout(LAY.mesh, ((), ()), ("b", "a"))
+    assert plan_redistribution(a, b, SHAPE).is_noop()
+    assert plan_redistribution(LAY("a", "None"), P(LAY("a", "None"), op="max"), SHAPE).is_noop()
+
+
+def test_other_reduce_op_is_reduced_then_partitioned():
+    src, dst = P(LAY("None", "None"), "a", op="max"), P(LAY("None", "None"), "a")
+    assert [s.kind for s in plan_redistribution(src, dst, SHAPE).steps] == [
+        "all_reduce",
+        "partition",
+    ]
+
+
+def test_axes_of_size_one_issue_nothing():
+    lay = Layout((1, 4), ("dp", "tp"))
+    plan = plan_redistribution(lay(("dp", "tp"), "None"), lay("None", "tp"), (8, 12))
+    assert [(s.kind, s.axis) for s in plan.steps] == [("all_to_all", "tp")]
+    assert plan.steps[0].before == plan.src and plan.steps[-1].after == plan.dst
+    assert plan_redistribution(lay("dp", "None"), lay("None", "None"), (8, 12)).is_noop()
+
+
+# -- bytes and the cost hook -------------------------------------------------------------------
+def test_nbytes_is_the_local_piece_before_the_step():
+    plan = plan_redistribution(LAY(("a", "b"), "None"), LAY("None", "None"), (1024, 256), 2)
+    assert [s.nbytes for s in plan.steps] == [1024 * 256 * 2 // 4, 1024 * 256 * 2 // 2]
+    # ring traffic: gather of b sends its quarter once, then a sends its half once
+    assert plan.moved_bytes() == 1024 * 256 * 2 * (1 / 4 + 1 / 2)
+
+
+def test_seconds_sums_the_callable_over_every_step():
+    plan = plan_redistribution(P(LAY("None", "None"), "a"), LAY("b", "a"), SHAPE)
+    seen = []
+
+    def cost(kind: str, axis: str, nbytes: int) -> float:
+        seen.append((kind, axis, nbytes))
+        return 0.0 if kind in ("slice", "partition") else nbytes * 1e-9
+
+    total = plan.seconds(cost)
+    assert seen == [(s.kind, s.axis, s.nbytes) for s in plan.steps]
+    assert total == pytest.approx(sum(n * 1e-9 for k, _, n in seen if k != "slice"))
+
+
+# -- errors ------------------------------------------------------------------------------------
+def test_uneven_shape_is_refused_naming_dim_and_split():
+    with pytest.raises(LayoutError, match=r"target layout .*dim 1 has size 6.*4 pieces"):
+        plan_redistribution(LAY("None", "None"), LAY("None", ("a", "b")), (8, 6))
+    with pytest.raises(LayoutError, match=r"source layout .*dim 0 has size 3.*2 pieces"):
+        plan_redistribution(LAY("a", "None"), LAY("None", "None"), (3, 4))
+
+
+def test_other_mesh_rank_and_itemsize_are_refused():
+    other = Layout((4,), ("a",))
+    with pytest.raises(LayoutError, match="different meshes"):
+        plan_redistribution(LAY("a", "None"), other("a", "None"), SHAPE)
+    with pytest.raises(LayoutError, match="layout has 2 dims"):
+        plan_redistribution(LAY("a", "None"), LAY("None", "a"), (8, 12, 2))
+    with pytest.raises(LayoutError, match="itemsize=0"):
+        plan_redistribution(LAY("a", "None"), LAY("None", "a"), SHAPE, 0)
+
+
+def test_steps_must_chain():
+    a, b = LAY("a", "None"), LAY("None", "None")
+    step = RedistStep("all_gather", "a", a, b, 192)
+    with pytest.raises(LayoutError, match="do not chain"):
+        Redistribution(b, a, SHAPE, 4, (step,))
+    with pytest.raises(LayoutError, match="kind 'gather'"):
+        RedistStep("gather", "a", a, b, 192)  # type: ignore[arg-type]
+
+
+# -- cache and speed ---------------------------------------------------------------------------
+def test_plans_are_cached_and_fast():
+    src, dst = P(LAY(("a", "b"), "None"), op="sum"), LAY("None", "b")
+    first = plan_redistribution(src, dst, [8, 12])
+    assert plan_redistribution(src, dst, (8, 12)) is first  # a list shape hits the same entry
+    start = time.perf_counter()
+    for _ in range(2000):
+        plan_redistribution(src, dst, (8, 12))
+    per_call = (time.perf_counter() - start) / 2000
+    assert per_call < 50e-6, f"{per_call * 1e6:.1f} us per cached call"
+
+
+# -- against an exhaustive search ----------------------------------------------------------------
+def _moves(state, sizes, shape, itemsize):
+    """Every single step from a state: (bytes sent, next state), as the planner defines them."""
+    dims, partial = state
+    split = {a for axes in dims for a in axes}
+    local = math.prod(shape) * itemsize // math.prod(sizes[a] for a in split)
+
+    def fits(new_dims, e):
+        return shape[e] % math.prod(sizes[a] for a in new_dims[e]) == 0
+
+    for d, axes in enumerate(dims):
+        if axes:
+            x, n = axes[-1], sizes[axes[-1]]
+            popped = tuple(a[:-1] if i == d else a for i, a in enumerate(dims))
+            yield local * (n - 1), (popped, partial)
+            for e in range(len(dims)):
+                moved = tuple((*a, x) if i == e else a for i, a in enumerate(popped))
+                if e != d and fits(moved, e):
+                    yield local * (n - 1) / n, (moved, partial)
+    for x, n in sizes.items():
+        if x in split:
+            continue
+        if x in partial:
+            yield 2 * local * (n - 1) / n, (dims, partial - {x})
+        else:
+            yield 0.0, (dims, partial | {x})
+        for e in range(len(dims)):
+            pushed = tuple((*a, x) if i == e else a for i, a in enumerate(dims))
+            if fits(pushed, e):
+                yield (local * (n - 1) / n if x in partial else 0.0), (pushed, partial - {x})
+
+
+def fewest_bytes(src: TensorLayout, dst: TensorLayout, shape, itemsize=4) -> float:
+    """Dijkstra over layouts: the fewest bytes any sequence of single-axis steps sends."""
+    sizes = src.mesh.as_dict()
+    start, goal = (src.dims, frozenset(src.partial)), (dst.dims, frozenset(dst.partial))
+    best, heap, tie = {start: 0.0}, [(0.0, 0, start)], itertools.count(1)
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if state == goal:
+            return cost
+        if cost > best[state]:
+            continue
+        for w, nxt in _moves(state, sizes, shape, itemsize):
+            if cost + w < best.get(nxt, math.inf):
+                best[nxt] = cost + w
+                heapq.heappush(heap, (cost + w, next(tie), nxt))
+    raise AssertionError("target unreachable")
+
+
+def all_layouts(lay: Layout, axes: tuple[str, ...], ndim: int = 2) -> list[TensorLayout]:
+    specs: list[str | tuple[str, ...]] = ["None"]
+    for k in range(1, len(axes) + 1):
+        specs += [p[0] if k == 1 else p for p in itertools.permutations(axes, k)]
+    out = []
+    for combo in itertools.product(specs, repeat=ndim):
+        used = [a for d in combo if d != "None" for a in ((d,) if isinstance(d, str) else d)]
+        if len(used) != len(set(used)):
+            continue
+        free = [a for a in axes if a not in used]
+        for k in range(len(free) + 1):
+            out += [lay(*combo).with_partial(p) for p in itertools.combinations(free, k)]
+    return out
+
+
+def test_plans_are_within_reach_of_the_fewest_bytes_on_a_2x2_mesh():
+    layouts = all_layouts(LAY, ("a", "b"))
+    assert len(layouts) == 18
+    worse = {}
+    for src, dst in itertools.product(layouts, repeat=2):
+        plan, best = plan_redistribution(src, dst, SHAPE), fewest_bytes(src, dst, SHAPE)
+        assert plan.moved_bytes() >= best - 1e-9, plan.describe()  # the search is exhaustive
+        if plan.moved_bytes() > best + 1e-9:
+            worse[f"{src.describe()} -> {dst.describe()}"] = (plan.moved_bytes(), best)
+    assert len(worse) <= 33, worse
+    assert all(mine <= 1.6 * best for mine, best in worse.values()), worse
+
+
+def test_mesh_spec_reuse_keeps_cache_keys_equal():
+    # Layouts built separately on equal meshes are equal and hash alike (lru_cache keys).
+    a = Layout((2, 2), ("a", "b"))("a", "None")
+    b = TensorLayout(MeshSpec(("a", "b"), (2, 2)), (("a",), ()))
+    assert a == b and hash(a) == hash(b)

@@ -8,10 +8,22 @@ and runs it on ``torch.distributed``. See README.md for a tour.
 from plait import data, ops, testing
 from plait.annotate import shard
 from plait.config import CommFusion, ParallelConfig
-from plait.errors import ConfigError, LayoutError, NotBuiltError, PlaitError, ShardingError
+from plait.errors import (
+    ConfigError,
+    LayoutError,
+    NotBuiltError,
+    PlaitError,
+    PlanError,
+    ShardingError,
+)
 from plait.launch import World, init
 from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
 from plait.mesh import MeshSpec
+
+# The module plait.plan (the Plan type) is imported before the function plait.plan is bound,
+# so that the name plait.plan stays the function: `from plait.plan import Plan` still works.
+from plait.plan import Plan  # isort: skip
+from plait.planner import plan  # isort: skip
 from plait.runtime.job import Job
 from plait.runtime.parallelize import parallelize
 
@@ -26,6 +38,8 @@ __all__ = [
     "ParallelConfig",
     "Partial",
     "PlaitError",
+    "Plan",
+    "PlanError",
     "Replicate",
     "Shard",
     "ShardingError",
@@ -35,6 +49,7 @@ __all__ = [
     "init",
     "ops",
     "parallelize",
+    "plan",
     "shard",
     "testing",
 ]

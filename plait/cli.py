@@ -166,6 +166,52 @@ def _configure_logging(launcher_log: Path) -> None:
     plait_logger.addHandler(console)
 
 
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from plait.plan_cli import add_plan_arguments
+
+    add_plan_arguments(parser)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from plait.errors import PlaitError
+    from plait.plan_cli import run_plan
+
+    try:
+        print(run_plan(args))
+        return 0
+    except PlaitError as e:
+        print(f"plait plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    from plait.cost.calibrate import calibrate_command
+
+    calibrate_command().add_arguments(parser)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from plait.cost.calibrate import calibrate_command
+
+    return calibrate_command().handler(args)
+
+
+register_command(
+    Command(
+        name="plan",
+        help="plan a model on N devices (no process group): summary and plan file",
+        add_arguments=_add_plan_arguments,
+        handler=_plan,
+    )
+)
+register_command(
+    Command(
+        name="calibrate",
+        help="measure this machine (matmul, memory, gloo collectives) into the 'local' profile",
+        add_arguments=_add_calibrate_arguments,
+        handler=_calibrate,
+    )
+)
 register_command(
     Command(
         name="run",

@@ -63,13 +63,21 @@ def replicated_strategy(op: OpNode, mesh: MeshSpec) -> OpStrategy:
 
 
 def grad_reduce_axes(strategy: OpStrategy, input_index: int) -> tuple[str, ...]:
-    """Mesh axes over which the gradient of input ``input_index`` (a parameter) is summed.
+    """Mesh axes over which the gradient of input ``input_index`` is a partial sum.
 
-    MindSpore's mirror operator: an axis that divides the op's work but not the parameter
-    leaves each device with a partial gradient. Axes that divide neither repeat the same
-    computation and need no reduction. Returned in mesh order.
+    MindSpore's mirror operator, for parameters: an axis that divides the op's work but not
+    this input leaves each device with a partial gradient (a batch split makes every weight's
+    gradient partial over ``dp``; a column-parallel linear makes its input's gradient partial
+    over ``tp``). Two kinds of axes need no reduction: those that divide nothing (every device
+    repeats the same computation) and the output's own partial axes, which split a summed dim:
+    inputs carrying that dim own the axis, and an input without it is added after the sum (a
+    bias), so its gradient comes from the output's gradient, which is whole on those axes.
+    Returned in mesh order.
     """
     layout = strategy.inputs[input_index]
     own = {a for dim in layout.dims for a in dim}
+    summed = {a for out in strategy.outputs for a in out.partial}
     used = strategy.used_axes()
-    return tuple(a for a in layout.mesh.axis_names if a in used and a not in own)
+    return tuple(
+        a for a in layout.mesh.axis_names if a in used and a not in own and a not in summed
+    )

@@ -1,0 +1,199 @@
+"""`plait plan`: plan a built-in model or your own, print the summary, write the plan file.
+
+    plait plan --model gpt --layers 96 --hidden 12288 --heads 96 --seq 2048 --batch 1536 \\
+        --devices 1024 --mesh dp=128,tp=8 --hardware a100-80g --json gpt3.json
+
+Models are built on the meta device: no parameter memory, no process group. Every
+``ParallelConfig`` field is a flag (``--mode``, ``--mesh``, ``--optimizer-shard``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any, get_args
+
+from plait.config import (
+    DatasetStrategy,
+    Hardware,
+    Mode,
+    Offload,
+    Precision,
+    Recompute,
+    Schedule,
+    Search,
+)
+from plait.errors import ConfigError
+
+__all__ = ["add_plan_arguments", "config_from_args", "run_plan"]
+
+MODELS = ("gpt", "llama", "mlp", "bert", "cnn")
+
+
+def _mesh(text: str) -> dict[str, int]:
+    """``dp=32,tp=8,pp=1`` -> {"dp": 32, "tp": 8, "pp": 1} (outermost first)."""
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, eq, size = part.partition("=")
+        if not eq or not name.strip() or not size.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--mesh {text!r}: {part!r} is not NAME=SIZE; write e.g. --mesh dp=32,tp=8,pp=1"
+            )
+        mesh[name.strip()] = int(size)
+    return mesh
+
+
+def _comm_fusion(text: str) -> dict[str, Any]:
+    """``size:25`` or ``index:4,8``."""
+    mode, _, rest = text.partition(":")
+    if mode == "size" and rest:
+        return {"mode": "size", "bucket_mb": float(rest)}
+    if mode == "index" and rest:
+        return {"mode": "index", "boundaries": tuple(int(x) for x in rest.split(","))}
+    raise argparse.ArgumentTypeError(
+        f"--comm-fusion {text!r}: write size:MB (e.g. size:25) or index:I,J (e.g. index:4,8)"
+    )
+
+
+def _optimizer_shard(text: str) -> int | None:
+    if text in ("none", "off", "0"):
+        return None
+    if text in ("1", "2", "3"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"--optimizer-shard {text!r}: use 1, 2, 3 or none")
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model", choices=MODELS, default="gpt", help="built-in model (default gpt)"
+    )
+    model.add_argument(
+        "--factory",
+        metavar="MODULE:FUNCTION",
+        help="your model: FUNCTION() returns (model, example_batch, loss_fn); built under "
+        "torch.device('meta') so no memory is allocated",
+    )
+    model.add_argument("--layers", type=int, help="transformer blocks / MLP layers")
+    model.add_argument("--hidden", type=int, help="model width")
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--kv-heads", type=int, help="key/value heads (llama, grouped-query)")
+    model.add_argument("--seq", type=int, help="sequence length")
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    model.add_argument("--batch", type=int, help="global batch (sequences or samples)")
+    model.add_argument(
+        "--megatron",
+        action="store_true",
+        help="annotate the GPT with Megatron tensor parallel on the 'tp' axis (plait.shard)",
+    )
+    cfg = parser.add_argument_group("ParallelConfig")
+    cfg.add_argument("--mode", choices=get_args(Mode), default="auto")
+    cfg.add_argument("--search", choices=get_args(Search))
+    cfg.add_argument("--devices", type=int)
+    cfg.add_argument("--mesh", type=_mesh, help="named axes, outermost first: dp=32,tp=8,pp=1")
+    cfg.add_argument("--dp-axis", default="dp")
+    cfg.add_argument("--pipeline-stages", type=int, default=1)
+    cfg.add_argument("--micro-batches", type=int, default=1)
+    cfg.add_argument("--schedule", choices=get_args(Schedule), default="1f1b")
+    cfg.add_argument("--optimizer-shard", type=_optimizer_shard, help="1, 2, 3 or none")
+    cfg.add_argument("--recompute", choices=get_args(Recompute), default="none")
+    cfg.add_argument("--grad-accumulation", type=int, default=1)
+    cfg.add_argument("--comm-fusion", type=_comm_fusion, help="size:MB or index:I,J")
+    cfg.add_argument("--offload", choices=get_args(Offload))
+    cfg.add_argument("--precision", choices=get_args(Precision), default="fp32")
+    cfg.add_argument("--hardware", choices=get_args(Hardware))
+    cfg.add_argument("--memory-limit", help="per-device cap, e.g. 80GiB")
+    cfg.add_argument(
+        "--dataset-strategy", choices=get_args(DatasetStrategy), default="data_parallel"
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the plan file here")
+    out.add_argument(
+        "--explain",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="explain an op, parameter or module",
+    )
+    out.add_argument("--hardware-file", help="a `plait calibrate` profile to use for 'local'")
+
+
+def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
+    from plait.config import ParallelConfig
+
+    return ParallelConfig(
+        mode=args.mode,
+        search=args.search,
+        devices=args.devices,
+        mesh=args.mesh,
+        dp_axis=args.dp_axis,
+        pipeline_stages=args.pipeline_stages,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+        optimizer_shard=args.optimizer_shard,
+        recompute=args.recompute,
+        grad_accumulation=args.grad_accumulation,
+        comm_fusion=args.comm_fusion,
+        offload=args.offload,
+        precision=args.precision,
+        hardware=args.hardware,
+        memory_limit=args.memory_limit,
+        dataset_strategy=args.dataset_strategy,
+    )
+
+
+def _build_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    import torch
+
+    if args.factory:
+        module_name, _, function = args.factory.partition(":")
+        if not module_name or not function:
+            raise ConfigError(
+                f"--factory {args.factory!r}: write MODULE:FUNCTION, e.g. mypkg.models:build"
+            )
+        try:
+            factory = getattr(importlib.import_module(module_name), function)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"--factory {args.factory!r}: cannot load it ({e})") from None
+        with torch.device("meta"):
+            built = factory()
+        if not (isinstance(built, tuple) and len(built) == 3):
+            raise ConfigError(
+                f"--factory {args.factory!r} returned {type(built).__name__}; it must return "
+                "(model, example_batch, loss_fn)"
+            )
+        return built
+    from plait import zoo
+
+    fields = {
+        k: getattr(args, k)
+        for k in ("layers", "hidden", "heads", "kv_heads", "seq", "vocab", "batch")
+        if getattr(args, k) is not None
+    }
+    spec = zoo.ModelSpec(kind=args.model, **fields)
+    with torch.device("meta"):
+        model, batch, loss_fn = zoo.build(spec)
+    if args.megatron:
+        if args.model != "gpt":
+            raise ConfigError(
+                f"--megatron annotates the built-in gpt only, not --model {args.model}"
+            )
+        from plait.testing.models import annotate_megatron
+
+        annotate_megatron(model, tp=(args.mesh or {}).get("tp", 1))
+    return model, batch, loss_fn
+
+
+def run_plan(args: argparse.Namespace) -> str:
+    """Handler of `plait plan`: never starts a process group; returns the text to print."""
+    import plait
+
+    cfg = config_from_args(args)
+    model, batch, loss_fn = _build_model(args)
+    plan = plait.plan(model, batch, cfg, loss_fn=loss_fn, hardware_file=args.hardware_file)
+    parts = [plan.summary()]
+    parts += [plan.explain(name) for name in args.explain]
+    if args.json:
+        plan.save(args.json)
+        parts.append(f"plan written to {args.json}")
+    return "\n\n".join(parts)

@@ -1,0 +1,329 @@
+"""What the user and the mode fix before search: batch layouts and per-op allowed strategies.
+
+- The batch: ``dataset_strategy`` fixes each input's layout (``"data_parallel"`` splits dim 0
+  over the data-parallel axis, ``"full_batch"`` replicates, a tuple gives per-input strategies).
+- ``plait.shard`` annotations: a module's ``parameter_strategy`` fixes the layout of those
+  parameters for every op that reads them; ``in_strategy``/``out_strategy`` fix the layout of
+  the values entering or leaving the module.
+- The mode: ``data_parallel`` and ``stand_alone`` keep every parameter whole; ``semi_auto``
+  keeps the parameters of unannotated ops whole (MindSpore: unannotated ops are data
+  parallel) and lets parameter-free ops follow their inputs, as DTensor does at run time.
+
+Pure: reads annotations from the model's modules, never touches devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from plait.annotate import get_shard_spec
+from plait.errors import ShardingError
+from plait.graph import OpGraph, OpNode
+from plait.layout import TensorLayout, resolve_tensor_strategy
+from plait.mesh import MeshSpec
+from plait.rules.common import to_mesh
+from plait.rules.registry import OpStrategy
+
+__all__ = ["Constraints", "batch_layouts", "collect_constraints"]
+
+Check = Callable[[OpStrategy], bool]
+
+
+@dataclass
+class Constraints:
+    """Per op: the checks a candidate must pass, why, and which ops the user configured."""
+
+    checks: dict[str, list[tuple[Check, str]]] = field(default_factory=dict)
+    annotated: dict[str, str] = field(default_factory=dict)  # op -> "annotated on <module>"
+    param_sources: dict[str, tuple[TensorLayout, str]] = field(default_factory=dict)
+    explicit_in: set[tuple[str, int]] = field(default_factory=set)  # (op, input) from in_strategy
+    explicit_out: set[tuple[str, int]] = field(
+        default_factory=set
+    )  # (op, output) from out_strategy
+
+    def add(self, op: str, check: Check, why: str, annotated: str | None = None) -> None:
+        self.checks.setdefault(op, []).append((check, why))
+        if annotated:
+            self.annotated.setdefault(op, annotated)
+
+
+def _layout_of(strategy: object, mesh: MeshSpec, shape: Sequence[int], where: str) -> TensorLayout:
+    if isinstance(strategy, TensorLayout):
+        layout = to_mesh(strategy, mesh, where)
+        layout.check_shape(tuple(shape), where)
+        return layout
+    return resolve_tensor_strategy(tuple(strategy), mesh, where, tuple(shape))  # type: ignore[arg-type]
+
+
+def batch_layouts(
+    graph: OpGraph, mesh: MeshSpec, dp_axis: str, dataset_strategy: object
+) -> dict[str, TensorLayout]:
+    """Layouts of the batch's tensors, from ``ParallelConfig.dataset_strategy``."""
+    inputs = [g for g in graph.inputs if g.kind == "input"]
+    layouts: dict[str, TensorLayout] = {}
+    if isinstance(dataset_strategy, tuple):
+        if len(dataset_strategy) != len(inputs):
+            raise ShardingError(
+                f"dataset_strategy has {len(dataset_strategy)} per-input strategies but the batch "
+                f"has {len(inputs)} tensors ({', '.join(g.target for g in inputs)}); give one per tensor"
+            )
+        for g, strategy in zip(inputs, dataset_strategy, strict=True):
+            layouts[g.name] = _layout_of(
+                strategy, mesh, g.meta.shape, f"dataset_strategy for {g.target}"
+            )
+        return layouts
+    for g in inputs:
+        dims: list[tuple[str, ...]] = [()] * g.meta.ndim
+        if dataset_strategy == "data_parallel" and g.meta.ndim and dp_axis in mesh.axis_names:
+            size = mesh.axis_size(dp_axis)
+            if g.meta.shape[0] % size:
+                raise ShardingError(
+                    f"{g.target}: batch dim of size {g.meta.shape[0]} does not divide over the "
+                    f"{size} ranks of mesh axis {dp_axis!r}; use a global batch that is a multiple "
+                    f"of {size}, or dataset_strategy='full_batch'"
+                )
+            dims[0] = (dp_axis,)
+        layouts[g.name] = TensorLayout(mesh, tuple(dims))
+    return layouts
+
+
+def _module_ops(graph: OpGraph, path: str) -> list[OpNode]:
+    prefix = path + "."
+    return [op for op in graph.ops if op.module_path == path or op.module_path.startswith(prefix)]
+
+
+def _is_outside(graph: OpGraph, ref: str, path: str) -> bool:
+    """True if ``ref`` is made outside module ``path`` (batch or an op of another module)."""
+    node, _ = graph.producer(ref)
+    if not isinstance(node, OpNode):
+        return node.kind == "input"
+    return not (node.module_path == path or node.module_path.startswith(path + "."))
+
+
+def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: str) -> Constraints:
+    """Turn annotations and the mode into per-op checks (see the module doc)."""
+    found = Constraints()
+    params = graph.parameters()
+    by_fqn = {g.target: g.name for g in params.values()}
+    annotated_params: dict[str, tuple[TensorLayout, str]] = {}
+    for path, module in model.named_modules():
+        spec = get_shard_spec(module)
+        if spec is None:
+            continue
+        where = path or type(module).__name__
+        for pname, strategy in spec.parameter_strategy.items():
+            fqn = f"{path}.{pname}" if path else pname
+            if fqn not in by_fqn:
+                continue  # not read by the captured forward: nothing to place
+            layout = _layout_of(strategy, mesh, params[fqn].meta.shape, fqn)
+            _record_param(annotated_params, by_fqn[fqn], fqn, layout, where)
+        _module_io(found, graph, mesh, path, where, spec.in_strategy, spec.out_strategy)
+        # a Linear's bias follows its weight's output dim, as in the runtime's LinearRule
+        if (
+            isinstance(module, nn.Linear)
+            and module.bias is not None
+            and "weight" in spec.parameter_strategy
+        ):
+            w = annotated_params.get(by_fqn.get(f"{path}.weight" if path else "weight", ""))
+            bias_ref = by_fqn.get(f"{path}.bias" if path else "bias")
+            if w is not None and bias_ref is not None:
+                annotated_params[bias_ref] = (TensorLayout(mesh, (w[0].dims[0],)), where)
+    found.param_sources = annotated_params
+    for op in graph.ops:
+        for i, ref in enumerate(op.inputs):
+            if ref in annotated_params:
+                layout, where = annotated_params[ref]
+                found.add(
+                    op.name,
+                    lambda s, i=i, layout=layout: s.inputs[i] == layout,
+                    f"{params_name(graph, ref)} annotated {layout.describe()} on {where}",
+                    annotated=f"annotated with plait.shard on {where}",
+                )
+            elif _is_parameter(graph, ref) and mode in (
+                "data_parallel",
+                "stand_alone",
+                "semi_auto",
+            ):
+                found.add(
+                    op.name,
+                    lambda s, i=i: not any(s.inputs[i].dims) and not s.inputs[i].partial,
+                    f"{params_name(graph, ref)} is not annotated: {mode} keeps it whole",
+                )
+    return found
+
+
+def _record_param(
+    found: dict[str, tuple[TensorLayout, str]], ref: str, fqn: str, layout: TensorLayout, where: str
+) -> None:
+    prev = found.get(ref)
+    if prev is not None and prev[0] != layout:
+        raise ShardingError(
+            f"conflicting annotations: parameter {fqn} is annotated {prev[0].describe()} on "
+            f"{prev[1]} and {layout.describe()} on {where}; a shared parameter has one layout: "
+            "make the two annotations agree"
+        )
+    found[ref] = (layout, where)
+
+
+def _is_parameter(graph: OpGraph, ref: str) -> bool:
+    source = graph.graph_input(ref)
+    return source is not None and source.kind == "parameter"
+
+
+def params_name(graph: OpGraph, ref: str) -> str:
+    source = graph.graph_input(ref)
+    return source.target if source is not None else ref
+
+
+def _module_io(
+    found: Constraints,
+    graph: OpGraph,
+    mesh: MeshSpec,
+    path: str,
+    where: str,
+    ins: tuple[object, ...] | None,
+    outs: tuple[object, ...] | None,
+) -> None:
+    ops = _module_ops(graph, path)
+    if ops and ins:
+        _module_inputs(found, graph, mesh, ops, path, where, ins)
+    if ops and outs:
+        _module_outputs(found, graph, mesh, ops, where, outs)
+
+
+def _module_inputs(
+    found: Constraints,
+    graph: OpGraph,
+    mesh: MeshSpec,
+    ops: list[OpNode],
+    path: str,
+    where: str,
+    ins: tuple[object, ...],
+) -> None:
+    """``in_strategy``: the values entering the module, in order of first use."""
+    entering: list[tuple[OpNode, int, str]] = []
+    for op in ops:
+        for i, ref in enumerate(op.inputs):
+            node = graph.graph_input(ref)
+            if node is not None and node.kind in ("parameter", "buffer", "constant"):
+                continue
+            if _is_outside(graph, ref, path):
+                entering.append((op, i, ref))
+    refs = list(dict.fromkeys(ref for _, _, ref in entering))
+    for k, ref in enumerate(refs[: len(ins)]):
+        if ins[k] is None:
+            continue
+        layout = _layout_of(ins[k], mesh, graph.meta(ref).shape, f"{where} in_strategy[{k}]")
+        for op, i, r in entering:
+            if r != ref:
+                continue
+            found.explicit_in.add((op.name, i))
+            found.add(
+                op.name,
+                lambda s, i=i, layout=layout: s.inputs[i] == layout,
+                f"input {k} of {where} annotated {layout.describe()}",
+                annotated=f"annotated with plait.shard on {where}",
+            )
+
+
+def _module_outputs(
+    found: Constraints,
+    graph: OpGraph,
+    mesh: MeshSpec,
+    ops: list[OpNode],
+    where: str,
+    outs: tuple[object, ...],
+) -> None:
+    """``out_strategy``: the values leaving the module (used outside it or graph outputs)."""
+    inside = {op.name for op in ops}
+    leaving: list[tuple[OpNode, int]] = []
+    for op in ops:
+        for k in range(len(op.outputs)):
+            ref = op.name if k == 0 else f"{op.name}:{k}"
+            users = graph.consumers(ref)
+            if ref in graph.outputs or any(c.name not in inside for c, _ in users):
+                leaving.append((op, k))
+    for n, (op, k) in enumerate(leaving[: len(outs)]):
+        if outs[n] is None:
+            continue
+        layout = _layout_of(outs[n], mesh, op.outputs[k].shape, f"{where} out_strategy[{n}]")
+        found.explicit_out.add((op.name, k))
+        found.add(
+            op.name,
+            lambda s, k=k, layout=layout: s.outputs[k].dims == layout.dims,
+            f"output {n} of {where} annotated {layout.describe()}",
+            annotated=f"annotated with plait.shard on {where}",
+        )
+
+
+def allowed_indices(
+    graph: OpGraph,
+    candidates: Mapping[str, Sequence[OpStrategy]],
+    constraints: Constraints,
+    dp_axis: str,
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Per constrained op, the candidate indices that pass; and the configured ops.
+
+    An annotated op whose annotations leave several candidates prefers those that split its
+    first input's batch dim over ``dp_axis`` (what the runtime does with an annotated Linear);
+    when exactly one remains it is configured (a seed of propagation).
+    """
+    allowed: dict[str, list[int]] = {}
+    configured: dict[str, str] = {}
+    for op in graph.ops:
+        checks = constraints.checks.get(op.name)
+        if not checks:
+            continue
+        cands = candidates[op.name]
+        fit = [i for i, s in enumerate(cands) if all(check(s) for check, _ in checks)]
+        if not fit:
+            rules = "; ".join(why for _, why in checks)
+            valid = ", ".join(repr(s.cuts()) for s in cands[:8])
+            raise ShardingError(
+                f"op {op.name} ({op.target}, module {op.module_path or '<root>'}): no strategy "
+                f"satisfies {rules}. Strategies this op has on the mesh: {valid}"
+                f"{' ...' if len(cands) > 8 else ''}; change the annotation to one of them"
+            )
+        allowed[op.name] = fit
+        if op.name in constraints.annotated:
+            batch = [
+                i for i in fit if cands[i].inputs and _splits_batch(cands[i].inputs[0], dp_axis)
+            ]
+            pick = batch if len(batch) >= 1 and len(fit) > 1 else fit
+            if len(pick) == 1:
+                allowed[op.name] = pick
+                configured[op.name] = constraints.annotated[op.name]
+    _check_conflicts(graph, candidates, allowed, constraints)
+    return allowed, configured
+
+
+def _splits_batch(layout: TensorLayout, dp_axis: str) -> bool:
+    return bool(layout.dims) and dp_axis in layout.dims[0]
+
+
+def _check_conflicts(
+    graph: OpGraph,
+    candidates: Mapping[str, Sequence[OpStrategy]],
+    allowed: Mapping[str, list[int]],
+    constraints: Constraints,
+) -> None:
+    """An annotated output feeding an annotated input with another layout: a conflict."""
+    for op in graph.ops:
+        for i, ref in enumerate(op.inputs):
+            if (op.name, i) not in constraints.explicit_in:
+                continue
+            node, k = graph.producer(ref)
+            if not isinstance(node, OpNode) or (node.name, k) not in constraints.explicit_out:
+                continue
+            given = candidates[node.name][allowed[node.name][0]].outputs[k]
+            need = candidates[op.name][allowed[op.name][0]].inputs[i]
+            if given.dims != need.dims:
+                raise ShardingError(
+                    f"conflicting annotations: op {node.name} ({constraints.annotated[node.name]}) "
+                    f"gives {given.describe()} but op {op.name} ({constraints.annotated[op.name]}) "
+                    f"needs {need.describe()} for the same tensor; make the out_strategy of the "
+                    "first agree with the in_strategy of the second, or drop one of them"
+                )

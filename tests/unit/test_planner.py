@@ -1,0 +1,169 @@
+"""plait.plan end to end on small models: layouts, collectives with reasons, errors, files.
+
+Planning needs no process group: every test here runs in one process on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait.config import ParallelConfig
+from plait.errors import ConfigError, NotBuiltError, ShardingError
+from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+
+CFG = GPTConfig(vocab=64, seq=16, width=32, heads=4, layers=2)
+
+
+def _gpt(
+    megatron: bool = False, layers: int = 2
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    with torch.device("meta"):
+        model = TinyGPT(GPTConfig(vocab=64, seq=16, width=32, heads=4, layers=layers))
+        ids = torch.zeros(8, 16, dtype=torch.long)
+    if megatron:
+        annotate_megatron(model, tp=2)
+    return model, (ids, ids)
+
+
+def _count(plan, phase: str | None = None) -> Counter[tuple[str, tuple[str, ...]]]:
+    return Counter(
+        (c.kind, c.axes)
+        for c in plan.collectives
+        for _ in range(c.count)
+        if phase is None or c.phase == phase
+    )
+
+
+def test_megatron_semi_auto_gives_megatron_layouts_and_collectives() -> None:
+    """dp=2 x tp=2 with Megatron annotations, as the runtime runs it (tests/sim/test_collectives).
+
+    Per block, forward: the attention output projection and fc2 are row parallel, so each leaves
+    a partial sum over tp that the residual add needs whole: 2 tp all-reduces. Backward: the
+    inputs of q, k, v and fc1 are replicated over tp while the ops split their work over tp,
+    so each input gradient is a partial sum over tp: 4 tp all-reduces. Every parameter's
+    gradient is summed over dp (the batch is split over dp); none over tp (each tp rank owns
+    its slice, and replicated parameters see replicated inputs on tp).
+    """
+    model, batch = _gpt(megatron=True)
+    cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2})
+    plan = plait.plan(model, batch, cfg, loss_fn=gpt_loss)
+    layouts = {p.name: p.layout.describe() for p in plan.parameters}
+    for b in range(2):
+        for name in ("attn.q", "attn.k", "attn.v", "fc1"):
+            assert layouts[f"blocks.{b}.{name}.weight"] == "[tp, None]"
+        for name in ("attn.out", "fc2"):
+            assert layouts[f"blocks.{b}.{name}.weight"] == "[None, tp]"
+        assert layouts[f"blocks.{b}.ln1.weight"] == "[None]"
+    fwd = _count(plan, "forward")
+    bwd = _count(plan, "backward")
+    assert fwd[("all_reduce", ("tp",))] == 2 * 2
+    assert bwd[("all_reduce", ("tp",))] == 4 * 2
+    grads = [c for c in plan.collectives if c.phase == "backward" and c.axes == ("dp",)]
+    # The position ids (an arange) are not split, so the position embedding runs replicated and
+    # its output gradient is summed over dp where it meets the batch (op "add"), not its weight.
+    expected = {p.name for p in plan.parameters} - {"pos.weight"} | {"add"}
+    assert {c.op for c in grads} == expected
+    assert len(grads) == len(expected)
+    assert all(c.kind == "all_reduce" for c in grads)
+    assert not any(k == "all_gather" or k == "all_to_all" for k, _ in _count(plan))
+
+
+def test_data_parallel_plan_replicates_every_parameter() -> None:
+    """Pure data parallel: parameters whole, batch split, one gradient all-reduce per parameter."""
+    model, batch = _gpt()
+    plan = plait.plan(
+        model, batch, ParallelConfig(mode="data_parallel", devices=4), loss_fn=gpt_loss
+    )
+    assert all(not any(p.layout.dims) for p in plan.parameters)
+    counts = _count(plan)
+    n_params = len(plan.parameters)
+    assert counts[("all_reduce", ("dp",))] == n_params + 1  # + the loss value
+    assert sum(counts.values()) == n_params + 1
+    assert plan.predicted.communication_s > 0
+    assert plan.predicted.step_time_s == pytest.approx(
+        plan.predicted.compute_s + plan.predicted.communication_s + plan.predicted.bubble_s
+    )
+
+
+def test_plan_file_is_deterministic_and_lossless(tmp_path) -> None:
+    model, batch = _gpt(megatron=True)
+    cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2})
+    first = plait.plan(model, batch, cfg, loss_fn=gpt_loss).to_json()
+    model2, batch2 = _gpt(megatron=True)
+    second = plait.plan(model2, batch2, cfg, loss_fn=gpt_loss).to_json()
+    assert first == second
+    again = plait.Plan.from_json(first)
+    assert again.to_json() == first
+    path = tmp_path / "plan.json"
+    again.save(path)
+    assert plait.Plan.load(path) == again
+
+
+def test_plan_explains_parameters_and_ops() -> None:
+    model, batch = _gpt(megatron=True)
+    plan = plait.plan(
+        model, batch, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+    )
+    text = plan.explain("blocks.0.attn.q.weight")
+    assert "[tp, None]" in text
+    assert "blocks.0" in plan.summary()
+
+
+def test_auto_propagation_from_annotation_reaches_every_op() -> None:
+    """In auto mode only the annotated linears are fixed; everything else is propagated.
+
+    The attention internals between the column-parallel q/k/v and the row-parallel output
+    projection are reached from them and keep the heads split over tp with no redistribution
+    (the cheapest choice): no all-gather or all-to-all appears.
+    """
+    model, batch = _gpt(megatron=True)
+    plan = plait.plan(
+        model, batch, ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+    )
+    kinds = _count(plan)
+    assert not any(k in ("all_gather", "all_to_all") for k, _ in kinds)
+    softmax = [op for op in plan.ops if "softmax" in op.target]
+    assert softmax and all("tp" in str(op.outputs[0].describe()) for op in softmax)
+
+
+def test_conflicting_annotations_name_both_ops() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    with torch.device("meta"):
+        model = Two()
+        x = torch.zeros(4, 8)
+    plait.shard(model.a, out_strategy=((2, 1),))
+    plait.shard(model.b, in_strategy=((1, 2),))
+    with pytest.raises(ShardingError, match="conflicting annotations") as err:
+        plait.plan(
+            model, (x,), ParallelConfig(mode="auto", devices=2), loss_fn=lambda m, b: m(*b).sum()
+        )
+    assert "a" in str(err.value) and "b" in str(err.value)
+
+
+def test_plan_refuses_what_it_cannot_do_yet() -> None:
+    model, batch = _gpt()
+    with pytest.raises(ConfigError, match="devices"):
+        plait.plan(model, batch, ParallelConfig(mode="auto"), loss_fn=gpt_loss)
+    with pytest.raises(NotBuiltError, match="issue 6"):
+        plait.plan(
+            model, batch, ParallelConfig(mode="auto", devices=4, search="ilp"), loss_fn=gpt_loss
+        )
+
+
+def test_planning_allocates_no_parameter_memory() -> None:
+    model, batch = _gpt(layers=3)
+    plait.plan(model, batch, ParallelConfig(mode="auto", devices=8), loss_fn=gpt_loss)
+    assert all(p.is_meta for p in model.parameters())

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
 from plait.errors import CaptureError
 from plait.graph import GraphInput, LayerGroup, OpGraph, OpNode, Ref, TensorMeta, value_ref
@@ -361,6 +360,30 @@ class _Traced(nn.Module):
         return self.model(batch)
 
 
+def _leaves(obj: Any, path: str = "batch") -> list[tuple[str, Any]]:
+    """Leaves of a batch with their paths (``batch[0]``, ``batch['ids']``), in the order
+    torch.export lifts them: tuples, lists and dicts (insertion order) are containers;
+    everything else, None included, is a leaf."""
+    if isinstance(obj, tuple | list):
+        return [leaf for i, v in enumerate(obj) for leaf in _leaves(v, f"{path}[{i}]")]
+    if isinstance(obj, dict):
+        return [leaf for k, v in obj.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
+    return [(path, obj)]
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [_map_tensors(fn, v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_map_tensors(fn, v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(fn, v)) for k, v in obj.items())
+    return obj
+
+
 def _device_of(model: nn.Module) -> torch.device | None:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
@@ -376,14 +399,14 @@ def _batch_for(model: nn.Module, batch: Any) -> Any:
     """
     device = _device_of(model)
 
-    def move(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or device is None or t.device == device:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if device is None or t.device == device:
             return t
         if device.type == "meta":
             return t.to("meta")
         return torch.empty(t.shape, dtype=t.dtype, device=device)
 
-    return pytree.tree_map(move, batch)
+    return _map_tensors(move, batch)
 
 
 def _export(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
@@ -474,9 +497,7 @@ class _Converter:
         ):
             self.canonical.setdefault(id(p), name)
         self.model = model
-        self.batch_targets = [
-            "batch" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(batch)[0]
-        ]
+        self.batch_targets = [path for path, _ in _leaves(batch)]
 
     def _fqn(self, target: str) -> str:
         fqn = _strip(target)
@@ -615,7 +636,7 @@ class _Converter:
 
     def outputs(self) -> list[str]:
         output_node = next(n for n in self.program.graph.nodes if n.op == "output")
-        values = pytree.tree_leaves(output_node.args[0])
+        values = [v for _, v in _leaves(output_node.args[0])]
         out: list[str] = []
         for spec, value in zip(self.program.graph_signature.output_specs, values, strict=True):
             if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):

@@ -25,6 +25,7 @@ tensor per simulated rank), so the numerics tests cover the path that real runs 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from plait.config import CommFusion
 from plait.errors import ShardingError
 from plait.runtime.grad_sync import _Bucket, _BucketedSync
 
-__all__ = ["PlainDataParallel", "PlainGradSync", "own_model_copies"]
+__all__ = ["PlainDataParallel", "PlainGradSync", "fresh_parameters"]
 
 
 class PlainGradSync(_BucketedSync):
@@ -50,15 +51,27 @@ class PlainGradSync(_BucketedSync):
 
     def __init__(self, params: Sequence[nn.Parameter], group_mesh: Any, fusion: CommFusion) -> None:
         self._group_mesh = group_mesh
+        self._buffers: dict[int, torch.Tensor] = {}
         super().__init__(params, [p.numel() * p.element_size() for p in params], fusion)
 
     def _launch(self, bucket: _Bucket) -> None:
         # A parameter without a gradient (unused in this step) is left out on every rank alike.
         bucket.members = [p for p in bucket.params if p.grad is not None]
-        if bucket.members:
-            grads = [p.grad.reshape(-1) for p in bucket.members]  # type: ignore[union-attr]
-            flat = grads[0] if len(grads) == 1 else torch.cat(grads)
-            bucket.result = start_sum(flat, self._group_mesh)
+        if not bucket.members:
+            return
+        grads = [p.grad.reshape(-1) for p in bucket.members]  # type: ignore[union-attr]
+        if len(grads) == 1:
+            flat = grads[0]
+        else:
+            # Pack into a buffer kept across steps: a fresh 4 MB tensor every step costs page
+            # faults comparable to the copy itself.
+            numel = sum(g.numel() for g in grads)
+            dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+            buffer = self._buffers.get(id(bucket))
+            if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
+                buffer = self._buffers[id(bucket)] = grads[0].new_empty(numel, dtype=dtype)
+            flat = torch.cat(grads, out=buffer)
+        bucket.result = start_sum(flat, self._group_mesh)
 
     def _wait(self, result: torch.Tensor) -> torch.Tensor:
         return wait_sum(result)
@@ -73,10 +86,13 @@ class PlainGradSync(_BucketedSync):
         param.grad = piece if piece.dtype == grad.dtype else piece.to(grad.dtype)
 
 
-def own_model_copies(model: nn.Module) -> None:
-    """Under simulated ranks, give every rank a private copy of each parameter and buffer.
+def fresh_parameters(model: nn.Module) -> None:
+    """Replace every parameter by a new ``nn.Parameter`` over the same values.
 
-    A no-op in a real process. Shared (tied) parameters stay shared.
+    In a real process the new parameter shares the old one's storage (no copy); it only drops
+    hooks a previous ``parallelize`` of the same model installed, which would otherwise start
+    that job's collectives too. Under simulated ranks each rank gets a private copy of every
+    parameter and buffer. Shared (tied) parameters stay shared.
     """
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -84,9 +100,7 @@ def own_model_copies(model: nn.Module) -> None:
             if p is None:
                 continue
             if id(p) not in done:
-                plain = p.detach()
-                copy = own_copy(plain)
-                done[id(p)] = p if copy is plain else nn.Parameter(copy, p.requires_grad)
+                done[id(p)] = nn.Parameter(own_copy(p.detach()), p.requires_grad)
             module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None:

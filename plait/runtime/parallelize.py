@@ -23,7 +23,7 @@ from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, NotBuiltError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, own_model_copies
+from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import LocalShadows, is_elementwise
@@ -183,7 +183,7 @@ def _plain_job(
     device = _device_of(world.device_type)
     if device.type != "cpu":
         model.to(device)
-    own_model_copies(model)  # simulated ranks: one private copy each
+    fresh_parameters(model)  # drops old hooks; simulated ranks: one private copy each
     plain = PlainDataParallel(
         group_mesh=device_mesh[dp],
         axis=dp,

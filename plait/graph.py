@@ -2,8 +2,13 @@
 
 Pure data: building one needs no process group and no real memory (see :mod:`plait.capture`).
 Values are named by *value refs*: ``"linear_3"`` is output 0 of op ``linear_3``, and
-``"split_1:2"`` is its output 2; graph inputs (parameters, buffers, the user's batch) are
-refs too, named as in the captured program.
+``"split_1:2"`` is its output 2; graph inputs are refs too: ``p_<fqn>`` for parameters,
+``b_<fqn>`` for buffers, ``c_<name>`` for lifted constants (dots as underscores) and
+``batch_<i>`` for the batch's tensors.
+
+Repeated layers: ops of a member of a :class:`LayerGroup` carry ``layer="blocks.3"``;
+members correspond op for op, so :meth:`OpGraph.representative` maps any member's op to the
+matching op of ``members[0]`` and a search can solve one member for all.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import operator
 import re
@@ -385,9 +386,8 @@ def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
 
 
 def _device_of(model: nn.Module) -> torch.device | None:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return None
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return None if first is None else first.device
 
 
 def _batch_for(model: nn.Module, batch: Any) -> Any:

@@ -59,9 +59,30 @@ def test_fusion_one_collective_per_bucket_started_in_backward(case, mlp_and_batc
         )
         with CollectiveLog(job.device_mesh) as log:
             job.step(batches[0])
+    assert job.plain is not None  # pure data parallel: the plain-tensor path real runs take
     assert len(job.grad_sync.buckets) == num_buckets
     assert log.counts() == {("all_reduce", "dp"): num_buckets + 1}  # + the loss value
     assert job.grad_sync.launched_in_backward == num_buckets
+
+
+@pytest.mark.parametrize("case", ["several_buckets_by_size", "several_buckets_by_index"])
+def test_fusion_on_dtensor_path_one_collective_per_bucket(case, mlp_and_batches):
+    """semi_auto keeps DTensor parameters; its dp gradients use the same buckets."""
+    model, batches = mlp_and_batches
+    fusion, num_buckets = FUSIONS[case]
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    expected = reference_run(model, mlp_loss, sgd, batches[:3])
+    config = ParallelConfig(mode="semi_auto", comm_fusion=fusion)
+    with plait.testing.simulate(4):
+        job = plait.parallelize(model, config, optimizer=sgd, loss_fn=mlp_loss)
+        with CollectiveLog(job.device_mesh) as log:
+            losses = [job.step(batches[0])]
+        losses += [job.step(b) for b in batches[1:3]]
+        state = job.full_state_dict()
+    assert job.plain is None
+    assert log.counts() == {("all_reduce", "dp"): num_buckets + 1}
+    assert job.grad_sync.launched_in_backward == num_buckets
+    assert_same_run(expected, plait.testing.equivalence.Run(losses, state))
 
 
 def test_fusion_in_megatron_plan_reduces_dp_axis_only(gpt_and_batches):

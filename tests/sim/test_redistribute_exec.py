@@ -108,6 +108,18 @@ def _partial_pieces(full: torch.Tensor, layout: TensorLayout, gen) -> dict[int, 
     return pieces
 
 
+def _assert_holds(pieces: dict[int, torch.Tensor], full, layout: TensorLayout, what) -> None:
+    """Each rank holds its piece of ``full`` under ``layout``; pending sums add up to it."""
+    keep = [i for i, a in enumerate(MESH.axis_names) if a not in layout.partial]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(MESH.size):
+        groups.setdefault(tuple(MESH.coordinate(r)[i] for i in keep), []).append(r)
+    with _plain():
+        for ranks in groups.values():
+            total = sum(pieces[r] for r in ranks)
+            assert torch.equal(total, _piece(full, layout, ranks[0])), (what, ranks)
+
+
 def _dtensor(pieces: dict[int, torch.Tensor], mesh: DeviceMesh, layout: TensorLayout) -> DTensor:
     with _plain():
         local = LocalTensor(pieces)
@@ -198,13 +210,7 @@ def _check_pair(full, src, dst, mesh, gen, dtensor_diff) -> None:
     assert [(e.kind, e.axis, e.bytes) for e in log.events] == expected_log, (pair, log.events)
 
     pieces = local._local_tensors
-    with _plain():
-        for r in range(MESH.size):
-            want = _piece(full, dst, r)
-            assert pieces[r].shape == want.shape, (pair, r, plan.describe())
-            assert dst.partial or torch.equal(pieces[r], want), (pair, r, plan.describe())
-    mine = _dtensor(dict(pieces), mesh, dst)
-    assert torch.equal(plait.comm.dtensor.full_value(mine), full), (pair, plan.describe())
+    _assert_holds(pieces, full, dst, (pair, plan.describe()))
 
     if set(dst.partial) - set(src.partial):
         # DTensor refuses Replicate -> Partial ("for internal use only") and Shard -> Partial
@@ -215,11 +221,12 @@ def _check_pair(full, src, dst, mesh, gen, dtensor_diff) -> None:
     if _counts(debug) != plan.kinds():
         dtensor_diff[pair] = dict(_counts(debug))
     assert plan.moved_bytes() <= traffic.bytes, (pair, plan.describe(), traffic.bytes)
-    assert torch.equal(plait.comm.dtensor.full_value(theirs), full), pair
+    assert plan.kinds().total() <= _counts(debug).total(), (pair, plan.describe())
     theirs_pieces = theirs.to_local()._local_tensors
-    with _plain():
-        for r in range(MESH.size):
-            assert dst.partial or torch.equal(theirs_pieces[r], pieces[r]), (pair, r)
+    _assert_holds(theirs_pieces, full, dst, (pair, "DTensor"))
+    if not dst.partial:
+        with _plain():
+            assert all(torch.equal(theirs_pieces[r], pieces[r]) for r in range(MESH.size)), pair
 
 
 def test_every_layout_pair_on_a_2x2_mesh_executes_exactly():

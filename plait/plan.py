@@ -786,8 +786,10 @@ def _dump(value: Any, indent: int = 0) -> str:
     Deterministic by construction: only dicts built in a fixed order and lists reach it, and
     floats are written by ``float.__repr__`` (shortest round-tripping form).
     """
-    flat = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(", ", ": "))
-    if not isinstance(value, dict | list) or not value or indent + len(flat) <= _WIDTH:
+    if not isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    flat = _flat_within(value, _WIDTH - indent)
+    if flat is not None:
         return flat
     pad = " " * (indent + 2)
     if isinstance(value, dict):
@@ -798,6 +800,34 @@ def _dump(value: Any, indent: int = 0) -> str:
         return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
     items = [pad + _dump(v, indent + 2) for v in value]
     return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
+
+
+def _flat_within(value: Any, budget: int) -> str | None:
+    """``json.dumps(value)`` on one line if it fits in ``budget`` characters, else None.
+
+    Stops as soon as the budget is spent, so big plans are not dumped flat at every level.
+    """
+    if isinstance(value, dict):
+        parts, used = [], 2
+        for k, v in value.items():
+            key = json.dumps(k, ensure_ascii=False)
+            sub = _flat_within(v, budget - used - len(key) - 2)
+            if sub is None:
+                return None
+            parts.append(f"{key}: {sub}")
+            used += len(parts[-1]) + 2
+        return "{" + ", ".join(parts) + "}" if used - 2 * bool(parts) <= budget else None
+    if isinstance(value, list):
+        parts, used = [], 2
+        for v in value:
+            sub = _flat_within(v, budget - used)
+            if sub is None:
+                return None
+            parts.append(sub)
+            used += len(sub) + 2
+        return "[" + ", ".join(parts) + "]" if used - 2 * bool(parts) <= budget else None
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    return text if len(text) <= budget else None
 
 
 # --------------------------------------------------------------------------- JSON reading

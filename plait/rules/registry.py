@@ -11,6 +11,7 @@ memory per device follow from the layouts (:func:`grad_reduce_axes`, ``TensorLay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 from plait.graph import OpNode
@@ -34,12 +35,7 @@ class OpStrategy:
 
     def used_axes(self) -> frozenset[str]:
         """Mesh axes that divide the op's work (split a dim or hold a partial sum)."""
-        axes: set[str] = set()
-        for layout in (*self.inputs, *self.outputs):
-            for dim in layout.dims:
-                axes.update(dim)
-            axes.update(layout.partial)
-        return frozenset(axes)
+        return _used_axes(self)
 
 
 class OpRule(Protocol):
@@ -51,6 +47,16 @@ class OpRule(Protocol):
     def strategies(self, op: OpNode, mesh: MeshSpec) -> list[OpStrategy]:
         """Every valid strategy of ``op`` on ``mesh``, fully replicated first."""
         ...
+
+
+@lru_cache(maxsize=1 << 16)
+def _used_axes(strategy: OpStrategy) -> frozenset[str]:
+    axes: set[str] = set()
+    for layout in (*strategy.inputs, *strategy.outputs):
+        for dim in layout.dims:
+            axes.update(dim)
+        axes.update(layout.partial)
+    return frozenset(axes)
 
 
 def replicated_strategy(op: OpNode, mesh: MeshSpec) -> OpStrategy:

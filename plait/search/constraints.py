@@ -90,9 +90,15 @@ def batch_layouts(
     return layouts
 
 
-def _module_ops(graph: OpGraph, path: str) -> list[OpNode]:
-    prefix = path + "."
-    return [op for op in graph.ops if op.module_path == path or op.module_path.startswith(prefix)]
+def _ops_by_module(graph: OpGraph) -> dict[str, list[OpNode]]:
+    """Module path -> the ops run inside it or its submodules, in graph order."""
+    index: dict[str, list[OpNode]] = {}
+    for op in graph.ops:
+        parts = op.module_path.split(".") if op.module_path else []
+        index.setdefault("", []).append(op)
+        for n in range(1, len(parts) + 1):
+            index.setdefault(".".join(parts[:n]), []).append(op)
+    return index
 
 
 def _is_outside(graph: OpGraph, ref: str, path: str) -> bool:
@@ -109,6 +115,7 @@ def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: 
     params = graph.parameters()
     by_fqn = {g.target: g.name for g in params.values()}
     annotated_params: dict[str, tuple[TensorLayout, str]] = {}
+    by_module: dict[str, list[OpNode]] | None = None
     for path, module in model.named_modules():
         spec = get_shard_spec(module)
         if spec is None:
@@ -120,7 +127,11 @@ def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: 
                 continue  # not read by the captured forward: nothing to place
             layout = _layout_of(strategy, mesh, params[fqn].meta.shape, fqn)
             _record_param(annotated_params, by_fqn[fqn], fqn, layout, where)
-        _module_io(found, graph, mesh, path, where, spec.in_strategy, spec.out_strategy)
+        if spec.in_strategy or spec.out_strategy:
+            by_module = by_module or _ops_by_module(graph)
+            _module_io(
+                found, graph, by_module, mesh, path, where, spec.in_strategy, spec.out_strategy
+            )
         # a Linear's bias follows its weight's output dim, as in the runtime's LinearRule
         if (
             isinstance(module, nn.Linear)
@@ -181,13 +192,14 @@ def params_name(graph: OpGraph, ref: str) -> str:
 def _module_io(
     found: Constraints,
     graph: OpGraph,
+    by_module: Mapping[str, list[OpNode]],
     mesh: MeshSpec,
     path: str,
     where: str,
     ins: tuple[object, ...] | None,
     outs: tuple[object, ...] | None,
 ) -> None:
-    ops = _module_ops(graph, path)
+    ops = by_module.get(path, [])
     if ops and ins:
         _module_inputs(found, graph, mesh, ops, path, where, ins)
     if ops and outs:

@@ -46,6 +46,7 @@ def settled(layout: TensorLayout) -> TensorLayout:
     return layout if not layout.partial else TensorLayout(layout.mesh, layout.dims)
 
 
+@lru_cache(maxsize=1 << 16)
 def gradient_layout(strategy: OpStrategy, input_index: int) -> TensorLayout:
     """Layout of the gradient an op hands back for its input ``input_index``.
 
@@ -100,14 +101,42 @@ class SearchProblem:
     candidates: Mapping[str, Sequence[OpStrategy]]
     input_layouts: Mapping[str, TensorLayout]  # batch inputs: layouts fixed by dataset_strategy
     cost: CostModel
-    _op_cost: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
+    _op_cost: dict[tuple[object, int], float] = field(default_factory=dict, repr=False)
+    _op_keys: dict[str, object] = field(default_factory=dict, repr=False)
 
     def op_seconds(self, op: OpNode, index: int) -> float:
-        """Compute plus parameter-gradient reduction of one candidate of ``op``."""
-        key = (op.name, index)
-        if key not in self._op_cost:
-            self._op_cost[key] = self._price_op(op, self.candidates[op.name][index])
-        return self._op_cost[key]
+        """Compute plus parameter-gradient reduction of one candidate of ``op``.
+
+        Ops with equal signatures (the same op in every repeated layer) share one price.
+        """
+        key = (self._signature(op), index)
+        found = self._op_cost.get(key)
+        if found is None:
+            found = self._op_cost[key] = self._price_op(op, self.candidates[op.name][index])
+        return found
+
+    def _signature(self, op: OpNode) -> object:
+        key = self._op_keys.get(op.name)
+        if key is None:
+            params = tuple(
+                (i, self.graph.meta(ref)) for i, ref in enumerate(op.inputs) if self._is_param(ref)
+            )
+            key = (
+                op.target,
+                op.input_metas,
+                op.outputs,
+                repr(op.args),
+                repr(op.kwargs),
+                op.flops,
+                op.bytes,
+                params,
+            )
+            self._op_keys[op.name] = key
+        return key
+
+    def _is_param(self, ref: str) -> bool:
+        source = self.graph.graph_input(ref)
+        return source is not None and source.kind == "parameter"
 
     def _price_op(self, op: OpNode, strategy: OpStrategy) -> float:
         pieces = math.prod(self.mesh.axis_size(a) for a in strategy.used_axes())

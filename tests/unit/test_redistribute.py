@@ -14,7 +14,7 @@ import time
 import pytest
 
 from plait import Layout, LayoutError, TensorLayout
-from plait.layout import Redistribution, RedistStep, plan_redistribution
+from plait.layout import Redistribution, RedistStep, plan_redistribution, redistribute
 from plait.layout.redistribute import STEP_BYTES
 from plait.mesh import MeshSpec
 
@@ -317,3 +317,23 @@ def test_mesh_spec_reuse_keeps_cache_keys_equal():
     a = Layout((2, 2), ("a", "b"))("a", "None")
     b = TensorLayout(MeshSpec(("a", "b"), (2, 2)), (("a",), ()))
     assert a == b and hash(a) == hash(b)
+
+
+def test_axes_replicated_in_both_layouts_carry_nothing():
+    # Slicing dp to shrink the reduce-scatter would send fewer bytes, but dp may cross nodes.
+    lay = Layout((2, 4), ("dp", "tp"))
+    plan = plan_redistribution(P(lay("None", "None"), "tp"), lay("tp", "None"), (4096, 4096))
+    assert [(s.kind, s.axis) for s in plan.steps] == [("reduce_scatter", "tp")]
+
+
+def test_many_moving_axes_fall_back_to_the_greedy_plan_and_still_chain():
+    lay = Layout((2, 2, 2, 2), ("w", "x", "y", "z"))
+    src, dst = P(lay(("w", "x"), "y", "None"), "z"), lay("y", ("z", "x"), "w")
+    shape = (64, 64, 64)
+    # four axes move: more than the search takes on (its space grows factorially)
+    assert redistribute._search(src, dst, shape, 64**3 * 4, math.inf) is None
+    plan = plan_redistribution(src, dst, shape)
+    assert plan.steps[0].before == src and plan.steps[-1].after == dst
+    for prev, nxt in itertools.pairwise(plan.steps):
+        assert prev.after == nxt.before
+    assert plan.kinds()["reduce_scatter"] == 1  # the pending sum is reduced once, never twice

@@ -5,7 +5,10 @@ rank trains on its own quarter of every global batch. The two variants alternate
 in the same processes (so both see the same machine load): 5 warm-up steps, then the median
 (and p90) over the timed steps, each step starting after a barrier. Also prints the
 largest difference between the two variants' losses, which must be ~1e-6 (both equal
-single-device training).
+single-device training), and the machine's load average before and after the run.
+
+plait runs pure data parallelism on plain tensors (no DTensor): gradients are summed in
+buckets started from backward hooks, as DDP does (plait/runtime/data_parallel.py).
 
     .venv/bin/python bench/dp_overhead.py [--steps 30] [--width 512] [--layers 4]
 """
@@ -13,6 +16,7 @@ single-device training).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -62,20 +66,26 @@ def _ddp_step_fn(width: int, layers: int):  # type: ignore[no-untyped-def]
     return step
 
 
-def _plait_step_fn(width: int, layers: int):  # type: ignore[no-untyped-def]
+def _plait_step_fn(width: int, layers: int, bucket_mb: float | None):  # type: ignore[no-untyped-def]
+    fusion = None if bucket_mb is None else plait.CommFusion(bucket_mb=bucket_mb)
     job = plait.parallelize(
         _model(width, layers),
-        plait.ParallelConfig(mode="data_parallel"),
+        plait.ParallelConfig(mode="data_parallel", comm_fusion=fusion),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
         loss_fn=_loss,
     )
     return job.step
 
 
-def run_both(steps: int, width: int, layers: int, batch: int) -> dict[str, list[float]]:
+def run_both(
+    steps: int, width: int, layers: int, batch: int, bucket_mb: float | None
+) -> dict[str, list[float]]:
     """Alternate DDP and plait step by step in the same processes, so both see the same load."""
     rank = dist.get_rank()
-    variants = {"ddp": _ddp_step_fn(width, layers), "plait": _plait_step_fn(width, layers)}
+    variants = {
+        "ddp": _ddp_step_fn(width, layers),
+        "plait": _plait_step_fn(width, layers, bucket_mb),
+    }
     local = [tuple(t.chunk(WORLD)[rank] for t in b) for b in _batches(steps, batch, width)]
     out: dict[str, list[float]] = {f"{k}_{w}": [] for k in variants for w in ("times", "losses")}
     for i, b in enumerate(local):
@@ -103,16 +113,21 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512, help="MLP width")
     parser.add_argument("--layers", type=int, default=4, help="MLP layers")
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=None, help="plait bucket size (default: plait's)"
+    )
     args = parser.parse_args()
     total = args.steps + WARMUP
-    shape = (total, args.width, args.layers, args.batch)
+    load_before = os.getloadavg()
+    shape = (total, args.width, args.layers, args.batch, args.bucket_mb)
     result = run_workers(run_both, WORLD, *shape)[0]
     ddp_times, ddp_losses = result["ddp_times"], result["ddp_losses"]
     plait_times, plait_losses = result["plait_times"], result["plait_losses"]
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     print(
         f"MLP width {args.width} x {args.layers} layers ({params:,} parameters), global batch "
-        f"{args.batch}, {WORLD} gloo processes, torch {torch.__version__}, {args.steps} timed steps"
+        f"{args.batch}, {WORLD} gloo processes, torch {torch.__version__}, {args.steps} timed steps, "
+        f"plait bucket {'default' if args.bucket_mb is None else f'{args.bucket_mb} MB'}"
     )
     print("| variant | median step ms | p90 ms | samples/s | ratio to DDP |")
     print("|---|---|---|---|---|")
@@ -121,6 +136,11 @@ def main() -> None:
     print(_row("plait data_parallel", plait_times, args.batch, base))
     diff = max(abs(a - b) for a, b in zip(ddp_losses, plait_losses, strict=True))
     print(f"max |loss(plait) - loss(DDP)| over {total} steps: {diff:.2e}")
+    load_after = os.getloadavg()
+    print(
+        f"load average (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after {', '.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs"
+    )
 
 
 if __name__ == "__main__":

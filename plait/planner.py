@@ -43,7 +43,6 @@ from plait.search.constraints import allowed_indices, batch_layouts, collect_con
 from plait.search.problem import (
     CostModel,
     SearchProblem,
-    carries_gradient,
     gradient_layout,
     settled,
 )
@@ -320,7 +319,7 @@ def _op_collectives(
             what = f"output of {node.name}"
         reason = f"{op.name} needs {what} as {need.describe()}; it is {have.describe()}"
         collectives.add_redistribution(have, need, meta, "forward", op.name, reason)
-        if (source is None or source.kind == "parameter") and carries_gradient(meta):
+        if problem.needs_grad(ref):
             grad = gradient_layout(strategy, i)
             back = settled(have)
             collectives.add_redistribution(

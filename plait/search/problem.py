@@ -25,7 +25,14 @@ from plait.layout.redistribute import Redistribution, plan_redistribution
 from plait.mesh import MeshSpec
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 
-__all__ = ["CostModel", "SearchProblem", "carries_gradient", "gradient_layout", "settled"]
+__all__ = [
+    "CostModel",
+    "SearchProblem",
+    "carries_gradient",
+    "gradient_layout",
+    "gradient_values",
+    "settled",
+]
 
 AxisSeconds = Callable[[str, str, int], float]
 """``(collective kind, mesh axis, bytes of one device's piece before it) -> seconds``."""
@@ -44,6 +51,21 @@ def carries_gradient(meta: TensorMeta) -> bool:
 def settled(layout: TensorLayout) -> TensorLayout:
     """The layout a consumer sees once pending sums are reduced (partial axes dropped)."""
     return layout if not layout.partial else TensorLayout(layout.mesh, layout.dims)
+
+
+def gradient_values(graph: OpGraph) -> frozenset[str]:
+    """Values a gradient flows back into: floating values computed from a parameter.
+
+    Batch tensors, buffers, constants and everything computed from them alone (masks, rotary
+    tables, position ids) get no gradient, so their edges cost nothing in backward.
+    """
+    found = {g.name for g in graph.inputs if g.kind == "parameter"}
+    for op in graph.ops:
+        if any(ref in found for ref in op.inputs):
+            for k, meta in enumerate(op.outputs):
+                if carries_gradient(meta):
+                    found.add(op.name if k == 0 else f"{op.name}:{k}")
+    return frozenset(found)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -70,18 +92,25 @@ class CostModel:
         return plan_redistribution(src, dst, meta.shape, meta.itemsize)
 
     def edge_seconds(
-        self, src: TensorLayout, dst: TensorLayout, grad: TensorLayout, meta: TensorMeta
+        self, src: TensorLayout, dst: TensorLayout, grad: TensorLayout | None, meta: TensorMeta
     ) -> float:
-        """Forward ``src -> dst`` plus backward ``grad -> settled(src)`` for one edge."""
+        """Forward ``src -> dst`` plus backward ``grad -> settled(src)`` for one edge.
+
+        ``grad`` is None when no gradient flows back along the edge.
+        """
         return _edge_seconds(self, src, dst, grad, meta)
 
 
 @lru_cache(maxsize=1 << 18)
 def _edge_seconds(
-    cost: CostModel, src: TensorLayout, dst: TensorLayout, grad: TensorLayout, meta: TensorMeta
+    cost: CostModel,
+    src: TensorLayout,
+    dst: TensorLayout,
+    grad: TensorLayout | None,
+    meta: TensorMeta,
 ) -> float:
     fwd = 0.0 if src == dst else cost.redistribution(src, dst, meta).seconds(cost.axis_seconds)
-    if not carries_gradient(meta):
+    if grad is None:
         return fwd
     back_dst = settled(src)
     bwd = (
@@ -102,6 +131,14 @@ class SearchProblem:
     input_layouts: Mapping[str, TensorLayout]  # batch inputs: layouts fixed by dataset_strategy
     cost: CostModel
     _op_cost: dict[tuple[object, int], float] = field(default_factory=dict, repr=False)
+    _grad_refs: frozenset[str] | None = field(default=None, repr=False)
+
+    def needs_grad(self, ref: str) -> bool:
+        """Does a gradient flow back into value ``ref`` (it depends on a parameter)?"""
+        if self._grad_refs is None:
+            self._grad_refs = gradient_values(self.graph)
+        return ref in self._grad_refs
+
     _op_keys: dict[str, object] = field(default_factory=dict, repr=False)
 
     def op_seconds(self, op: OpNode, index: int) -> float:
@@ -161,6 +198,5 @@ class SearchProblem:
     ) -> float:
         """Cost of feeding value ``op.inputs[index]``, laid out as ``source``, to ``strategy``."""
         meta = op.input_metas[index]
-        return self.cost.edge_seconds(
-            source, strategy.inputs[index], gradient_layout(strategy, index), meta
-        )
+        grad = gradient_layout(strategy, index) if self.needs_grad(op.inputs[index]) else None
+        return self.cost.edge_seconds(source, strategy.inputs[index], grad, meta)

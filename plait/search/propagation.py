@@ -4,11 +4,15 @@ From the ops whose strategy is configured (user annotations; reference section 7
 batch inputs (whose layouts the dataset strategy fixes), a breadth-first walk over the graph,
 in both directions, gives every newly reached op the candidate that minimises, in this order:
 
-1. the redistribution cost (seconds, forward and backward) on its edges to ops already decided;
+1. the redistribution cost (seconds, forward and backward) on its edges to ops already decided,
+   plus, for an output left as a pending sum, the cost of reducing it for each consumer not
+   yet decided (otherwise a split that defers its communication looks free);
 2. its own cost: compute of its share of the work plus its parameters' gradient reduction;
 3. the candidate's index (the catalogue lists candidates in a fixed order), for determinism.
 
-Greedy and one pass, linear in edges times candidates; the result depends on where the user put
+As in MindSpore, an op reached while some op feeding it is undecided waits until all of them
+are (when every reachable op waits, the earliest in graph order goes first). Greedy and one
+pass, linear in edges times candidates; the result depends on where the user put
 strategies, as in MindSpore. Ops the walk never reaches take their first candidate.
 """
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from plait.graph import OpNode
 from plait.layout import TensorLayout
-from plait.search.problem import SearchProblem, gradient_layout
+from plait.search.problem import SearchProblem, gradient_layout, settled
 
 __all__ = ["Decision", "sharding_propagation"]
 
@@ -79,14 +83,18 @@ class _Walk:
                 heaviest, heaviest_cost = known[1], c
         for k in range(len(op.outputs)):
             ref = op.name if k == 0 else f"{op.name}:{k}"
+            out = strategy.outputs[k]
             for consumer, i in self.graph.consumers(ref):
                 if consumer.name not in self.decided:
+                    if out.partial:  # a pending sum is priced as if reduced for the consumer
+                        whole = settled(out)
+                        redist += self.problem.cost.edge_seconds(out, whole, None, op.outputs[k])
                     continue
                 target = self.strategy(consumer.name)
                 c = self.problem.cost.edge_seconds(
                     strategy.outputs[k],
                     target.inputs[i],
-                    gradient_layout(target, i),
+                    gradient_layout(target, i) if self.problem.needs_grad(ref) else None,
                     op.outputs[k],
                 )
                 redist += c
@@ -122,6 +130,14 @@ class _Walk:
             if source is not None and source.kind == "parameter" and ref not in self.param_layout:
                 self.param_layout[ref] = (strategy.inputs[i], op.name)
 
+    def inputs_ready(self, op: OpNode) -> bool:
+        """MindSpore's waiting list: an op is decided once every op feeding it is."""
+        for ref in op.inputs:
+            node, _ = self.graph.producer(ref)
+            if isinstance(node, OpNode) and node.name not in self.decided:
+                return False
+        return True
+
     def neighbours(self, op: OpNode) -> list[OpNode]:
         found: list[OpNode] = []
         for ref in op.inputs:
@@ -132,6 +148,26 @@ class _Walk:
             ref = op.name if k == 0 else f"{op.name}:{k}"
             found.extend(c for c, _ in self.graph.consumers(ref))
         return found
+
+
+def _seed(
+    walk: _Walk,
+    problem: SearchProblem,
+    allowed: Mapping[str, Sequence[int]],
+    configured: Mapping[str, str],
+) -> deque[OpNode]:
+    """Configured ops first, in graph order; then the ops that read the batch."""
+    queue: deque[OpNode] = deque()
+    for op in problem.graph.ops:
+        if op.name in configured:
+            (index,) = allowed[op.name]
+            walk.set(op, Decision(index, configured[op.name], problem.op_seconds(op, index)))
+            queue.append(op)
+    for op in problem.graph.ops:
+        if op.name not in walk.decided and any(r in problem.input_layouts for r in op.inputs):
+            walk.decide(op, "the batch")
+            queue.append(op)
+    return queue
 
 
 def sharding_propagation(
@@ -150,24 +186,26 @@ def sharding_propagation(
     """
     allowed = dict(allowed or {})
     walk = _Walk(problem, allowed)
-    queue: deque[OpNode] = deque()
-    for op in problem.graph.ops:  # configured ops first, in topological order
-        if configured and op.name in configured:
-            (index,) = allowed[op.name]
-            walk.set(op, Decision(index, configured[op.name], problem.op_seconds(op, index)))
+    queue = _seed(walk, problem, allowed, configured or {})
+    order = {op.name: n for n, op in enumerate(problem.graph.ops)}
+    waiting: dict[str, OpNode] = {}
+    while queue or waiting:
+        if not queue:  # every reachable op waits on an input: take the earliest
+            name = min(waiting, key=order.__getitem__)
+            op = waiting.pop(name)
+            walk.decide(op, "waiting list")
             queue.append(op)
-    for op in problem.graph.ops:  # then the ops that read the batch
-        if op.name in walk.decided:
             continue
-        if any(ref in problem.input_layouts for ref in op.inputs):
-            walk.decide(op, "the batch")
-            queue.append(op)
-    while queue:
         current = queue.popleft()
         for neighbour in walk.neighbours(current):
-            if neighbour.name not in walk.decided:
+            if neighbour.name in walk.decided:
+                continue
+            if walk.inputs_ready(neighbour):
+                waiting.pop(neighbour.name, None)
                 walk.decide(neighbour, current.name)
                 queue.append(neighbour)
+            else:
+                waiting[neighbour.name] = neighbour
     for op in problem.graph.ops:  # not reachable from any seed: first candidate
         if op.name not in walk.decided:
             indices = allowed.get(op.name) or [0]

@@ -119,16 +119,18 @@ def test_auto_propagation_from_annotation_reaches_every_op() -> None:
 
     The attention internals between the column-parallel q/k/v and the row-parallel output
     projection are reached from them and keep the heads split over tp with no redistribution
-    (the cheapest choice): no all-gather or all-to-all appears.
+    (the cheapest choice): the score matmuls and softmax run on tp-split heads and no
+    all-to-all appears. Every op is decided by propagation or annotation, none by fallback.
     """
     model, batch = _gpt(megatron=True)
     plan = plait.plan(
         model, batch, ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
     )
-    kinds = _count(plan)
-    assert not any(k in ("all_gather", "all_to_all") for k, _ in kinds)
-    softmax = [op for op in plan.ops if "softmax" in op.target]
-    assert softmax and all("tp" in str(op.outputs[0].describe()) for op in softmax)
+    assert not any(k == "all_to_all" for k, _ in _count(plan))
+    inner = [op for op in plan.ops if op.target.split(".")[1] in ("softmax", "matmul")]
+    assert len(inner) == 3 * 2
+    assert all(op.outputs[0].dims[:2] == (("dp",), ("tp",)) for op in inner)
+    assert not any("not reached" in op.reason for op in plan.ops)
 
 
 def test_conflicting_annotations_name_both_ops() -> None:

@@ -39,6 +39,7 @@ from plait.plan import (
 )
 from plait.rules import default_catalogue
 from plait.rules.registry import OpStrategy, grad_reduce_axes
+from plait.search import get_searcher
 from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints
 from plait.search.problem import (
     CostModel,
@@ -46,13 +47,12 @@ from plait.search.problem import (
     gradient_layout,
     settled,
 )
-from plait.search.propagation import Decision, sharding_propagation
+from plait.search.propagation import Decision
 
-__all__ = ["plan", "plan_graph"]
+__all__ = ["SearchSetup", "plan", "plan_graph", "prepare"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 PLANNABLE_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
-BUILT_SEARCHES = ("sharding_propagation",)
 BACKWARD_FLOPS_FACTOR = 2  # backward costs about twice the forward (dX and dW)
 
 
@@ -75,12 +75,6 @@ def _check_config(cfg: ParallelConfig) -> None:
         raise ConfigError(
             f"ParallelConfig.mode={cfg.mode!r}: plait.plan plans modes {', '.join(PLANNABLE_MODES)}; "
             "hybrid and parameter_server runs are written by hand, not planned"
-        )
-    search = cfg.search or "sharding_propagation"
-    if search not in BUILT_SEARCHES:
-        raise NotBuiltError(
-            f"ParallelConfig.search={search!r} is not built yet (issue 6); "
-            "use search='sharding_propagation'"
         )
     if cfg.pipeline_stages != 1:
         raise NotBuiltError(
@@ -109,16 +103,29 @@ def plan(
     return plan_graph(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
 
 
-def plan_graph(
+@dataclass(frozen=True)
+class SearchSetup:
+    """Everything a searcher and the plan builder need, before any strategy is chosen."""
+
+    graph: OpGraph
+    mesh: MeshSpec
+    problem: SearchProblem
+    allowed: Mapping[str, Sequence[int]]
+    configured: Mapping[str, str]
+    topology: Topology
+    hardware: Any  # plait.cost.HardwareProfile
+    dtype: str
+
+
+def prepare(
     graph: OpGraph,
     cfg: ParallelConfig,
     *,
     mesh: MeshSpec | None = None,
     model: nn.Module | None = None,
     hardware_file: str | None = None,
-) -> Plan:
-    """Plan an already captured graph (annotations are read from ``model`` when given)."""
-    _check_config(cfg)
+) -> SearchSetup:
+    """Candidates, costs and constraints for ``graph`` under ``cfg`` (annotations from ``model``)."""
     mesh = mesh or _mesh_of(cfg)
     hardware = (
         get_profile(cfg.hardware, hardware_file) if hardware_file else get_profile(cfg.hardware)
@@ -132,16 +139,37 @@ def plan_graph(
 
     cost = CostModel(topology.axis_seconds, op_compute)
     candidates = _candidates(graph, mesh)
-    problem = SearchProblem(
-        graph, mesh, candidates, batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy), cost
-    )
-    if model is not None:
-        constraints = collect_constraints(model, graph, mesh, cfg.mode)
-    else:
-        constraints = collect_constraints(nn.Module(), graph, mesh, cfg.mode)
+    inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
+    problem = SearchProblem(graph, mesh, candidates, inputs, cost)
+    constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode)
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
-    decisions = sharding_propagation(problem, allowed, configured)
-    return _build_plan(graph, cfg, mesh, problem, decisions, topology, hardware, dtype, model)
+    return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
+
+
+def plan_graph(
+    graph: OpGraph,
+    cfg: ParallelConfig,
+    *,
+    mesh: MeshSpec | None = None,
+    model: nn.Module | None = None,
+    hardware_file: str | None = None,
+) -> Plan:
+    """Plan an already captured graph (annotations are read from ``model`` when given)."""
+    _check_config(cfg)
+    setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
+    searcher = get_searcher(cfg.search or "sharding_propagation")
+    decisions = searcher(setup.problem, setup.allowed, setup.configured)
+    return _build_plan(
+        graph,
+        cfg,
+        setup.mesh,
+        setup.problem,
+        decisions,
+        setup.topology,
+        setup.hardware,
+        setup.dtype,
+        model,
+    )
 
 
 def _op_key(op: OpNode) -> tuple[object, ...]:

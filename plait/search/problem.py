@@ -27,6 +27,7 @@ from plait.rules.registry import OpStrategy, grad_reduce_axes
 
 __all__ = [
     "CostModel",
+    "Edge",
     "SearchProblem",
     "carries_gradient",
     "gradient_layout",
@@ -132,6 +133,7 @@ class SearchProblem:
     cost: CostModel
     _op_cost: dict[tuple[object, int], float] = field(default_factory=dict, repr=False)
     _grad_refs: frozenset[str] | None = field(default=None, repr=False)
+    _edges: list[Edge] | None = field(default=None, repr=False)
 
     def needs_grad(self, ref: str) -> bool:
         """Does a gradient flow back into value ``ref`` (it depends on a parameter)?"""
@@ -200,3 +202,77 @@ class SearchProblem:
         meta = op.input_metas[index]
         grad = gradient_layout(strategy, index) if self.needs_grad(op.inputs[index]) else None
         return self.cost.edge_seconds(source, strategy.inputs[index], grad, meta)
+
+    def edges(self) -> list[Edge]:
+        """Every edge between two ops (producer output -> consumer input), in graph order."""
+        if self._edges is None:
+            found: list[Edge] = []
+            for op in self.graph.ops:
+                for i, ref in enumerate(op.inputs):
+                    node, k = self.graph.producer(ref)
+                    if isinstance(node, OpNode):
+                        found.append(Edge(node.name, k, op.name, i, ref, self.needs_grad(ref)))
+            self._edges = found
+        return self._edges
+
+    def edge_cost(self, edge: Edge, producer_index: int, consumer_index: int) -> float:
+        """Seconds of one edge for a candidate of its producer and one of its consumer."""
+        src = self.candidates[edge.producer][producer_index].outputs[edge.output]
+        target = self.candidates[edge.consumer][consumer_index]
+        grad = gradient_layout(target, edge.input) if edge.needs_grad else None
+        meta = self.graph.meta(edge.ref)
+        return self.cost.edge_seconds(src, target.inputs[edge.input], grad, meta)
+
+    def source_cost(self, op: OpNode, index: int) -> float:
+        """Seconds of ``op``'s edges from values no op makes: the batch, shared parameters.
+
+        A parameter's layout is the one its first reader (in graph order) wants; a later
+        reader that wants another layout pays the redistribution (e.g. tied embeddings).
+        """
+        strategy = self.candidates[op.name][index]
+        seconds = 0.0
+        for i, ref in enumerate(op.inputs):
+            if ref in self.input_layouts:
+                seconds += self.input_edge_seconds(op, i, strategy, self.input_layouts[ref])
+        return seconds
+
+    def evaluate(self, choice: Mapping[str, int]) -> float:
+        """Total predicted seconds of a full assignment (op name -> candidate index).
+
+        The objective every searcher minimises: own costs of all ops, every op-to-op edge, the
+        batch edges, and parameters read by several ops in different layouts.
+        """
+        total = 0.0
+        for op in self.graph.ops:
+            total += self.op_seconds(op, choice[op.name]) + self.source_cost(op, choice[op.name])
+        for edge in self.edges():
+            total += self.edge_cost(edge, choice[edge.producer], choice[edge.consumer])
+        total += self.shared_parameter_seconds(choice)
+        return total
+
+    def shared_parameter_seconds(self, choice: Mapping[str, int]) -> float:
+        """Redistribution of parameters whose readers want different layouts."""
+        first: dict[str, TensorLayout] = {}
+        seconds = 0.0
+        for op in self.graph.ops:
+            strategy = self.candidates[op.name][choice[op.name]]
+            for i, ref in enumerate(op.inputs):
+                if not self._is_param(ref):
+                    continue
+                if ref not in first:
+                    first[ref] = strategy.inputs[i]
+                elif first[ref] != strategy.inputs[i]:
+                    seconds += self.input_edge_seconds(op, i, strategy, first[ref])
+        return seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """A value made by one op and read by another."""
+
+    producer: str
+    output: int  # which output of the producer
+    consumer: str
+    input: int  # which input of the consumer
+    ref: str
+    needs_grad: bool

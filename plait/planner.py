@@ -11,7 +11,7 @@ Costs are seconds and bytes on the config's hardware profile (``plait.cost``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 

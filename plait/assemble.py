@@ -1,0 +1,431 @@
+"""From the searcher's choices to a :class:`~plait.plan.Plan`: collectives, stages, predictions.
+
+Given one strategy per op, this module writes down what a training step does and costs:
+
+- every redistribution on every edge (forward), and of every gradient going back (backward);
+- each parameter's gradient reduction over the axes that split its op's work but not the
+  parameter (MindSpore's mirror operators), as reduce-scatter plus parameter all-gathers when
+  ``optimizer_shard`` shards over the data-parallel axis (ZeRO levels 1 to 3);
+- with ``pipeline_stages > 1``, contiguous stages balanced by compute (cut at repeated-layer
+  boundaries when the model has them) and the activations and gradients sent between stages
+  once per micro-batch;
+- the predicted step: the busiest stage's compute and communication, plus the pipeline bubble
+  ``(stages - 1) / micro_batches`` of it (1F1B and GPipe); memory per device by kind at the
+  busiest stage, with activations of the micro-batches in flight.
+
+Communication is not assumed to overlap compute: the prediction is an upper bound, stated so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait.config import ParallelConfig
+from plait.cost.comm import Topology
+from plait.cost.memory import (
+    MemoryBreakdown,
+    graph_activation_bytes,
+    in_flight_micro_batches,
+    training_memory,
+)
+from plait.graph import OpGraph, OpNode
+from plait.layout import TensorLayout
+from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
+from plait.mesh import MeshSpec
+from plait.plan import Alternative, Plan, PlannedCollective, PlannedOp, PlannedParameter, Prediction
+from plait.rules import default_catalogue
+from plait.rules.registry import OpStrategy, grad_reduce_axes
+from plait.search.problem import SearchProblem, gradient_layout, settled
+from plait.search.propagation import Decision
+from plait.search.stages import assign_stages
+
+__all__ = ["assemble_plan"]
+
+PP_AXIS = "pp"
+LOW_PRECISION_ACTIVATIONS = {"bf16": 0.5, "fp16": 0.5, "fp32": 1.0}
+
+
+@dataclass
+class _Step:
+    """The collectives of one step, each attributed to the pipeline stage that issues it."""
+
+    topology: Topology
+    items: list[PlannedCollective] = field(default_factory=list)
+    stage: list[int] = field(default_factory=list)
+
+    def redistribute(
+        self,
+        src: TensorLayout,
+        dst: TensorLayout,
+        shape: Sequence[int],
+        itemsize: int,
+        where: tuple[str, str, int],
+        reason: str,
+    ) -> None:
+        if src == dst:
+            return
+        for step in plan_redistribution(src, dst, tuple(shape), itemsize).steps:
+            if step.kind not in LOCAL_KINDS:
+                self.add(step.kind, (step.axis,), step.nbytes, where, reason)
+
+    def add(
+        self,
+        kind: str,
+        axes: tuple[str, ...],
+        nbytes: int,
+        where: tuple[str, str, int],
+        reason: str,
+        count: int = 1,
+    ) -> None:
+        phase, op, stage = where
+        seconds = sum(self.topology.axis_seconds(kind, a, nbytes) for a in axes)
+        self.items.append(PlannedCollective(kind, axes, nbytes, seconds, count, phase, op, reason))
+        self.stage.append(stage)
+
+    def seconds_of_stage(self, stage: int) -> float:
+        return sum(
+            c.seconds * c.count for c, s in zip(self.items, self.stage, strict=True) if s == stage
+        )
+
+
+@dataclass(frozen=True)
+class _Context:
+    graph: OpGraph
+    cfg: ParallelConfig
+    mesh: MeshSpec
+    problem: SearchProblem
+    chosen: Mapping[str, OpStrategy]
+    stage_of: Mapping[str, int]
+
+
+def assemble_plan(
+    graph: OpGraph,
+    cfg: ParallelConfig,
+    mesh: MeshSpec,
+    problem: SearchProblem,
+    decisions: Mapping[str, Decision],
+    topology: Topology,
+    hardware: Any,
+    model_name: str = "",
+) -> Plan:
+    """The Plan of ``decisions`` (one candidate index per op) under ``cfg`` on ``mesh``."""
+    chosen = {op.name: problem.candidates[op.name][decisions[op.name].index] for op in graph.ops}
+    op_time = {op.name: _op_compute(problem, mesh, op, chosen[op.name]) for op in graph.ops}
+    stages = cfg.pipeline_stages
+    stage_list = assign_stages(graph, op_time, stages) if stages > 1 else [0] * len(graph.ops)
+    stage_of = {op.name: s for op, s in zip(graph.ops, stage_list, strict=True)}
+    ctx = _Context(graph, cfg, mesh, problem, chosen, stage_of)
+    step = _Step(topology)
+    param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]] = {}
+    for op in graph.ops:
+        _op_collectives(ctx, op, step, param_layouts)
+    parameters = _parameters(ctx, param_layouts, step)
+    _loss_collective(ctx, step)
+    if stages > 1:
+        _pipeline_transfers(ctx, step)
+    predicted = _predict(ctx, op_time, step, param_layouts)
+    return Plan(
+        mesh=mesh,
+        mode=cfg.mode,
+        search=cfg.search or "sharding_propagation",
+        hardware=hardware.name,
+        precision=cfg.precision,
+        micro_batches=cfg.micro_batches,
+        pipeline_stages=stages,
+        optimizer_shard=cfg.optimizer_shard,
+        recompute=cfg.recompute,
+        ops=tuple(_planned_op(ctx, op, decisions[op.name]) for op in graph.ops),
+        parameters=parameters,
+        collectives=tuple(step.items),
+        predicted=predicted,
+        stages=_stage_names(graph, stage_list, stages),
+        model=model_name,
+        batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
+        memory_limit=cfg.memory_limit,  # type: ignore[arg-type]
+    )
+
+
+def _op_compute(problem: SearchProblem, mesh: MeshSpec, op: OpNode, strategy: OpStrategy) -> float:
+    pieces = math.prod(mesh.axis_size(a) for a in strategy.used_axes())
+    return problem.cost.op_compute(op, pieces)
+
+
+def _stage_names(
+    graph: OpGraph, stage_list: Sequence[int], stages: int
+) -> tuple[tuple[str, ...], ...]:
+    if stages == 1:
+        return ()
+    names: list[list[str]] = [[] for _ in range(stages)]
+    for op, s in zip(graph.ops, stage_list, strict=True):
+        names[s].append(op.name)
+    return tuple(tuple(n) for n in names)
+
+
+_catalogue = default_catalogue
+
+
+def _planned_op(ctx: _Context, op: OpNode, decision: Decision) -> PlannedOp:
+    strategy = ctx.chosen[op.name]
+    covered = _catalogue().covers(op)
+    candidates = ctx.problem.candidates[op.name]
+    return PlannedOp(
+        name=op.name,
+        target=op.target,
+        module_path=op.module_path,
+        strategy=strategy.cuts(),
+        inputs=strategy.inputs,
+        outputs=strategy.outputs,
+        label=strategy.label,
+        covered=covered,
+        reason=decision.reason if covered else "no rule in the catalogue: replicated",
+        layer=op.layer,
+        alternatives=tuple(
+            Alternative(candidates[i].label, candidates[i].cuts(), c)
+            for i, c in decision.alternatives
+        ),
+    )
+
+
+def _op_collectives(
+    ctx: _Context,
+    op: OpNode,
+    step: _Step,
+    param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]],
+) -> None:
+    """Redistributions feeding ``op`` (forward) and its input gradients (backward)."""
+    graph, strategy, stage = ctx.graph, ctx.chosen[op.name], ctx.stage_of[op.name]
+    for i, ref in enumerate(op.inputs):
+        source = graph.graph_input(ref)
+        need = strategy.inputs[i]
+        meta = op.input_metas[i]
+        if source is not None and source.kind == "parameter":
+            if ref not in param_layouts:
+                param_layouts[ref] = (need, op.name, strategy, i)
+                continue
+            have = param_layouts[ref][0]
+            what = f"parameter {source.target} (laid out {have.describe()} for {param_layouts[ref][1]})"
+        elif source is not None and source.kind == "input":
+            have = ctx.problem.input_layouts[ref]
+            what = f"batch tensor {source.target}"
+        elif source is not None:
+            continue  # buffers and constants are replicated and read locally
+        else:
+            node, k = graph.producer(ref)
+            assert isinstance(node, OpNode)
+            have = ctx.chosen[node.name].outputs[k]
+            what = f"output of {node.name}"
+        reason = f"{op.name} needs {what} as {need.describe()}; it is {have.describe()}"
+        step.redistribute(
+            have, need, meta.shape, meta.itemsize, ("forward", op.name, stage), reason
+        )
+        if ctx.problem.needs_grad(ref):
+            grad, back = gradient_layout(strategy, i), settled(have)
+            step.redistribute(
+                grad,
+                back,
+                meta.shape,
+                meta.itemsize,
+                ("backward", op.name, stage),
+                f"gradient of {what} for {op.name}: {grad.describe()} -> {back.describe()}",
+            )
+
+
+def _parameters(
+    ctx: _Context,
+    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
+    step: _Step,
+) -> tuple[PlannedParameter, ...]:
+    """Every parameter's layout, and its gradient reduction (ZeRO-aware over the dp axis)."""
+    planned = []
+    for g in ctx.graph.inputs:
+        if g.kind != "parameter":
+            continue
+        if g.name not in param_layouts:  # read by no op: stays whole, has no gradient
+            layout = TensorLayout.replicated(ctx.mesh, g.meta.ndim)
+            planned.append(
+                PlannedParameter(
+                    g.target,
+                    g.meta.shape,
+                    g.meta.dtype,
+                    layout,
+                    (),
+                    "",
+                    "not read by the forward pass: replicated",
+                )
+            )
+            continue
+        layout, op, strategy, i = param_layouts[g.name]
+        axes = grad_reduce_axes(strategy, i)
+        nbytes = g.meta.nbytes // math.prod(layout.splits())
+        stage = ctx.stage_of[op]
+        for axis in axes:
+            _gradient_reduction(ctx, step, g.target, op, axis, nbytes, stage)
+        why = f"layout of input {i} of {op} ({strategy.label or 'strategy'} {strategy.cuts()!r})"
+        planned.append(
+            PlannedParameter(g.target, g.meta.shape, g.meta.dtype, layout, axes, op, why)
+        )
+    return tuple(planned)
+
+
+def _gradient_reduction(
+    ctx: _Context, step: _Step, name: str, op: str, axis: str, nbytes: int, stage: int
+) -> None:
+    level = ctx.cfg.optimizer_shard
+    why = f"gradient of {name}: {op} splits its work over {axis!r} but not the parameter"
+    if level is None or axis != ctx.cfg.dp_axis or nbytes % ctx.mesh.axis_size(axis):
+        step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
+        return
+    shard = nbytes // ctx.mesh.axis_size(axis)
+    if level == 1:  # ZeRO-1: gradients whole, optimizer states sharded
+        step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
+    else:
+        step.add(
+            "reduce_scatter", (axis,), nbytes, ("backward", name, stage), why + " (sharded over dp)"
+        )
+    if level == 3:  # ZeRO-3: parameters sharded, gathered for forward and for backward
+        for phase in ("forward", "backward"):
+            step.add(
+                "all_gather",
+                (axis,),
+                shard,
+                (phase, name, stage),
+                f"{name} is sharded over {axis!r} (optimizer_shard=3)",
+            )
+    else:
+        step.add(
+            "all_gather",
+            (axis,),
+            shard,
+            ("optimizer", name, stage),
+            f"updated shards of {name} (optimizer_shard={level})",
+        )
+
+
+def _loss_collective(ctx: _Context, step: _Step) -> None:
+    """The loss value Job.step reports is reduced once when it is a pending sum."""
+    if not ctx.graph.outputs:
+        return
+    node, k = ctx.graph.producer(ctx.graph.outputs[0])
+    if not isinstance(node, OpNode):
+        return
+    layout = ctx.chosen[node.name].outputs[k]
+    for axis in layout.partial:
+        step.add(
+            "all_reduce",
+            (axis,),
+            node.outputs[k].nbytes,
+            ("forward", node.name, ctx.stage_of[node.name]),
+            "loss value reported by Job.step",
+        )
+
+
+def _pipeline_transfers(ctx: _Context, step: _Step) -> None:
+    """Values crossing a stage boundary: sent once per micro-batch, gradients sent back."""
+    m = ctx.cfg.micro_batches
+    sent: set[tuple[str, int]] = set()
+    for op in ctx.graph.ops:
+        for ref in op.inputs:
+            node, k = ctx.graph.producer(ref)
+            if not isinstance(node, OpNode):
+                continue
+            src, dst = ctx.stage_of[node.name], ctx.stage_of[op.name]
+            if src == dst or (ref, dst) in sent:
+                continue
+            sent.add((ref, dst))
+            layout = settled(ctx.chosen[node.name].outputs[k])
+            local = node.outputs[k].nbytes // math.prod(layout.splits()) // m
+            why = f"{ref} from stage {src} to stage {dst} ({op.name}), once per micro-batch"
+            step.add("send_recv", (PP_AXIS,), local, ("forward", op.name, dst), why, count=m)
+            if ctx.problem.needs_grad(ref):
+                step.add(
+                    "send_recv",
+                    (PP_AXIS,),
+                    local,
+                    ("backward", node.name, src),
+                    "gradient of " + why,
+                    count=m,
+                )
+
+
+def _predict(
+    ctx: _Context,
+    op_time: Mapping[str, float],
+    step: _Step,
+    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
+) -> Prediction:
+    stages, m = ctx.cfg.pipeline_stages, ctx.cfg.micro_batches
+    compute = [0.0] * stages
+    for op in ctx.graph.ops:
+        compute[ctx.stage_of[op.name]] += op_time[op.name]
+    busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s))
+    compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
+    bubble_s = (compute_s + comm_s) * (stages - 1) / m
+    memories = [_stage_memory(ctx, s, param_layouts) for s in range(stages)]
+    peak = max(memories, key=lambda mem: mem.total)
+    return Prediction(
+        step_time_s=compute_s + comm_s + bubble_s,
+        compute_s=compute_s,
+        communication_s=comm_s,
+        bubble_s=bubble_s,
+        memory_bytes=peak.total,
+        memory_by_kind={
+            "parameters": peak.parameters,
+            "gradients": peak.gradients,
+            "optimizer": peak.optimizer,
+            "activations": peak.activations,
+        },
+        flops_per_step=int(ctx.graph.flops * 3),
+    )
+
+
+def _stage_memory(
+    ctx: _Context,
+    stage: int,
+    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
+) -> MemoryBreakdown:
+    graph, mesh, cfg = ctx.graph, ctx.mesh, ctx.cfg
+    param_numel = 0
+    for g in graph.inputs:
+        if g.kind != "parameter":
+            continue
+        layout, op = param_layouts.get(
+            g.name, (TensorLayout.replicated(mesh, g.meta.ndim), "", None, 0)
+        )[:2]
+        if (ctx.stage_of.get(op, 0)) == stage:
+            param_numel += g.meta.numel // math.prod(layout.splits())
+    scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
+
+    def local_bytes(ref: str) -> int:
+        node, k = graph.producer(ref)
+        if not isinstance(node, OpNode):
+            layout = ctx.problem.input_layouts.get(ref)
+            return (
+                0
+                if layout is None or stage != 0
+                else graph.meta(ref).nbytes // math.prod(layout.splits())
+            )
+        if ctx.stage_of[node.name] != stage:
+            return 0
+        layout = ctx.chosen[node.name].outputs[k]
+        nbytes = node.outputs[k].nbytes // math.prod(layout.splits())
+        return int(nbytes * scale) if node.outputs[k].dtype == "float32" else nbytes
+
+    per_step = graph_activation_bytes(graph, recompute=cfg.recompute, local_bytes=local_bytes)
+    m = cfg.micro_batches
+    in_flight = (
+        in_flight_micro_batches(stage, cfg.pipeline_stages, m, cfg.schedule)
+        if cfg.pipeline_stages > 1
+        else m
+    )
+    dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
+    return training_memory(
+        param_numel,
+        shard_group=dp,
+        optimizer_shard=cfg.optimizer_shard,
+        precision=cfg.precision,
+        activation_bytes=per_step // m,
+        in_flight=in_flight,
+    )

@@ -48,7 +48,7 @@ BACKWARD_FLOPS_FACTOR = 2  # backward costs about twice the forward (dX and dW)
 
 def _mesh_of(cfg: ParallelConfig) -> MeshSpec:
     """The plan's mesh: ``cfg.mesh``, or ``{pp: stages, dp: rest}`` from ``cfg.devices``."""
-    mesh = cfg.mesh_dict
+    mesh = cfg.mesh_dict if cfg.mesh is not None else {}
     stages = cfg.pipeline_stages
     if not mesh:
         if cfg.mode == "stand_alone":

@@ -169,3 +169,73 @@ def test_planning_allocates_no_parameter_memory() -> None:
     model, batch = _gpt(layers=3)
     plait.plan(model, batch, ParallelConfig(mode="auto", devices=8), loss_fn=gpt_loss)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_pipeline_plan_cuts_at_layers_and_prices_the_bubble() -> None:
+    """4 layers on 2 stages x 2 dp: each stage holds whole layers, the boundary value (the
+    residual stream) is sent once per micro-batch forward and its gradient once backward, and
+    the bubble is (stages - 1) / micro_batches of the busiest stage's time (1F1B)."""
+    model, batch = _gpt(layers=4)
+    cfg = ParallelConfig(mode="data_parallel", devices=4, pipeline_stages=2, micro_batches=4)
+    plan = plait.plan(model, batch, cfg, loss_fn=gpt_loss)
+    assert plan.mesh.as_dict() == {"pp": 2, "dp": 2}
+    assert len(plan.stages) == 2
+    layers_of = [{plan.op(n).layer for n in stage} - {None} for stage in plan.stages]
+    assert layers_of == [{"blocks.0", "blocks.1"}, {"blocks.2", "blocks.3"}]
+    sends = [c for c in plan.collectives if c.kind == "send_recv"]
+    assert [(c.phase, c.count, c.axes) for c in sends] == [
+        ("forward", 4, ("pp",)),
+        ("backward", 4, ("pp",)),
+    ]
+    assert sends[0].nbytes == 8 // 2 // 4 * 16 * 32 * 4  # batch/dp/micro x seq x width x fp32
+    p = plan.predicted
+    assert p.bubble_s == pytest.approx((p.compute_s + p.communication_s) * (2 - 1) / 4)
+    assert not any(c.axes == ("pp",) and c.kind != "send_recv" for c in plan.collectives)
+
+
+def test_optimizer_shard_levels_change_collectives_and_memory() -> None:
+    """ZeRO over dp (reference cost-model.md 2.iv): level 1 keeps the gradient all-reduce and
+    gathers updated parameter shards after the optimizer; level 2 reduce-scatters gradients;
+    level 3 also gathers parameters in forward and backward. Memory falls level by level."""
+    model, batch = _gpt()
+    plans = {
+        level: plait.plan(
+            model,
+            batch,
+            ParallelConfig(mode="data_parallel", devices=4, optimizer_shard=level),
+            loss_fn=gpt_loss,
+        )
+        for level in (None, 1, 2, 3)
+    }
+    n = sum(1 for p in plans[None].parameters if p.grad_reduce_axes)  # pos.weight: see above
+
+    def kinds(level):
+        return Counter(
+            (c.kind, c.phase)
+            for c in plans[level].collectives
+            if c.op in {p.name for p in plans[level].parameters}
+        )
+
+    assert kinds(None) == {("all_reduce", "backward"): n}
+    assert kinds(1) == {("all_reduce", "backward"): n, ("all_gather", "optimizer"): n}
+    assert kinds(2) == {("reduce_scatter", "backward"): n, ("all_gather", "optimizer"): n}
+    assert kinds(3) == {
+        ("reduce_scatter", "backward"): n,
+        ("all_gather", "forward"): n,
+        ("all_gather", "backward"): n,
+    }
+    mem = [plans[level].predicted.memory_bytes for level in (None, 1, 2, 3)]
+    assert mem[0] > mem[1] > mem[2] > mem[3]
+
+
+def test_plan_validates_against_its_model() -> None:
+    model, batch = _gpt(megatron=True)
+    plan = plait.plan(
+        model, batch, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+    )
+    plan.validate(model, world_size=4)
+    other, _ = _gpt(layers=3)
+    with pytest.raises(plait.PlanError, match=r"blocks\.2"):
+        plan.validate(other, world_size=4)
+    with pytest.raises(plait.PlanError, match="world"):
+        plan.validate(model, world_size=8)

@@ -7,6 +7,7 @@ and runs it on ``torch.distributed``. See README.md for a tour.
 
 from plait import data, ops, testing
 from plait.annotate import shard
+from plait.capture import capture
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import (
     ConfigError,
@@ -16,6 +17,7 @@ from plait.errors import (
     PlanError,
     ShardingError,
 )
+from plait.graph import OpGraph
 from plait.launch import World, init
 from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
 from plait.mesh import MeshSpec
@@ -35,6 +37,7 @@ __all__ = [
     "LayoutError",
     "MeshSpec",
     "NotBuiltError",
+    "OpGraph",
     "ParallelConfig",
     "Partial",
     "PlaitError",
@@ -45,6 +48,7 @@ __all__ = [
     "ShardingError",
     "TensorLayout",
     "World",
+    "capture",
     "data",
     "init",
     "ops",

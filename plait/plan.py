@@ -529,14 +529,19 @@ class Plan:
         return "\n".join(_summary_lines(self)) + "\n"
 
     def explain(self, name: str) -> str:
-        """Why an op, a parameter (FQN) or a module path is laid out as it is, and what it costs."""
+        """Why an op, a parameter (FQN) or a module path is laid out as it is, and what it costs.
+
+        ``explain("mesh")`` shows the options the outer planner weighed and why the winner won.
+        """
         if name in self._ops:
             return "\n".join(_explain_op(self, self._ops[name])) + "\n"
         if name in self._params:
             return "\n".join(_explain_param(self, self._params[name])) + "\n"
         if name and name in _module_paths(self):
             return "\n".join(_explain_module(self, name)) + "\n"
-        known = [*self._ops, *self._params, *_module_paths(self)]
+        if name in ("mesh", "options") and (self.options or self.notes):
+            return "\n".join(_explain_options(self)) + "\n"
+        known = [*self._ops, *self._params, *_module_paths(self), "mesh"]
         raise PlanError(
             f"explain({name!r}): no op, parameter or module of that name in the plan"
             f"{_close(name, known)}; give an op name, a parameter FQN or a module path"
@@ -1338,6 +1343,21 @@ def _collectives_at(plan: Plan, names: Iterable[str]) -> list[str]:
                 f"{fmt_seconds(c.seconds)} each ({c.op}: {c.reason})"
             )
     return lines or ["  none"]
+
+
+def _explain_options(plan: Plan) -> list[str]:
+    lines = [f"mesh {plan.mesh.as_dict()!r}: why"]
+    lines += [f"  {note}" for note in plan.notes]
+    if plan.options:
+        lines.append("best options weighed (step time, memory per device, fits)")
+        for o in plan.options[:5]:
+            zero = "off" if o.optimizer_shard is None else o.optimizer_shard
+            lines.append(
+                f"  {o.mesh!r} micro-batches {o.micro_batches}, optimizer shard {zero}, recompute "
+                f"{o.recompute}: {fmt_seconds(o.step_time_s)}, {fmt_bytes(o.memory_bytes)}, "
+                f"{'fits' if o.feasible else 'does not fit'}{' (' + o.note + ')' if o.note else ''}"
+            )
+    return lines
 
 
 def _explain_op(plan: Plan, op: PlannedOp) -> list[str]:

@@ -39,14 +39,14 @@ from plait.search.problem import (
     SearchProblem,
 )
 
-__all__ = ["SearchSetup", "plan", "plan_graph", "prepare"]
+__all__ = ["SearchSetup", "mesh_of", "plan", "plan_graph", "prepare"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 PLANNABLE_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
 BACKWARD_FLOPS_FACTOR = 2  # backward costs about twice the forward (dX and dW)
 
 
-def _mesh_of(cfg: ParallelConfig) -> MeshSpec:
+def mesh_of(cfg: ParallelConfig) -> MeshSpec:
     """The plan's mesh: ``cfg.mesh``, or ``{pp: stages, dp: rest}`` from ``cfg.devices``."""
     mesh = cfg.mesh_dict if cfg.mesh is not None else {}
     stages = cfg.pipeline_stages
@@ -101,9 +101,10 @@ def plan(
         >>> print(plan.summary())
     """
     _check_config(cfg)
-    mesh = _mesh_of(cfg)
+    if cfg.mode != "auto":
+        mesh_of(cfg)  # a bad mesh or device count fails before the capture
     graph = capture(model, example_batch, loss_fn)
-    return plan_graph(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
+    return plan_graph(graph, cfg, model=model, hardware_file=hardware_file)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def prepare(
     hardware_file: str | None = None,
 ) -> SearchSetup:
     """Candidates, costs and constraints for ``graph`` under ``cfg`` (annotations from ``model``)."""
-    mesh = mesh or _mesh_of(cfg)
+    mesh = mesh or mesh_of(cfg)
     hardware = (
         get_profile(cfg.hardware, hardware_file) if hardware_file else get_profile(cfg.hardware)
     )
@@ -159,6 +160,10 @@ def plan_graph(
 ) -> Plan:
     """Plan an already captured graph (annotations are read from ``model`` when given)."""
     _check_config(cfg)
+    if cfg.mode == "auto" and mesh is None:
+        from plait.search.outer import auto_plan
+
+        return auto_plan(graph, cfg, model=model, hardware_file=hardware_file)
     setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
     searcher = get_searcher(cfg.search or "sharding_propagation")
     decisions = searcher(setup.problem, setup.allowed, setup.configured)

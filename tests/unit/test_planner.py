@@ -13,7 +13,7 @@ from torch import nn
 
 import plait
 from plait.config import ParallelConfig
-from plait.errors import ConfigError, NotBuiltError, ShardingError
+from plait.errors import ConfigError, ShardingError
 from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 CFG = GPTConfig(vocab=64, seq=16, width=32, heads=4, layers=2)
@@ -159,10 +159,6 @@ def test_plan_refuses_what_it_cannot_do_yet() -> None:
     model, batch = _gpt()
     with pytest.raises(ConfigError, match="devices"):
         plait.plan(model, batch, ParallelConfig(mode="auto"), loss_fn=gpt_loss)
-    with pytest.raises(NotBuiltError, match="issue 6"):
-        plait.plan(
-            model, batch, ParallelConfig(mode="auto", devices=4, search="ilp"), loss_fn=gpt_loss
-        )
 
 
 def test_planning_allocates_no_parameter_memory() -> None:

@@ -1,0 +1,694 @@
+"""``search="recursive_programming"``: MindSpore's double recursive search on named meshes.
+
+MindSpore's SAPP planner (reference ``mindspore.md`` section 7.5, ``cost-model.md`` section 1b)
+cuts every operator in two, ``log2(N)`` times: the outer recursion walks the bisections of
+the cluster, the inner one walks the operators in decreasing weight, and each operator picks
+the dimension to cut given the cuts its heavier neighbours already made. plait's candidates
+split whole named mesh axes, so here the outer recursion is **one round per mesh axis**, in
+mesh order (outermost first: the slowest links are cut first, as in MindSpore's first
+bisection). An axis of any size is one round, so meshes such as ``{dp: 3, tp: 2}`` need no
+power of two; the candidates already refuse dims that an axis does not divide.
+
+**Roles.** Projected on one mesh axis, a candidate says what that axis does to each of the op's
+tensors: which dim of each input and output it splits, or that an output holds a pending sum
+over it. That projection is the axis's *role* (the "dimension cut" of MindSpore). A candidate is
+the tuple of its roles, one per axis; after round ``r`` an op holds the roles of the first
+``r + 1`` axes, and is priced as the candidate with those roles and the later axes unused
+(its *completion*: the op as it runs when only those axes exist). Round ``r`` offers an op only
+the roles some allowed candidate extends, so the final tuple always maps back to a candidate;
+``configured`` ops hold their fixed candidate's roles in every round.
+
+**Costs.** An op's choice in a round is priced with the problem's own closed-form costs
+(:class:`~plait.search.problem.SearchProblem`), on the completion:
+
+- its compute share and its parameters' gradient reduction (``SearchProblem.op_seconds``;
+  MindSpore's "cut i" cost of a MatMul);
+- on each edge to an op already decided in this round, the redistribution both ways;
+- on each edge to an undecided op, a lookahead: the cheapest choice of that neighbour given
+  this one, itself priced the same way up to ``LOOKAHEAD_DEPTH`` ops away (so a linear sees
+  the next linear through a view, a transpose or a GELU, as MindSpore sees it through the ops
+  it eliminates). At the end of the lookahead an edge costs what the op alone makes it cost:
+  the reduction of a pending sum it outputs (MindSpore's "cut k") and of a partial gradient
+  it hands back (its "cut j").
+
+Batch tensors enter with their fixed layouts restricted to the axes cut so far.
+
+**Order.** Each round visits ops by decreasing *weight*: compute seconds of the whole op
+(FLOPs and bytes on the hardware profile, forward and backward) times the number of layers
+it stands for; ties go to the earlier op. Ties between roles go to the unused role, then to
+the lower dim, so the search is deterministic.
+
+**Final sweep.** With every op decided, each op in weight order may switch to any allowed
+candidate that lowers the objective with all its neighbours fixed (as MindSpore's strategy
+generation reconciles ops with their neighbours); at most ``SWEEPS`` passes. Each switch
+lowers :meth:`SearchProblem.evaluate` exactly.
+
+**Folding.** Members of a :class:`~plait.graph.LayerGroup` correspond op for op, so the search
+runs on a quotient graph: one node per representative op (``OpGraph.representative``),
+standing for every member; edges between members (layer ``i`` to ``i + 1``) become edges
+between representatives, counted once per member pair. A group folds only when its members
+have equal candidates and equal constraints; a GPT of 96 layers is searched as one layer plus
+embedding and head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from plait.graph import LayerGroup, OpGraph, TensorMeta
+from plait.layout import TensorLayout
+from plait.rules.registry import OpStrategy
+from plait.search.problem import SearchProblem, gradient_layout, settled
+from plait.search.propagation import Decision
+
+__all__ = ["LOOKAHEAD_DEPTH", "SWEEPS", "recursive_programming"]
+
+LOOKAHEAD_DEPTH = 4  # ops an edge cost looks through: q -> view -> transpose -> transpose -> bmm
+SWEEPS = 2  # passes of the final sweep
+ALTERNATIVES_KEPT = 3
+PARTIAL = -2  # role entry of an output holding a pending sum over the axis
+UNSPLIT = -1  # role entry of a tensor the axis does not split
+
+Role = tuple[tuple[int, ...], tuple[int, ...]]
+"""What one mesh axis does to an op: per input the dim it splits, per output the dim or PARTIAL."""
+
+
+# --------------------------------------------------------------------------- roles
+
+
+def _axis_role(strategy: OpStrategy, axis: str) -> Role:
+    def dim_of(layout: TensorLayout) -> int:
+        for d, axes in enumerate(layout.dims):
+            if axis in axes:
+                return d
+        return PARTIAL if axis in layout.partial else UNSPLIT
+
+    return tuple(map(dim_of, strategy.inputs)), tuple(map(dim_of, strategy.outputs))
+
+
+def _is_unused(role: Role) -> bool:
+    return all(d == UNSPLIT for part in role for d in part)
+
+
+def _role_key(role: Role) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Sort key: the unused role first, then lower dims (determinism)."""
+    return (0 if _is_unused(role) else 1, role[0], role[1])
+
+
+def _describe_role(role: Role) -> str:
+    """``in d0, d1 -> out d1``-style text: per tensor the dim split, ``-`` or ``P``."""
+
+    def entry(d: int) -> str:
+        return "-" if d == UNSPLIT else "P" if d == PARTIAL else f"d{d}"
+
+    ins = ",".join(entry(d) for d in role[0])
+    outs = ",".join(entry(d) for d in role[1])
+    return f"in {ins} -> out {outs}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Roles:
+    """Roles of every candidate of one candidate list, and the completion of each prefix."""
+
+    per_candidate: tuple[tuple[Role, ...], ...]
+    completion: Mapping[tuple[Role, ...], int]
+    labels: Mapping[tuple[int, Role], str]  # (round, role) -> label of the one-axis candidate
+    ordered: tuple[bool, ...]  # every layout lists its axes in mesh order
+
+
+def _roles_of(candidates: Sequence[OpStrategy], axes: tuple[str, ...]) -> _Roles:
+    per = tuple(tuple(_axis_role(s, a) for a in axes) for s in candidates)
+    best: dict[tuple[Role, ...], tuple[int, int]] = {}
+    labels: dict[tuple[int, Role], str] = {}
+    for index, roles in enumerate(per):
+        used = [not _is_unused(r) for r in roles]
+        for n in range(len(roles) + 1):
+            # the completion of a prefix leaves as many later axes unused as it can
+            key = (sum(used[n:]), index)
+            prefix = roles[:n]
+            if prefix not in best or key < best[prefix]:
+                best[prefix] = key
+        if sum(used) == 1:
+            r = used.index(True)
+            labels.setdefault((r, roles[r]), candidates[index].label)
+    ordered = tuple(
+        all(layout.is_mesh_ordered() for layout in (*s.inputs, *s.outputs)) for s in candidates
+    )
+    return _Roles(per, {p: k[1] for p, k in best.items()}, labels, ordered)
+
+
+@lru_cache(maxsize=1 << 12)
+def _restrict(layout: TensorLayout, axes: frozenset[str]) -> TensorLayout:
+    """``layout`` as it is when only ``axes`` exist (the others replicate)."""
+    return TensorLayout(
+        layout.mesh,
+        tuple(tuple(a for a in dim if a in axes) for dim in layout.dims),
+        tuple(a for a in layout.partial if a in axes),
+        layout.reduce_op,
+    )
+
+
+# --------------------------------------------------------------------------- folding
+
+VALUE, PARAM = 0, 1  # a link carries an op's output, or a parameter its first reader laid out
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    """An edge of the folded graph: ``count`` edges of the op graph with one price each."""
+
+    kind: int  # VALUE: src's output src_slot; PARAM: src's input src_slot (a shared parameter)
+    src: str
+    src_slot: int
+    dst: str
+    dst_slot: int
+    meta: TensorMeta
+    needs_grad: bool
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Batch tensors with a fixed layout feeding input ``slot`` of an op, ``count`` times."""
+
+    slot: int
+    layout: TensorLayout
+    meta: TensorMeta
+    needs_grad: bool
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Folded:
+    """The quotient graph: representatives, how many ops each stands for, links, sources."""
+
+    nodes: tuple[str, ...]  # representative ops, graph order
+    node_of: Mapping[str, str]  # op -> its representative
+    count: Mapping[str, int]
+    links: tuple[_Link, ...]
+    links_of: Mapping[str, tuple[int, ...]]  # node -> ids of links touching it
+    sources: Mapping[str, tuple[_Source, ...]]
+
+
+def _group_folds(
+    problem: SearchProblem,
+    group: LayerGroup,
+    allowed: Mapping[str, Sequence[int]],
+    configured: Mapping[str, str],
+) -> bool:
+    """Members share one solution only if their ops have the same candidates and constraints."""
+    graph = problem.graph
+    first = graph.layer_ops(group.members[0])
+    for member in group.members[1:]:
+        ops = graph.layer_ops(member)
+        if len(ops) != len(first):
+            return False
+        for a, b in zip(first, ops, strict=True):
+            ca, cb = problem.candidates[a.name], problem.candidates[b.name]
+            if ca is not cb and list(ca) != list(cb):
+                return False
+            if tuple(allowed.get(a.name, ())) != tuple(allowed.get(b.name, ())):
+                return False
+            if (a.name in configured) != (b.name in configured):
+                return False
+    return True
+
+
+def _representatives(
+    problem: SearchProblem,
+    allowed: Mapping[str, Sequence[int]],
+    configured: Mapping[str, str],
+) -> dict[str, str]:
+    """Op -> the op that stands for it: its group's representative when the group folds."""
+    graph = problem.graph
+    node_of: dict[str, str] = {}
+    for group in graph.layers:
+        if _group_folds(problem, group, allowed, configured):
+            for member in group.members:
+                for op in graph.layer_ops(member):
+                    node_of[op.name] = graph.representative(op.name)
+    for op in graph.ops:
+        node_of.setdefault(op.name, op.name)
+    return node_of
+
+
+Counts = dict[tuple[object, ...], int]
+
+
+def _value_links(problem: SearchProblem, node_of: Mapping[str, str]) -> Counts:
+    """Op-to-op edges, mapped onto representatives and counted."""
+    links: Counts = {}
+    for e in problem.edges():
+        key = (
+            VALUE,
+            node_of[e.producer],
+            e.output,
+            node_of[e.consumer],
+            e.input,
+            problem.graph.meta(e.ref),
+            e.needs_grad,
+        )
+        links[key] = links.get(key, 0) + 1
+    return links
+
+
+def _input_links(problem: SearchProblem, node_of: Mapping[str, str], links: Counts) -> Counts:
+    """Batch tensors feeding ops (returned) and shared parameters (added to ``links``).
+
+    A parameter's layout is the one its first reader wants (as in
+    :meth:`SearchProblem.shared_parameter_seconds`): each later reader is linked to it.
+    """
+    graph = problem.graph
+    sources: Counts = {}
+    first_reader: dict[str, tuple[str, int]] = {}
+    for op in graph.ops:
+        node = node_of[op.name]
+        for i, ref in enumerate(op.inputs):
+            meta = op.input_metas[i]
+            if ref in problem.input_layouts:
+                key = (node, i, problem.input_layouts[ref], meta, problem.needs_grad(ref))
+                sources[key] = sources.get(key, 0) + 1
+                continue
+            source = graph.graph_input(ref)
+            if source is None or source.kind != "parameter":
+                continue
+            if ref not in first_reader:
+                first_reader[ref] = (node, i)
+                continue
+            src, slot = first_reader[ref]
+            key = (PARAM, src, slot, node, i, meta, problem.needs_grad(ref))
+            links[key] = links.get(key, 0) + 1
+    return sources
+
+
+def _fold(
+    problem: SearchProblem,
+    allowed: Mapping[str, Sequence[int]],
+    configured: Mapping[str, str],
+) -> _Folded:
+    graph = problem.graph
+    node_of = _representatives(problem, allowed, configured)
+    nodes = tuple(op.name for op in graph.ops if node_of[op.name] == op.name)
+    count: dict[str, int] = dict.fromkeys(nodes, 0)
+    for op in graph.ops:
+        count[node_of[op.name]] += 1
+    links = _value_links(problem, node_of)
+    sources = _input_links(problem, node_of, links)
+    folded_links = tuple(_Link(*key, n) for key, n in links.items())  # type: ignore[arg-type]
+    touching: dict[str, list[int]] = {n: [] for n in nodes}
+    for lid, link in enumerate(folded_links):
+        touching[link.src].append(lid)
+        if link.dst != link.src:
+            touching[link.dst].append(lid)
+    by_node: dict[str, list[_Source]] = {}
+    for (node, slot, layout, meta, grad), n in sources.items():  # type: ignore[misc]
+        by_node.setdefault(node, []).append(_Source(slot, layout, meta, grad, n))
+    return _Folded(
+        nodes,
+        node_of,
+        count,
+        folded_links,
+        {n: tuple(ids) for n, ids in touching.items()},
+        {n: tuple(s) for n, s in by_node.items()},
+    )
+
+
+# --------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True, slots=True)
+class _Pick:
+    """One round's choice for one op, kept for its Decision's reason."""
+
+    role: Role
+    cost: float
+    runner_up: tuple[Role, float] | None
+    options: int
+
+
+class _Search:
+    """State of one search: per folded node its roles so far and its completion."""
+
+    def __init__(
+        self,
+        problem: SearchProblem,
+        allowed: Mapping[str, Sequence[int]],
+        configured: Mapping[str, str],
+    ) -> None:
+        self.problem = problem
+        self.graph: OpGraph = problem.graph
+        self.axes = problem.mesh.axis_names
+        self.fold = _fold(problem, allowed, configured)
+        self.cost = problem.cost
+        roles_by_list: dict[int, _Roles] = {}
+        self.roles: dict[str, _Roles] = {}
+        self.allowed: dict[str, tuple[int, ...]] = {}
+        for node in self.fold.nodes:
+            cands = problem.candidates[node]
+            found = roles_by_list.get(id(cands))
+            if found is None:
+                found = roles_by_list[id(cands)] = _roles_of(cands, self.axes)
+            self.roles[node] = found
+            self.allowed[node] = tuple(allowed.get(node) or range(len(cands)))
+        self.configured = {n: self.allowed[n][0] for n in self.fold.nodes if n in configured}
+        position = {name: k for k, name in enumerate(self.fold.nodes)}
+        self.weight = {
+            n: self.fold.count[n] * self.cost.op_compute(self.graph.op(n), 1)
+            for n in self.fold.nodes
+        }
+        self.order = sorted(self.fold.nodes, key=lambda n: (-self.weight[n], position[n]))
+        self.prefix: dict[str, tuple[Role, ...]] = dict.fromkeys(self.fold.nodes, ())
+        self.current: dict[str, int] = {n: self.roles[n].completion[()] for n in self.fold.nodes}
+        self.picks: dict[str, list[_Pick]] = {n: [] for n in self.fold.nodes}
+        self._exact: dict[tuple[int, int, int], float] = {}
+        self._alone: dict[tuple[int, int, bool], float] = {}
+        self._own: dict[tuple[str, int], float] = {}
+        self._neighbours = {n: self._neighbours_of(n) for n in self.fold.nodes}
+
+    def _neighbours_of(self, node: str) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for lid in self.fold.links_of[node]:
+            link = self.fold.links[lid]
+            other = link.dst if link.src == node else link.src
+            if other != node:
+                seen.setdefault(other, None)
+        return tuple(seen)
+
+    # ----------------------------------------------------------------- prices
+
+    def own(self, node: str, index: int) -> float:
+        """Compute share plus parameter-gradient reduction, times the ops the node stands for."""
+        key = (node, index)
+        found = self._own.get(key)
+        if found is None:
+            op = self.graph.op(node)
+            found = self._own[key] = self.fold.count[node] * self.problem.op_seconds(op, index)
+        return found
+
+    def exact(self, lid: int, src_index: int, dst_index: int) -> float:
+        """Seconds of a link, both ends decided (forward and backward)."""
+        key = (lid, src_index, dst_index)
+        found = self._exact.get(key)
+        if found is None:
+            link = self.fold.links[lid]
+            s = self.problem.candidates[link.src][src_index]
+            d = self.problem.candidates[link.dst][dst_index]
+            src = (s.outputs if link.kind == VALUE else s.inputs)[link.src_slot]
+            grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
+            seconds = self.cost.edge_seconds(src, d.inputs[link.dst_slot], grad, link.meta)
+            found = self._exact[key] = seconds * link.count
+        return found
+
+    def alone(self, lid: int, index: int, as_src: bool) -> float:
+        """What one end makes a link cost whatever the other end does.
+
+        A producer's pending sum must be reduced (MindSpore's "cut k" cost); a consumer whose
+        work is split over an axis its input is not hands back a partial gradient to reduce
+        ("cut j").
+        """
+        key = (lid, index, as_src)
+        found = self._alone.get(key)
+        if found is None:
+            link = self.fold.links[lid]
+            if as_src:
+                s = self.problem.candidates[link.src][index]
+                seconds = 0.0
+                if link.kind == VALUE and s.outputs[link.src_slot].partial:
+                    out = s.outputs[link.src_slot]
+                    seconds = self.cost.edge_seconds(out, settled(out), None, link.meta)
+            else:
+                d = self.problem.candidates[link.dst][index]
+                need = d.inputs[link.dst_slot]
+                grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
+                seconds = self.cost.edge_seconds(need, need, grad, link.meta)
+            found = self._alone[key] = seconds * link.count
+        return found
+
+    def source_seconds(self, node: str, index: int, axes: frozenset[str] | None) -> float:
+        """Batch tensors feeding the node, their layouts restricted to ``axes`` (None: all)."""
+        seconds = 0.0
+        strategy = self.problem.candidates[node][index]
+        for src in self.fold.sources.get(node, ()):
+            layout = src.layout if axes is None else _restrict(src.layout, axes)
+            need = strategy.inputs[src.slot]
+            grad = gradient_layout(strategy, src.slot) if src.needs_grad else None
+            seconds += self.cost.edge_seconds(layout, need, grad, src.meta) * src.count
+        return seconds
+
+    def link_seconds(self, lid: int, node: str, index: int, other_index: int) -> float:
+        """A link of ``node`` (at ``index``) to its other end (at ``other_index``)."""
+        link = self.fold.links[lid]
+        if link.src == link.dst:
+            return self.exact(lid, index, index)
+        if link.src == node:
+            return self.exact(lid, index, other_index)
+        return self.exact(lid, other_index, index)
+
+    # ----------------------------------------------------------------- rounds
+
+    def options(self, node: str, r: int) -> list[Role]:
+        """Roles of axis ``r`` that some allowed candidate extends the node's prefix with."""
+        roles = self.roles[node].per_candidate
+        prefix = self.prefix[node]
+        found = {roles[i][r] for i in self.allowed[node] if roles[i][:r] == prefix}
+        return sorted(found, key=_role_key)
+
+    def run_round(self, r: int) -> None:
+        axis_set = frozenset(self.axes[: r + 1])
+        decided: set[str] = set()
+        for node, index in self.configured.items():
+            self.prefix[node] = self.roles[node].per_candidate[index][: r + 1]
+            self.current[node] = self.roles[node].completion[self.prefix[node]]
+            decided.add(node)
+        round_options: dict[str, list[Role]] = {
+            n: self.options(n, r) for n in self.fold.nodes if n not in decided
+        }
+        for node in self.order:
+            if node in decided:
+                continue
+            scored: list[tuple[float, tuple[object, ...], Role]] = []
+            for role in round_options[node]:
+                index = self.roles[node].completion[(*self.prefix[node], role)]
+                cost = self._score(node, index, decided, axis_set, round_options)
+                scored.append((cost, _role_key(role), role))
+            scored.sort(key=lambda s: (s[0], s[1]))
+            cost, _, role = scored[0]
+            runner = (scored[1][2], scored[1][0]) if len(scored) > 1 else None
+            self.picks[node].append(_Pick(role, cost, runner, len(scored)))
+            self.prefix[node] = (*self.prefix[node], role)
+            self.current[node] = self.roles[node].completion[self.prefix[node]]
+            decided.add(node)
+
+    def _score(
+        self,
+        node: str,
+        index: int,
+        decided: set[str],
+        axes: frozenset[str],
+        round_options: Mapping[str, list[Role]],
+    ) -> float:
+        """Price of ``node`` at candidate ``index`` this round, with a lookahead."""
+        memo: dict[tuple[str, str, int, int], float] = {}
+        seconds = self.own(node, index) + self.source_seconds(node, index, axes)
+        for lid in self.fold.links_of[node]:
+            link = self.fold.links[lid]
+            other = link.dst if link.src == node else link.src
+            if other == node or other in decided:
+                seconds += self.link_seconds(lid, node, index, self.current[other])
+        for other in self._neighbours[node]:
+            if other not in decided:
+                seconds += self._lookahead(
+                    other, node, index, LOOKAHEAD_DEPTH, node, decided, axes, round_options, memo
+                )
+        return seconds
+
+    def _lookahead(
+        self,
+        node: str,
+        parent: str,
+        parent_index: int,
+        depth: int,
+        root: str,
+        decided: set[str],
+        axes: frozenset[str],
+        round_options: Mapping[str, list[Role]],
+        memo: dict[tuple[str, str, int, int], float],
+    ) -> float:
+        """Cheapest role of undecided ``node`` given ``parent`` at ``parent_index``.
+
+        Links back to the op being scored (``root``, other than through ``parent``) are priced
+        from this side alone, so the memo holds for the whole scoring of ``root``.
+        """
+        key = (node, parent, parent_index, depth)
+        found = memo.get(key)
+        if found is not None:
+            return found
+        best = math.inf
+        for role in round_options[node]:
+            index = self.roles[node].completion[(*self.prefix[node], role)]
+            seconds = self.own(node, index) + self.source_seconds(node, index, axes)
+            for lid in self.fold.links_of[node]:
+                link = self.fold.links[lid]
+                other = link.dst if link.src == node else link.src
+                if other == parent:
+                    seconds += self.link_seconds(lid, node, index, parent_index)
+                elif other == node or other in decided:
+                    seconds += self.link_seconds(lid, node, index, self.current[other])
+                elif depth <= 1 or other == root:
+                    seconds += self.alone(lid, index, link.src == node)
+            if depth > 1:
+                for other in self._neighbours[node]:
+                    if other != parent and other != root and other not in decided:
+                        seconds += self._lookahead(
+                            other, node, index, depth - 1, root, decided, axes, round_options, memo
+                        )
+            if seconds < best:
+                best = seconds
+            if best == 0.0:
+                break
+        memo[key] = best
+        return best
+
+    # ----------------------------------------------------------------- final choice
+
+    def finals(self) -> dict[str, int]:
+        """Map every node's full role tuple to an allowed candidate (mesh-ordered first)."""
+        chosen: dict[str, int] = {}
+        for node in self.fold.nodes:
+            if node in self.configured:
+                chosen[node] = self.configured[node]
+                continue
+            roles = self.roles[node]
+            fits = [i for i in self.allowed[node] if roles.per_candidate[i] == self.prefix[node]]
+            fits.sort(key=lambda i: (not roles.ordered[i], i))
+            chosen[node] = fits[0]
+        return chosen
+
+    def local(self, node: str, index: int, chosen: Mapping[str, int]) -> float:
+        """Everything the objective pays that depends on ``node``'s candidate, all else fixed."""
+        seconds = self.own(node, index) + self.source_seconds(node, index, None)
+        for lid in self.fold.links_of[node]:
+            link = self.fold.links[lid]
+            other = link.dst if link.src == node else link.src
+            seconds += self.link_seconds(lid, node, index, chosen.get(other, index))
+        return seconds
+
+    def sweep(self, chosen: dict[str, int]) -> dict[str, tuple[int, float]]:
+        """Switch ops to cheaper candidates with neighbours fixed; returns what moved."""
+        moved: dict[str, tuple[int, float]] = {}
+        for _ in range(SWEEPS):
+            changed = False
+            for node in self.order:
+                if node in self.configured:
+                    continue
+                now = chosen[node]
+                now_cost = self.local(node, now, chosen)
+                best, best_cost = now, now_cost
+                for index in self.allowed[node]:
+                    c = self.local(node, index, chosen)
+                    if c < best_cost - 1e-12 * max(1.0, abs(best_cost)):
+                        best, best_cost = index, c
+                if best != now:
+                    first = moved.get(node, (now, 0.0))
+                    moved[node] = (first[0], first[1] + now_cost - best_cost)
+                    chosen[node] = best
+                    changed = True
+            if not changed:
+                break
+        return moved
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def _round_text(search: _Search, node: str, r: int, pick: _Pick) -> str:
+    roles = search.roles[node]
+    axis = search.axes[r]
+
+    def name(role: Role) -> str:
+        if _is_unused(role):
+            return "not split"
+        label = roles.labels.get((r, role))
+        return f"{label} ({_describe_role(role)})" if label else _describe_role(role)
+
+    text = f"round {r + 1} (axis {axis}): {name(pick.role)}"
+    if pick.runner_up is None:
+        return text + " (only option)"
+    other, cost = pick.runner_up
+    return text + f" at {pick.cost:.3g} s, next best {name(other)} at {cost:.3g} s"
+
+
+def _decisions(
+    search: _Search,
+    chosen: Mapping[str, int],
+    moved: Mapping[str, tuple[int, float]],
+    configured: Mapping[str, str],
+) -> dict[str, Decision]:
+    fold = search.fold
+    rank = {n: k + 1 for k, n in enumerate(search.order)}
+    per_node: dict[str, Decision] = {}
+    for node in fold.nodes:
+        count = fold.count[node]
+        index = chosen[node]
+        scored = sorted(
+            (search.local(node, i, chosen) / count, i) for i in search.allowed[node] if i != index
+        )
+        alternatives = tuple((i, c) for c, i in scored[:ALTERNATIVES_KEPT])
+        cost = search.local(node, index, chosen) / count
+        layers = f" x{count} ops" if count > 1 else ""
+        rounds = "; ".join(
+            _round_text(search, node, r, p) for r, p in enumerate(search.picks[node])
+        )
+        reason = (
+            f"recursive_programming {rounds}; weight {search.weight[node]:.3g} s{layers} "
+            f"(rank {rank[node]} of {len(fold.nodes)})"
+        )
+        if node in moved:
+            before, saved = moved[node]
+            was = search.problem.candidates[node][before]
+            reason += (
+                f"; final sweep moved it from {was.label or 'strategy'} {was.cuts()!r}, "
+                f"saving {saved:.3g} s with every neighbour decided"
+            )
+        per_node[node] = Decision(index, reason, cost, alternatives)
+    out: dict[str, Decision] = {}
+    for op in search.graph.ops:
+        decision = per_node[fold.node_of[op.name]]
+        if op.name in configured:
+            decision = Decision(decision.index, configured[op.name], decision.cost_s)
+        out[op.name] = decision
+    return out
+
+
+def recursive_programming(
+    problem: SearchProblem,
+    allowed: Mapping[str, Sequence[int]] | None = None,
+    configured: Mapping[str, str] | None = None,
+) -> dict[str, Decision]:
+    """Choose one candidate per op by one weighted greedy round per mesh axis.
+
+    Args:
+        problem: the graph, candidates and costs.
+        allowed: per op, the candidate indices that fit the user's annotations or the mode.
+        configured: ops whose strategy is fixed (exactly one allowed candidate), with the
+            reason to record.
+
+    Returns:
+        op name -> :class:`~plait.search.propagation.Decision`; members of a folded layer
+        group share their representative's decision.
+
+    Example:
+        >>> decisions = recursive_programming(setup.problem, setup.allowed, setup.configured)
+        >>> setup.problem.evaluate({op: d.index for op, d in decisions.items()})
+    """
+    allowed = allowed or {}
+    configured = configured or {}
+    search = _Search(problem, allowed, configured)
+    for r in range(len(search.axes)):
+        search.run_round(r)
+    chosen = search.finals()
+    moved = search.sweep(chosen)
+    return _decisions(search, chosen, moved, configured)

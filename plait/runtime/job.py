@@ -207,6 +207,8 @@ class Job:
         return {k: full_value(v) for k, v in state.items()}
 
     def _loss(self, batch: Any) -> torch.Tensor:
+        if self.plain is not None:
+            return self._plain_loss(batch, self.plain, training=torch.is_grad_enabled())
         batch = self.shard_batch(batch)
         precision = autocast_for(self.config.precision, self._device_type)
         if self.device_mesh is None:

@@ -49,7 +49,15 @@ from torch.export.graph_signature import InputKind, OutputKind
 from plait.errors import CaptureError
 from plait.graph import GraphInput, LayerGroup, OpGraph, OpNode, Ref, TensorMeta, value_ref
 
-__all__ = ["capture", "find_repeated_layers", "op_bytes", "op_flops"]
+__all__ = [
+    "ExecutableCapture",
+    "batch_leaves",
+    "capture",
+    "capture_program",
+    "find_repeated_layers",
+    "op_bytes",
+    "op_flops",
+]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -370,6 +378,11 @@ def _leaves(obj: Any, path: str = "batch") -> list[tuple[str, Any]]:
     if isinstance(obj, dict):
         return [leaf for k, v in obj.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
     return [(path, obj)]
+
+
+def batch_leaves(batch: Any) -> list[Any]:
+    """The leaves of a batch in the order torch.export lifts them (see :func:`_leaves`)."""
+    return [leaf for _, leaf in _leaves(batch)]
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
@@ -841,8 +854,11 @@ def _verified_groups(cap: _Captured, runs: Sequence[_Run]) -> list[LayerGroup]:
     return groups
 
 
-def _canonical_names(cap: _Captured) -> None:
-    """Number ops per aten op name in graph order: linear, linear_1, ... (see module doc)."""
+def _canonical_names(cap: _Captured) -> dict[str, str]:
+    """Number ops per aten op name in graph order: linear, linear_1, ... (see module doc).
+
+    Returns the renaming: export's node name -> the op's name in the graph.
+    """
     used = {g.name for g in cap.inputs}
     counts: dict[str, int] = {}
     rename: dict[str, str] = {}
@@ -866,6 +882,7 @@ def _canonical_names(cap: _Captured) -> None:
         for op in cap.ops
     ]
     cap.outputs[:] = [ref(r) for r in cap.outputs]
+    return rename
 
 
 def _packet_name(target: str) -> str:
@@ -874,9 +891,12 @@ def _packet_name(target: str) -> str:
     return re.sub(r"\W", "_", name) or "op"
 
 
-def _finish(cap: _Captured, runs: Sequence[_Run]) -> OpGraph:
+def _finish(cap: _Captured, runs: Sequence[_Run], names: dict[str, str] | None = None) -> OpGraph:
+    """The finished graph; ``names`` (if given) receives export's node name -> op name."""
     groups = _verified_groups(cap, runs)
-    _canonical_names(cap)
+    rename = _canonical_names(cap)
+    if names is not None:
+        names.update(rename)
     graph = OpGraph(tuple(cap.inputs), tuple(cap.ops), tuple(cap.outputs), tuple(groups))
     graph.validate()
     return graph
@@ -952,3 +972,43 @@ def _capture_shortened(
     if not {r.members for r in long_runs} <= {g.members for g in graph.layers}:
         return None  # a synthesised group did not verify: trust only a full trace
     return graph
+
+
+# --------------------------------------------------------------------------- for execution
+
+
+@dataclass(frozen=True)
+class ExecutableCapture:
+    """A full trace kept for running: the exported program, its OpGraph, and how they match.
+
+    ``op_of_node`` maps each fx node name of ``program.graph`` that became an op of ``graph``
+    to that op's name (the names a Plan uses); nodes capture folds away (getitem, alias,
+    assertions) are absent.
+    """
+
+    program: torch.export.ExportedProgram
+    graph: OpGraph
+    op_of_node: dict[str, str]
+
+
+def capture_program(
+    model: nn.Module, example_batch: Any, loss_fn: LossFn | None = None
+) -> ExecutableCapture:
+    """Trace every layer (no repeated-layer fast path) and keep the program for execution.
+
+    The graph equals :func:`capture`'s (op names included); only shapes are read, so a model
+    with real weights is not copied.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(
+            f"capture: model is a {type(model).__name__}, not a torch.nn.Module; pass the module"
+        )
+    batch = _batch_for(model, example_batch)
+    runs = find_repeated_layers(model)
+    program = _export(model, batch, loss_fn)
+    cap = _convert(program, model, batch)
+    _tag_layers(cap, runs)
+    names: dict[str, str] = {}
+    graph = _finish(cap, runs, names)
+    _check_loss(graph, model, loss_fn)
+    return ExecutableCapture(program, graph, names)

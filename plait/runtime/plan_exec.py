@@ -1,0 +1,561 @@
+"""Running a :class:`~plait.plan.Plan` operator by operator (MindSpore's ``step_parallel``).
+
+The model and its loss are exported once (:func:`plait.capture.capture_program`, on fake
+tensors: no parameter is copied) and the exported graph is run by an fx interpreter whose
+inputs are the user's own parameters, turned into DTensors with the plan's layouts, the
+model's buffers (replicated) and the batch (laid out as the plan's inputs). For every op the
+plan lists:
+
+1. each tensor input is redistributed to the op's planned input layout, where it differs, with
+   the planned steps (:func:`plait.comm.redistribute.execute_redistribution`: the collective
+   kinds are the plan's); a value redistributed to one layout is reused by later readers;
+2. the op runs on DTensors; DTensor's propagation from those inputs gives the output layout,
+   which is checked against the planned output (a difference is recorded in
+   :attr:`PlanExecutor.mismatches` and, with ``strict=True``, raised);
+3. ops without a rule in plait's catalogue run on whole (replicated) tensors, as planned.
+
+Backward is DTensor's autograd: a redistribution's backward brings the gradient to its
+source's layout with a planned redistribution; elsewhere DTensor reduces pending sums where
+the next op needs it. Parameter gradients left pending over an axis (the plan's
+``grad_reduce_axes``) are reduced by the Job: over the data-parallel axis in fused buckets
+(:class:`~plait.runtime.grad_sync.GradSync`), over other axes one by one (``sync_grad``).
+
+:func:`build_plan_job` builds the :class:`~plait.runtime.job.Job` for a plan, the way
+``parallelize`` builds a semi_auto job, with the executor as the job's loss function.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+from plait.capture import ExecutableCapture, batch_leaves, capture_program
+from plait.comm.dispatch import local_batched_matmul
+from plait.comm.dtensor import (
+    build_device_mesh,
+    distribute,
+    is_dtensor,
+    layout_of,
+    local_piece,
+)
+from plait.comm.redistribute import (
+    execute_redistribution,
+    redistribute_to,
+    replicated_from_local,
+    settled,
+)
+from plait.comm.world import current_world
+from plait.config import CommFusion, ParallelConfig
+from plait.errors import ConfigError, PlanError, ShardingError
+from plait.graph import OpGraph
+from plait.layout import TensorLayout
+from plait.layout.redistribute import plan_redistribution
+from plait.plan import Plan, PlannedOp
+from plait.runtime.grad_sync import GradSync
+from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.local_optim import LocalShadows, is_elementwise
+from plait.search.constraints import batch_layouts
+
+__all__ = ["LayoutMismatch", "PlanExecutor", "build_plan_job", "check_plan_fits"]
+
+logger = logging.getLogger(__name__)
+
+# Batched matmuls whose operands split alike run on local pieces (plait.comm.dispatch):
+# DTensor's own strategy search for bmm on 4-D operands costs seconds per shape.
+_BATCHED_MATMULS = frozenset({"aten.matmul.default", "aten.bmm.default"})
+
+# Nodes the capture drops (shape and metadata assertions): nothing to run on DTensors.
+_SKIPPED_TARGETS = frozenset(
+    {
+        "aten._assert_tensor_metadata.default",
+        "aten._assert_async.default",
+        "aten._assert_async.msg",
+        "aten._assert_scalar.default",
+        "aten.sym_constrain_range.default",
+        "aten.sym_constrain_range_for_size.default",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutMismatch:
+    """An op whose DTensor output layout differs from the plan's (the value was moved to it)."""
+
+    op: str
+    output: int
+    planned: TensorLayout
+    actual: TensorLayout
+
+    def describe(self) -> str:
+        return (
+            f"{self.op} output {self.output}: planned {self.planned.describe()}, DTensor "
+            f"gave {self.actual.describe()}"
+        )
+
+
+def check_plan_fits(plan: Plan, graph: OpGraph) -> None:
+    """The plan names the graph's ops, with the same targets, in a form the executor runs.
+
+    Raises PlanError naming the first ops that differ (the model changed since planning, or
+    the plan is for another model), and for pipeline plans, which this executor does not run.
+    """
+    if plan.pipeline_stages != 1:
+        raise PlanError(
+            f"plan has pipeline_stages={plan.pipeline_stages}: the operator executor runs "
+            "plans without pipeline stages; plan again with pipeline_stages=1"
+        )
+    problems: list[str] = []
+    planned = {op.name: op for op in plan.ops}
+    for op in graph.ops:
+        found = planned.get(op.name)
+        if found is None:
+            problems.append(f"op {op.name!r} ({op.target}) of the model is not in the plan")
+        elif found.target != op.target:
+            problems.append(
+                f"op {op.name!r} is {op.target} in the model but {found.target} in the plan"
+            )
+        elif len(found.inputs) != len(op.inputs) or len(found.outputs) != len(op.outputs):
+            problems.append(
+                f"op {op.name!r} has {len(op.inputs)} inputs and {len(op.outputs)} outputs in "
+                f"the model but {len(found.inputs)} and {len(found.outputs)} in the plan"
+            )
+    extra = sorted(set(planned) - {op.name for op in graph.ops})
+    if extra:
+        problems.append(f"plan ops the model does not run: {extra[:6]}")
+    if problems:
+        shown = "\n  - ".join(problems[:8])
+        raise PlanError(
+            f"plan for {plan.model or 'the model'} does not match the model's ops "
+            f"({len(problems)} problems):\n  - {shown}\nplan again for this model and batch shape"
+        )
+
+
+class PlanExecutor:
+    """Runs ``loss_fn(model, batch)`` as the plan says, op by op, on DTensors.
+
+    Build it before the parameters become DTensors (the export reads the model as given);
+    call it as the Job's loss function: ``executor(model, batch)`` returns the loss DTensor.
+
+    Args:
+        model: the user's model (its parameters are read at every call, so the DTensors the
+            job installs and the optimizer updates are the ones used).
+        plan: the plan to run; it must match the model's captured ops (:func:`check_plan_fits`).
+        example_batch: a batch of the shape training will use (only shapes are read).
+        loss_fn: ``loss_fn(model, batch)`` -> scalar loss, as for ``parallelize``.
+        device_mesh: the DeviceMesh of ``plan.mesh``.
+        dp_axis, dataset_strategy: how the batch is laid out (ParallelConfig's fields).
+        strict: raise ShardingError when DTensor's output layout differs from the plan's,
+            instead of redistributing to the planned layout and recording the difference.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        example_batch: Any,
+        loss_fn: LossFn | None,
+        device_mesh: Any,
+        *,
+        dp_axis: str = "dp",
+        dataset_strategy: object = "data_parallel",
+        strict: bool = False,
+        captured: ExecutableCapture | None = None,
+    ) -> None:
+        self.plan = plan
+        self.device_mesh = device_mesh
+        self.strict = strict
+        self.captured = captured or capture_program(model, example_batch, loss_fn)
+        check_plan_fits(plan, self.captured.graph)
+        self.input_layouts = batch_layouts(
+            self.captured.graph, plan.mesh, dp_axis, dataset_strategy
+        )
+        self._planned = {op.name: op for op in plan.ops}
+        self._signature = self.captured.program.graph_signature
+        self.mismatches: list[LayoutMismatch] = []
+        """Ops whose DTensor output layout differed from the plan (first call records)."""
+        self._seen_mismatch: set[tuple[str, int]] = set()
+
+    # ------------------------------------------------------------------ inputs
+
+    def _flat_inputs(self, model: nn.Module, batch: Any) -> list[Any]:
+        """The exported program's inputs, in its order: parameters, buffers, constants, batch."""
+        user = batch_leaves(batch)
+        batch_names = [g.name for g in self.captured.graph.inputs if g.kind == "input"]
+        out: list[Any] = []
+        k = 0  # position among user inputs
+        t = 0  # position among the batch's tensors
+        for spec in self._signature.input_specs:
+            if spec.kind == InputKind.USER_INPUT:
+                value = user[k]
+                k += 1
+                if isinstance(value, torch.Tensor):
+                    value = self._batch_tensor(value, self.input_layouts[batch_names[t]])
+                    t += 1
+                out.append(value)
+            elif spec.kind == InputKind.PARAMETER:
+                out.append(model.get_parameter(_strip(spec.target)))
+            elif spec.kind == InputKind.BUFFER:
+                out.append(self._replicated(model.get_buffer(_strip(spec.target))))
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                out.append(self._replicated(self.captured.program.constants[spec.target]))
+            else:  # capture refuses these before a plan can exist
+                raise PlanError(f"exported input {spec.arg.name!r} of kind {spec.kind.name}")
+        return out
+
+    def _replicated(self, value: torch.Tensor) -> torch.Tensor:
+        if is_dtensor(value):
+            return value
+        layout = TensorLayout.replicated(self.plan.mesh, value.ndim)
+        return distribute(value, self.device_mesh, layout)
+
+    def _batch_tensor(self, value: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+        if not is_dtensor(value):
+            return distribute(value, self.device_mesh, layout)
+        have = layout_of(value)  # type: ignore[arg-type]
+        if have == layout:
+            return value  # type: ignore[return-value]
+        redistribution = plan_redistribution(have, layout, tuple(value.shape), value.element_size())
+        return execute_redistribution(value, redistribution)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ running
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` (a DTensor), computed as the plan says."""
+        interpreter = _PlanInterpreter(self)
+        outputs = interpreter.run(*self._flat_inputs(model, batch), enable_io_processing=False)
+        outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
+        loss: Any = None
+        for spec, value in zip(self._signature.output_specs, outputs, strict=True):
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                _write_buffer(model, _strip(spec.target), value)
+            elif loss is None and spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+                loss = value
+        return loss
+
+    def planned(self, node_name: str) -> PlannedOp | None:
+        op = self.captured.op_of_node.get(node_name)
+        return None if op is None else self._planned[op]
+
+    def note_mismatch(self, op: PlannedOp, k: int, actual: TensorLayout) -> None:
+        planned = op.outputs[k]
+        if self.strict:
+            raise ShardingError(
+                f"op {op.name!r} ({op.target}): torch.Tensor gives output {k} the layout "
+                f"{actual.describe()} but the plan says {planned.describe()}; the plan's rule "
+                "and DTensor's disagree: fix the rule in plait/rules, or run with strict=False "
+                "to redistribute to the planned layout"
+            )
+        if (op.name, k) not in self._seen_mismatch:
+            self._seen_mismatch.add((op.name, k))
+            self.mismatches.append(LayoutMismatch(op.name, k, planned, actual))
+            logger.warning("plan executor: %s", self.mismatches[-1].describe())
+
+
+def _strip(target: str | None) -> str:
+    """A path inside capture's wrapper module -> the path in the user's model."""
+    target = target or ""
+    return target.removeprefix("model.") if target != "model" else ""
+
+
+@torch.no_grad()
+def _write_buffer(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
+    """A buffer the forward updated in place (batch-norm statistics) takes its new value."""
+    buffer = model.get_buffer(fqn)
+    if is_dtensor(buffer) and is_dtensor(value):
+        local_piece(buffer).copy_(
+            local_piece(value.redistribute(buffer.device_mesh, buffer.placements))
+        )  # type: ignore[union-attr]
+    elif is_dtensor(value):
+        buffer.copy_(value.full_tensor())  # type: ignore[union-attr]
+    else:
+        buffer.copy_(value)
+
+
+class _PlanInterpreter(torch.fx.Interpreter):
+    """Runs one call of the exported graph; planned ops get their planned input layouts."""
+
+    def __init__(self, executor: PlanExecutor) -> None:
+        super().__init__(executor.captured.program.graph_module, garbage_collect_values=True)
+        self.executor = executor
+        # (value node, layout) -> the value redistributed to that layout, for later readers
+        self.moved: dict[tuple[str, TensorLayout], torch.Tensor] = {}
+        # the graph's outputs (the loss): backward starts there, nothing to pin
+        output = next(n for n in self.graph.nodes if n.op == "output")
+        self.outputs = {n.name for n in output.all_input_nodes}
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        node = self._current
+        if str(target) in _SKIPPED_TARGETS:
+            return None
+        op = self.executor.planned(node.name)
+        if op is None:  # getitem, alias: pass through
+            return super().call_function(target, args, kwargs)
+        position = [0]
+        args = self._laid_out(node.args, args, op, position)
+        kwargs = {k: self._laid_out(node.kwargs[k], v, op, position) for k, v in kwargs.items()}
+        if not op.covered and not any(is_dtensor(o) for o in _tensors((args, kwargs))):
+            out = target(*args, **kwargs)
+        elif not op.covered:
+            out = self._run_replicated(target, args, kwargs)
+        elif str(target) in _BATCHED_MATMULS and not kwargs:
+            out = local_batched_matmul(*args) if len(args) == 2 else None
+            if out is None:
+                out = target(*args, **kwargs)
+        else:
+            out = target(*args, **kwargs)
+        return self._checked(op, out)
+
+    @property
+    def _current(self) -> torch.fx.Node:
+        return self._current_node  # set by run_node
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self._current_node = n
+        return super().run_node(n)
+
+    def _laid_out(self, fx_arg: Any, value: Any, op: PlannedOp, position: list[int]) -> Any:
+        """``value`` with each tensor input moved to the op's planned layout (in ref order)."""
+        if isinstance(fx_arg, torch.fx.Node):
+            if not isinstance(value, torch.Tensor):
+                return value  # a non-tensor batch leaf: a constant of the graph
+            i = position[0]
+            position[0] += 1
+            return self._to_layout(fx_arg.name, value, op.inputs[i])
+        if isinstance(fx_arg, tuple | list):
+            items = [self._laid_out(a, v, op, position) for a, v in zip(fx_arg, value, strict=True)]
+            return type(value)(items) if isinstance(value, tuple | list) else items
+        return value
+
+    def _to_layout(self, name: str, value: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+        if not is_dtensor(value):
+            value = self.executor._replicated(value)
+        have = layout_of(value)  # type: ignore[arg-type]
+        if have == layout:
+            return value
+        key = (name, layout)
+        found = self.moved.get(key)
+        if found is None:
+            redistribution = plan_redistribution(
+                have, layout, tuple(value.shape), value.element_size()
+            )
+            found = self.moved[key] = execute_redistribution(value, redistribution)  # type: ignore[arg-type]
+        return found
+
+    def _run_replicated(self, target: Any, args: Any, kwargs: Any) -> Any:
+        """An op without a rule: on whole tensors (inputs are replicated, as planned)."""
+        mesh = self.executor.device_mesh
+
+        def local(x: Any) -> Any:
+            if is_dtensor(x):
+                if layout_of(x) != TensorLayout.replicated(self.executor.plan.mesh, x.ndim):
+                    raise PlanError(
+                        f"op {self._current.name!r} has no rule but its planned inputs are not "
+                        f"replicated ({layout_of(x).describe()}); the plan is inconsistent"
+                    )
+                return x.to_local()
+            return x
+
+        out = target(*_map(local, args), **_map(local, kwargs))
+        return _map(
+            lambda t: replicated_from_local(t, mesh) if isinstance(t, torch.Tensor) else t,
+            out,
+        )
+
+    def _checked(self, op: PlannedOp, out: Any) -> Any:
+        """Outputs as DTensors in the planned layouts (plain ones are replicated values)."""
+        if isinstance(out, tuple | list):
+            return type(out)(self._one_output(op, k, o) for k, o in enumerate(out))
+        return self._one_output(op, 0, out)
+
+    def _one_output(self, op: PlannedOp, k: int, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or k >= len(op.outputs):
+            return value
+        if not is_dtensor(value):
+            value = self.executor._replicated(value)
+        actual = layout_of(value)  # type: ignore[arg-type]
+        planned = op.outputs[k]
+        if actual != planned:
+            self.executor.note_mismatch(op, k, actual)
+            if not set(planned.partial) - set(actual.partial):
+                redistribution = plan_redistribution(
+                    actual, planned, tuple(value.shape), value.element_size()
+                )
+                value = execute_redistribution(value, redistribution)  # type: ignore[arg-type]
+        if value.requires_grad and self._current.name not in self.outputs:
+            _pin_gradient(value, settled(layout_of(value)))  # type: ignore[arg-type]
+        return value
+
+
+def _pin_gradient(value: torch.Tensor, layout: TensorLayout) -> None:
+    """The gradient of ``value``, once summed over its readers, is brought to ``layout``.
+
+    The plan prices every value's gradient as arriving in its producer's layout with pending
+    sums reduced (MindSpore reduces them inside the consuming op). DTensor would otherwise
+    carry a pending sum on through earlier ops, reducing it later and elsewhere. Readers that
+    hand back pending sums over the same axis are summed first, then reduced once.
+    """
+    value.register_hook(lambda grad: redistribute_to(grad, layout))
+
+
+def _map(fn: Any, obj: Any) -> Any:
+    if isinstance(obj, tuple | list):
+        return type(obj)(_map(fn, v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _map(fn, v) for k, v in obj.items()}
+    return fn(obj)
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, tuple | list):
+        for v in obj:
+            yield from _tensors(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+
+
+# --------------------------------------------------------------------------- the Job
+
+
+def _place_parameters(model: nn.Module, plan: Plan, device_mesh: Any) -> dict[str, TensorLayout]:
+    """Parameters -> torch.Tensors in their planned layouts (tied ones once), buffers replicated."""
+    layouts = {p.name: p.layout for p in plan.parameters}
+    done: dict[int, nn.Parameter] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                layout = layouts[names[id(p)]]
+                done[id(p)] = nn.Parameter(
+                    distribute(p.detach(), device_mesh, layout), p.requires_grad
+                )
+            module._parameters[name] = done[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None and not is_dtensor(b):
+                module._buffers[name] = distribute(
+                    b, device_mesh, TensorLayout.replicated(plan.mesh, b.ndim)
+                )
+    return {n: layouts[n] for n, _ in model.named_parameters()}
+
+
+def _optimizer(model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
+    """The user's optimizer, on local pieces when its update is elementwise (as semi_auto)."""
+    params = list(model.parameters())
+    probe = factory(params)
+    if not is_elementwise(probe) or not any(is_dtensor(p) for p in params):
+        return probe
+    shadows = LocalShadows(params)
+    optimizer = factory(shadows.shadows)
+    optimizer._plait_shadows = shadows  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _grad_sync(
+    model: nn.Module, plan: Plan, device_mesh: Any, cfg: ParallelConfig
+) -> GradSync | None:
+    """Fused reduction of the gradients the plan reduces over the data-parallel axis."""
+    dp = cfg.dp_axis
+    if dp not in plan.mesh.axis_names or plan.mesh.axis_size(dp) == 1:
+        return None
+    reduced = {p.name for p in plan.parameters if dp in p.grad_reduce_axes}
+    replicated = {p.name for p in plan.parameters if all(dp not in axes for axes in p.layout.dims)}
+    params = [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad and (name in reduced or name in replicated)
+    ]
+    if not params:
+        return None
+    return GradSync(params, device_mesh, dp, cfg.comm_fusion or CommFusion())
+
+
+def build_plan_job(
+    model: nn.Module,
+    plan: Plan,
+    cfg: ParallelConfig,
+    loss_fn: LossFn,
+    optimizer_factory: OptimizerFactory,
+    example_batch: Any,
+    *,
+    strict: bool = False,
+) -> Job:
+    """A Job that trains ``model`` exactly as ``plan`` says (call inside a process group).
+
+    Checks the plan against the model and the world before anything changes, exports the
+    model and loss (on fake tensors), turns parameters into DTensors with the planned layouts
+    and returns a Job whose loss function is the :class:`PlanExecutor`. The executor is
+    ``job.loss_fn``; its ``mismatches`` list ops where DTensor's layout differed from the plan.
+
+    Raises:
+        ConfigError: no process group, or a plan the config cannot run.
+        PlanError: the plan does not fit the model (parameters, shapes, ops) or the world.
+    """
+    world = current_world()
+    if world is None:
+        raise ConfigError(
+            "running a plan needs a process group: call plait.init() first (under `plait run` "
+            "or torchrun), or use plait.testing.simulate(world_size=N)"
+        )
+    plan.validate(model, world.world_size)
+    _check_settings(plan, cfg)
+    device_mesh = build_device_mesh(plan.mesh, world.device_type)
+    executor = PlanExecutor(
+        model,
+        plan,
+        example_batch,
+        loss_fn,
+        device_mesh,
+        dp_axis=cfg.dp_axis,
+        dataset_strategy=cfg.dataset_strategy,
+        strict=strict,
+    )
+    layouts = _place_parameters(model, plan, device_mesh)
+    grad_sync = _grad_sync(model, plan, device_mesh, cfg)
+    logger.info(
+        "running plan for %s on mesh %s (%d ops)",
+        plan.model or type(model).__name__,
+        plan.mesh.as_dict(),
+        len(plan.ops),
+    )
+    return Job(
+        model,
+        _optimizer(model, optimizer_factory),
+        executor,
+        cfg,
+        mesh=plan.mesh,
+        device_mesh=device_mesh,
+        slice_inputs=world.simulated or cfg.dataset_strategy == "full_batch",
+        layouts=layouts,
+        grad_sync=grad_sync,
+    )
+
+
+def _check_settings(plan: Plan, cfg: ParallelConfig) -> None:
+    """Plan features the executor does not run yet are refused by name, before any change."""
+    unbuilt = [
+        (plan.pipeline_stages != 1, f"pipeline_stages={plan.pipeline_stages}"),
+        (plan.optimizer_shard is not None, f"optimizer_shard={plan.optimizer_shard}"),
+        (plan.recompute != "none", f"recompute={plan.recompute!r}"),
+        (plan.micro_batches != 1, f"micro_batches={plan.micro_batches}"),
+    ]
+    for refused, what in unbuilt:
+        if refused:
+            raise PlanError(
+                f"plan has {what}: the operator executor does not run that yet; plan again "
+                "without it"
+            )
+    if cfg.dp_axis not in plan.mesh.axis_names and cfg.dataset_strategy == "data_parallel":
+        logger.info(
+            "plan mesh %s has no %r axis: batch replicated", plan.mesh.as_dict(), cfg.dp_axis
+        )

@@ -31,7 +31,9 @@ Cost lists. Without a memory limit each entry is one number (seconds): the Paret
 one objective. With ``memory_limit`` each entry is a list of up to ``pareto_points``
 (seconds, bytes) pairs, pruned to the Pareto front after each combination (a pair is dropped
 when another is no slower and no larger), and the **memory filter** drops every pair above the
-limit (memory only grows as terms are added, so a partial sum above it can never fit). The
+limit. Memory only grows as terms are added, so the filter is sharpened: a partial sum is
+dropped when it plus the least memory of every op not yet folded into it exceeds the limit
+(it can never be completed under it). The
 memory of a candidate is :func:`plait.rules.op_memory` of the op under it, total: its local
 pieces of the parameters it reads, the activations its backward keeps and its outputs; a
 plan's memory is the sum over ops (a parameter read by several ops is counted at each
@@ -303,6 +305,7 @@ class _Factor:
     eliminated: tuple[int, ...] = ()
     back: np.ndarray | None = None
     fixed: tuple[int, int] | None = None
+    least: float = 0.0  # least memory of the ops whose own costs are folded into this table
 
     @property
     def slots(self) -> int:
@@ -379,6 +382,7 @@ class _Eliminator:
         self.sizes = list(sizes)
         self.slots = slots
         self.limit = limit
+        self.least = 0.0  # least memory of the whole graph (the sum over ops' minimum)
         self.max_cells = max_cells
         self.names = names
         self.live: dict[tuple[int, ...], _Factor] = {}
@@ -418,9 +422,13 @@ class _Eliminator:
         rows = math.prod(self.sizes[a] for a in keep)
         time = np.broadcast_to(time, full).reshape(rows, -1)
         mem = np.broadcast_to(mem, full).reshape(rows, -1)
-        t, m, back = _prune(time, mem, self.slots, self.limit, self.stats)
+        least = sum(p.least for p in parts)
+        # what this table's ops may use: the limit less the least the other ops need
+        limit = None if self.limit is None else self.limit - (self.least - least)
+        t, m, back = _prune(time, mem, self.slots, limit, self.stats)
         shape = [self.sizes[a] for a in keep] + [self.slots]
         made = _Factor(keep, t.reshape(shape), m.reshape(shape), tuple(parts), eliminated, back)
+        made.least = least
         self.made.append(made)
         return made
 
@@ -505,6 +513,7 @@ class _Eliminator:
                 np.take(p.mem, pick, axis=axis),
                 (p,),
                 fixed=(v, pick),
+                least=p.least,
             )
             self.made.append(sliced)
             self.add(sliced)
@@ -567,7 +576,8 @@ def eliminate(
     work = _Eliminator(sizes, slots, memory_limit, max_factor_cells, graph.names)
     for k, u in enumerate(graph.unary):
         mem = graph.memory[k] if graph.memory is not None else np.zeros_like(u)
-        work.add(_Factor((k,), u[:, None], mem[:, None]))
+        work.add(_Factor((k,), u[:, None], mem[:, None], least=float(mem.min())))
+        work.least += float(mem.min())
     for p in graph.pairs:
         work.add(_Factor((p.u, p.v), p.matrix[:, :, None], np.zeros((*p.matrix.shape, 1))))
     work.stats.edge = 0  # parallel edges already summed by cost_graph are counted there

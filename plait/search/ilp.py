@@ -9,7 +9,10 @@ unary and pairwise terms, shared parameters included):
   ``(s_u, s_v)`` with ``sum_j e_ij = s_u,i`` and ``sum_i e_ij = s_v,j``. ``e`` needs no
   integrality: with both marginals one-hot, these sums leave it a single 1 (row ``i*``,
   column ``j*``), so only the ``s`` are integer;
-- minimise ``sum_v c_v . s_v + sum_(u,v) R_uv . e_uv``.
+- minimise ``sum_v c_v . s_v + sum_(u,v) R_uv . e_uv``;
+- with ``memory_limit``, ``sum_v m_v . s_v <= memory_limit`` (Alpa bounds memory at each
+  liveness point; plait's memory measure is the one dynamic_programming filters on, the sum
+  of :func:`plait.rules.op_memory` over ops, so both solve the same constrained problem).
 
 Ops with one allowed candidate are constants: their pair terms fold into their neighbours'
 cost vectors. Costs are scaled so the largest is ``COST_SCALE`` before solving (seconds are
@@ -109,7 +112,16 @@ def _fold_fixed(graph: CostGraph) -> tuple[list[np.ndarray], list[tuple[int, int
     return unary, pairs
 
 
-def _model(pulp: Any, graph: CostGraph) -> tuple[Any, list[list[Any] | None]]:
+def _variable(pulp: Any, model: Any, name: str, cat: str = "Continuous") -> Any:
+    """A 0/1 variable of ``model`` (PuLP >= 3.3 wants ``add_variable``; older PuLP lacks it)."""
+    if hasattr(model, "add_variable"):
+        return model.add_variable(name, 0, 1, cat=cat)
+    return pulp.LpVariable(name, 0, 1, cat=cat)
+
+
+def _model(
+    pulp: Any, graph: CostGraph, memory_limit: float | None
+) -> tuple[Any, list[list[Any] | None]]:
     unary, pairs = _fold_fixed(graph)
     scale = _scale_of(graph)
     model = pulp.LpProblem("plait_strategy_search", pulp.LpMinimize)
@@ -119,29 +131,65 @@ def _model(pulp: Any, graph: CostGraph) -> tuple[Any, list[list[Any] | None]]:
         if len(u) == 1:
             chosen.append(None)
             continue
-        s = [pulp.LpVariable(f"s_{k}_{a}", cat="Binary") for a in range(len(u))]
+        s = [_variable(pulp, model, f"s_{k}_{a}", "Binary") for a in range(len(u))]
         model += pulp.lpSum(s) == 1, f"one_{k}"
         terms.extend((x, float(c) * scale) for c, x in zip(u, s, strict=True) if c != 0)
         chosen.append(s)
     for u, v, matrix in pairs:
         su, sv = chosen[u], chosen[v]
         assert su is not None and sv is not None
-        e = [
-            [pulp.LpVariable(f"e_{u}_{v}_{a}_{b}", 0, 1) for b in range(matrix.shape[1])]
-            for a in range(matrix.shape[0])
-        ]
-        for a, row in enumerate(e):
-            model += pulp.lpSum(row) == su[a], f"row_{u}_{v}_{a}"
-        for b in range(matrix.shape[1]):
-            model += pulp.lpSum(row[b] for row in e) == sv[b], f"col_{u}_{v}_{b}"
-        terms.extend(
-            (e[a][b], float(matrix[a, b]) * scale)
-            for a in range(matrix.shape[0])
-            for b in range(matrix.shape[1])
-            if matrix[a, b] != 0
-        )
+        terms.extend(_product(pulp, model, f"{u}_{v}", su, sv, matrix, scale))
     model += pulp.LpAffineExpression(terms)
+    if memory_limit is not None:
+        _memory_row(pulp, model, graph, chosen, memory_limit)
     return model, chosen
+
+
+def _product(
+    pulp: Any, model: Any, tag: str, su: list[Any], sv: list[Any], matrix: np.ndarray, scale: float
+) -> list[tuple[Any, float]]:
+    """Alpa's ``e_uv`` for one pair term, over classes of candidates with equal costs.
+
+    Candidates of ``u`` with equal rows of ``matrix`` (the same output layout, typically) pay
+    the same against every candidate of ``v``, so ``e`` needs one row per class, whose
+    marginal is the sum of the class's ``s``; likewise for columns. Exact, and far smaller.
+    """
+    rows, row_of = np.unique(matrix, axis=0, return_inverse=True)
+    cols, col_of = np.unique(rows, axis=1, return_inverse=True)
+    row_of, col_of = row_of.reshape(-1), col_of.reshape(-1)
+    e = [
+        [_variable(pulp, model, f"e_{tag}_{r}_{c}") for c in range(cols.shape[1])]
+        for r in range(cols.shape[0])
+    ]
+    for r, row in enumerate(e):
+        members = [x for x, k in zip(su, row_of, strict=True) if k == r]
+        model += pulp.lpSum(row) == pulp.lpSum(members), f"row_{tag}_{r}"
+    for c in range(cols.shape[1]):
+        members = [x for x, k in zip(sv, col_of, strict=True) if k == c]
+        model += pulp.lpSum(row[c] for row in e) == pulp.lpSum(members), f"col_{tag}_{c}"
+    return [
+        (e[r][c], float(cols[r, c]) * scale)
+        for r in range(cols.shape[0])
+        for c in range(cols.shape[1])
+        if cols[r, c] != 0
+    ]
+
+
+def _memory_row(
+    pulp: Any, model: Any, graph: CostGraph, chosen: list[list[Any] | None], limit: float
+) -> None:
+    """Summed op memory at most ``limit`` (coefficients divided by it, so the bound is 1)."""
+    if graph.memory is None:
+        raise PlanError("ilp: a memory_limit needs a CostGraph built with_memory=True")
+    fixed = sum(float(m[0]) for m, s in zip(graph.memory, chosen, strict=True) if s is None)
+    terms = [
+        (x, float(c) / limit)
+        for m, s in zip(graph.memory, chosen, strict=True)
+        if s is not None
+        for c, x in zip(m, s, strict=True)
+        if c != 0
+    ]
+    model += pulp.LpAffineExpression(terms) <= 1.0 - fixed / limit, "memory"
 
 
 def _read_log(path: str) -> tuple[float | None, float]:
@@ -158,12 +206,16 @@ def _read_log(path: str) -> tuple[float | None, float]:
     return (float(bound.group(1)) if bound else None), (float(wall.group(1)) if wall else math.nan)
 
 
-def solve_cost_graph(graph: CostGraph, *, time_limit_s: float = 60.0) -> IlpResult:
+def solve_cost_graph(
+    graph: CostGraph, *, time_limit_s: float = 60.0, memory_limit: float | None = None
+) -> IlpResult:
     """Solve ``graph`` exactly with CBC (see the module doc); raises PlanError if no answer."""
     if not time_limit_s > 0:
         raise ConfigError(f"ilp: time_limit_s={time_limit_s!r}; give a positive number of seconds")
+    if memory_limit is not None and not memory_limit > 0:
+        raise ConfigError(f"ilp: memory_limit={memory_limit!r}; give a positive number of bytes")
     pulp = _pulp()
-    model, chosen = _model(pulp, graph)
+    model, chosen = _model(pulp, graph, memory_limit)
     scale = _scale_of(graph)
     with tempfile.TemporaryDirectory(prefix="plait_ilp_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
@@ -178,7 +230,15 @@ def solve_cost_graph(graph: CostGraph, *, time_limit_s: float = 60.0) -> IlpResu
         )
         model.solve(solver)
         bound_scaled, wall = _read_log(log_path)
-    picks = _picks(chosen)
+    if model.status == pulp.LpStatusInfeasible:
+        least = sum(float(m.min()) for m in graph.memory or ())
+        raise PlanError(
+            f"search='ilp': no choice of strategies keeps the summed op memory under "
+            f"memory_limit={memory_limit:.4g} bytes per device (the least any choice could need "
+            f"is {least:.4g}); raise memory_limit, use more devices, or allow more strategies"
+        )
+    found = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    picks = _picks(chosen) if model.sol_status in found else None
     if picks is None:
         raise PlanError(
             f"search='ilp': CBC found no assignment within time_limit_s={time_limit_s:g} "
@@ -228,6 +288,7 @@ def ilp(
     configured: Mapping[str, str] | None = None,
     *,
     time_limit_s: float = 60.0,
+    memory_limit: float | None = None,
 ) -> dict[str, Decision]:
     """Choose one candidate per op by solving Alpa's integer program (see the module doc).
 
@@ -238,10 +299,11 @@ def ilp(
         time_limit_s: CBC's wall-clock limit. When reached, the best assignment found is
             returned (reasons and a logged warning say so, with the gap); when none was
             found, :class:`~plait.errors.PlanError` says how to proceed.
+        memory_limit: bytes per device for the summed op memory (as in dynamic_programming).
     """
     allowed = dict(allowed or {})
-    graph = cost_graph(problem, allowed)
-    result = solve_cost_graph(graph, time_limit_s=time_limit_s)
+    graph = cost_graph(problem, allowed, with_memory=memory_limit is not None)
+    result = solve_cost_graph(graph, time_limit_s=time_limit_s, memory_limit=memory_limit)
     how = (
         f"ilp (Alpa's integer program, CBC): optimal over the whole graph; plan total "
         f"{result.objective:.4g} s"

@@ -38,10 +38,11 @@ Batch tensors enter with their fixed layouts restricted to the axes cut so far.
 it stands for; ties go to the earlier op. Ties between roles go to the unused role, then to
 the lower dim, so the search is deterministic.
 
-**Final sweep.** With every op decided, each op in weight order may switch to any allowed
-candidate that lowers the objective with all its neighbours fixed (as MindSpore's strategy
-generation reconciles ops with their neighbours); at most ``SWEEPS`` passes. Each switch
-lowers :meth:`SearchProblem.evaluate` exactly.
+**Axis orders.** MindSpore's greedy rounds price an early cut as if the later axes did not
+exist (a data-parallel cut pays the whole weight's gradient reduction before tensor
+parallelism shrinks it), so the order of the rounds matters. The rounds run once per order of
+the axes that cut (mesh order first, at most ``MAX_ORDERS``), and the order whose result
+:meth:`SearchProblem.evaluate` prices lowest wins.
 
 **Folding.** Members of a :class:`~plait.graph.LayerGroup` correspond op for op, so the search
 runs on a quotient graph: one node per representative op (``OpGraph.representative``),
@@ -53,6 +54,7 @@ embedding and head.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -64,10 +66,11 @@ from plait.rules.registry import OpStrategy
 from plait.search.problem import SearchProblem, gradient_layout, settled
 from plait.search.propagation import Decision
 
-__all__ = ["LOOKAHEAD_DEPTH", "SWEEPS", "recursive_programming"]
+__all__ = ["LOOKAHEAD_DEPTH", "MAX_ORDERS", "axis_orders", "recursive_programming"]
 
-LOOKAHEAD_DEPTH = 4  # ops an edge cost looks through: q -> view -> transpose -> transpose -> bmm
-SWEEPS = 2  # passes of the final sweep
+LOOKAHEAD_DEPTH = 2  # ops with FLOPs an edge cost looks through (views and transposes are free)
+MAX_HOPS = 8  # ops a lookahead visits in all, free ones included
+MAX_ORDERS = 6  # axis orders tried (all of them up to three axes cut)
 ALTERNATIVES_KEPT = 3
 PARTIAL = -2  # role entry of an output holding a pending sum over the axis
 UNSPLIT = -1  # role entry of a tensor the axis does not split
@@ -329,8 +332,8 @@ class _Pick:
     options: int
 
 
-class _Search:
-    """State of one search: per folded node its roles so far and its completion."""
+class _Prices:
+    """The folded graph and every price a search asks for, cached (shared by all axis orders)."""
 
     def __init__(
         self,
@@ -340,19 +343,11 @@ class _Search:
     ) -> None:
         self.problem = problem
         self.graph: OpGraph = problem.graph
-        self.axes = problem.mesh.axis_names
         self.fold = _fold(problem, allowed, configured)
         self.cost = problem.cost
-        roles_by_list: dict[int, _Roles] = {}
-        self.roles: dict[str, _Roles] = {}
-        self.allowed: dict[str, tuple[int, ...]] = {}
-        for node in self.fold.nodes:
-            cands = problem.candidates[node]
-            found = roles_by_list.get(id(cands))
-            if found is None:
-                found = roles_by_list[id(cands)] = _roles_of(cands, self.axes)
-            self.roles[node] = found
-            self.allowed[node] = tuple(allowed.get(node) or range(len(cands)))
+        self.allowed: dict[str, tuple[int, ...]] = {
+            n: tuple(allowed.get(n) or range(len(problem.candidates[n]))) for n in self.fold.nodes
+        }
         self.configured = {n: self.allowed[n][0] for n in self.fold.nodes if n in configured}
         position = {name: k for k, name in enumerate(self.fold.nodes)}
         self.weight = {
@@ -360,13 +355,25 @@ class _Search:
             for n in self.fold.nodes
         }
         self.order = sorted(self.fold.nodes, key=lambda n: (-self.weight[n], position[n]))
-        self.prefix: dict[str, tuple[Role, ...]] = dict.fromkeys(self.fold.nodes, ())
-        self.current: dict[str, int] = {n: self.roles[n].completion[()] for n in self.fold.nodes}
-        self.picks: dict[str, list[_Pick]] = {n: [] for n in self.fold.nodes}
+        self._roles: dict[tuple[int, tuple[str, ...]], _Roles] = {}
         self._exact: dict[tuple[int, int, int], float] = {}
         self._alone: dict[tuple[int, int, bool], float] = {}
         self._own: dict[tuple[str, int], float] = {}
-        self._neighbours = {n: self._neighbours_of(n) for n in self.fold.nodes}
+        self.neighbours = {n: self._neighbours_of(n) for n in self.fold.nodes}
+        self.passing = frozenset(
+            n
+            for n in self.fold.nodes
+            if self.graph.op(n).flops == 0 and len(self.neighbours[n]) <= 2
+        )
+
+    def roles(self, node: str, axes: tuple[str, ...]) -> _Roles:
+        """Roles of the node's candidates for one axis order (shared by equal candidate lists)."""
+        cands = self.problem.candidates[node]
+        key = (id(cands), axes)
+        found = self._roles.get(key)
+        if found is None:
+            found = self._roles[key] = _roles_of(cands, axes)
+        return found
 
     def _neighbours_of(self, node: str) -> tuple[str, ...]:
         seen: dict[str, None] = {}
@@ -376,8 +383,6 @@ class _Search:
             if other != node:
                 seen.setdefault(other, None)
         return tuple(seen)
-
-    # ----------------------------------------------------------------- prices
 
     def own(self, node: str, index: int) -> float:
         """Compute share plus parameter-gradient reduction, times the ops the node stands for."""
@@ -447,26 +452,55 @@ class _Search:
             return self.exact(lid, index, other_index)
         return self.exact(lid, other_index, index)
 
-    # ----------------------------------------------------------------- rounds
+    def local(self, node: str, index: int, chosen: Mapping[str, int]) -> float:
+        """Everything the objective pays that depends on ``node``'s candidate, all else fixed."""
+        seconds = self.own(node, index) + self.source_seconds(node, index, None)
+        for lid in self.fold.links_of[node]:
+            link = self.fold.links[lid]
+            other = link.dst if link.src == node else link.src
+            seconds += self.link_seconds(lid, node, index, chosen.get(other, index))
+        return seconds
+
+    def objective(self, chosen: Mapping[str, int]) -> float:
+        """:meth:`SearchProblem.evaluate` on the folded graph (every member as its node)."""
+        total = 0.0
+        for node in self.fold.nodes:
+            total += self.own(node, chosen[node]) + self.source_seconds(node, chosen[node], None)
+        for lid, link in enumerate(self.fold.links):
+            total += self.exact(lid, chosen[link.src], chosen[link.dst])
+        return total
+
+
+class _Rounds:
+    """One search for one axis order: per node its roles so far and its completion."""
+
+    def __init__(self, prices: _Prices, axes: tuple[str, ...]) -> None:
+        self.prices = prices
+        self.axes = axes
+        nodes = prices.fold.nodes
+        self.roles = {n: prices.roles(n, axes) for n in nodes}
+        self.prefix: dict[str, tuple[Role, ...]] = dict.fromkeys(nodes, ())
+        self.current: dict[str, int] = {n: self.roles[n].completion[()] for n in nodes}
+        self.picks: dict[str, list[_Pick]] = {n: [] for n in nodes}
 
     def options(self, node: str, r: int) -> list[Role]:
         """Roles of axis ``r`` that some allowed candidate extends the node's prefix with."""
         roles = self.roles[node].per_candidate
         prefix = self.prefix[node]
-        found = {roles[i][r] for i in self.allowed[node] if roles[i][:r] == prefix}
+        found = {roles[i][r] for i in self.prices.allowed[node] if roles[i][:r] == prefix}
         return sorted(found, key=_role_key)
 
     def run_round(self, r: int) -> None:
         axis_set = frozenset(self.axes[: r + 1])
         decided: set[str] = set()
-        for node, index in self.configured.items():
+        for node, index in self.prices.configured.items():
             self.prefix[node] = self.roles[node].per_candidate[index][: r + 1]
             self.current[node] = self.roles[node].completion[self.prefix[node]]
             decided.add(node)
         round_options: dict[str, list[Role]] = {
-            n: self.options(n, r) for n in self.fold.nodes if n not in decided
+            n: self.options(n, r) for n in self.prices.fold.nodes if n not in decided
         }
-        for node in self.order:
+        for node in self.prices.order:
             if node in decided:
                 continue
             scored: list[tuple[float, tuple[object, ...], Role]] = []
@@ -492,13 +526,13 @@ class _Search:
     ) -> float:
         """Price of ``node`` at candidate ``index`` this round, with a lookahead."""
         memo: dict[tuple[str, str, int, int], float] = {}
-        seconds = self.own(node, index) + self.source_seconds(node, index, axes)
-        for lid in self.fold.links_of[node]:
-            link = self.fold.links[lid]
+        seconds = self.prices.own(node, index) + self.prices.source_seconds(node, index, axes)
+        for lid in self.prices.fold.links_of[node]:
+            link = self.prices.fold.links[lid]
             other = link.dst if link.src == node else link.src
             if other == node or other in decided:
-                seconds += self.link_seconds(lid, node, index, self.current[other])
-        for other in self._neighbours[node]:
+                seconds += self.prices.link_seconds(lid, node, index, self.current[other])
+        for other in self.prices.neighbours[node]:
             if other not in decided:
                 seconds += self._lookahead(
                     other, node, index, LOOKAHEAD_DEPTH, node, decided, axes, round_options, memo
@@ -516,34 +550,42 @@ class _Search:
         axes: frozenset[str],
         round_options: Mapping[str, list[Role]],
         memo: dict[tuple[str, str, int, int], float],
+        hops: int = 1,
     ) -> float:
         """Cheapest role of undecided ``node`` given ``parent`` at ``parent_index``.
 
-        Links back to the op being scored (``root``, other than through ``parent``) are priced
-        from this side alone, so the memo holds for the whole scoring of ``root``.
+        ``depth`` ops are looked through; an op that only passes a value on (no FLOPs, one
+        producer and one consumer: views, transposes) does not count. Links back to the op
+        being scored (``root``, other than through ``parent``) are priced from this side
+        alone, so the memo holds for the whole scoring of ``root``.
         """
         key = (node, parent, parent_index, depth)
         found = memo.get(key)
         if found is not None:
             return found
+        prices = self.prices
+        ahead = depth if node in prices.passing else depth - 1
+        if hops >= MAX_HOPS:
+            ahead = 0
         best = math.inf
         for role in round_options[node]:
             index = self.roles[node].completion[(*self.prefix[node], role)]
-            seconds = self.own(node, index) + self.source_seconds(node, index, axes)
-            for lid in self.fold.links_of[node]:
-                link = self.fold.links[lid]
-                other = link.dst if link.src == node else link.src
-                if other == parent:
-                    seconds += self.link_seconds(lid, node, index, parent_index)
-                elif other == node or other in decided:
-                    seconds += self.link_seconds(lid, node, index, self.current[other])
-                elif depth <= 1 or other == root:
-                    seconds += self.alone(lid, index, link.src == node)
-            if depth > 1:
-                for other in self._neighbours[node]:
+            seconds = prices.own(node, index) + prices.source_seconds(node, index, axes)
+            seconds += self._known_links(node, index, parent, parent_index, decided, root, ahead)
+            if ahead >= 1:
+                for other in prices.neighbours[node]:
                     if other != parent and other != root and other not in decided:
                         seconds += self._lookahead(
-                            other, node, index, depth - 1, root, decided, axes, round_options, memo
+                            other,
+                            node,
+                            index,
+                            ahead,
+                            root,
+                            decided,
+                            axes,
+                            round_options,
+                            memo,
+                            hops + 1,
                         )
             if seconds < best:
                 best = seconds
@@ -552,61 +594,88 @@ class _Search:
         memo[key] = best
         return best
 
-    # ----------------------------------------------------------------- final choice
+    def _known_links(
+        self,
+        node: str,
+        index: int,
+        parent: str,
+        parent_index: int,
+        decided: set[str],
+        root: str,
+        ahead: int,
+    ) -> float:
+        """Links of a looked-at node priced without looking further.
+
+        Exact to its parent and to decided ops; from its own side alone to the scored op and,
+        when the lookahead stops here (``ahead < 1``), to undecided ops.
+        """
+        prices = self.prices
+        seconds = 0.0
+        for lid in prices.fold.links_of[node]:
+            link = prices.fold.links[lid]
+            other = link.dst if link.src == node else link.src
+            if other == parent:
+                seconds += prices.link_seconds(lid, node, index, parent_index)
+            elif other == node or other in decided:
+                seconds += prices.link_seconds(lid, node, index, self.current[other])
+            elif ahead < 1 or other == root:
+                seconds += prices.alone(lid, index, link.src == node)
+        return seconds
+
+    def runners_up(self, node: str, final: int) -> list[int]:
+        """Per round, the allowed candidate closest to ``final`` that took the runner-up role.
+
+        Closest: same roles in earlier rounds, runner-up role in that round, as many later
+        roles as possible equal to the final ones; the lowest index on ties.
+        """
+        roles = self.roles[node].per_candidate
+        mine = roles[final]
+        found: list[int] = []
+        for r, pick in enumerate(self.picks[node]):
+            if pick.runner_up is None:
+                continue
+            role = pick.runner_up[0]
+            fits = [
+                i
+                for i in self.prices.allowed[node]
+                if roles[i][:r] == mine[:r] and roles[i][r] == role
+            ]
+            if fits:
+                same = [sum(x == y for x, y in zip(roles[i], mine, strict=True)) for i in fits]
+                found.append(fits[max(range(len(fits)), key=lambda k: (same[k], -fits[k]))])
+        return list(dict.fromkeys(found))
 
     def finals(self) -> dict[str, int]:
         """Map every node's full role tuple to an allowed candidate (mesh-ordered first)."""
         chosen: dict[str, int] = {}
-        for node in self.fold.nodes:
-            if node in self.configured:
-                chosen[node] = self.configured[node]
+        for node in self.prices.fold.nodes:
+            if node in self.prices.configured:
+                chosen[node] = self.prices.configured[node]
                 continue
             roles = self.roles[node]
-            fits = [i for i in self.allowed[node] if roles.per_candidate[i] == self.prefix[node]]
+            fits = [
+                i for i in self.prices.allowed[node] if roles.per_candidate[i] == self.prefix[node]
+            ]
             fits.sort(key=lambda i: (not roles.ordered[i], i))
             chosen[node] = fits[0]
         return chosen
-
-    def local(self, node: str, index: int, chosen: Mapping[str, int]) -> float:
-        """Everything the objective pays that depends on ``node``'s candidate, all else fixed."""
-        seconds = self.own(node, index) + self.source_seconds(node, index, None)
-        for lid in self.fold.links_of[node]:
-            link = self.fold.links[lid]
-            other = link.dst if link.src == node else link.src
-            seconds += self.link_seconds(lid, node, index, chosen.get(other, index))
-        return seconds
-
-    def sweep(self, chosen: dict[str, int]) -> dict[str, tuple[int, float]]:
-        """Switch ops to cheaper candidates with neighbours fixed; returns what moved."""
-        moved: dict[str, tuple[int, float]] = {}
-        for _ in range(SWEEPS):
-            changed = False
-            for node in self.order:
-                if node in self.configured:
-                    continue
-                now = chosen[node]
-                now_cost = self.local(node, now, chosen)
-                best, best_cost = now, now_cost
-                for index in self.allowed[node]:
-                    c = self.local(node, index, chosen)
-                    if c < best_cost - 1e-12 * max(1.0, abs(best_cost)):
-                        best, best_cost = index, c
-                if best != now:
-                    first = moved.get(node, (now, 0.0))
-                    moved[node] = (first[0], first[1] + now_cost - best_cost)
-                    chosen[node] = best
-                    changed = True
-            if not changed:
-                break
-        return moved
 
 
 # --------------------------------------------------------------------------- decisions
 
 
-def _round_text(search: _Search, node: str, r: int, pick: _Pick) -> str:
-    roles = search.roles[node]
-    axis = search.axes[r]
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """One axis order's result: its rounds, the final candidates and their objective."""
+
+    rounds: _Rounds
+    chosen: dict[str, int]
+    seconds: float  # the objective
+
+
+def _round_text(rounds: _Rounds, node: str, r: int, pick: _Pick) -> str:
+    roles = rounds.roles[node]
+    axis = rounds.axes[r]
 
     def name(role: Role) -> str:
         if _is_unused(role):
@@ -621,46 +690,62 @@ def _round_text(search: _Search, node: str, r: int, pick: _Pick) -> str:
     return text + f" at {pick.cost:.3g} s, next best {name(other)} at {cost:.3g} s"
 
 
+def _orders_text(best: _Outcome, outcomes: Sequence[_Outcome]) -> str:
+    order = ", ".join(best.rounds.axes)
+    if len(outcomes) == 1:
+        return f"axis order {order}"
+    others = ", ".join(
+        f"{'/'.join(o.rounds.axes)} {o.seconds:.4g} s" for o in outcomes if o is not best
+    )
+    return f"axis order {order} ({best.seconds:.4g} s; other orders: {others})"
+
+
 def _decisions(
-    search: _Search,
-    chosen: Mapping[str, int],
-    moved: Mapping[str, tuple[int, float]],
+    prices: _Prices,
+    best: _Outcome,
+    outcomes: Sequence[_Outcome],
     configured: Mapping[str, str],
 ) -> dict[str, Decision]:
-    fold = search.fold
-    rank = {n: k + 1 for k, n in enumerate(search.order)}
+    fold = prices.fold
+    chosen = best.chosen
+    rank = {n: k + 1 for k, n in enumerate(prices.order)}
+    orders = _orders_text(best, outcomes)
     per_node: dict[str, Decision] = {}
     for node in fold.nodes:
         count = fold.count[node]
         index = chosen[node]
         scored = sorted(
-            (search.local(node, i, chosen) / count, i) for i in search.allowed[node] if i != index
+            (prices.local(node, i, chosen) / count, i) for i in best.rounds.runners_up(node, index)
         )
         alternatives = tuple((i, c) for c, i in scored[:ALTERNATIVES_KEPT])
-        cost = search.local(node, index, chosen) / count
+        cost = prices.local(node, index, chosen) / count
         layers = f" x{count} ops" if count > 1 else ""
         rounds = "; ".join(
-            _round_text(search, node, r, p) for r, p in enumerate(search.picks[node])
+            _round_text(best.rounds, node, r, p) for r, p in enumerate(best.rounds.picks[node])
         )
         reason = (
-            f"recursive_programming {rounds}; weight {search.weight[node]:.3g} s{layers} "
-            f"(rank {rank[node]} of {len(fold.nodes)})"
+            f"recursive_programming {rounds}; weight {prices.weight[node]:.3g} s{layers} "
+            f"(rank {rank[node]} of {len(fold.nodes)}); {orders}"
         )
-        if node in moved:
-            before, saved = moved[node]
-            was = search.problem.candidates[node][before]
-            reason += (
-                f"; final sweep moved it from {was.label or 'strategy'} {was.cuts()!r}, "
-                f"saving {saved:.3g} s with every neighbour decided"
-            )
         per_node[node] = Decision(index, reason, cost, alternatives)
     out: dict[str, Decision] = {}
-    for op in search.graph.ops:
+    for op in prices.graph.ops:
         decision = per_node[fold.node_of[op.name]]
         if op.name in configured:
             decision = Decision(decision.index, configured[op.name], decision.cost_s)
         out[op.name] = decision
     return out
+
+
+def axis_orders(sizes: Mapping[str, int]) -> list[tuple[str, ...]]:
+    """Orders in which the rounds cut the axes: mesh order first, at most ``MAX_ORDERS``.
+
+    Axes of size 1 cut nothing and go last in every order.
+    """
+    cut = [a for a, n in sizes.items() if n > 1]
+    idle = tuple(a for a, n in sizes.items() if n <= 1)
+    orders = [(*perm, *idle) for perm in itertools.permutations(cut)]
+    return orders[:MAX_ORDERS]
 
 
 def recursive_programming(
@@ -669,6 +754,9 @@ def recursive_programming(
     configured: Mapping[str, str] | None = None,
 ) -> dict[str, Decision]:
     """Choose one candidate per op by one weighted greedy round per mesh axis.
+
+    The rounds run once per axis order (:func:`axis_orders`); the order whose result the
+    objective prices lowest wins (the earlier order on ties).
 
     Args:
         problem: the graph, candidates and costs.
@@ -686,9 +774,14 @@ def recursive_programming(
     """
     allowed = allowed or {}
     configured = configured or {}
-    search = _Search(problem, allowed, configured)
-    for r in range(len(search.axes)):
-        search.run_round(r)
-    chosen = search.finals()
-    moved = search.sweep(chosen)
-    return _decisions(search, chosen, moved, configured)
+    prices = _Prices(problem, allowed, configured)
+    mesh = problem.mesh
+    outcomes: list[_Outcome] = []
+    for axes in axis_orders({a: mesh.axis_size(a) for a in mesh.axis_names}):
+        rounds = _Rounds(prices, axes)
+        for r in range(len(axes)):
+            rounds.run_round(r)
+        chosen = rounds.finals()
+        outcomes.append(_Outcome(rounds, chosen, prices.objective(chosen)))
+    best = min(outcomes, key=lambda o: o.seconds)  # min keeps the first of equals
+    return _decisions(prices, best, outcomes, configured)

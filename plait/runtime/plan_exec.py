@@ -27,6 +27,7 @@ the next op needs it. Parameter gradients left pending over an axis (the plan's
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,11 @@ from plait.comm.dispatch import local_batched_matmul
 from plait.comm.dtensor import (
     build_device_mesh,
     distribute,
+    from_local_piece,
     is_dtensor,
     layout_of,
     local_piece,
+    to_dtensor_placements,
 )
 from plait.comm.redistribute import (
     execute_redistribution,
@@ -58,6 +61,7 @@ from plait.graph import OpGraph
 from plait.layout import TensorLayout
 from plait.layout.redistribute import plan_redistribution
 from plait.plan import Plan, PlannedOp
+from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import LocalShadows, is_elementwise
@@ -70,6 +74,26 @@ logger = logging.getLogger(__name__)
 # Batched matmuls whose operands split alike run on local pieces (plait.comm.dispatch):
 # DTensor's own strategy search for bmm on 4-D operands costs seconds per shape.
 _BATCHED_MATMULS = frozenset({"aten.matmul.default", "aten.bmm.default"})
+
+# Ops run on local pieces as plait's rule says (DTensor has no strategy for the CPU kernel of
+# attention, and shards convolutions on the batch only): with the planned input layouts the
+# local op computes this rank's piece of the output, or its share of a pending sum.
+_LOCAL_BY_RULE = frozenset(
+    {
+        "aten.scaled_dot_product_attention.default",
+        "aten.conv1d.default",
+        "aten.conv2d.default",
+        "aten.conv3d.default",
+        "aten.convolution.default",
+    }
+)
+
+# Composite ops whose schema does not say that they update inputs in place: argument
+# positions they write (running mean and variance of batch and instance norms in training).
+_UPDATES_INSIDE = {
+    "aten.batch_norm.default": (3, 4),
+    "aten.instance_norm.default": (3, 4),
+}
 
 # Nodes the capture drops (shape and metadata assertions): nothing to run on DTensors.
 _SKIPPED_TARGETS = frozenset(
@@ -183,6 +207,23 @@ class PlanExecutor:
         self._seen_mismatch: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------------ inputs
+
+    def buffer_layouts(self) -> dict[str, TensorLayout]:
+        """Where each buffer lives: in the layout of the op that updates it in place (batch
+        norm's running statistics split with its channels), so updates need no collective;
+        other buffers are replicated (the plan reads them locally, in any layout)."""
+        graph = self.captured.graph
+        nodes = {n.name: n for n in self.captured.program.graph.nodes}
+        node_of_op = {op: node for node, op in self.captured.op_of_node.items()}
+        out: dict[str, TensorLayout] = {}
+        for g in graph.inputs:
+            if g.kind != "buffer":
+                continue
+            for op, i in graph.consumers(g.name):
+                if _writes_input(nodes[node_of_op[op.name]], i):
+                    out[g.target] = settled(self._planned[op.name].inputs[i])
+                    break
+        return out
 
     def _flat_inputs(self, model: nn.Module, batch: Any) -> list[Any]:
         """The exported program's inputs, in its order: parameters, buffers, constants, batch."""
@@ -298,19 +339,27 @@ class _PlanInterpreter(torch.fx.Interpreter):
         if op is None:  # getitem, alias: pass through
             return super().call_function(target, args, kwargs)
         position = [0]
+        given = (args, kwargs)
         args = self._laid_out(node.args, args, op, position)
         kwargs = {k: self._laid_out(node.kwargs[k], v, op, position) for k, v in kwargs.items()}
+        out = self._run(op, target, args, kwargs)
+        _write_back(target, given, (args, kwargs))
+        return self._checked(op, out)
+
+    def _run(self, op: PlannedOp, target: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if not op.covered and not any(is_dtensor(o) for o in _tensors((args, kwargs))):
             out = target(*args, **kwargs)
         elif not op.covered:
             out = self._run_replicated(target, args, kwargs)
+        elif str(target) in _LOCAL_BY_RULE:
+            out = _run_local(op, target, args, kwargs)
         elif str(target) in _BATCHED_MATMULS and not kwargs:
             out = local_batched_matmul(*args) if len(args) == 2 else None
             if out is None:
                 out = target(*args, **kwargs)
         else:
             out = target(*args, **kwargs)
-        return self._checked(op, out)
+        return out
 
     @property
     def _current(self) -> torch.fx.Node:
@@ -393,6 +442,82 @@ class _PlanInterpreter(torch.fx.Interpreter):
         return value
 
 
+def _writes_input(node: torch.fx.Node, ref: int) -> bool:
+    """Whether the op of ``node`` updates its tensor input number ``ref`` in place."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    tensors = [j for j, a in enumerate(node.args) if isinstance(a, torch.fx.Node)]
+    if ref >= len(tensors):
+        return False
+    j = tensors[ref]
+    updated = _UPDATES_INSIDE.get(str(node.target), ())
+    alias = schema.arguments[j].alias_info if j < len(schema.arguments) else None
+    return j in updated or (alias is not None and alias.is_write)
+
+
+@torch.no_grad()
+def _write_back(target: Any, given: Any, used: Any) -> None:
+    """Inputs an op updates in place (batch-norm running statistics) that were moved to the
+    op's layout first: the update is copied back into the original, in its own layout."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return
+    (given_args, given_kwargs), (used_args, used_kwargs) = given, used
+    updated = _UPDATES_INSIDE.get(str(target), ())
+    for j, argument in enumerate(schema.arguments):
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if not written and j not in updated:
+            continue
+        if j < len(given_args):
+            original, moved = given_args[j], used_args[j]
+        elif argument.name in given_kwargs:
+            original, moved = given_kwargs[argument.name], used_kwargs[argument.name]
+        else:
+            continue
+        if moved is original or not is_dtensor(original) or not is_dtensor(moved):
+            continue
+        back = redistribute_to(moved, layout_of(original))
+        local_piece(original).copy_(local_piece(back))
+
+
+def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
+    """``op`` on this rank's local pieces (inputs already in the planned layouts).
+
+    Each input's local gradient is declared with the layout the rule gives it (pending over
+    the axes that divide the op's work but not the input, :func:`grad_reduce_axes`). For a
+    pending-sum output, inputs that do not carry the summed dim (a bias) are added once per
+    rank, so they enter divided by the number of ranks summing: the op is linear in them.
+    """
+    strategy = OpStrategy(op.inputs, op.outputs, op.label)
+    partial = op.outputs[0].partial if op.outputs else ()
+    share = math.prod(op.outputs[0].mesh.axis_size(a) for a in partial) if partial else 1
+    mesh = None
+    position = [0]
+
+    def local(x: Any) -> Any:
+        nonlocal mesh
+        if not isinstance(x, torch.Tensor):
+            return x
+        i = position[0]
+        position[0] += 1
+        layout = op.inputs[i]
+        grad = layout.with_partial(grad_reduce_axes(strategy, i))
+        mesh = x.device_mesh  # type: ignore[attr-defined]
+        piece = x.to_local(grad_placements=to_dtensor_placements(grad))  # type: ignore[attr-defined]
+        bias_like = share > 1 and not any(set(d) & set(partial) for d in layout.dims)
+        return piece / share if bias_like else piece
+
+    out = target(*_map(local, args), **_map(local, kwargs))
+    assert mesh is not None, f"op {op.name} has no DTensor input"
+    if isinstance(out, tuple | list):
+        return type(out)(
+            from_local_piece(o, mesh, op.outputs[k]) if isinstance(o, torch.Tensor) else o
+            for k, o in enumerate(out)
+        )
+    return from_local_piece(out, mesh, op.outputs[0])
+
+
 def _pin_gradient(value: torch.Tensor, layout: TensorLayout) -> None:
     """The gradient of ``value``, once summed over its readers, is brought to ``layout``.
 
@@ -426,9 +551,13 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
 # --------------------------------------------------------------------------- the Job
 
 
-def _place_parameters(model: nn.Module, plan: Plan, device_mesh: Any) -> dict[str, TensorLayout]:
-    """Parameters -> torch.Tensors in their planned layouts (tied ones once), buffers replicated."""
+def _place_parameters(
+    model: nn.Module, plan: Plan, device_mesh: Any, buffers: dict[str, TensorLayout]
+) -> dict[str, TensorLayout]:
+    """Parameters -> DTensors in their planned layouts (tied ones once); buffers in
+    ``buffers``' layouts (replicated when not named)."""
     layouts = {p.name: p.layout for p in plan.parameters}
+    buffer_names = {id(b): n for n, b in model.named_buffers()}
     done: dict[int, nn.Parameter] = {}
     names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():
@@ -443,9 +572,9 @@ def _place_parameters(model: nn.Module, plan: Plan, device_mesh: Any) -> dict[st
             module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None and not is_dtensor(b):
-                module._buffers[name] = distribute(
-                    b, device_mesh, TensorLayout.replicated(plan.mesh, b.ndim)
-                )
+                layout = buffers.get(buffer_names.get(id(b), ""))
+                layout = layout or TensorLayout.replicated(plan.mesh, b.ndim)
+                module._buffers[name] = distribute(b, device_mesh, layout)
     return {n: layouts[n] for n, _ in model.named_parameters()}
 
 
@@ -520,7 +649,7 @@ def build_plan_job(
         dataset_strategy=cfg.dataset_strategy,
         strict=strict,
     )
-    layouts = _place_parameters(model, plan, device_mesh)
+    layouts = _place_parameters(model, plan, device_mesh, executor.buffer_layouts())
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)
     logger.info(
         "running plan for %s on mesh %s (%d ops)",

@@ -35,7 +35,7 @@ NO_FUSION = CommFusion(bucket_mb=1e-9)
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-6)
 
 
 def sgd(params):
@@ -52,7 +52,8 @@ def gpt_batches(cfg: GPTConfig, n: int, batch: int = 8) -> list[tuple[torch.Tens
 
 # --------------------------------------------------------------------------- accounting
 
-_VALUE = re.compile(r"^gradient of (.+?) for ")
+_GRADIENT_OF = re.compile(r"^gradient of (.+?) for ")
+_NEEDS = re.compile(r" needs (.+?) as (.+?); it is ")
 
 
 def planned_collectives(plan: Plan) -> Counter[tuple[str, str, int]]:
@@ -65,25 +66,33 @@ def planned_collectives(plan: Plan) -> Counter[tuple[str, str, int]]:
 
 
 def expected_collectives(plan: Plan) -> Counter[tuple[str, str, int]]:
-    """The plan's collectives with the two rules the planner does not model yet.
+    """The plan's collectives with the three rules the planner does not model yet.
 
     1. A value read by several ops whose input gradients come back as the same pending sum
        (q, k and v reading one layer-norm output, column-parallel) is reduced ONCE, after
        autograd sums the readers' gradients; the plan lists one reduction per reader.
-    2. A mean-reduced cross entropy over a split batch all-reduces its total weight (one
+    2. A value that several ops need in the same other layout is redistributed ONCE and the
+       result shared; the plan lists the redistribution once per reader.
+    3. A mean-reduced cross entropy over a split batch all-reduces its total weight (one
        element, 4 bytes) in backward, once per split axis: nll_loss_backward needs the global
        count of non-ignored targets. The plan lists only the forward loss reduction.
     """
     out: Counter[tuple[str, str, int]] = Counter()
-    seen: set[tuple[str, str, str, int]] = set()
+    seen: set[tuple[str, ...]] = set()
     for c in plan.collectives:
-        match = _VALUE.match(c.reason) if c.phase == "backward" else None
+        key: tuple[str, ...] | None = None
+        if c.phase == "backward" and c.kind == "all_reduce":
+            found = _GRADIENT_OF.match(c.reason)
+            key = None if found is None else ("grad", found.group(1))
+        elif c.phase == "forward":
+            found = _NEEDS.search(c.reason)
+            key = None if found is None else ("move", found.group(1), found.group(2))
         for axis in c.axes:
-            if match and c.kind == "all_reduce":
-                key = (match.group(1), c.kind, axis, c.nbytes)
-                if key in seen:
+            if key is not None:
+                step = (*key, c.kind, axis, str(c.nbytes))
+                if step in seen:
                     continue
-                seen.add(key)
+                seen.add(step)
             out[(c.kind, axis, c.nbytes)] += c.count
     for op in plan.ops:
         if op.target == "aten.cross_entropy_loss.default":

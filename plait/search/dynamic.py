@@ -33,11 +33,12 @@ one objective. With ``memory_limit`` each entry is a list of up to ``pareto_poin
 when another is no slower and no larger), and the **memory filter** drops every pair above the
 limit. Memory only grows as terms are added, so the filter is sharpened: a partial sum is
 dropped when it plus the least memory of every op not yet folded into it exceeds the limit
-(it can never be completed under it). The
-memory of a candidate is :func:`plait.rules.op_memory` of the op under it, total: its local
-pieces of the parameters it reads, the activations its backward keeps and its outputs; a
-plan's memory is the sum over ops (a parameter read by several ops is counted at each
-reader). When a front has more pairs than ``pareto_points``, the fastest, the smallest and
+(it can never be completed under it). The memory of a candidate comes from
+:func:`plait.rules.op_memory` of the op under it: the activations its backward keeps, its
+outputs, and ``state_factor`` (default 4: fp32 Adam's parameter, gradient and two moments)
+times its local pieces of the parameters it is the first to read; a plan's memory is the sum
+over ops. It is a planning measure (every op's outputs count, as if nothing were freed), the
+one the ilp's memory row uses too. When a front has more pairs than ``pareto_points``, the fastest, the smallest and
 pairs evenly spaced between them are kept; the reasons say when that happened (the result
 then fits the limit but may not be the fastest that does).
 
@@ -81,6 +82,9 @@ __all__ = [
 ALTERNATIVES_KEPT = 3
 PARETO_POINTS = 4  # (time, memory) pairs kept per cost-list entry under a memory limit
 MAX_FACTOR_CELLS = 1 << 21  # largest cost table an exact elimination may build
+# Model-state bytes per parameter byte under a memory limit: fp32 Adam keeps the parameter, its
+# gradient and two moments, 4 + 4 + 8 bytes per 4-byte element (cost-model.md 2.iv)
+STATE_FACTOR = 4.0
 
 
 # ---------------------------------------------------------------------------- the cost graph
@@ -233,10 +237,12 @@ def cost_graph(
     allowed: Mapping[str, Sequence[int]] | None = None,
     *,
     with_memory: bool = False,
+    state_factor: float = STATE_FACTOR,
 ) -> CostGraph:
     """The objective of ``problem`` over the ``allowed`` candidates as a :class:`CostGraph`.
 
-    ``with_memory`` adds each candidate's bytes (``plait.rules.op_memory(...).total``).
+    ``with_memory`` adds each candidate's bytes (see :func:`_memory`; ``state_factor`` bytes
+    of model state per byte of parameter).
     """
     allowed = allowed or {}
     graph = problem.graph
@@ -265,18 +271,32 @@ def cost_graph(
         PairTerm(u, v, ms[0] if len(ms) == 1 else np.sum(ms, axis=0), len(ms))
         for (u, v), ms in sorted(builder.pairs.items())
     )
-    memory = _memory(problem, choices) if with_memory else None
+    memory = _memory(problem, choices, state_factor) if with_memory else None
     return CostGraph(
         tuple(op.name for op in graph.ops), choices, tuple(builder.unary), pairs, memory
     )
 
 
-def _memory(problem: SearchProblem, choices: tuple[tuple[int, ...], ...]) -> tuple:
+def _memory(
+    problem: SearchProblem, choices: tuple[tuple[int, ...], ...], state_factor: float
+) -> tuple:
+    """Bytes per device of each allowed candidate: activations, outputs and model states.
+
+    A parameter counts at its first reader, ``state_factor`` times its local piece (the
+    parameter, its gradient and the optimizer's moments); a later reader that holds it in
+    its own layout counts that copy as an input it keeps.
+    """
     out = []
+    seen: set[str] = set()
     for op, idx in zip(problem.graph.ops, choices, strict=True):
-        params = [i for i, ref in enumerate(op.inputs) if _is_parameter(problem, ref)]
+        params = []
+        for i, ref in enumerate(op.inputs):
+            if _is_parameter(problem, ref) and ref not in seen:
+                seen.add(ref)
+                params.append(i)
         cands = problem.candidates[op.name]
-        out.append(np.array([op_memory(op, cands[i], params).total for i in idx], float))
+        found = [op_memory(op, cands[i], params) for i in idx]
+        out.append(np.array([m.total + (state_factor - 1) * m.parameters for m in found], float))
     return tuple(out)
 
 
@@ -667,6 +687,7 @@ def dynamic_programming(
     memory_limit: float | None = None,
     pareto_points: int = PARETO_POINTS,
     max_factor_cells: int = MAX_FACTOR_CELLS,
+    state_factor: float = STATE_FACTOR,
 ) -> dict[str, Decision]:
     """Choose one candidate per op by graph elimination (see the module doc).
 
@@ -674,11 +695,13 @@ def dynamic_programming(
         problem: the graph, candidates and costs.
         allowed: per op, the candidate indices it may take (annotations, mode defaults).
         configured: ops whose strategy is fixed (one allowed candidate), with their reason.
-        memory_limit: bytes per device for the summed op memory; candidates' memory is
-            ``plait.rules.op_memory(op, strategy).total``. None: no memory filter.
+        memory_limit: bytes per device for the summed memory of the ops' candidates (see the
+            module doc); None: no memory filter.
         pareto_points: (time, memory) pairs kept per cost-list entry under a memory limit.
         max_factor_cells: largest cost table an exact elimination of an op with three or
             more neighbours may build before the star heuristic takes over.
+        state_factor: model-state bytes per parameter byte under a memory limit (4: fp32
+            Adam; 8 for mixed-precision Adam on 2-byte parameters).
     """
     if pareto_points < 1 or max_factor_cells < 1:
         raise PlanError(
@@ -686,7 +709,9 @@ def dynamic_programming(
             f"{max_factor_cells}; both must be >= 1"
         )
     allowed = dict(allowed or {})
-    graph = cost_graph(problem, allowed, with_memory=memory_limit is not None)
+    graph = cost_graph(
+        problem, allowed, with_memory=memory_limit is not None, state_factor=state_factor
+    )
     picks, stats = eliminate(
         graph,
         memory_limit=memory_limit,

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from plait.errors import ConfigError, PlanError
-from plait.search.dynamic import CostGraph, cost_graph, decisions_for
+from plait.search.dynamic import STATE_FACTOR, CostGraph, cost_graph, decisions_for
 from plait.search.problem import SearchProblem
 from plait.search.propagation import Decision
 
@@ -214,6 +214,8 @@ def solve_cost_graph(
         raise ConfigError(f"ilp: time_limit_s={time_limit_s!r}; give a positive number of seconds")
     if memory_limit is not None and not memory_limit > 0:
         raise ConfigError(f"ilp: memory_limit={memory_limit!r}; give a positive number of bytes")
+    if memory_limit is not None:
+        _check_memory(graph, memory_limit)
     pulp = _pulp()
     model, chosen = _model(pulp, graph, memory_limit)
     scale = _scale_of(graph)
@@ -230,13 +232,8 @@ def solve_cost_graph(
         )
         model.solve(solver)
         bound_scaled, wall = _read_log(log_path)
-    if model.status == pulp.LpStatusInfeasible:
-        least = sum(float(m.min()) for m in graph.memory or ())
-        raise PlanError(
-            f"search='ilp': no choice of strategies keeps the summed op memory under "
-            f"memory_limit={memory_limit:.4g} bytes per device (the least any choice could need "
-            f"is {least:.4g}); raise memory_limit, use more devices, or allow more strategies"
-        )
+    # An "infeasible" status here is CBC's preprocessing cut short by the time limit: the
+    # program always has a solution once the memory row passed _check_memory.
     found = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     picks = _picks(chosen) if model.sol_status in found else None
     if picks is None:
@@ -249,6 +246,19 @@ def solve_cost_graph(
     optimal = model.sol_status == pulp.LpSolutionOptimal
     bound = None if bound_scaled is None or optimal else bound_scaled / scale + _constant(graph)
     return IlpResult(tuple(picks), optimal, graph.total(picks), bound, wall)
+
+
+def _check_memory(graph: CostGraph, limit: float) -> None:
+    """Memory is a sum over ops, so the least any assignment needs is the sum of minima."""
+    if graph.memory is None:
+        raise PlanError("ilp: a memory_limit needs a CostGraph built with_memory=True")
+    least = sum(float(m.min()) for m in graph.memory)
+    if least > limit:
+        raise PlanError(
+            f"search='ilp': no choice of strategies keeps the summed op memory under "
+            f"memory_limit={limit:.4g} bytes per device (the least any choice could need "
+            f"is {least:.4g}); raise memory_limit, use more devices, or allow more strategies"
+        )
 
 
 def _scale_of(graph: CostGraph) -> float:
@@ -289,6 +299,7 @@ def ilp(
     *,
     time_limit_s: float = 60.0,
     memory_limit: float | None = None,
+    state_factor: float = STATE_FACTOR,
 ) -> dict[str, Decision]:
     """Choose one candidate per op by solving Alpa's integer program (see the module doc).
 
@@ -300,9 +311,12 @@ def ilp(
             returned (reasons and a logged warning say so, with the gap); when none was
             found, :class:`~plait.errors.PlanError` says how to proceed.
         memory_limit: bytes per device for the summed op memory (as in dynamic_programming).
+        state_factor: model-state bytes per parameter byte (as in dynamic_programming).
     """
     allowed = dict(allowed or {})
-    graph = cost_graph(problem, allowed, with_memory=memory_limit is not None)
+    graph = cost_graph(
+        problem, allowed, with_memory=memory_limit is not None, state_factor=state_factor
+    )
     result = solve_cost_graph(graph, time_limit_s=time_limit_s, memory_limit=memory_limit)
     how = (
         f"ilp (Alpa's integer program, CBC): optimal over the whole graph; plan total "

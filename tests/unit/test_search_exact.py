@@ -360,16 +360,28 @@ def test_memory_filter_is_exact_on_small_graphs() -> None:
 @functools.cache
 def _mlp_setup() -> SearchSetup:
     with torch.device("meta"):
-        model = MLP((1024, 1024, 1024))
-        batch = (torch.zeros(4096, 1024), torch.zeros(4096, 1024))
-    return _setup(model, batch, {"dp": 2, "tp": 4})
+        model = MLP((512, 2048, 512))
+        batch = (torch.zeros(4096, 512), torch.zeros(4096, 512))
+    return _setup(model, batch, {"dp": 8})
 
 
-def test_memory_limit_trades_time_for_memory_on_an_mlp() -> None:
-    """Two 1024x1024 linears, batch 4096, dp=2 x tp=4. Unconstrained, DP splits the batch
-    over dp and the weights' columns over tp; that keeps every activation whole on tp. Below
-    that plan's memory (op_memory summed over ops), DP must pick other splits: the plan fits,
-    is no faster, matches the ILP with the same memory row, and an impossible limit raises."""
+def _weight_pieces(setup: SearchSetup, decisions) -> list[int]:
+    """Into how many pieces each linear's weight is cut (1: replicated)."""
+    return [
+        math.prod(setup.problem.candidates[name][d.index].inputs[1].splits())
+        for name, d in decisions.items()
+        if name.startswith("linear")
+    ]
+
+
+def test_memory_limit_splits_replicated_weights() -> None:
+    """MLP 512 -> 2048 -> 512 (two 4 MiB weights), batch 4096 on 8 devices. Unconstrained, pure
+    data parallel is fastest: it all-reduces the two 4 MiB weight gradients, while Megatron
+    column-then-row splits all-reduce the [4096, 512] output forward and its gradient backward
+    (8 MiB each). So both weights are replicated, and each device holds them with their
+    gradients and Adam moments (4x the weights; the DP memory measure). Under a
+    limit 10% below that plan's memory, DP must cut the weights instead: the plan fits, is
+    slower, equals the ILP with the same memory row, and an impossible limit raises."""
     setup = _mlp_setup()
     problem = setup.problem
     graph = cost_graph(problem, with_memory=True)
@@ -381,8 +393,10 @@ def test_memory_limit_trades_time_for_memory_on_an_mlp() -> None:
         )
 
     free = dynamic_programming(problem)
+    assert _weight_pieces(setup, free) == [1, 1]
     limit = 0.9 * memory(free)
     tight = dynamic_programming(problem, memory_limit=limit)
+    assert min(_weight_pieces(setup, tight)) > 1
     assert memory(tight) <= limit < memory(free)
     assert _value(setup, tight) > _value(setup, free)
     assert "optimal" in tight["linear"].reason and "memory filter" in tight["linear"].reason
@@ -399,8 +413,8 @@ def test_memory_limit_trades_time_for_memory_on_an_mlp() -> None:
 
 def test_ilp_time_limit_message() -> None:
     """A tiny limit on the largest random graph (13 ops, 1e10 assignments): CBC stops before
-    proving optimality; either with no assignment (PlanError naming the limit and the fixes;
-    what CBC does on this machine) or with the best found, flagged in the reasons."""
+    proving optimality (CBC's clock decides which): either with no assignment (PlanError
+    naming the limit and the fixes) or with the best found, flagged in the reasons."""
     setup = _random_setup(9)
     try:
         decisions = ilp(setup.problem, time_limit_s=0.01)

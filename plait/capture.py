@@ -50,6 +50,8 @@ from plait.errors import CaptureError
 from plait.graph import GraphInput, LayerGroup, OpGraph, OpNode, Ref, TensorMeta, value_ref
 
 __all__ = [
+    "AUTOCAST_META",
+    "GRAD_ENABLED_META",
     "ExecutableCapture",
     "batch_leaves",
     "capture",
@@ -422,9 +424,72 @@ def _batch_for(model: nn.Module, batch: Any) -> Any:
     return _map_tensors(move, batch)
 
 
+GRAD_ENABLED_META = "plait_grad_enabled"
+"""fx node meta key: False on ops that ran inside a ``torch.no_grad()`` region of the forward."""
+AUTOCAST_META = "plait_autocast"
+"""fx node meta key: ``(device_type, dtype, enabled, cache_enabled)`` of the ``torch.autocast``
+region an op ran in."""
+
+# export's region wrappers -> (meta key, how many leading arguments describe the region)
+_REGIONS = {
+    "wrap_with_set_grad_enabled": (GRAD_ENABLED_META, 1),
+    "wrap_with_autocast": (AUTOCAST_META, 4),
+}
+
+
+def _inline_regions(gm: torch.fx.GraphModule) -> None:
+    """Inline export's ``wrap_with_set_grad_enabled`` and ``wrap_with_autocast`` regions (a
+    ``@torch.no_grad()`` forward, an ``autocast(enabled=False)`` block, as in Hugging Face's
+    rotary embeddings) into the graph, in place, innermost first.
+
+    The regions' ops become ordinary ops of the graph; each carries the region in its meta
+    (:data:`GRAD_ENABLED_META`, :data:`AUTOCAST_META`; the innermost region wins), so that an
+    executor runs it as the model did.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        region = _REGIONS.get(str(node.target)) if node.op == "call_function" else None
+        if region is None:
+            continue
+        key, lead = region
+        setting, holder, operands = node.args[:lead], node.args[lead], node.args[lead + 1 :]
+        sub = getattr(gm, holder.target)
+        _inline_regions(sub)
+        plain = all(n.op in ("placeholder", "call_function", "output") for n in sub.graph.nodes)
+        if not plain or any(u.target is not operator.getitem for u in node.users):
+            continue  # nested modules or odd outputs: capture reports the region by name
+        value = bool(setting[0]) if key == GRAD_ENABLED_META else tuple(setting)
+        env: dict[torch.fx.Node, Any] = dict(
+            zip([n for n in sub.graph.nodes if n.op == "placeholder"], operands, strict=True)
+        )
+        outputs: Any = ()
+        with graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "output":
+                    outputs = inner.args[0]
+                elif inner.op == "call_function":
+                    copied = graph.node_copy(inner, env.__getitem__)
+                    copied.meta.setdefault(key, value)
+                    env[inner] = copied
+        results = [env.get(o, o) if isinstance(o, torch.fx.Node) else o for o in outputs]
+        for user in list(node.users):
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not holder.users:
+            graph.erase_node(holder)
+            delattr(gm, holder.target)
+    graph.lint()
+    gm.recompile()
+
+
 def _export(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
     try:
-        return torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
+        program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
+        _inline_regions(program.graph_module)
+        return program
+    except CaptureError:
+        raise
     except Exception as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
@@ -959,6 +1024,7 @@ def _capture_shortened(
     short = _shortened(model, long_runs)
     try:
         program = torch.export.export(_Traced(short, loss_fn), (batch,), strict=False)
+        _inline_regions(program.graph_module)
     except Exception:
         return None  # e.g. the forward indexes members 2..N-1: the full trace reports errors
     cap = _convert(program, model, batch)

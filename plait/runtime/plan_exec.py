@@ -26,6 +26,7 @@ the next op needs it. Parameter gradients left pending over an axis (the plan's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -37,7 +38,13 @@ import torch.fx
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from plait.capture import ExecutableCapture, batch_leaves, capture_program
+from plait.capture import (
+    AUTOCAST_META,
+    GRAD_ENABLED_META,
+    ExecutableCapture,
+    batch_leaves,
+    capture_program,
+)
 from plait.comm.dispatch import local_batched_matmul
 from plait.comm.dtensor import (
     build_device_mesh,
@@ -367,7 +374,16 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self._current_node = n
-        return super().run_node(n)
+        with contextlib.ExitStack() as regions:  # the model's no_grad / autocast blocks
+            if n.meta.get(GRAD_ENABLED_META) is False:
+                regions.enter_context(torch.no_grad())
+            autocast = n.meta.get(AUTOCAST_META)
+            if autocast is not None:
+                device, dtype, enabled, cache = autocast
+                regions.enter_context(
+                    torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
+                )
+            return super().run_node(n)
 
     def _laid_out(self, fx_arg: Any, value: Any, op: PlannedOp, position: list[int]) -> Any:
         """``value`` with each tensor input moved to the op's planned layout (in ref order)."""
@@ -618,8 +634,14 @@ def build_plan_job(
     example_batch: Any,
     *,
     strict: bool = False,
+    captured: ExecutableCapture | None = None,
 ) -> Job:
     """A Job that trains ``model`` exactly as ``plan`` says (call inside a process group).
+
+    ``captured`` is the model's :func:`~plait.capture.capture_program`, when the caller has it
+    (plan from ``captured.graph`` with :func:`plait.planner.plan_graph` to export only once);
+    otherwise the model is exported here. Export before entering ``simulate``: some models
+    (Hugging Face's) do not export while simulated ranks are active.
 
     Checks the plan against the model and the world before anything changes, exports the
     model and loss (on fake tensors), turns parameters into DTensors with the planned layouts
@@ -648,6 +670,7 @@ def build_plan_job(
         dp_axis=cfg.dp_axis,
         dataset_strategy=cfg.dataset_strategy,
         strict=strict,
+        captured=captured,
     )
     layouts = _place_parameters(model, plan, device_mesh, executor.buffer_layouts())
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)

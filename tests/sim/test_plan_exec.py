@@ -20,8 +20,10 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
+from plait.capture import ExecutableCapture, capture_program
 from plait.config import CommFusion, ParallelConfig
 from plait.plan import Plan
+from plait.planner import plan_graph
 from plait.runtime.plan_exec import PlanExecutor, build_plan_job
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import Run, assert_same_run, reference_run
@@ -110,6 +112,7 @@ def executed_collectives(log: CollectiveLog) -> Counter[tuple[str, str, int]]:
 
 def run_plan(
     model: torch.nn.Module,
+    captured: ExecutableCapture,
     plan: Plan,
     cfg: ParallelConfig,
     loss_fn: Callable[..., torch.Tensor],
@@ -120,7 +123,7 @@ def run_plan(
     """Train a copy of ``model`` under ``plan``; collectives of step 2 (log and CommDebugMode)."""
     model = copy.deepcopy(model)
     with plait.testing.simulate(world_size):
-        job = build_plan_job(model, plan, cfg, loss_fn, optimizer, batches[0])
+        job = build_plan_job(model, plan, cfg, loss_fn, optimizer, batches[0], captured=captured)
         losses = []
         counted: Counter[tuple[str, str, int]] = Counter()
         debug_total = 0
@@ -139,10 +142,12 @@ def run_plan(
 
 
 def check_case(model, batches, cfg, loss_fn, optimizer, world_size) -> Plan:
-    plan = plait.plan(model, batches[0], cfg, loss_fn=loss_fn)
+    # one export serves planning and running (plan_graph plans an already captured graph)
+    captured = capture_program(model, batches[0], loss_fn)
+    plan = plan_graph(captured.graph, cfg, model=model)
     expected = reference_run(model, loss_fn, optimizer, batches)
     run, executed, debug_total, executor = run_plan(
-        model, plan, cfg, loss_fn, optimizer, batches, world_size
+        model, captured, plan, cfg, loss_fn, optimizer, batches, world_size
     )
     assert_same_run(expected, run, rtol=RTOL, atol=1e-5)
     assert executor.mismatches == [], [m.describe() for m in executor.mismatches]

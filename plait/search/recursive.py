@@ -47,8 +47,9 @@ the axes that cut (mesh order first, at most ``MAX_ORDERS``), and the order whos
 **Folding.** Members of a :class:`~plait.graph.LayerGroup` correspond op for op, so the search
 runs on a quotient graph: one node per representative op (``OpGraph.representative``),
 standing for every member; edges between members (layer ``i`` to ``i + 1``) become edges
-between representatives, counted once per member pair. A group folds only when its members
-have equal candidates and equal constraints; a GPT of 96 layers is searched as one layer plus
+between representatives, counted once per member pair. Members fold together only when their
+ops have equal candidates and equal constraints (members that differ, e.g. the one layer a
+user annotated, stand for themselves); a GPT of 96 layers is searched as one layer plus
 embedding and head.
 """
 
@@ -60,7 +61,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.graph import LayerGroup, OpGraph, TensorMeta
+from plait.graph import OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout
 from plait.rules.registry import OpStrategy
 from plait.search.problem import SearchProblem, gradient_layout, settled
@@ -196,43 +197,40 @@ class _Folded:
     sources: Mapping[str, tuple[_Source, ...]]
 
 
-def _group_folds(
-    problem: SearchProblem,
-    group: LayerGroup,
-    allowed: Mapping[str, Sequence[int]],
-    configured: Mapping[str, str],
-) -> bool:
-    """Members share one solution only if their ops have the same candidates and constraints."""
-    graph = problem.graph
-    first = graph.layer_ops(group.members[0])
-    for member in group.members[1:]:
-        ops = graph.layer_ops(member)
-        if len(ops) != len(first):
-            return False
-        for a, b in zip(first, ops, strict=True):
-            ca, cb = problem.candidates[a.name], problem.candidates[b.name]
-            if ca is not cb and list(ca) != list(cb):
-                return False
-            if tuple(allowed.get(a.name, ())) != tuple(allowed.get(b.name, ())):
-                return False
-            if (a.name in configured) != (b.name in configured):
-                return False
-    return True
-
-
 def _representatives(
     problem: SearchProblem,
     allowed: Mapping[str, Sequence[int]],
     configured: Mapping[str, str],
 ) -> dict[str, str]:
-    """Op -> the op that stands for it: its group's representative when the group folds."""
+    """Op -> the op that stands for it in the search.
+
+    Members of a layer group whose ops have the same candidates and the same constraints,
+    op for op, share one solution: each op maps to the matching op of the first such member
+    (``blocks.1`` .. ``blocks.95`` fold together when only ``blocks.0`` is annotated).
+    """
     graph = problem.graph
+    canonical: dict[int, int] = {}  # id of a candidate list -> id of the first equal list
+    lists: dict[tuple[OpStrategy, ...], int] = {}
+
+    def list_key(name: str) -> int:
+        cands = problem.candidates[name]
+        found = canonical.get(id(cands))
+        if found is None:
+            found = canonical[id(cands)] = lists.setdefault(tuple(cands), id(cands))
+        return found
+
     node_of: dict[str, str] = {}
     for group in graph.layers:
-        if _group_folds(problem, group, allowed, configured):
-            for member in group.members:
-                for op in graph.layer_ops(member):
-                    node_of[op.name] = graph.representative(op.name)
+        first_member: dict[tuple[object, ...], tuple[OpNode, ...]] = {}
+        for member in group.members:
+            ops = graph.layer_ops(member)
+            key = tuple(
+                (list_key(op.name), tuple(allowed.get(op.name, ())), op.name in configured)
+                for op in ops
+            )
+            stands_for = first_member.setdefault(key, ops)
+            for op, rep in zip(ops, stands_for, strict=True):
+                node_of[op.name] = rep.name
     for op in graph.ops:
         node_of.setdefault(op.name, op.name)
     return node_of
@@ -358,8 +356,43 @@ class _Prices:
         self._roles: dict[tuple[int, tuple[str, ...]], _Roles] = {}
         self._exact: dict[tuple[int, int, int], float] = {}
         self._alone: dict[tuple[int, int, bool], float] = {}
+        # links between ops with the same candidate lists, slots and tensors share prices
+        # (the same edge in every unfolded layer): link id -> its class
+        classes: dict[tuple[object, ...], int] = {}
+        self._link_class = tuple(
+            classes.setdefault(
+                (
+                    link.kind,
+                    id(problem.candidates[link.src]),
+                    link.src_slot,
+                    id(problem.candidates[link.dst]),
+                    link.dst_slot,
+                    link.src == link.dst,
+                    link.meta,
+                    link.needs_grad,
+                    link.count,
+                ),
+                len(classes),
+            )
+            for link in self.fold.links
+        )
         self._own: dict[tuple[str, int], float] = {}
         self.neighbours = {n: self._neighbours_of(n) for n in self.fold.nodes}
+        # node -> (link id, the other end (the node itself for a self link), node is the source)
+        self.ends: dict[str, tuple[tuple[int, str, bool], ...]] = {
+            n: tuple(
+                (
+                    lid,
+                    self.fold.links[lid].dst
+                    if self.fold.links[lid].src == n
+                    else self.fold.links[lid].src,
+                    self.fold.links[lid].src == n,
+                )
+                for lid in self.fold.links_of[n]
+            )
+            for n in self.fold.nodes
+        }
+        self._base: dict[tuple[str, int, frozenset[str] | None], float] = {}
         self.passing = frozenset(
             n
             for n in self.fold.nodes
@@ -395,7 +428,7 @@ class _Prices:
 
     def exact(self, lid: int, src_index: int, dst_index: int) -> float:
         """Seconds of a link, both ends decided (forward and backward)."""
-        key = (lid, src_index, dst_index)
+        key = (self._link_class[lid], src_index, dst_index)
         found = self._exact.get(key)
         if found is None:
             link = self.fold.links[lid]
@@ -414,7 +447,7 @@ class _Prices:
         work is split over an axis its input is not hands back a partial gradient to reduce
         ("cut j").
         """
-        key = (lid, index, as_src)
+        key = (self._link_class[lid], index, as_src)
         found = self._alone.get(key)
         if found is None:
             link = self.fold.links[lid]
@@ -431,6 +464,20 @@ class _Prices:
                 seconds = self.cost.edge_seconds(need, need, grad, link.meta)
             found = self._alone[key] = seconds * link.count
         return found
+
+    def base(self, node: str, index: int, axes: frozenset[str] | None) -> float:
+        """Own cost plus batch inputs (see :meth:`source_seconds`), cached."""
+        key = (node, index, axes)
+        found = self._base.get(key)
+        if found is None:
+            found = self._base[key] = self.own(node, index) + self.source_seconds(node, index, axes)
+        return found
+
+    def end_seconds(self, lid: int, as_src: bool, index: int, other_index: int) -> float:
+        """A link seen from one end (at ``index``), the other end at ``other_index``."""
+        if as_src:
+            return self.exact(lid, index, other_index)
+        return self.exact(lid, other_index, index)
 
     def source_seconds(self, node: str, index: int, axes: frozenset[str] | None) -> float:
         """Batch tensors feeding the node, their layouts restricted to ``axes`` (None: all)."""
@@ -526,12 +573,13 @@ class _Rounds:
     ) -> float:
         """Price of ``node`` at candidate ``index`` this round, with a lookahead."""
         memo: dict[tuple[str, str, int, int], float] = {}
-        seconds = self.prices.own(node, index) + self.prices.source_seconds(node, index, axes)
-        for lid in self.prices.fold.links_of[node]:
-            link = self.prices.fold.links[lid]
-            other = link.dst if link.src == node else link.src
-            if other == node or other in decided:
-                seconds += self.prices.link_seconds(lid, node, index, self.current[other])
+        prices = self.prices
+        seconds = prices.base(node, index, axes)
+        for lid, other, as_src in prices.ends[node]:
+            if other == node:
+                seconds += prices.exact(lid, index, index)
+            elif other in decided:
+                seconds += prices.end_seconds(lid, as_src, index, self.current[other])
         for other in self.prices.neighbours[node]:
             if other not in decided:
                 seconds += self._lookahead(
@@ -570,7 +618,7 @@ class _Rounds:
         best = math.inf
         for role in round_options[node]:
             index = self.roles[node].completion[(*self.prefix[node], role)]
-            seconds = prices.own(node, index) + prices.source_seconds(node, index, axes)
+            seconds = prices.base(node, index, axes)
             seconds += self._known_links(node, index, parent, parent_index, decided, root, ahead)
             if ahead >= 1:
                 for other in prices.neighbours[node]:
@@ -611,15 +659,15 @@ class _Rounds:
         """
         prices = self.prices
         seconds = 0.0
-        for lid in prices.fold.links_of[node]:
-            link = prices.fold.links[lid]
-            other = link.dst if link.src == node else link.src
+        for lid, other, as_src in prices.ends[node]:
             if other == parent:
-                seconds += prices.link_seconds(lid, node, index, parent_index)
-            elif other == node or other in decided:
-                seconds += prices.link_seconds(lid, node, index, self.current[other])
+                seconds += prices.end_seconds(lid, as_src, index, parent_index)
+            elif other == node:
+                seconds += prices.exact(lid, index, index)
+            elif other in decided:
+                seconds += prices.end_seconds(lid, as_src, index, self.current[other])
             elif ahead < 1 or other == root:
-                seconds += prices.alone(lid, index, link.src == node)
+                seconds += prices.alone(lid, index, as_src)
         return seconds
 
     def runners_up(self, node: str, final: int) -> list[int]:

@@ -60,8 +60,8 @@ def gpt() -> SearchSetup:
 
 @pytest.fixture(scope="module")
 def gpt_semi() -> SearchSetup:
-    """The same in semi_auto with only blocks.0 annotated Megatron-style."""
-    return _gpt_setup({"dp": 2, "tp": 2}, megatron_blocks=1, mode="semi_auto")
+    """TinyGPT, 3 blocks, semi_auto on dp=2 x tp=2, only blocks.0 annotated Megatron-style."""
+    return _gpt_setup({"dp": 2, "tp": 2}, layers=3, megatron_blocks=1, mode="semi_auto")
 
 
 def _search(setup: SearchSetup, name: str = "recursive_programming") -> dict[str, int]:
@@ -183,15 +183,26 @@ def test_repeated_layers_share_the_representatives_choice(gpt: SearchSetup) -> N
         assert choice[op.name] == choice[setup.graph.representative(op.name)]
 
 
-def test_groups_with_different_annotations_are_not_folded(gpt_semi: SearchSetup) -> None:
-    """semi_auto, only blocks.0 annotated Megatron: blocks.1 keeps its weights whole (the mode's
-    rule for unannotated ops) instead of copying blocks.0's column split."""
+def test_members_with_different_annotations_fold_apart(gpt_semi: SearchSetup) -> None:
+    """semi_auto, only blocks.0 annotated Megatron: blocks.1 and blocks.2 keep their weights
+    whole (the mode's rule for unannotated ops) instead of copying blocks.0's column split,
+    and share one solution with each other."""
     setup = gpt_semi
     choice = _search(setup)
-    q0 = next(op for op in setup.graph.ops if op.module_path == "blocks.0.attn.q")
-    q1 = next(op for op in setup.graph.ops if op.module_path == "blocks.1.attn.q")
-    assert setup.problem.candidates[q0.name][choice[q0.name]].inputs[1].dims == (("tp",), ())
-    assert setup.problem.candidates[q1.name][choice[q1.name]].inputs[1].dims == ((), ())
+    q = [
+        next(op for op in setup.graph.ops if op.module_path == f"blocks.{b}.attn.q")
+        for b in range(3)
+    ]
+    layouts = [setup.problem.candidates[op.name][choice[op.name]].inputs[1].dims for op in q]
+    assert layouts == [(("tp",), ()), ((), ()), ((), ())]
+    ops1 = setup.graph.layer_ops("blocks.1")
+    ops2 = setup.graph.layer_ops("blocks.2")
+    assert [choice[op.name] for op in ops1] == [choice[op.name] for op in ops2]
+    decisions = recursive_programming(setup.problem, setup.allowed, setup.configured)
+    for op in (*ops1, *ops2):  # one search node stands for both members' ops
+        assert " x2 ops" in decisions[op.name].reason
+    for op in setup.graph.layer_ops("blocks.0"):
+        assert " ops (rank" not in decisions[op.name].reason
 
 
 def test_deterministic(gpt: SearchSetup) -> None:

@@ -4,10 +4,11 @@ MindSpore's SAPP planner (reference ``mindspore.md`` section 7.5, ``cost-model.m
 cuts every operator in two, ``log2(N)`` times: the outer recursion walks the bisections of
 the cluster, the inner one walks the operators in decreasing weight, and each operator picks
 the dimension to cut given the cuts its heavier neighbours already made. plait's candidates
-split whole named mesh axes, so here the outer recursion is **one round per mesh axis**, in
-mesh order (outermost first: the slowest links are cut first, as in MindSpore's first
-bisection). An axis of any size is one round, so meshes such as ``{dp: 3, tp: 2}`` need no
-power of two; the candidates already refuse dims that an axis does not divide.
+split whole named mesh axes, so here the outer recursion is **one round per mesh axis**
+(mesh order first, outermost axis first, as MindSpore's first bisection cuts the slowest
+links; other orders are tried too, below). An axis of any size is one round, so meshes such
+as ``{dp: 3, tp: 2}`` need no power of two; the candidates already refuse dims that an axis
+does not divide.
 
 **Roles.** Projected on one mesh axis, a candidate says what that axis does to each of the op's
 tensors: which dim of each input and output it splits, or that an output holds a pending sum
@@ -25,9 +26,10 @@ the roles some allowed candidate extends, so the final tuple always maps back to
   MindSpore's "cut i" cost of a MatMul);
 - on each edge to an op already decided in this round, the redistribution both ways;
 - on each edge to an undecided op, a lookahead: the cheapest choice of that neighbour given
-  this one, itself priced the same way up to ``LOOKAHEAD_DEPTH`` ops away (so a linear sees
-  the next linear through a view, a transpose or a GELU, as MindSpore sees it through the ops
-  it eliminates). At the end of the lookahead an edge costs what the op alone makes it cost:
+  this one, itself priced the same way up to ``LOOKAHEAD_DEPTH`` ops away; ops that only
+  pass a value on (no FLOPs, one producer, one consumer: views, transposes) do not count,
+  so a linear sees the next matmul through them, as MindSpore sees it through the ops it
+  eliminates. At the end of the lookahead an edge costs what the op alone makes it cost:
   the reduction of a pending sum it outputs (MindSpore's "cut k") and of a partial gradient
   it hands back (its "cut j").
 
@@ -45,8 +47,8 @@ the axes that cut (mesh order first, at most ``MAX_ORDERS``), and the order whos
 :meth:`SearchProblem.evaluate` prices lowest wins.
 
 **Folding.** Members of a :class:`~plait.graph.LayerGroup` correspond op for op, so the search
-runs on a quotient graph: one node per representative op (``OpGraph.representative``),
-standing for every member; edges between members (layer ``i`` to ``i + 1``) become edges
+runs on a quotient graph: one node per op of the first member (as
+``OpGraph.representative``), standing for the matching op of every member; edges between members (layer ``i`` to ``i + 1``) become edges
 between representatives, counted once per member pair. Members fold together only when their
 ops have equal candidates and equal constraints (members that differ, e.g. the one layer a
 user annotated, stand for themselves); a GPT of 96 layers is searched as one layer plus

@@ -280,7 +280,9 @@ def _values_match(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
     for g, w in zip(got, want, strict=True):
         g = g.to(w.dtype)
         if w.is_floating_point():
-            if not torch.allclose(g, w, rtol=1e-5, atol=1e-5):
+            # A split contraction sums its pieces in another order (fp32 rounding); conv's
+            # kernel choice also varies with the thread pool's state, so keep some slack.
+            if not torch.allclose(g, w, rtol=1e-4, atol=1e-5):
                 return False
         elif not torch.equal(g, w):
             return False

@@ -55,6 +55,8 @@ class _Step:
     topology: Topology
     items: list[PlannedCollective] = field(default_factory=list)
     stage: list[int] = field(default_factory=list)
+    moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
+    reduced: set[tuple[str, TensorLayout]] = field(default_factory=set)  # backward fan-out
 
     def redistribute(
         self,
@@ -217,12 +219,19 @@ def _op_collectives(
             assert isinstance(node, OpNode)
             have = ctx.chosen[node.name].outputs[k]
             what = f"output of {node.name}"
-        reason = f"{op.name} needs {what} as {need.describe()}; it is {have.describe()}"
-        step.redistribute(
-            have, need, meta.shape, meta.itemsize, ("forward", op.name, stage), reason
-        )
+        # A value several ops need in one layout is moved once and shared (forward fan-out).
+        if (ref, need) not in step.moved:
+            step.moved.add((ref, need))
+            reason = f"{op.name} needs {what} as {need.describe()}; it is {have.describe()}"
+            where = ("forward", op.name, stage)
+            step.redistribute(have, need, meta.shape, meta.itemsize, where, reason)
         if ctx.problem.needs_grad(ref):
             grad, back = gradient_layout(strategy, i), settled(have)
+            # Readers handing back the same pending sum are summed by autograd, then reduced
+            # once (q, k and v reading one layer norm: one all-reduce, not three).
+            if (ref, grad) in step.reduced:
+                continue
+            step.reduced.add((ref, grad))
             step.redistribute(
                 grad,
                 back,
@@ -231,6 +240,20 @@ def _op_collectives(
                 ("backward", op.name, stage),
                 f"gradient of {what} for {op.name}: {grad.describe()} -> {back.describe()}",
             )
+    if op.target in _MEAN_LOSSES and strategy.outputs[0].partial:
+        # nll_loss_backward divides by the global count of non-ignored targets: one scalar
+        # all-reduce per axis splitting the batch.
+        for axis in sorted({a for d in strategy.inputs[0].dims for a in d}):
+            step.add(
+                "all_reduce",
+                (axis,),
+                4,
+                ("backward", op.name, stage),
+                f"{op.name}: total weight of the mean over a batch split on {axis!r}",
+            )
+
+
+_MEAN_LOSSES = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default"})
 
 
 def _parameters(

@@ -157,13 +157,20 @@ def plan_graph(
     mesh: MeshSpec | None = None,
     model: nn.Module | None = None,
     hardware_file: str | None = None,
+    runnable_only: bool = False,
 ) -> Plan:
-    """Plan an already captured graph (annotations are read from ``model`` when given)."""
+    """Plan an already captured graph (annotations are read from ``model`` when given).
+
+    ``runnable_only`` keeps mode auto to what the operator executor runs today: no pipeline
+    stages, ZeRO or recompute.
+    """
     _check_config(cfg)
     if cfg.mode == "auto" and mesh is None:
         from plait.search.outer import auto_plan
 
-        return auto_plan(graph, cfg, model=model, hardware_file=hardware_file)
+        return auto_plan(
+            graph, cfg, model=model, hardware_file=hardware_file, runnable_only=runnable_only
+        )
     setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
     searcher = get_searcher(cfg.search or "sharding_propagation")
     decisions = searcher(setup.problem, setup.allowed, setup.configured)

@@ -11,6 +11,7 @@ hook-driven buckets (:mod:`plait.runtime.data_parallel`), as DDP does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -33,13 +34,18 @@ __all__ = ["parallelize"]
 
 logger = logging.getLogger(__name__)
 
-_BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto")
+_BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
 
 
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
+    planned = cfg.mode == "auto" or cfg.plan is not None
     checks = [
         (cfg.mode not in _BUILT_MODES, f"mode={cfg.mode!r}", f"modes {list(_BUILT_MODES)!r}"),
-        (cfg.search is not None, f"search={cfg.search!r}", "search is used by mode 'auto'"),
+        (
+            cfg.search is not None and not planned,
+            f"search={cfg.search!r}",
+            "search outside mode 'auto'",
+        ),
         (cfg.pipeline_stages != 1, f"pipeline_stages={cfg.pipeline_stages}", "pipeline parallel"),
         (cfg.micro_batches != 1, f"micro_batches={cfg.micro_batches}", "pipeline micro-batches"),
         (cfg.schedule != "1f1b", f"schedule={cfg.schedule!r}", "pipeline schedules"),
@@ -50,13 +56,16 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
         ),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
-        (cfg.hardware is not None, f"hardware={cfg.hardware!r}", "the cost model (mode 'auto')"),
         (
-            cfg.memory_limit is not None,
-            f"memory_limit={cfg.memory_limit}",
-            "memory-aware planning (mode 'auto')",
+            cfg.hardware is not None and not planned,
+            f"hardware={cfg.hardware!r}",
+            "a hardware profile outside mode 'auto'",
         ),
-        (cfg.plan is not None, f"plan={cfg.plan!r}", "running saved plans"),
+        (
+            cfg.memory_limit is not None and not planned,
+            f"memory_limit={cfg.memory_limit}",
+            "a memory limit outside mode 'auto'",
+        ),
     ]
     for unbuilt, given, feature in checks:
         if unbuilt:
@@ -89,6 +98,7 @@ def parallelize(
     *,
     optimizer: OptimizerFactory,
     loss_fn: LossFn,
+    example_batch: Any = None,
 ) -> Job:
     """Split ``model`` across the current world as ``config`` says; returns a :class:`Job`.
 
@@ -97,6 +107,8 @@ def parallelize(
         config: the parallel configuration.
         optimizer: called with the (now distributed) parameters, returns the optimizer.
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss of a batch.
+        example_batch: a global batch (real, fake or meta tensors; only shapes are read), needed
+            by mode "auto" (plait plans the model on it) and by ``ParallelConfig(plan=...)``.
 
     Raises:
         NotBuiltError: a config knob asks for a feature not built yet.
@@ -126,6 +138,8 @@ def parallelize(
             "(under `plait run` or torchrun), or use plait.testing.simulate(world_size=N) to run "
             "N ranks in this process"
         )
+    if config.mode == "auto" or config.plan is not None:
+        return _planned_job(model, config, optimizer, loss_fn, example_batch, world.world_size)
     mesh = _job_mesh(config, world.world_size)
     if config.mode == "data_parallel":
         _refuse_annotations(model)
@@ -153,6 +167,37 @@ def parallelize(
     )
 
 
+def _planned_job(
+    model: nn.Module,
+    config: ParallelConfig,
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+    example_batch: Any,
+    world_size: int,
+) -> Job:
+    """Mode auto (plan now, on the example batch) or a saved plan file, run op by op."""
+    from plait.capture import capture_program
+    from plait.plan import Plan
+    from plait.planner import plan_graph
+    from plait.runtime.plan_exec import build_plan_job
+
+    if example_batch is None:
+        what = "mode 'auto'" if config.plan is None else f"plan={config.plan!r}"
+        raise ConfigError(
+            f"parallelize with {what} needs example_batch=: a global batch (shapes only; meta "
+            "tensors are fine) to plan and trace the model on"
+        )
+    captured = capture_program(model, example_batch, loss_fn)
+    if config.plan is not None:
+        plan = Plan.load(config.plan)
+    else:
+        if config.mesh is None and config.devices is None:
+            config = dataclasses.replace(config, devices=world_size)
+        plan = plan_graph(captured.graph, config, model=model, runnable_only=True)
+    logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
+    return build_plan_job(model, plan, config, loss_fn, optimizer, example_batch, captured=captured)
+
+
 def _is_pure_data_parallel(cfg: ParallelConfig, mesh: MeshSpec) -> bool:
     """Mode data_parallel, every axis but the data-parallel one of size 1, batch split on dim 0.
 
@@ -174,6 +219,7 @@ def _plain_job(
     layouts: dict[str, TensorLayout],
     optimizer: OptimizerFactory,
     loss_fn: LossFn,
+    example_batch: Any = None,
 ) -> Job:
     """The Job of pure data parallelism: plain parameters, bucketed gradient sums."""
     world = current_world()

@@ -106,8 +106,12 @@ def auto_plan(
     *,
     model: nn.Module | None = None,
     hardware_file: str | None = None,
+    runnable_only: bool = False,
 ) -> Plan:
-    """The fastest plan that fits, over meshes and settings (module doc)."""
+    """The fastest plan that fits, over meshes and settings (module doc).
+
+    ``runnable_only``: no pipeline stages, ZeRO or recompute (what ``parallelize`` runs today).
+    """
     from plait.assemble import assemble_plan
     from plait.planner import mesh_of, prepare
     from plait.search import get_searcher
@@ -121,6 +125,8 @@ def auto_plan(
         if cfg.devices is None:
             mesh_of(cfg)  # raises the clear "needs the number of devices" error
         meshes = mesh_candidates(cfg.devices, cfg, graph, hardware.devices_per_node)
+        if runnable_only:
+            meshes = [m for m in meshes if m.get("pp", 1) == 1]
     model_name = type(model).__name__ if model is not None else ""
     trials: list[tuple[Plan | None, PlanOption]] = []
     errors: list[PlaitError] = []
@@ -135,7 +141,10 @@ def auto_plan(
             continue
         decisions = searcher(setup.problem, setup.allowed, setup.configured)
         replica_batch = _global_batch(graph) // mesh.get(cfg.dp_axis, 1)
-        for variant in _variants(cfg, pp, replica_batch):
+        variants = list(_variants(cfg, pp, replica_batch))
+        if runnable_only:
+            variants = [v for v in variants if v.optimizer_shard is None and v.recompute == "none"]
+        for variant in variants:
             vcfg = _with(
                 base,
                 optimizer_shard=variant.optimizer_shard,

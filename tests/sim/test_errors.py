@@ -153,17 +153,15 @@ def test_error_no_process_group():
 @pytest.mark.parametrize(
     ("field", "value", "feature"),
     [
-        ("mode", "auto", "modes"),
         ("pipeline_stages", 2, "pipeline parallel"),
         ("micro_batches", 4, "pipeline micro-batches"),
         ("schedule", "gpipe", "pipeline schedules"),
         ("optimizer_shard", 1, "optimizer parallel"),
         ("recompute", "full", "recompute"),
         ("offload", "optimizer", "memory offload"),
-        ("hardware", "h100", "the cost model"),
-        ("memory_limit", "80GiB", "memory-aware planning"),
-        ("plan", "plan.json", "running saved plans"),
-        ("search", "ilp", "search is used by mode 'auto'"),
+        ("hardware", "h100", "a hardware profile outside mode 'auto'"),
+        ("memory_limit", "80GiB", "a memory limit outside mode 'auto'"),
+        ("search", "ilp", "search outside mode 'auto'"),
     ],
 )
 def test_unbuilt_feature_is_refused_by_name(field, value, feature):

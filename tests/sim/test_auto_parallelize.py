@@ -1,0 +1,76 @@
+"""plait.parallelize in mode "auto" and with a saved plan file: plan, then run op by op."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import plait
+from plait.config import ParallelConfig
+from plait.errors import ConfigError
+from plait.testing.equivalence import assert_same_run, parallel_steps, reference_run
+from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+
+GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, GPT.vocab, (8, GPT.seq))
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
+
+
+def _run(model, cfg, batches):
+    model = copy.deepcopy(model)
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            model, cfg, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        return parallel_steps(job, batches)
+
+
+def test_auto_mode_plans_and_trains_like_one_device() -> None:
+    """Mode auto with only the device count: plait picks a mesh and strategies, then runs
+    them; 3 SGD steps equal single-device training (SGD exposes gradient-scale errors)."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    batches = _batches(3)
+    expected = reference_run(model, gpt_loss, sgd, batches)
+    actual = _run(model, ParallelConfig(mode="auto", search="dynamic_programming"), batches)
+    assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+
+
+def test_saved_plan_file_replays(tmp_path) -> None:
+    """A Megatron plan saved to a file runs through ParallelConfig(plan=...)."""
+    torch.manual_seed(0)
+    model = annotate_megatron(TinyGPT(GPT), 2)
+    batches = _batches(2)
+    plan = plait.plan(
+        model,
+        batches[0],
+        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+        loss_fn=gpt_loss,
+    )
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    expected = reference_run(model, gpt_loss, sgd, batches)
+    actual = _run(
+        model, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, plan=str(path)), batches
+    )
+    assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_mode_needs_an_example_batch() -> None:
+    with plait.testing.simulate(world_size=2), pytest.raises(ConfigError, match="example_batch"):
+        plait.parallelize(
+            TinyGPT(GPT), ParallelConfig(mode="auto"), optimizer=sgd, loss_fn=gpt_loss
+        )

@@ -38,14 +38,23 @@ def _run(model, cfg, batches):
         return parallel_steps(job, batches)
 
 
-def test_auto_mode_plans_and_trains_like_one_device() -> None:
-    """Mode auto with only the device count: plait picks a mesh and strategies, then runs
-    them; 3 SGD steps equal single-device training (SGD exposes gradient-scale errors)."""
+@pytest.mark.parametrize(
+    "search", ["dynamic_programming", "recursive_programming", "ilp", "sharding_propagation"]
+)
+def test_auto_mode_plans_and_trains_like_one_device(search: str) -> None:
+    """Mode auto on a dp=2 x tp=2 mesh with the linears annotated Megatron style: each searcher
+    chooses every other op around them (a third or more end up split), the plan runs op by op,
+    and 3 SGD steps equal single-device training (SGD exposes gradient-scale errors that Adam
+    hides). Unannotated, this tiny model is best fully replicated on the cost model, which
+    would test nothing."""
     torch.manual_seed(0)
-    model = TinyGPT(GPT)
+    model = annotate_megatron(TinyGPT(GPT), 2)
     batches = _batches(3)
     expected = reference_run(model, gpt_loss, sgd, batches)
-    actual = _run(model, ParallelConfig(mode="auto", search="dynamic_programming"), batches)
+    cfg = ParallelConfig(mode="auto", search=search, mesh={"dp": 2, "tp": 2})
+    plan = plait.plan(model, batches[0], cfg, loss_fn=gpt_loss)
+    assert sum(op.label != "replicate" for op in plan.ops) > len(plan.ops) // 3  # really split
+    actual = _run(model, cfg, batches)
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
 
 

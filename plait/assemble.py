@@ -45,6 +45,7 @@ from plait.search.stages import assign_stages
 __all__ = ["assemble_plan"]
 
 PP_AXIS = "pp"
+BACKWARD_FLOPS_FACTOR = 2  # backward costs about twice the forward (dX and dW)
 LOW_PRECISION_ACTIVATIONS = {"bf16": 0.5, "fp16": 0.5, "fp32": 1.0}
 
 
@@ -166,12 +167,9 @@ def _stage_names(
     return tuple(tuple(n) for n in names)
 
 
-_catalogue = default_catalogue
-
-
 def _planned_op(ctx: _Context, op: OpNode, decision: Decision) -> PlannedOp:
     strategy = ctx.chosen[op.name]
-    covered = _catalogue().covers(op)
+    covered = default_catalogue().covers(op)
     candidates = ctx.problem.candidates[op.name]
     return PlannedOp(
         name=op.name,
@@ -400,7 +398,7 @@ def _predict(
             "optimizer": peak.optimizer,
             "activations": peak.activations,
         },
-        flops_per_step=int(ctx.graph.flops * 3),
+        flops_per_step=int(ctx.graph.flops * (1 + BACKWARD_FLOPS_FACTOR)),
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.assemble import PP_AXIS, assemble_plan
+from plait.assemble import BACKWARD_FLOPS_FACTOR, PP_AXIS, assemble_plan
 from plait.capture import capture
 from plait.config import ParallelConfig
 from plait.cost import get_profile
@@ -43,7 +43,6 @@ __all__ = ["SearchSetup", "mesh_of", "plan", "plan_graph", "prepare"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 PLANNABLE_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
-BACKWARD_FLOPS_FACTOR = 2  # backward costs about twice the forward (dX and dW)
 
 
 def mesh_of(cfg: ParallelConfig) -> MeshSpec:

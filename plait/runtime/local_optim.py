@@ -13,14 +13,14 @@ global.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from plait.comm.dtensor import is_dtensor, local_piece
 
-__all__ = ["LocalShadows", "is_elementwise"]
+__all__ = ["LocalShadows", "build_optimizer", "is_elementwise"]
 
 _ELEMENTWISE = (
     torch.optim.SGD,
@@ -57,3 +57,21 @@ class LocalShadows:
         """Point each shadow's gradient at its DTensor parameter's local gradient."""
         for p, s in self.pairs:
             s.grad = None if p.grad is None else local_piece(p.grad)
+
+
+def build_optimizer(
+    model: nn.Module, factory: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+) -> torch.optim.Optimizer:
+    """The user's optimizer, on local pieces when its update is elementwise.
+
+    A probe instance tells whether the optimizer is elementwise; DTensor parameters then get
+    local shadows (:class:`LocalShadows`) that the real instance updates.
+    """
+    params = list(model.parameters())
+    probe = factory(params)
+    if not is_elementwise(probe) or not any(is_dtensor(p) for p in params):
+        return probe
+    shadows = LocalShadows(params)
+    optimizer = factory(shadows.shadows)
+    optimizer._plait_shadows = shadows  # type: ignore[attr-defined]
+    return optimizer

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.comm.dtensor import build_device_mesh, is_dtensor
+from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, NotBuiltError
@@ -27,7 +27,7 @@ from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
-from plait.runtime.local_optim import LocalShadows, is_elementwise
+from plait.runtime.local_optim import build_optimizer
 from plait.runtime.modules import apply_layouts, collect_layouts
 
 __all__ = ["parallelize"]
@@ -156,7 +156,7 @@ def parallelize(
     )
     return Job(
         model,
-        _build_optimizer(model, optimizer),
+        build_optimizer(model, optimizer),
         loss_fn,
         config,
         mesh=mesh,
@@ -268,18 +268,6 @@ def _device_of(device_type: str) -> torch.device:
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)
-
-
-def _build_optimizer(model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
-    """The user's optimizer, on local pieces when its update is elementwise (local_optim)."""
-    params = list(model.parameters())
-    probe = factory(params)
-    if not is_elementwise(probe) or not any(is_dtensor(p) for p in params):
-        return probe
-    shadows = LocalShadows(params)
-    optimizer = factory(shadows.shadows)
-    optimizer._plait_shadows = shadows  # type: ignore[attr-defined]
-    return optimizer
 
 
 def _build_grad_sync(

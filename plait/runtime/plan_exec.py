@@ -71,7 +71,7 @@ from plait.plan import Plan, PlannedOp
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
-from plait.runtime.local_optim import LocalShadows, is_elementwise
+from plait.runtime.local_optim import build_optimizer
 from plait.search.constraints import batch_layouts
 
 __all__ = ["LayoutMismatch", "PlanExecutor", "build_plan_job", "check_plan_fits"]
@@ -594,18 +594,6 @@ def _place_parameters(
     return {n: layouts[n] for n, _ in model.named_parameters()}
 
 
-def _optimizer(model: nn.Module, factory: OptimizerFactory) -> torch.optim.Optimizer:
-    """The user's optimizer, on local pieces when its update is elementwise (as semi_auto)."""
-    params = list(model.parameters())
-    probe = factory(params)
-    if not is_elementwise(probe) or not any(is_dtensor(p) for p in params):
-        return probe
-    shadows = LocalShadows(params)
-    optimizer = factory(shadows.shadows)
-    optimizer._plait_shadows = shadows  # type: ignore[attr-defined]
-    return optimizer
-
-
 def _grad_sync(
     model: nn.Module, plan: Plan, device_mesh: Any, cfg: ParallelConfig
 ) -> GradSync | None:
@@ -682,7 +670,7 @@ def build_plan_job(
     )
     return Job(
         model,
-        _optimizer(model, optimizer_factory),
+        build_optimizer(model, optimizer_factory),
         executor,
         cfg,
         mesh=plan.mesh,

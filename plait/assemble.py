@@ -3,9 +3,13 @@
 Given one strategy per op, this module writes down what a training step does and costs:
 
 - every redistribution on every edge (forward), and of every gradient going back (backward);
-- each parameter's gradient reduction over the axes that split its op's work but not the
-  parameter (MindSpore's mirror operators), as reduce-scatter plus parameter all-gathers when
-  ``optimizer_shard`` shards over the data-parallel axis (ZeRO levels 1 to 3);
+- each trainable parameter's gradient reduction over the axes that split its op's work but
+  not the parameter (MindSpore's mirror operators), as reduce-scatter plus parameter
+  all-gathers when ``optimizer_shard`` shards over the data-parallel axis (ZeRO levels 1 to 3).
+  Over the data-parallel axis (no ZeRO, or level 1) the all-reduces are fused into the buckets
+  the runtime forms (``ParallelConfig.comm_fusion``, :func:`plait.fusion.plan_buckets`): one
+  all-reduce per bucket. Frozen parameters (``requires_grad=False``) have no gradient: no
+  reduction, no backward redistribution, no gradient or optimizer memory;
 - with ``pipeline_stages > 1``, contiguous stages balanced by compute (cut at repeated-layer
   boundaries when the model has them) and the activations and gradients sent between stages
   once per micro-batch;
@@ -18,20 +22,23 @@ Communication is not assumed to overlap compute: the prediction is an upper boun
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plait.config import ParallelConfig
+from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
 from plait.cost.memory import (
     MemoryBreakdown,
     graph_activation_bytes,
     in_flight_micro_batches,
+    model_state_memory,
     training_memory,
 )
-from plait.graph import OpGraph, OpNode
+from plait.fusion import plan_buckets
+from plait.graph import GraphInput, OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
@@ -259,8 +266,9 @@ def _parameters(
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
     step: _Step,
 ) -> tuple[PlannedParameter, ...]:
-    """Every parameter's layout, and its gradient reduction (ZeRO-aware over the dp axis)."""
-    planned = []
+    """Every parameter's layout, and its gradient reduction (fused, ZeRO-aware over dp)."""
+    planned: list[PlannedParameter] = []
+    fused = _fused_dp(ctx)
     for g in ctx.graph.inputs:
         if g.kind != "parameter":
             continue
@@ -279,29 +287,137 @@ def _parameters(
             )
             continue
         layout, op, strategy, i = param_layouts[g.name]
+        why = f"layout of input {i} of {op} ({strategy.label or 'strategy'} {strategy.cuts()!r})"
+        if not g.requires_grad:
+            planned.append(
+                PlannedParameter(
+                    g.target,
+                    g.meta.shape,
+                    g.meta.dtype,
+                    layout,
+                    (),
+                    op,
+                    f"{why}; frozen (requires_grad=False): no gradient to reduce",
+                )
+            )
+            continue
         axes = grad_reduce_axes(strategy, i)
-        nbytes = g.meta.nbytes // math.prod(layout.splits())
+        nbytes = _local_bytes(g, layout)
         stage = ctx.stage_of[op]
         for axis in axes:
-            _gradient_reduction(ctx, step, g.target, op, axis, nbytes, stage)
-        why = f"layout of input {i} of {op} ({strategy.label or 'strategy'} {strategy.cuts()!r})"
+            if fused and axes == (ctx.cfg.dp_axis,):
+                # the dp all-reduce goes into a bucket (_fused_reductions); ZeRO-1's
+                # all-gather of the updated shards stays per parameter
+                _gradient_reduction(ctx, step, g.target, op, axis, nbytes, stage, reduce=False)
+                continue
+            # GradSync reduces a gradient pending over dp and another axis by itself
+            several = fused and ctx.cfg.dp_axis in axes and len(axes) > 1
+            alone = " (reduced alone: pending over several axes)" if several else ""
+            _gradient_reduction(ctx, step, g.target, op, axis, nbytes, stage, note=alone)
         planned.append(
             PlannedParameter(g.target, g.meta.shape, g.meta.dtype, layout, axes, op, why)
         )
+    if fused:
+        _fused_reductions(ctx, step, planned)
     return tuple(planned)
 
 
-def _gradient_reduction(
-    ctx: _Context, step: _Step, name: str, op: str, axis: str, nbytes: int, stage: int
+def _local_bytes(g: GraphInput, layout: TensorLayout) -> int:
+    """Bytes of one device's piece of parameter ``g`` laid out as ``layout``."""
+    return g.meta.nbytes // math.prod(layout.splits())
+
+
+def _fused_dp(ctx: _Context) -> bool:
+    """Are dp gradient all-reduces fused into buckets (the runtime's GradSync/PlainGradSync)?
+
+    They are when the mesh has a data-parallel axis of size > 1 and gradients are all-reduced
+    over it (no ZeRO, or ZeRO-1); ZeRO-2/3 reduce-scatter each parameter on its own.
+    """
+    dp = ctx.cfg.dp_axis
+    return (
+        dp in ctx.mesh.axis_names
+        and ctx.mesh.axis_size(dp) > 1
+        and ctx.cfg.optimizer_shard in (None, 1)
+    )
+
+
+def _fused_reductions(
+    ctx: _Context,
+    step: _Step,
+    planned: Sequence[PlannedParameter],
 ) -> None:
+    """One all-reduce over dp per gradient bucket, formed as the runtime forms them.
+
+    The runtime (plan_exec's ``_grad_sync``: GradSync; PlainGradSync for pure data
+    parallelism) hands :func:`~plait.fusion.plan_buckets` the trainable parameters not split
+    over dp, in model order (the graph's order, tied parameters once), sized by their local
+    pieces. A bucket's all-reduce carries its parameters whose gradient is pending over dp
+    alone; one also pending over another axis is reduced by itself (listed per parameter by
+    :func:`_parameters`); one with no pending sum over dp (or no gradient) adds nothing. With
+    pipeline stages each stage buckets its own parameters.
+    """
+    dp = ctx.cfg.dp_axis
+    fusion = ctx.cfg.comm_fusion or CommFusion()
+    by_name = {g.target: g for g in ctx.graph.inputs if g.kind == "parameter"}
+    per_stage: dict[int, list[tuple[PlannedParameter, int]]] = {}
+    for p in planned:
+        g = by_name[p.name]
+        if not g.requires_grad or any(dp in axes for axes in p.layout.dims):
+            continue
+        stage = ctx.stage_of[p.op] if p.op else 0
+        per_stage.setdefault(stage, []).append((p, _local_bytes(g, p.layout)))
+    for stage, entries in sorted(per_stage.items()):
+        buckets = plan_buckets([size for _, size in entries], fusion)
+        for k, bucket in enumerate(buckets):
+            members = [
+                entries[i] for i in sorted(bucket) if entries[i][0].grad_reduce_axes == (dp,)
+            ]
+            if not members:
+                continue
+            names = [p.name for p, _ in members]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            why = (
+                f"gradients of {len(names)} parameter{'s' if len(names) > 1 else ''} summed over "
+                f"{dp!r} in one fused all-reduce (bucket {k + 1} of {len(buckets)}, "
+                f"{_fusion_text(fusion)}): {shown}"
+            )
+            nbytes = sum(size for _, size in members)
+            step.add("all_reduce", (dp,), nbytes, ("backward", names[0], stage), why)
+
+
+def _fusion_text(fusion: CommFusion) -> str:
+    if fusion.mode == "index":
+        return f"comm_fusion cut at parameters {list(fusion.boundaries)}"
+    return f"comm_fusion buckets of {fusion.bucket_mb:g} MB"
+
+
+def _gradient_reduction(
+    ctx: _Context,
+    step: _Step,
+    name: str,
+    op: str,
+    axis: str,
+    nbytes: int,
+    stage: int,
+    *,
+    reduce: bool = True,
+    note: str = "",
+) -> None:
+    """One parameter's gradient reduction over ``axis`` (and ZeRO's all-gathers).
+
+    ``reduce=False`` leaves out the all-reduce itself (it is in a fused bucket) but keeps
+    what follows it per parameter (ZeRO-1's all-gather of the updated shards).
+    """
     level = ctx.cfg.optimizer_shard
-    why = f"gradient of {name}: {op} splits its work over {axis!r} but not the parameter"
+    why = f"gradient of {name}: {op} splits its work over {axis!r} but not the parameter{note}"
     if level is None or axis != ctx.cfg.dp_axis or nbytes % ctx.mesh.axis_size(axis):
-        step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
+        if reduce:
+            step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
         return
     shard = nbytes // ctx.mesh.axis_size(axis)
     if level == 1:  # ZeRO-1: gradients whole, optimizer states sharded
-        step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
+        if reduce:
+            step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
     else:
         step.add(
             "reduce_scatter", (axis,), nbytes, ("backward", name, stage), why + " (sharded over dp)"
@@ -408,7 +524,7 @@ def _stage_memory(
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
 ) -> MemoryBreakdown:
     graph, mesh, cfg = ctx.graph, ctx.mesh, ctx.cfg
-    param_numel = 0
+    param_numel = frozen_numel = 0  # frozen parameters: no gradient, no optimizer state
     for g in graph.inputs:
         if g.kind != "parameter":
             continue
@@ -416,7 +532,11 @@ def _stage_memory(
             g.name, (TensorLayout.replicated(mesh, g.meta.ndim), "", None, 0)
         )[:2]
         if (ctx.stage_of.get(op, 0)) == stage:
-            param_numel += g.meta.numel // math.prod(layout.splits())
+            numel = g.meta.numel // math.prod(layout.splits())
+            if g.requires_grad:
+                param_numel += numel
+            else:
+                frozen_numel += numel
     scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
 
     def local_bytes(ref: str) -> int:
@@ -442,7 +562,7 @@ def _stage_memory(
         else m
     )
     dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
-    return training_memory(
+    trained = training_memory(
         param_numel,
         shard_group=dp,
         optimizer_shard=cfg.optimizer_shard,
@@ -450,3 +570,9 @@ def _stage_memory(
         activation_bytes=per_step // m,
         in_flight=in_flight,
     )
+    if not frozen_numel:
+        return trained
+    frozen = model_state_memory(
+        frozen_numel, shard_group=dp, optimizer_shard=cfg.optimizer_shard, precision=cfg.precision
+    )
+    return dataclasses.replace(trained, parameters=trained.parameters + frozen.parameters)

@@ -26,6 +26,9 @@ into underscores. Ops are named after their aten op, numbered in graph order: ``
 ``linear_1``, ... (the same scheme torch.fx uses, applied to the final op list, so a full and
 a fast capture name every op alike).
 
+Frozen parameters. Each parameter input records the model's ``requires_grad``
+(:attr:`GraphInput.requires_grad`), so planning lists no gradient work for frozen ones.
+
 Dropped nodes: ``operator.getitem`` (folded into refs ``"op:i"``), ``aten.alias`` (its
 readers read its input) and shape/metadata assertions (no data). Everything else is kept.
 """
@@ -588,6 +591,13 @@ class _Converter:
                 return fqn
         return self.canonical.get(id(tensor), fqn)
 
+    def _requires_grad(self, fqn: str) -> bool:
+        """The model's own flag for parameter ``fqn`` (True when the name does not resolve)."""
+        try:
+            return bool(self.model.get_parameter(fqn).requires_grad)
+        except (AttributeError, KeyError):
+            return True
+
     def inputs(self) -> list[GraphInput]:
         out: list[GraphInput] = []
         names: dict[
@@ -626,7 +636,8 @@ class _Converter:
                 while name in names.values():  # two FQNs that differ only in "." vs "_"
                     name += "_"
                 names[(kind, target)] = name
-                out.append(GraphInput(name, kind, _meta(val), target))  # type: ignore[arg-type]
+                frozen = kind == "parameter" and not self._requires_grad(target)
+                out.append(GraphInput(name, kind, _meta(val), target, not frozen))  # type: ignore[arg-type]
             self.refs[node.name] = name
             self.metas[node.name] = _meta(val)
         return out
@@ -873,6 +884,8 @@ def _expand_inputs(inputs: Sequence[GraphInput], members: Sequence[str]) -> list
         for j in range(2, len(members)):
             for g in pending:
                 target = _rename_path(g.target, members[1], members[j])
+                # requires_grad is copied from member 1: members of a run have equal flags
+                # (requires_grad is part of the structural signature, _signature).
                 out.append(dataclasses.replace(g, name=_input_name(g.kind, target), target=target))
         pending.clear()
 

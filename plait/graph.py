@@ -83,12 +83,35 @@ ValueKind = Literal["parameter", "buffer", "input", "constant"]
 
 @dataclass(frozen=True, slots=True)
 class GraphInput:
-    """A value that enters the graph: a parameter, a buffer, or a tensor of the batch."""
+    """A value that enters the graph: a parameter, a buffer, or a tensor of the batch.
+
+    ``requires_grad`` is the parameter's own flag (capture reads it from the model): a frozen
+    parameter (False) gets no gradient, so no gradient reduction and no optimizer state. It is
+    True for every other kind, which never matters: only parameters are trained.
+    """
 
     name: str
     kind: ValueKind
     meta: TensorMeta
     target: str  # parameter/buffer FQN ("layers.0.attn.q.weight"), or "batch[0]" for inputs
+    requires_grad: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.requires_grad, bool):
+            raise CaptureError(
+                f"GraphInput {self.name!r}: requires_grad={self.requires_grad!r} is not a bool; "
+                "give True (trained) or False (frozen parameter)"
+            )
+        if not self.requires_grad and self.kind != "parameter":
+            raise CaptureError(
+                f"GraphInput {self.name!r} is a {self.kind}, so requires_grad=False means "
+                "nothing; only parameters can be frozen: leave requires_grad=True"
+            )
+
+    @property
+    def trainable(self) -> bool:
+        """A parameter that gets a gradient (``requires_grad``)."""
+        return self.kind == "parameter" and self.requires_grad
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +224,10 @@ class OpGraph:
     def parameters(self) -> dict[str, GraphInput]:
         """Parameters by FQN."""
         return {g.target: g for g in self.inputs if g.kind == "parameter"}
+
+    def trainable_parameters(self) -> dict[str, GraphInput]:
+        """Parameters by FQN that get a gradient (frozen ones, ``requires_grad=False``, left out)."""
+        return {g.target: g for g in self.inputs if g.trainable}
 
     @property
     def flops(self) -> int:

@@ -6,13 +6,8 @@ all-reduced with one collective, started from a post-accumulate-grad hook as soo
 bucket's last gradient is ready, so communication overlaps the rest of backward (MindSpore's
 ``comm_fusion``, DDP's buckets). ``finish()`` waits for every bucket and unpacks.
 
-Bucketing (:func:`plan_buckets`, pure):
-
-* ``mode="size"``: parameters in reverse order (the order backward produces gradients) are
-  packed greedily into buckets of at most ``bucket_mb`` megabytes; a parameter larger than that
-  gets a bucket of its own.
-* ``mode="index"``: cut at the given parameter indices (model order): boundaries ``(2, 5)``
-  give buckets ``[0, 1]``, ``[2, 3, 4]``, ``[5, ...]``.
+Bucketing is :func:`plait.fusion.plan_buckets` (pure, re-exported here), the same function
+the planner uses to list one all-reduce per bucket in a plan.
 
 A gradient that arrives in another layout than expected (e.g. also pending over a
 tensor-parallel axis) is reduced on its own, to stay correct.
@@ -20,7 +15,6 @@ tensor-parallel axis) is reduced on its own, to stay correct.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,32 +31,11 @@ from plait.comm.dtensor import (
     with_local,
 )
 from plait.config import CommFusion
+from plait.fusion import plan_buckets
 
 __all__ = ["GradSync", "plan_buckets"]
 
 logger = logging.getLogger(__name__)
-
-
-def plan_buckets(sizes: Sequence[int], fusion: CommFusion) -> list[list[int]]:
-    """Group parameter indices ``0..len(sizes)-1`` (sizes in bytes) into buckets, launch order."""
-    n = len(sizes)
-    if fusion.mode == "index":
-        cuts = [0, *[b for b in fusion.boundaries if b < n], n]
-        buckets = [list(range(a, b)) for a, b in itertools.pairwise(cuts) if b > a]
-        return buckets[::-1]
-    limit = fusion.bucket_mb * 1e6
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i in reversed(range(n)):
-        if current and used + sizes[i] > limit:
-            buckets.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += sizes[i]
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 @dataclass

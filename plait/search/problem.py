@@ -55,12 +55,13 @@ def settled(layout: TensorLayout) -> TensorLayout:
 
 
 def gradient_values(graph: OpGraph) -> frozenset[str]:
-    """Values a gradient flows back into: floating values computed from a parameter.
+    """Values a gradient flows back into: floating values computed from a trainable parameter.
 
-    Batch tensors, buffers, constants and everything computed from them alone (masks, rotary
-    tables, position ids) get no gradient, so their edges cost nothing in backward.
+    Batch tensors, buffers, constants, frozen parameters (``requires_grad=False``) and
+    everything computed from them alone (masks, rotary tables, position ids, a frozen
+    embedding's output) get no gradient, so their edges cost nothing in backward.
     """
-    found = {g.name for g in graph.inputs if g.kind == "parameter"}
+    found = {g.name for g in graph.inputs if g.trainable}
     for op in graph.ops:
         if any(ref in found for ref in op.inputs):
             for k, meta in enumerate(op.outputs):
@@ -136,7 +137,7 @@ class SearchProblem:
     _edges: list[Edge] | None = field(default=None, repr=False)
 
     def needs_grad(self, ref: str) -> bool:
-        """Does a gradient flow back into value ``ref`` (it depends on a parameter)?"""
+        """Does a gradient flow back into value ``ref`` (it depends on a trainable parameter)?"""
         if self._grad_refs is None:
             self._grad_refs = gradient_values(self.graph)
         return ref in self._grad_refs
@@ -157,8 +158,11 @@ class SearchProblem:
     def _signature(self, op: OpNode) -> object:
         key = self._op_keys.get(op.name)
         if key is None:
+            # a frozen parameter pays no gradient reduction: it prices differently
             params = tuple(
-                (i, self.graph.meta(ref)) for i, ref in enumerate(op.inputs) if self._is_param(ref)
+                (i, self.graph.meta(ref), self.needs_grad(ref))
+                for i, ref in enumerate(op.inputs)
+                if self._is_param(ref)
             )
             key = (
                 op.target,
@@ -188,6 +192,9 @@ class SearchProblem:
         return seconds
 
     def param_grad_seconds(self, param: GraphInput, strategy: OpStrategy, index: int) -> float:
+        """The gradient all-reduces of ``param`` read as input ``index``; 0 when it is frozen."""
+        if not param.trainable:
+            return 0.0
         layout = strategy.inputs[index]
         nbytes = param.meta.nbytes // math.prod(layout.splits())
         return sum(

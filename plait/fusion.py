@@ -1,0 +1,47 @@
+"""Gradient bucketing (communication fusion), pure: which parameters share one all-reduce.
+
+MindSpore's ``comm_fusion`` and DDP's buckets pack several gradients into one flat buffer and
+reduce it with a single collective. :func:`plan_buckets` decides the grouping from sizes alone,
+so the planner (:mod:`plait.assemble`, which lists one collective per bucket) and the runtime
+(:mod:`plait.runtime.grad_sync`, which runs them) form exactly the same buckets.
+
+* ``mode="size"``: parameters in reverse order (the order backward produces gradients) are
+  packed greedily into buckets of at most ``bucket_mb`` megabytes; a parameter larger than that
+  gets a bucket of its own.
+* ``mode="index"``: cut at the given parameter indices (model order): boundaries ``(2, 5)``
+  give buckets ``[0, 1]``, ``[2, 3, 4]``, ``[5, ...]``.
+
+Buckets come in launch order (the last parameters' bucket first); indices inside a
+``"size"`` bucket are in reverse model order, inside an ``"index"`` bucket in model order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from plait.config import CommFusion
+
+__all__ = ["plan_buckets"]
+
+
+def plan_buckets(sizes: Sequence[int], fusion: CommFusion) -> list[list[int]]:
+    """Group parameter indices ``0..len(sizes)-1`` (sizes in bytes) into buckets, launch order."""
+    n = len(sizes)
+    if fusion.mode == "index":
+        cuts = [0, *[b for b in fusion.boundaries if b < n], n]
+        buckets = [list(range(a, b)) for a, b in itertools.pairwise(cuts) if b > a]
+        return buckets[::-1]
+    limit = fusion.bucket_mb * 1e6
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in reversed(range(n)):
+        if current and used + sizes[i] > limit:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += sizes[i]
+    if current:
+        buckets.append(current)
+    return buckets

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 import plait
 from plait import ParallelConfig
-from plait.cost.calibrate import calibrate
+from plait.cost.calibrate import calibrate, format_profile
 from plait.cost.hardware import HardwareProfile, default_profile_path, load_profile
 from plait.planner import plan_graph
 from plait.testing import run_workers
@@ -227,8 +227,8 @@ def prepare_profile(hardware_file: str | None, home: Path) -> HardwareProfile:
         origin = "calibrated now (quick), in a temporary PLAIT_HOME"
     os.environ["PLAIT_HOME"] = str(home)  # the workers inherit it
     profile = load_profile(target)
-    print(f"hardware profile 'local' from {origin}")
-    print(f"  source: {profile.source}")
+    print(f"hardware profile 'local' from {origin}:")
+    print(format_profile(profile))
     return profile
 
 

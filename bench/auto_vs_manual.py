@@ -81,6 +81,8 @@ class Variant:
     """One way of training: a config, and whether the model carries Megatron annotations."""
 
     name: str
+    kind: str
+    """What --only selects: "dp", "semi_auto", "auto_mesh" or "auto_no_mesh"."""
     config: ParallelConfig
     megatron: bool = False
 
@@ -92,9 +94,10 @@ class Variant:
 def variants(searches: list[str]) -> list[Variant]:
     """data_parallel first (the reference of the speed column), then the hand-written plan."""
     out = [
-        Variant(DP_NAME, ParallelConfig(mode="data_parallel", mesh={"dp": WORLD})),
+        Variant(DP_NAME, "dp", ParallelConfig(mode="data_parallel", mesh={"dp": WORLD})),
         Variant(
             "semi_auto Megatron (dp=2, tp=2)",
+            "semi_auto",
             ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
             megatron=True,
         ),
@@ -103,10 +106,17 @@ def variants(searches: list[str]) -> list[Variant]:
         out.append(
             Variant(
                 f"auto, mesh dp=2 x tp=2 ({search})",
+                "auto_mesh",
                 ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}, search=search),
             )
         )
-        out.append(Variant(f"auto, no mesh ({search})", ParallelConfig(mode="auto", search=search)))
+        out.append(
+            Variant(
+                f"auto, no mesh ({search})",
+                "auto_no_mesh",
+                ParallelConfig(mode="auto", search=search),
+            )
+        )
     return out
 
 
@@ -336,7 +346,11 @@ def parse_args() -> argparse.Namespace:
         "--hardware-file", default=None, metavar="PATH", help="a `plait calibrate` profile"
     )
     parser.add_argument(
-        "--only", default=None, help="comma-separated variant names to run (default: all)"
+        "--only",
+        default=None,
+        metavar="KINDS",
+        help="comma-separated kinds to run besides data_parallel: semi_auto, auto_mesh, "
+        "auto_no_mesh (default: all)",
     )
     return parser.parse_args()
 
@@ -349,8 +363,8 @@ def main() -> None:
     all_variants = variants(searches)
     names = [v.name for v in all_variants]
     if args.only:
-        wanted = set(args.only.split(","))
-        names = [n for n in names if n in wanted or n == DP_NAME]
+        wanted = set(args.only.split(",")) | {"dp"}
+        names = [v.name for v in all_variants if v.kind in wanted]
     total = args.warmup + args.steps
     with tempfile.TemporaryDirectory(prefix="plait-bench-home-") as home:
         prepare_profile(args.hardware_file, Path(home))

@@ -211,6 +211,9 @@ def _op_collectives(
         if source is not None and source.kind == "parameter":
             if ref not in param_layouts:
                 param_layouts[ref] = (need, op.name, strategy, i)
+                # The Job reduces the parameter's gradient once (_parameters); a later reader
+                # (a tied head) handing back the same pending sum is summed into it first.
+                step.reduced.add((ref, gradient_layout(strategy, i)))
                 continue
             have = param_layouts[ref][0]
             what = f"parameter {source.target} (laid out {have.describe()} for {param_layouts[ref][1]})"

@@ -143,7 +143,8 @@ def prepare(
     cost = CostModel(topology.axis_seconds, op_compute)
     candidates = _candidates(graph, mesh)
     inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
-    problem = SearchProblem(graph, mesh, candidates, inputs, cost)
+    fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
+    problem = SearchProblem(graph, mesh, candidates, inputs, cost, fused_axis=fused)
     constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode)
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)

@@ -50,6 +50,7 @@ __all__ = [
     "to_dtensor_placements",
     "to_layout",
     "wait_for",
+    "with_contiguous_local",
     "with_local",
 ]
 
@@ -264,6 +265,26 @@ def with_local(param: DTensor, local: torch.Tensor) -> DTensor:
         run_check=False,
         shape=param.shape,
         stride=param.stride(),
+    )
+
+
+def with_contiguous_local(tensor: DTensor) -> DTensor:
+    """``tensor`` with a contiguous local piece (and contiguous global strides).
+
+    DTensor judges contiguity on the global strides; a local piece can be transposed while
+    the global strides look contiguous (e.g. the backward of a transpose of a split tensor),
+    and a later ``view`` then fails on the local piece.
+    """
+    local = tensor.to_local()
+    if local.is_contiguous() and tensor.is_contiguous():
+        return tensor
+    return DTensor.from_local(
+        local.contiguous(),
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=contiguous_stride(tensor.shape),
     )
 
 

@@ -45,7 +45,6 @@ from plait.capture import (
     batch_leaves,
     capture_program,
 )
-from plait.comm.dispatch import local_batched_matmul
 from plait.comm.dtensor import (
     build_device_mesh,
     distribute,
@@ -54,6 +53,7 @@ from plait.comm.dtensor import (
     layout_of,
     local_piece,
     to_dtensor_placements,
+    with_contiguous_local,
 )
 from plait.comm.redistribute import (
     execute_redistribution,
@@ -78,13 +78,12 @@ __all__ = ["LayoutMismatch", "PlanExecutor", "build_plan_job", "check_plan_fits"
 
 logger = logging.getLogger(__name__)
 
-# Batched matmuls whose operands split alike run on local pieces (plait.comm.dispatch):
-# DTensor's own strategy search for bmm on 4-D operands costs seconds per shape.
-_BATCHED_MATMULS = frozenset({"aten.matmul.default", "aten.bmm.default"})
-
-# Ops run on local pieces as plait's rule says (DTensor has no strategy for the CPU kernel of
-# attention, and shards convolutions on the batch only): with the planned input layouts the
-# local op computes this rank's piece of the output, or its share of a pending sum.
+# Ops run on local pieces as plait's rule says: with the planned input layouts the local op
+# computes this rank's piece of the output, or its share of a pending sum. DTensor has no
+# strategy for the CPU kernel of attention and shards convolutions on the batch only; for the
+# matmul family its own strategy choice may differ from the plan's (a split sequence dim of a
+# 3-D linear input is gathered by its flattening decomposition), and its search for batched
+# matmuls on 4-D operands costs seconds per shape.
 _LOCAL_BY_RULE = frozenset(
     {
         "aten.scaled_dot_product_attention.default",
@@ -92,6 +91,12 @@ _LOCAL_BY_RULE = frozenset(
         "aten.conv2d.default",
         "aten.conv3d.default",
         "aten.convolution.default",
+        "aten.linear.default",
+        "aten.matmul.default",
+        "aten.mm.default",
+        "aten.bmm.default",
+        "aten.addmm.default",
+        "aten.baddbmm.default",
     }
 )
 
@@ -360,10 +365,6 @@ class _PlanInterpreter(torch.fx.Interpreter):
             out = self._run_replicated(target, args, kwargs)
         elif str(target) in _LOCAL_BY_RULE:
             out = _run_local(op, target, args, kwargs)
-        elif str(target) in _BATCHED_MATMULS and not kwargs:
-            out = local_batched_matmul(*args) if len(args) == 2 else None
-            if out is None:
-                out = target(*args, **kwargs)
         else:
             out = target(*args, **kwargs)
         return out
@@ -502,8 +503,9 @@ def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
 
     Each input's local gradient is declared with the layout the rule gives it (pending over
     the axes that divide the op's work but not the input, :func:`grad_reduce_axes`). For a
-    pending-sum output, inputs that do not carry the summed dim (a bias) are added once per
-    rank, so they enter divided by the number of ranks summing: the op is linear in them.
+    pending-sum output, inputs that do not carry the summed dim (a bias) are added on every
+    rank, so they enter divided by the number of ranks summing (the op is linear in them);
+    their gradient is the whole output gradient on every rank (:class:`_ShareOfSum`).
     """
     strategy = OpStrategy(op.inputs, op.outputs, op.label)
     partial = op.outputs[0].partial if op.outputs else ()
@@ -522,7 +524,7 @@ def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
         mesh = x.device_mesh  # type: ignore[attr-defined]
         piece = x.to_local(grad_placements=to_dtensor_placements(grad))  # type: ignore[attr-defined]
         bias_like = share > 1 and not any(set(d) & set(partial) for d in layout.dims)
-        return piece / share if bias_like else piece
+        return _ShareOfSum.apply(piece, share) if bias_like else piece
 
     out = target(*_map(local, args), **_map(local, kwargs))
     assert mesh is not None, f"op {op.name} has no DTensor input"
@@ -534,6 +536,20 @@ def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
     return from_local_piece(out, mesh, op.outputs[0])
 
 
+class _ShareOfSum(torch.autograd.Function):
+    """``x / n`` forward, gradient passed unchanged: ``x`` is one of ``n`` equal shares of a
+    pending sum, so the summed value depends on ``x`` with slope 1 and every rank holds the
+    whole gradient (the rule reduces nothing over the summing axes for it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x / n
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def _pin_gradient(value: torch.Tensor, layout: TensorLayout) -> None:
     """The gradient of ``value``, once summed over its readers, is brought to ``layout``.
 
@@ -541,8 +557,17 @@ def _pin_gradient(value: torch.Tensor, layout: TensorLayout) -> None:
     sums reduced (MindSpore reduces them inside the consuming op). DTensor would otherwise
     carry a pending sum on through earlier ops, reducing it later and elsewhere. Readers that
     hand back pending sums over the same axis are summed first, then reduced once.
+
+    The gradient's local piece is made contiguous where it is not: DTensor decides whether a
+    view's backward can stay a view from the global strides, and a transposed local piece
+    (the backward of a transpose of a split tensor) can fail that view on one rank.
     """
-    value.register_hook(lambda grad: redistribute_to(grad, layout))
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = redistribute_to(grad, layout)
+        return with_contiguous_local(grad) if is_dtensor(grad) else grad  # type: ignore[arg-type]
+
+    value.register_hook(hook)
 
 
 def _map(fn: Any, obj: Any) -> Any:

@@ -132,6 +132,10 @@ class SearchProblem:
     candidates: Mapping[str, Sequence[OpStrategy]]
     input_layouts: Mapping[str, TensorLayout]  # batch inputs: layouts fixed by dataset_strategy
     cost: CostModel
+    fused_axis: str | None = None
+    """The axis whose gradient reductions the runtime fuses into buckets (the data-parallel
+    axis without ZeRO-2/3): a parameter pays only the bytes of its share of a bucket, the
+    per-collective latency is paid once per bucket, whatever the strategies."""
     _op_cost: dict[tuple[object, int], float] = field(default_factory=dict, repr=False)
     _grad_refs: frozenset[str] | None = field(default=None, repr=False)
     _edges: list[Edge] | None = field(default=None, repr=False)
@@ -197,10 +201,12 @@ class SearchProblem:
             return 0.0
         layout = strategy.inputs[index]
         nbytes = param.meta.nbytes // math.prod(layout.splits())
-        return sum(
-            self.cost.axis_seconds("all_reduce", axis, nbytes)
-            for axis in grad_reduce_axes(strategy, index)
-        )
+        seconds = 0.0
+        for axis in grad_reduce_axes(strategy, index):
+            seconds += self.cost.axis_seconds("all_reduce", axis, nbytes)
+            if axis == self.fused_axis:  # in a bucket: the latency is not this parameter's
+                seconds -= self.cost.axis_seconds("all_reduce", axis, 0)
+        return seconds
 
     def input_edge_seconds(
         self, op: OpNode, index: int, strategy: OpStrategy, source: TensorLayout

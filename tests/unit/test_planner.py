@@ -12,9 +12,12 @@ import torch
 from torch import nn
 
 import plait
-from plait.config import ParallelConfig
+from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, ShardingError
 from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+
+# One gradient bucket per parameter: these tests read per-parameter reductions.
+NO_FUSION = CommFusion(bucket_mb=1e-9)
 
 CFG = GPTConfig(vocab=64, seq=16, width=32, heads=4, layers=2)
 
@@ -51,7 +54,7 @@ def test_megatron_semi_auto_gives_megatron_layouts_and_collectives() -> None:
     its slice, and replicated parameters see replicated inputs on tp).
     """
     model, batch = _gpt(megatron=True)
-    cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2})
+    cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, comm_fusion=NO_FUSION)
     plan = plait.plan(model, batch, cfg, loss_fn=gpt_loss)
     layouts = {p.name: p.layout.describe() for p in plan.parameters}
     for b in range(2):
@@ -82,7 +85,10 @@ def test_data_parallel_plan_replicates_every_parameter() -> None:
     """Pure data parallel: parameters whole, batch split, one gradient all-reduce per parameter."""
     model, batch = _gpt()
     plan = plait.plan(
-        model, batch, ParallelConfig(mode="data_parallel", devices=4), loss_fn=gpt_loss
+        model,
+        batch,
+        ParallelConfig(mode="data_parallel", devices=4, comm_fusion=NO_FUSION),
+        loss_fn=gpt_loss,
     )
     assert all(not any(p.layout.dims) for p in plan.parameters)
     counts = _count(plan)
@@ -204,7 +210,9 @@ def test_optimizer_shard_levels_change_collectives_and_memory() -> None:
         level: plait.plan(
             model,
             batch,
-            ParallelConfig(mode="data_parallel", devices=4, optimizer_shard=level),
+            ParallelConfig(
+                mode="data_parallel", devices=4, optimizer_shard=level, comm_fusion=NO_FUSION
+            ),
             loss_fn=gpt_loss,
         )
         for level in (None, 1, 2, 3)

@@ -8,6 +8,9 @@ torch version and what plait needed it for.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed._local_tensor
 
@@ -21,6 +24,7 @@ __all__ = [
     "own_per_rank",
     "same_on_every_rank",
     "simulated_ranks",
+    "simulation_suspended",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -90,6 +94,23 @@ def same_on_every_rank(tensor: torch.Tensor, what: str) -> torch.Tensor:
             if not torch.equal(first, other):
                 raise RuntimeError(f"{what}: simulated ranks hold different values")
         return first.clone()
+
+
+@contextlib.contextmanager
+def simulation_suspended() -> Iterator[None]:
+    """The block runs as one plain process, outside the active simulated world (if any).
+
+    torch.export of some models (Hugging Face's: constant lifting) fails while a
+    ``LocalTensorMode`` is active; capture runs on fake tensors and needs no simulated rank.
+    """
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is None:
+        yield
+        return
+    with mode.disable():
+        yield
 
 
 def greedy_redistribution_planning():  # type: ignore[no-untyped-def]

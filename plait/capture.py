@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from plait._compat import simulation_suspended
 from plait.errors import CaptureError
 from plait.graph import GraphInput, LayerGroup, OpGraph, OpNode, Ref, TensorMeta, value_ref
 
@@ -488,7 +489,9 @@ def _inline_regions(gm: torch.fx.GraphModule) -> None:
 
 def _export(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
     try:
-        program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
+        # outside a simulated world: some models do not export under LocalTensorMode
+        with simulation_suspended():
+            program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
         _inline_regions(program.graph_module)
         return program
     except CaptureError:

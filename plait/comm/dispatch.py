@@ -74,6 +74,32 @@ def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
     )
 
 
+# The same losses as aten ops (the plan executor runs exported graphs): argument position of
+# ``reduction``; 1 is mean, 0 none.
+_MEAN_LOSS_OPS = {
+    torch.ops.aten.mse_loss.default: 2,
+    torch.ops.aten.smooth_l1_loss.default: 2,
+    torch.ops.aten.huber_loss.default: 2,
+    torch.ops.aten.binary_cross_entropy.default: 3,
+    torch.ops.aten.soft_margin_loss.default: 2,
+}
+_MEAN, _NONE = 1, 0
+
+
+def _mean_loss_op_as_none(func: Any, args: Any, kwargs: dict[str, Any]) -> Any | None:
+    """An aten mean-reduced loss on DTensors computed as ``reduction=none`` then ``mean``."""
+    position = _MEAN_LOSS_OPS[func]
+    if position < len(args):
+        if args[position] != _MEAN:
+            return None
+        args = (*args[:position], _NONE, *args[position + 1 :])
+    elif kwargs.get("reduction", _MEAN) == _MEAN:
+        kwargs = {**kwargs, "reduction": _NONE}
+    else:
+        return None
+    return func(*args, **kwargs).mean()
+
+
 class PlaitDispatchMode(TorchFunctionMode):
     """Route the ops above to plait's rules when their inputs are DTensors."""
 
@@ -86,6 +112,10 @@ class PlaitDispatchMode(TorchFunctionMode):
         ):
             kwargs["reduction"] = "none"
             return func(*args, **kwargs).mean()
+        if func in _MEAN_LOSS_OPS and any(isinstance(a, DTensor) for a in args):
+            out = _mean_loss_op_as_none(func, args, kwargs)
+            if out is not None:
+                return out
         if (
             func in _MATMULS
             and len(args) == 2

@@ -61,7 +61,12 @@ def _layout_of(strategy: object, mesh: MeshSpec, shape: Sequence[int], where: st
 def batch_layouts(
     graph: OpGraph, mesh: MeshSpec, dp_axis: str, dataset_strategy: object
 ) -> dict[str, TensorLayout]:
-    """Layouts of the batch's tensors, from ``ParallelConfig.dataset_strategy``."""
+    """Layouts of the batch's tensors inside a step, from ``ParallelConfig.dataset_strategy``.
+
+    ``"data_parallel"`` and ``"full_batch"`` both give dim 0 split over ``dp_axis``: with
+    ``full_batch`` every rank loads the global batch and the Job keeps its own slice, for free
+    (``Job.shard_batch``), before any op runs.
+    """
     inputs = [g for g in graph.inputs if g.kind == "input"]
     layouts: dict[str, TensorLayout] = {}
     if isinstance(dataset_strategy, tuple):
@@ -77,13 +82,15 @@ def batch_layouts(
         return layouts
     for g in inputs:
         dims: list[tuple[str, ...]] = [()] * g.meta.ndim
-        if dataset_strategy == "data_parallel" and g.meta.ndim and dp_axis in mesh.axis_names:
+        split = dataset_strategy in ("data_parallel", "full_batch")
+        if split and g.meta.ndim and dp_axis in mesh.axis_names:
             size = mesh.axis_size(dp_axis)
             if g.meta.shape[0] % size:
                 raise ShardingError(
                     f"{g.target}: batch dim of size {g.meta.shape[0]} does not divide over the "
-                    f"{size} ranks of mesh axis {dp_axis!r}; use a global batch that is a multiple "
-                    f"of {size}, or dataset_strategy='full_batch'"
+                    f"{size} ranks of mesh axis {dp_axis!r} (dataset_strategy="
+                    f"{dataset_strategy!r}); use a global batch that is a multiple of {size}, "
+                    "or a per-input dataset_strategy tuple that leaves dim 0 whole"
                 )
             dims[0] = (dp_axis,)
         layouts[g.name] = TensorLayout(mesh, tuple(dims))

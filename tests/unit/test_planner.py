@@ -249,3 +249,22 @@ def test_plan_validates_against_its_model() -> None:
         plan.validate(other, world_size=4)
     with pytest.raises(plait.PlanError, match="world"):
         plan.validate(model, world_size=8)
+
+
+def test_full_batch_plans_the_batch_split_over_dp_like_the_runtime() -> None:
+    """With full_batch every rank loads the global batch and keeps its dp slice before any op
+    runs (Job.shard_batch): the plan's batch layouts and gradient reductions are those of
+    data_parallel."""
+    model, batch = _gpt()
+    plans = [
+        plait.plan(
+            model,
+            batch,
+            ParallelConfig(mode="data_parallel", devices=4, dataset_strategy=strategy),
+            loss_fn=gpt_loss,
+        )
+        for strategy in ("data_parallel", "full_batch")
+    ]
+    assert plans[0].collectives == plans[1].collectives
+    assert any(c.kind == "all_reduce" and c.phase == "backward" for c in plans[1].collectives)
+    assert [op.inputs for op in plans[0].ops] == [op.inputs for op in plans[1].ops]

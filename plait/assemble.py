@@ -61,6 +61,7 @@ class _Step:
     """The collectives of one step, each attributed to the pipeline stage that issues it."""
 
     topology: Topology
+    repeat: int = 1  # micro-steps (gradient accumulation) the collectives being added repeat in
     items: list[PlannedCollective] = field(default_factory=list)
     stage: list[int] = field(default_factory=list)
     moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
@@ -92,6 +93,9 @@ class _Step:
     ) -> None:
         phase, op, stage = where
         seconds = sum(self.topology.axis_seconds(kind, a, nbytes) for a in axes)
+        count *= self.repeat
+        if self.repeat > 1:
+            reason += f" (each of {self.repeat} micro-steps)"
         self.items.append(PlannedCollective(kind, axes, nbytes, seconds, count, phase, op, reason))
         self.stage.append(stage)
 
@@ -128,10 +132,14 @@ def assemble_plan(
     stage_list = assign_stages(graph, op_time, stages) if stages > 1 else [0] * len(graph.ops)
     stage_of = {op.name: s for op, s in zip(graph.ops, stage_list, strict=True)}
     ctx = _Context(graph, cfg, mesh, problem, chosen, stage_of)
-    step = _Step(topology)
+    # With gradient accumulation the graph is one micro-step's: its activation collectives
+    # repeat per micro-step; the gradient reductions (after the last) and the reported loss's
+    # reduction (of the micro-steps' sum) happen once.
+    step = _Step(topology, repeat=cfg.grad_accumulation)
     param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]] = {}
     for op in graph.ops:
         _op_collectives(ctx, op, step, param_layouts)
+    step.repeat = 1
     parameters = _parameters(ctx, param_layouts, step)
     _loss_collective(ctx, step)
     if stages > 1:
@@ -155,6 +163,7 @@ def assemble_plan(
         model=model_name,
         batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
         memory_limit=cfg.memory_limit,  # type: ignore[arg-type]
+        grad_accumulation=cfg.grad_accumulation,
     )
 
 
@@ -498,8 +507,8 @@ def _predict(
 ) -> Prediction:
     stages, m = ctx.cfg.pipeline_stages, ctx.cfg.micro_batches
     compute = [0.0] * stages
-    for op in ctx.graph.ops:
-        compute[ctx.stage_of[op.name]] += op_time[op.name]
+    for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
+        compute[ctx.stage_of[op.name]] += op_time[op.name] * ctx.cfg.grad_accumulation
     busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s))
     compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
     bubble_s = (compute_s + comm_s) * (stages - 1) / m
@@ -517,7 +526,9 @@ def _predict(
             "optimizer": peak.optimizer,
             "activations": peak.activations,
         },
-        flops_per_step=int(ctx.graph.flops * (1 + BACKWARD_FLOPS_FACTOR)),
+        flops_per_step=int(
+            ctx.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * ctx.cfg.grad_accumulation
+        ),
     )
 
 

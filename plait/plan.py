@@ -389,6 +389,10 @@ class Plan:
     batch: tuple[tuple[int, ...], ...] = ()
     notes: tuple[str, ...] = ()
     memory_limit: int | None = None
+    grad_accumulation: int = 1
+    """Micro-steps per optimizer step (``ParallelConfig.grad_accumulation``): ``batch`` is one
+    micro-step's batch; activation collectives repeat per micro-step (their ``count``), the
+    gradient reductions happen once."""
     schema_version: ClassVar[int] = 1
     _ops: dict[str, PlannedOp] = field(init=False, repr=False, compare=False, hash=False)
     _params: dict[str, PlannedParameter] = field(init=False, repr=False, compare=False, hash=False)
@@ -413,6 +417,7 @@ class Plan:
         _str("Plan.hardware", self.hardware, empty=False)
         _choice("Plan.precision", self.precision, get_args(Precision))
         _int("Plan.micro_batches", self.micro_batches, 1)
+        _int("Plan.grad_accumulation", self.grad_accumulation, 1)
         _int("Plan.pipeline_stages", self.pipeline_stages, 1)
         _choice("Plan.optimizer_shard", self.optimizer_shard, (None, 1, 2, 3))
         object.__setattr__(self, "recompute", _recompute("Plan", self.recompute))
@@ -772,6 +777,7 @@ def _plan_to_data(plan: Plan) -> dict[str, Any]:
         "optimizer_shard": plan.optimizer_shard,
         "recompute": plan.recompute,
         "memory_limit": plan.memory_limit,
+        "grad_accumulation": plan.grad_accumulation,
         "predicted": _prediction_data(plan.predicted),
         "stages": [list(s) for s in plan.stages],
         "ops": [_op_data(op) for op in plan.ops],
@@ -1090,6 +1096,7 @@ def _plan_from_data(data: object) -> Plan:
         "optimizer_shard": top.get("optimizer_shard", _OPT_INT, "1, 2, 3 or null"),
         "recompute": top.get("recompute", str, "'none', 'full' or 'selective'"),
         "memory_limit": top.get("memory_limit", _OPT_INT, "bytes or null", None),
+        "grad_accumulation": top.get("grad_accumulation", int, "an integer >= 1", 1),
         "predicted": _prediction_from(top.obj("predicted")),
         "stages": tuple(_str_list(p, v) for p, v in top.items("stages", [])),
         "ops": tuple(_op_from(v, p, mesh) for p, v in top.items("ops")),
@@ -1229,7 +1236,12 @@ def _header_lines(plan: Plan) -> list[str]:
         f"optimizer shard {zero}, recompute {plan.recompute}",
     ]
     if plan.batch:
-        lines.append("  batch " + ", ".join(str(s) for s in plan.batch))
+        per = (
+            f" per micro-step, {plan.grad_accumulation} micro-steps (gradient accumulation)"
+            if plan.grad_accumulation > 1
+            else ""
+        )
+        lines.append("  batch " + ", ".join(str(s) for s in plan.batch) + per)
     return lines
 
 

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
-from plait.errors import ConfigError, NotBuiltError
+from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
-from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.job import Job, LossFn, OptimizerFactory, split_micro_batches
 from plait.runtime.local_optim import build_optimizer
 from plait.runtime.modules import apply_layouts, collect_layouts
 
@@ -187,15 +189,37 @@ def _planned_job(
             f"parallelize with {what} needs example_batch=: a global batch (shapes only; meta "
             "tensors are fine) to plan and trace the model on"
         )
-    captured = capture_program(model, example_batch, loss_fn)
-    if config.plan is not None:
-        plan = Plan.load(config.plan)
-    else:
+    # With gradient accumulation each micro-step runs the graph on 1/k of the batch: the plan
+    # is made for (and the model traced on) one micro-step's batch.
+    micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
+    plan = Plan.load(config.plan) if config.plan is not None else None
+    if plan is not None:
+        _check_plan_batch(plan, config, micro)
+    captured = capture_program(model, micro, loss_fn)
+    if plan is None:
         if config.mesh is None and config.devices is None:
             config = dataclasses.replace(config, devices=world_size)
         plan = plan_graph(captured.graph, config, model=model, runnable_only=True)
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
-    return build_plan_job(model, plan, config, loss_fn, optimizer, example_batch, captured=captured)
+    return build_plan_job(model, plan, config, loss_fn, optimizer, micro, captured=captured)
+
+
+def _check_plan_batch(plan: Any, config: ParallelConfig, micro: Any) -> None:
+    """A saved plan runs with the gradient accumulation and batch shapes it was made for."""
+    where = f"plan file {os.fspath(config.plan)!r}"  # type: ignore[arg-type]
+    if plan.grad_accumulation != config.grad_accumulation:
+        raise PlanError(
+            f"{where} was made for grad_accumulation={plan.grad_accumulation} but the config "
+            f"has grad_accumulation={config.grad_accumulation}; use the plan's value or plan "
+            "again with this one"
+        )
+    shapes = tuple(tuple(x.shape) for x in tree_leaves(micro) if isinstance(x, torch.Tensor))
+    if plan.batch and shapes != plan.batch:
+        per = " per micro-step" if config.grad_accumulation > 1 else ""
+        raise PlanError(
+            f"{where} was made for batch shapes {list(plan.batch)}{per} but example_batch gives "
+            f"{list(shapes)}{per}; train with the planned batch size or plan again for this one"
+        )
 
 
 def _is_pure_data_parallel(cfg: ParallelConfig, mesh: MeshSpec) -> bool:

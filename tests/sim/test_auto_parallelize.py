@@ -10,7 +10,7 @@ import torch
 import plait
 from plait.config import ParallelConfig
 from plait.errors import ConfigError
-from plait.testing.equivalence import assert_same_run, parallel_steps, reference_run
+from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
 from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
@@ -118,3 +118,61 @@ def test_hugging_face_model_runs_through_parallelize_in_a_simulated_world() -> N
         )
         actual = parallel_steps(job, batches)
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_plan_with_gradient_accumulation_matches_one_device() -> None:
+    """grad_accumulation=2: the plan is made for one micro-step's batch; its activation
+    collectives repeat per micro-step (count 2), the gradient reductions happen once after
+    the last; training equals one device on the whole batch, and what runs is what the plan
+    lists."""
+    from plait.testing.comm import CollectiveLog
+    from tests.sim.test_plan_exec import executed_collectives, planned_collectives
+
+    torch.manual_seed(0)
+    model = annotate_megatron(TinyGPT(GPT), 2)
+    batches = _batches(3)
+    expected = reference_run(model, gpt_loss, sgd, batches)
+    cfg = ParallelConfig(
+        mode="auto", search="dynamic_programming", mesh={"dp": 2, "tp": 2}, grad_accumulation=2
+    )
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        plan = job.loss_fn.plan
+        losses = [job.step(batches[0])]
+        with CollectiveLog(job.device_mesh) as log:
+            losses.append(job.step(batches[1]))
+        losses.append(job.step(batches[2]))
+        actual = Run(losses, job.full_state_dict())
+    assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+    assert plan.grad_accumulation == 2 and plan.batch == ((4, GPT.seq), (4, GPT.seq))
+    assert executed_collectives(log) == planned_collectives(plan)
+    twice = {c.kind for c in plan.collectives if c.count == 2}
+    params = {p.name for p in plan.parameters}
+    once = [c for c in plan.collectives if c.op in params]  # gradient reductions
+    assert "all_reduce" in twice and once and all(c.count == 1 for c in once)
+
+
+def test_saved_plan_refuses_another_gradient_accumulation(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = annotate_megatron(TinyGPT(GPT), 2)
+    batches = _batches(1)
+    plan = plait.plan(
+        model,
+        batches[0],
+        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+        loss_fn=gpt_loss,
+    )
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    cfg = ParallelConfig(
+        mode="semi_auto", mesh={"dp": 2, "tp": 2}, plan=str(path), grad_accumulation=2
+    )
+    with plait.testing.simulate(world_size=4):
+        with pytest.raises(plait.PlanError, match="grad_accumulation=1 but the config"):
+            plait.parallelize(model, cfg, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0])
+        half = [(x[:4], y[:4]) for x, y in batches]
+        cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, plan=str(path))
+        with pytest.raises(plait.PlanError, match=r"made for batch shapes \[\(8, 8\)"):
+            plait.parallelize(model, cfg, optimizer=sgd, loss_fn=gpt_loss, example_batch=half[0])

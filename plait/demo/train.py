@@ -35,7 +35,8 @@ from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 logger = logging.getLogger("plait.demo.gpt")
 
 CORPUS = Path(__file__).with_name("corpus.txt")
-MODES = ("stand_alone", "data_parallel", "semi_auto")
+MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
+SEARCHERS = ("sharding_propagation", "recursive_programming", "dynamic_programming", "ilp")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -47,6 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="plait GPT example", description=__doc__.split("\n", 1)[0])
     p.add_argument("--mode", choices=MODES, default="semi_auto", help="parallel mode")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (semi_auto)")
+    p.add_argument("--search", choices=SEARCHERS, default="dynamic_programming",
+                   help="strategy searcher (auto: plait plans the mesh and every op)")  # fmt: skip
     p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                    help="micro-batches per step, one gradient reduction")  # fmt: skip
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
@@ -74,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None:
     """The mesh of ``--mode`` on ``world_size`` ranks (None for stand_alone)."""
-    if args.mode == "stand_alone":
+    if args.mode in ("stand_alone", "auto"):  # auto: the planner chooses the mesh
         return None
     if args.mode == "data_parallel":
         return {"dp": world_size}
@@ -222,6 +225,8 @@ class Summary:
     eval_losses: list[tuple[int, float]]
     train_seconds: float
     wall_seconds: float
+    plan: str = ""
+    """Mode auto: the searcher and the plan's predicted step time."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -242,6 +247,7 @@ class Summary:
             f"  eval loss   {first_eval:.4f} -> {last_eval:.4f}",
             f"  throughput  {self.tokens_per_second:,.0f} tokens/s",
             f"  wall time   {self.wall_seconds:.1f} s ({self.train_seconds:.1f} s training)",
+            *([f"  plan        {self.plan}"] if self.plan else []),
         ])  # fmt: skip
 
 
@@ -254,14 +260,21 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int) -> plait.Jo
     model = TinyGPT(cfg)
     if args.mode == "semi_auto":
         annotate_megatron(model, args.tp)
+    auto = args.mode == "auto"
     config = plait.ParallelConfig(
-        mode=args.mode, mesh=mesh, grad_accumulation=args.grad_accumulation
+        mode=args.mode,
+        mesh=mesh,
+        grad_accumulation=args.grad_accumulation,
+        search=args.search if auto else None,
     )
+    # mode auto plans on the shapes of one global batch (meta tensors: no memory)
+    example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     return plait.parallelize(
         model,
         config,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
         loss_fn=gpt_loss,
+        example_batch=(example, example) if auto else None,
     )
 
 
@@ -339,6 +352,20 @@ def train(args: argparse.Namespace) -> Summary:
         eval_losses=eval_losses,
         train_seconds=train_seconds,
         wall_seconds=time.perf_counter() - wall_start,
+        plan=_plan_line(job, train_seconds / args.steps),
+    )
+
+
+def _plan_line(job: plait.Job, measured_step_s: float) -> str:
+    """The plan a mode-auto job ran: searcher, predicted and measured step time."""
+    plan = getattr(job.loss_fn, "plan", None)
+    if plan is None:
+        return ""
+    split = sum(op.label != "replicate" for op in plan.ops)
+    return (
+        f"{plan.search}: {split} of {len(plan.ops)} ops split, predicted "
+        f"{plan.predicted.step_time_s * 1e3:.1f} ms/step on hardware {plan.hardware!r}, "
+        f"measured {measured_step_s * 1e3:.1f} ms/step"
     )
 
 

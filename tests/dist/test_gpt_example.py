@@ -1,7 +1,7 @@
 """The GPT example (examples/gpt/train.py, the code of `make demo`) runs and its loss falls.
 
-One short real run under `plait run` on 2 gloo workers (Megatron dp=1 x tp=2) and one
-in-process run in stand_alone mode, both with a tiny model.
+Short real runs under `plait run` on 2 gloo workers (Megatron dp=1 x tp=2, and mode auto)
+and one in-process run in stand_alone mode, all with a tiny model.
 """
 
 from __future__ import annotations
@@ -52,6 +52,20 @@ def test_gpt_example_semi_auto_on_two_workers(tmp_path: Path) -> None:
     assert "[rank1]" not in proc.stdout  # the console shows rank 0 only
     rank1 = (logs / "worker_1.log").read_text()
     assert "INFO rank1 plait.demo.gpt: summary" in rank1  # other ranks log into their files
+
+
+def test_gpt_example_auto_on_two_workers(tmp_path: Path) -> None:
+    """Mode auto: plait plans the mesh and every op on the example batch and runs the plan."""
+    cmd = [sys.executable, "-m", "plait", "run", "--worker-num", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
+           str(EXAMPLE), "--mode", "auto", "--search", "recursive_programming", *TINY]  # fmt: skip
+    env = clean_env()
+    env["PLAIT_HOME"] = str(tmp_path / "home")  # no calibrated profile: the built-in defaults
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mode        auto, mesh {'dp': " in proc.stdout
+    assert "plan        recursive_programming: " in proc.stdout
+    assert "predicted" in proc.stdout and "step     8  eval loss" in proc.stdout
 
 
 def test_gpt_example_stand_alone_in_process() -> None:

@@ -226,7 +226,17 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor as a plain tensor (collective for DTensors: every rank must call it)."""
     from plait._compat import same_on_every_rank
 
-    value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        # Pending sums are reduced one mesh axis at a time, as the plan lists them (DTensor
+        # would do the same, warning about it on every call).
+        placements = list(tensor.placements)
+        for i, p in enumerate(placements):
+            if p.is_partial():
+                placements[i] = TReplicate()
+                tensor = tensor.redistribute(tensor.device_mesh, placements)
+        value = tensor.full_tensor()
+    else:
+        value = tensor
     return same_on_every_rank(value.detach(), "full_value")
 
 

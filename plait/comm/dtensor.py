@@ -153,7 +153,19 @@ def distribute(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayo
 
 
 def layout_of(tensor: DTensor) -> TensorLayout:
-    return from_dtensor_placements(mesh_spec_of(tensor.device_mesh), tensor.placements, tensor.ndim)
+    mesh = tensor.device_mesh
+    return _layout_of(mesh.mesh_dim_names, mesh.shape, tuple(tensor.placements), tensor.ndim)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; the plan executor asks several times per op and step
+def _layout_of(
+    names: tuple[str, ...] | None,
+    shape: tuple[int, ...],
+    placements: tuple[TPlacement, ...],
+    ndim: int,
+) -> TensorLayout:
+    assert names is not None, "plait meshes always carry axis names"
+    return _from_dtensor_placements(MeshSpec(tuple(names), tuple(shape)), placements, ndim)
 
 
 def to_layout(tensor: DTensor, layout: TensorLayout) -> DTensor:

@@ -214,6 +214,11 @@ class PlanExecutor:
         )
         self._planned = {op.name: op for op in plan.ops}
         self._signature = self.captured.program.graph_signature
+        # Per-node decisions, made once: a training step only looks them up.
+        self._steps = _node_steps(self.captured, self._planned)
+        self._sources = _input_sources(self._signature)
+        self._batch_names = [g.name for g in self.captured.graph.inputs if g.kind == "input"]
+        self._interpreter: _PlanInterpreter | None = None  # built at the first call, reused
         self.mismatches: list[LayoutMismatch] = []
         """Ops whose DTensor output layout differed from the plan (first call records)."""
         self._seen_mismatch: set[tuple[str, int]] = set()
@@ -240,26 +245,24 @@ class PlanExecutor:
     def _flat_inputs(self, model: nn.Module, batch: Any) -> list[Any]:
         """The exported program's inputs, in its order: parameters, buffers, constants, batch."""
         user = batch_leaves(batch)
-        batch_names = [g.name for g in self.captured.graph.inputs if g.kind == "input"]
+        batch_names = self._batch_names
         out: list[Any] = []
         k = 0  # position among user inputs
         t = 0  # position among the batch's tensors
-        for spec in self._signature.input_specs:
-            if spec.kind == InputKind.USER_INPUT:
+        for kind, target in self._sources:
+            if kind == InputKind.USER_INPUT:
                 value = user[k]
                 k += 1
                 if isinstance(value, torch.Tensor):
                     value = self._batch_tensor(value, self.input_layouts[batch_names[t]])
                     t += 1
                 out.append(value)
-            elif spec.kind == InputKind.PARAMETER:
-                out.append(model.get_parameter(_strip(spec.target)))
-            elif spec.kind == InputKind.BUFFER:
-                out.append(self._replicated(model.get_buffer(_strip(spec.target))))
-            elif spec.kind == InputKind.CONSTANT_TENSOR:
-                out.append(self._replicated(self.captured.program.constants[spec.target]))
-            else:  # capture refuses these before a plan can exist
-                raise PlanError(f"exported input {spec.arg.name!r} of kind {spec.kind.name}")
+            elif kind == InputKind.PARAMETER:
+                out.append(model.get_parameter(target))
+            elif kind == InputKind.BUFFER:
+                out.append(self._replicated(model.get_buffer(target)))
+            else:  # a constant tensor (_input_sources refuses other kinds)
+                out.append(self._replicated(self.captured.program.constants[target]))
         return out
 
     def _replicated(self, value: torch.Tensor) -> torch.Tensor:
@@ -281,8 +284,13 @@ class PlanExecutor:
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The loss of ``batch`` (a DTensor), computed as the plan says."""
-        interpreter = _PlanInterpreter(self)
-        outputs = interpreter.run(*self._flat_inputs(model, batch), enable_io_processing=False)
+        interpreter = self._interpreter
+        if interpreter is None:
+            interpreter = self._interpreter = _PlanInterpreter(self)
+        try:
+            outputs = interpreter.run(*self._flat_inputs(model, batch), enable_io_processing=False)
+        finally:
+            interpreter.forget()  # values of this call are not kept alive until the next
         outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
         loss: Any = None
         for spec, value in zip(self._signature.output_specs, outputs, strict=True):
@@ -331,40 +339,161 @@ def _write_buffer(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
         buffer.copy_(value)
 
 
+@dataclass(frozen=True, slots=True)
+class _LocalOp:
+    """How an op run on local pieces (:func:`_run_local`) treats each tensor input."""
+
+    grad_placements: tuple[tuple[Any, ...], ...]
+    """Per tensor input: DTensor placements its local gradient is declared with."""
+    bias_like: tuple[bool, ...]
+    """Per tensor input: added after a pending sum, so it enters as one of ``share`` shares."""
+    share: int
+    """Ranks summing the output's pending sum (1 when the output is not pending)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _NodeStep:
+    """What the executor does at one node of the exported graph, decided once per executor.
+
+    A training step runs every node once: these lookups replace the per-call work of finding
+    the planned op, testing targets by name and reading schemas.
+    """
+
+    op: PlannedOp | None
+    """The planned op; None for getitem and aliases (run as they are) and non-op nodes."""
+    skipped: bool
+    """A shape or metadata assertion dropped by the capture: nothing to run on DTensors."""
+    local: _LocalOp | None
+    """Set for covered ops run on local pieces by plait's rule (``_LOCAL_BY_RULE``)."""
+    writes: bool
+    """The op updates an input in place: inputs moved to its layout are copied back."""
+    pin: bool
+    """Gradients of the outputs are pinned (not for the graph's outputs: backward starts there)."""
+    no_grad: bool
+    """Inside the model's no_grad region."""
+    autocast: tuple[Any, ...] | None
+    """The model's autocast region (device, dtype, enabled, cache), if any."""
+
+
+def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> dict[str, _NodeStep]:
+    """The decision for every call_function node, and for other nodes inside a region."""
+    graph = captured.program.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outputs = {n.name for n in output.all_input_nodes}
+    steps: dict[str, _NodeStep] = {}
+    for n in graph.nodes:
+        no_grad = n.meta.get(GRAD_ENABLED_META) is False
+        autocast = n.meta.get(AUTOCAST_META)
+        if n.op != "call_function":
+            if no_grad or autocast is not None:
+                steps[n.name] = _NodeStep(None, False, None, False, False, no_grad, autocast)
+            continue
+        name = captured.op_of_node.get(n.name)
+        op = None if name is None else planned[name]
+        by_rule = op is not None and op.covered and str(n.target) in _LOCAL_BY_RULE
+        steps[n.name] = _NodeStep(
+            op=op,
+            skipped=str(n.target) in _SKIPPED_TARGETS,
+            local=_local_op(op) if by_rule and op is not None else None,
+            writes=_writes_any(n.target),
+            pin=n.name not in outputs,
+            no_grad=no_grad,
+            autocast=autocast,
+        )
+    return steps
+
+
+def _local_op(op: PlannedOp) -> _LocalOp:
+    """Per-input decisions of :func:`_run_local` for ``op`` (see its docstring)."""
+    strategy = OpStrategy(op.inputs, op.outputs, op.label)
+    partial = op.outputs[0].partial if op.outputs else ()
+    share = math.prod(op.outputs[0].mesh.axis_size(a) for a in partial) if partial else 1
+    return _LocalOp(
+        grad_placements=tuple(
+            to_dtensor_placements(layout.with_partial(grad_reduce_axes(strategy, i)))
+            for i, layout in enumerate(op.inputs)
+        ),
+        bias_like=tuple(
+            share > 1 and not any(set(d) & set(partial) for d in layout.dims)
+            for layout in op.inputs
+        ),
+        share=share,
+    )
+
+
+def _writes_any(target: Any) -> bool:
+    """Whether the op ``target`` can update any of its inputs in place (see _write_back)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    if _UPDATES_INSIDE.get(str(target)):
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _input_sources(signature: Any) -> list[tuple[InputKind, str | None]]:
+    """Where each exported input comes from: (kind, path in the user's model or constant name;
+    None for the batch's leaves)."""
+    out: list[tuple[InputKind, str | None]] = []
+    for spec in signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            out.append((spec.kind, None))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            out.append((spec.kind, _strip(spec.target)))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            out.append((spec.kind, spec.target))
+        else:  # capture refuses these before a plan can exist
+            raise PlanError(f"exported input {spec.arg.name!r} of kind {spec.kind.name}")
+    return out
+
+
 class _PlanInterpreter(torch.fx.Interpreter):
-    """Runs one call of the exported graph; planned ops get their planned input layouts."""
+    """Runs the exported graph; planned ops get their planned input layouts.
+
+    One per executor, reused by every call: what to do at each node is looked up in the
+    executor's per-node decisions (:class:`_NodeStep`); only values live in a call.
+    """
 
     def __init__(self, executor: PlanExecutor) -> None:
         super().__init__(executor.captured.program.graph_module, garbage_collect_values=True)
         self.executor = executor
+        self.steps = executor._steps
         # (value node, layout) -> the value redistributed to that layout, for later readers
         self.moved: dict[tuple[str, TensorLayout], torch.Tensor] = {}
-        # the graph's outputs (the loss): backward starts there, nothing to pin
-        output = next(n for n in self.graph.nodes if n.op == "output")
-        self.outputs = {n.name for n in output.all_input_nodes}
+
+    def forget(self) -> None:
+        """Drop the values of the last call (its outputs stay in the fx environment)."""
+        self.env = {}
+        self.moved = {}
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        node = self._current
-        if str(target) in _SKIPPED_TARGETS:
+        step = self.steps[self._current_node.name]
+        if step.skipped:
             return None
-        op = self.executor.planned(node.name)
+        op = step.op
         if op is None:  # getitem, alias: pass through
             return super().call_function(target, args, kwargs)
         position = [0]
         given = (args, kwargs)
-        args = self._laid_out(node.args, args, op, position)
-        kwargs = {k: self._laid_out(node.kwargs[k], v, op, position) for k, v in kwargs.items()}
-        out = self._run(op, target, args, kwargs)
-        _write_back(target, given, (args, kwargs))
-        return self._checked(op, out)
+        args = self._laid_out(self._current_node.args, args, op, position)
+        kwargs = {
+            k: self._laid_out(self._current_node.kwargs[k], v, op, position)
+            for k, v in kwargs.items()
+        }
+        out = self._run(step, op, target, args, kwargs)
+        if step.writes:
+            _write_back(target, given, (args, kwargs))
+        return self._checked(step, op, out)
 
-    def _run(self, op: PlannedOp, target: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    def _run(
+        self, step: _NodeStep, op: PlannedOp, target: Any, args: Any, kwargs: dict[str, Any]
+    ) -> Any:
         if not op.covered and not any(is_dtensor(o) for o in _tensors((args, kwargs))):
             out = target(*args, **kwargs)
         elif not op.covered:
             out = self._run_replicated(target, args, kwargs)
-        elif str(target) in _LOCAL_BY_RULE:
-            out = _run_local(op, target, args, kwargs)
+        elif step.local is not None:
+            out = _run_local(op, step.local, target, args, kwargs)
         else:
             out = target(*args, **kwargs)
         return out
@@ -375,12 +504,14 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self._current_node = n
+        step = self.steps.get(n.name)
+        if step is None or (not step.no_grad and step.autocast is None):
+            return super().run_node(n)
         with contextlib.ExitStack() as regions:  # the model's no_grad / autocast blocks
-            if n.meta.get(GRAD_ENABLED_META) is False:
+            if step.no_grad:
                 regions.enter_context(torch.no_grad())
-            autocast = n.meta.get(AUTOCAST_META)
-            if autocast is not None:
-                device, dtype, enabled, cache = autocast
+            if step.autocast is not None:
+                device, dtype, enabled, cache = step.autocast
                 regions.enter_context(
                     torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache)
                 )
@@ -434,13 +565,13 @@ class _PlanInterpreter(torch.fx.Interpreter):
             out,
         )
 
-    def _checked(self, op: PlannedOp, out: Any) -> Any:
+    def _checked(self, step: _NodeStep, op: PlannedOp, out: Any) -> Any:
         """Outputs as DTensors in the planned layouts (plain ones are replicated values)."""
         if isinstance(out, tuple | list):
-            return type(out)(self._one_output(op, k, o) for k, o in enumerate(out))
-        return self._one_output(op, 0, out)
+            return type(out)(self._one_output(step, op, k, o) for k, o in enumerate(out))
+        return self._one_output(step, op, 0, out)
 
-    def _one_output(self, op: PlannedOp, k: int, value: Any) -> Any:
+    def _one_output(self, step: _NodeStep, op: PlannedOp, k: int, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or k >= len(op.outputs):
             return value
         if not is_dtensor(value):
@@ -454,7 +585,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
                     actual, planned, tuple(value.shape), value.element_size()
                 )
                 value = execute_redistribution(value, redistribution)  # type: ignore[arg-type]
-        if value.requires_grad and self._current.name not in self.outputs:
+        if step.pin and value.requires_grad:
             _pin_gradient(value, settled(layout_of(value)))  # type: ignore[arg-type]
         return value
 
@@ -498,7 +629,7 @@ def _write_back(target: Any, given: Any, used: Any) -> None:
         local_piece(original).copy_(local_piece(back))
 
 
-def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
+def _run_local(op: PlannedOp, plan: _LocalOp, target: Any, args: Any, kwargs: Any) -> Any:
     """``op`` on this rank's local pieces (inputs already in the planned layouts).
 
     Each input's local gradient is declared with the layout the rule gives it (pending over
@@ -506,10 +637,8 @@ def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
     pending-sum output, inputs that do not carry the summed dim (a bias) are added on every
     rank, so they enter divided by the number of ranks summing (the op is linear in them);
     their gradient is the whole output gradient on every rank (:class:`_ShareOfSum`).
+    ``plan`` holds these per-input decisions (:func:`_local_op`).
     """
-    strategy = OpStrategy(op.inputs, op.outputs, op.label)
-    partial = op.outputs[0].partial if op.outputs else ()
-    share = math.prod(op.outputs[0].mesh.axis_size(a) for a in partial) if partial else 1
     mesh = None
     position = [0]
 
@@ -519,12 +648,9 @@ def _run_local(op: PlannedOp, target: Any, args: Any, kwargs: Any) -> Any:
             return x
         i = position[0]
         position[0] += 1
-        layout = op.inputs[i]
-        grad = layout.with_partial(grad_reduce_axes(strategy, i))
         mesh = x.device_mesh  # type: ignore[attr-defined]
-        piece = x.to_local(grad_placements=to_dtensor_placements(grad))  # type: ignore[attr-defined]
-        bias_like = share > 1 and not any(set(d) & set(partial) for d in layout.dims)
-        return _ShareOfSum.apply(piece, share) if bias_like else piece
+        piece = x.to_local(grad_placements=plan.grad_placements[i])  # type: ignore[attr-defined]
+        return _ShareOfSum.apply(piece, plan.share) if plan.bias_like[i] else piece
 
     out = target(*_map(local, args), **_map(local, kwargs))
     assert mesh is not None, f"op {op.name} has no DTensor input"

@@ -219,6 +219,7 @@ class PlanExecutor:
         self._sources = _input_sources(self._signature)
         self._batch_names = [g.name for g in self.captured.graph.inputs if g.kind == "input"]
         self._interpreter: _PlanInterpreter | None = None  # built at the first call, reused
+        self._owners_of: tuple[nn.Module, list[tuple[Any, str]]] | None = None
         self.mismatches: list[LayoutMismatch] = []
         """Ops whose DTensor output layout differed from the plan (first call records)."""
         self._seen_mismatch: set[tuple[str, int]] = set()
@@ -246,6 +247,7 @@ class PlanExecutor:
         """The exported program's inputs, in its order: parameters, buffers, constants, batch."""
         user = batch_leaves(batch)
         batch_names = self._batch_names
+        owners = self._owners(model)
         out: list[Any] = []
         k = 0  # position among user inputs
         t = 0  # position among the batch's tensors
@@ -258,12 +260,33 @@ class PlanExecutor:
                     t += 1
                 out.append(value)
             elif kind == InputKind.PARAMETER:
-                out.append(model.get_parameter(target))
+                out.append(getattr(*owners[len(out)]))
             elif kind == InputKind.BUFFER:
-                out.append(self._replicated(model.get_buffer(target)))
+                out.append(self._replicated(getattr(*owners[len(out)])))
             else:  # a constant tensor (_input_sources refuses other kinds)
                 out.append(self._replicated(self.captured.program.constants[target]))
         return out
+
+    def _owners(self, model: nn.Module) -> list[tuple[Any, str]]:
+        """Per exported input that is a parameter or buffer: (its module, its attribute name).
+
+        Resolved once per model (``get_parameter`` walks the path at every call); the values
+        themselves are read at every call, so replaced parameters (DTensors) are the ones used.
+        """
+        if self._owners_of is not None and self._owners_of[0] is model:
+            return self._owners_of[1]
+        owners: list[tuple[Any, str]] = []
+        for kind, target in self._sources:
+            if kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                assert target is not None
+                get = model.get_parameter if kind == InputKind.PARAMETER else model.get_buffer
+                get(target)  # raises as before when the model has no such parameter or buffer
+                prefix, _, name = target.rpartition(".")
+                owners.append((model.get_submodule(prefix) if prefix else model, name))
+            else:
+                owners.append((None, ""))
+        self._owners_of = (model, owners)
+        return owners
 
     def _replicated(self, value: torch.Tensor) -> torch.Tensor:
         if is_dtensor(value):
@@ -373,6 +396,14 @@ class _NodeStep:
     """Inside the model's no_grad region."""
     autocast: tuple[Any, ...] | None
     """The model's autocast region (device, dtype, enabled, cache), if any."""
+    inputs: tuple[tuple[Any, ...], ...] = ()
+    """DTensor placements of each planned input layout: a value that has them is in place
+    (comparing placements skips decoding the value's layout)."""
+    outputs: tuple[tuple[Any, ...], ...] = ()
+    """DTensor placements of each planned output layout."""
+    settled: tuple[tuple[TensorLayout, tuple[Any, ...]], ...] = ()
+    """Per planned output: its layout with pending sums reduced (where its gradient is pinned)
+    and that layout's placements."""
 
 
 def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> dict[str, _NodeStep]:
@@ -391,6 +422,8 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
         name = captured.op_of_node.get(n.name)
         op = None if name is None else planned[name]
         by_rule = op is not None and op.covered and str(n.target) in _LOCAL_BY_RULE
+        ins = () if op is None else op.inputs
+        outs = () if op is None else op.outputs
         steps[n.name] = _NodeStep(
             op=op,
             skipped=str(n.target) in _SKIPPED_TARGETS,
@@ -399,6 +432,11 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
             pin=n.name not in outputs,
             no_grad=no_grad,
             autocast=autocast,
+            inputs=tuple(to_dtensor_placements(layout) for layout in ins),
+            outputs=tuple(to_dtensor_placements(layout) for layout in outs),
+            settled=tuple(
+                (settled(layout), to_dtensor_placements(settled(layout))) for layout in outs
+            ),
         )
     return steps
 
@@ -475,9 +513,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
             return super().call_function(target, args, kwargs)
         position = [0]
         given = (args, kwargs)
-        args = self._laid_out(self._current_node.args, args, op, position)
+        args = self._laid_out(self._current_node.args, args, step, position)
         kwargs = {
-            k: self._laid_out(self._current_node.kwargs[k], v, op, position)
+            k: self._laid_out(self._current_node.kwargs[k], v, step, position)
             for k, v in kwargs.items()
         }
         out = self._run(step, op, target, args, kwargs)
@@ -517,22 +555,28 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 )
             return super().run_node(n)
 
-    def _laid_out(self, fx_arg: Any, value: Any, op: PlannedOp, position: list[int]) -> Any:
+    def _laid_out(self, fx_arg: Any, value: Any, step: _NodeStep, position: list[int]) -> Any:
         """``value`` with each tensor input moved to the op's planned layout (in ref order)."""
         if isinstance(fx_arg, torch.fx.Node):
             if not isinstance(value, torch.Tensor):
                 return value  # a non-tensor batch leaf: a constant of the graph
             i = position[0]
             position[0] += 1
-            return self._to_layout(fx_arg.name, value, op.inputs[i])
+            return self._to_layout(fx_arg.name, value, step.op.inputs[i], step.inputs[i])  # type: ignore[union-attr]
         if isinstance(fx_arg, tuple | list):
-            items = [self._laid_out(a, v, op, position) for a, v in zip(fx_arg, value, strict=True)]
+            items = [
+                self._laid_out(a, v, step, position) for a, v in zip(fx_arg, value, strict=True)
+            ]
             return type(value)(items) if isinstance(value, tuple | list) else items
         return value
 
-    def _to_layout(self, name: str, value: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    def _to_layout(
+        self, name: str, value: torch.Tensor, layout: TensorLayout, placements: tuple[Any, ...]
+    ) -> torch.Tensor:
         if not is_dtensor(value):
             value = self.executor._replicated(value)
+        if value.placements == placements:  # type: ignore[attr-defined]
+            return value  # already laid out as planned (the usual case)
         have = layout_of(value)  # type: ignore[arg-type]
         if have == layout:
             return value
@@ -576,17 +620,22 @@ class _PlanInterpreter(torch.fx.Interpreter):
             return value
         if not is_dtensor(value):
             value = self.executor._replicated(value)
-        actual = layout_of(value)  # type: ignore[arg-type]
-        planned = op.outputs[k]
-        if actual != planned:
-            self.executor.note_mismatch(op, k, actual)
-            if not set(planned.partial) - set(actual.partial):
-                redistribution = plan_redistribution(
-                    actual, planned, tuple(value.shape), value.element_size()
-                )
-                value = execute_redistribution(value, redistribution)  # type: ignore[arg-type]
+        if value.placements == step.outputs[k]:  # type: ignore[attr-defined]
+            pinned, pinned_placements = step.settled[k]  # laid out as planned
+        else:
+            actual = layout_of(value)  # type: ignore[arg-type]
+            planned = op.outputs[k]
+            if actual != planned:
+                self.executor.note_mismatch(op, k, actual)
+                if not set(planned.partial) - set(actual.partial):
+                    redistribution = plan_redistribution(
+                        actual, planned, tuple(value.shape), value.element_size()
+                    )
+                    value = execute_redistribution(value, redistribution)  # type: ignore[arg-type]
+            pinned = settled(layout_of(value))  # type: ignore[arg-type]
+            pinned_placements = to_dtensor_placements(pinned)
         if step.pin and value.requires_grad:
-            _pin_gradient(value, settled(layout_of(value)))  # type: ignore[arg-type]
+            _pin_gradient(value, pinned, pinned_placements)
         return value
 
 
@@ -676,7 +725,7 @@ class _ShareOfSum(torch.autograd.Function):
         return grad, None
 
 
-def _pin_gradient(value: torch.Tensor, layout: TensorLayout) -> None:
+def _pin_gradient(value: torch.Tensor, layout: TensorLayout, placements: tuple[Any, ...]) -> None:
     """The gradient of ``value``, once summed over its readers, is brought to ``layout``.
 
     The plan prices every value's gradient as arriving in its producer's layout with pending
@@ -687,10 +736,13 @@ def _pin_gradient(value: torch.Tensor, layout: TensorLayout) -> None:
     The gradient's local piece is made contiguous where it is not: DTensor decides whether a
     view's backward can stay a view from the global strides, and a transposed local piece
     (the backward of a transpose of a split tensor) can fail that view on one rank.
+
+    ``placements`` are ``layout``'s: a gradient that has them is left as it is.
     """
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = redistribute_to(grad, layout)
+        if getattr(grad, "placements", None) != placements:
+            grad = redistribute_to(grad, layout)  # type: ignore[arg-type]
         return with_contiguous_local(grad) if is_dtensor(grad) else grad  # type: ignore[arg-type]
 
     value.register_hook(hook)

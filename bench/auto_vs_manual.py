@@ -21,7 +21,9 @@ Every row shows the plan's predicted step time (compute + communication, on hard
 ``local``): for the auto rows the plan each job ran, for the others ``plait.plan`` with the same
 config (``mode="stand_alone"`` for the baseline); then the measured median step time of rank 0
 (after warm-up, each step starting after a barrier), measured / predicted, and the speed
-relative to data_parallel (its median divided by the row's). The script fails if any variant's
+relative to data_parallel (its median divided by the row's). "CPU" is the median process CPU
+time of rank 0 per step (``time.process_time``: all its threads, gloo's included), which other
+programs on a busy machine inflate less than wall time. The script fails if any variant's
 losses differ from the single-process run's by more than 1e-3.
 
 The ``local`` hardware profile is the one at plait's default path (``$PLAIT_HOME/local.json``
@@ -203,13 +205,15 @@ def bench_worker(
             "plan": _plan_info(job),
             "losses": [],
             "times": [],
+            "cpu": [],
         }
     for i in range(total):
         for name, (job, local) in runs.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = job.step(local[i])
             results[name]["times"].append(time.perf_counter() - t0)
+            results[name]["cpu"].append(time.process_time() - c0)
             results[name]["losses"].append(loss)
     for name, (job, _) in runs.items():  # the executor records mismatches while it runs
         results[name]["plan"] = _plan_info(job)
@@ -242,23 +246,26 @@ def prepare_profile(hardware_file: str | None, home: Path) -> HardwareProfile:
     return profile
 
 
-def baseline_run(shape: Shape, total: int, threads: int) -> tuple[list[float], list[float]]:
-    """Plain PyTorch on one process: step times and losses over the global batches."""
+def baseline_run(
+    shape: Shape, total: int, threads: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Plain PyTorch on one process: step times, CPU times and losses over the global batches."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = initial_model(shape)
         opt = adamw(model.parameters())
-        times, losses = [], []
+        times, cpu, losses = [], [], []
         for batch in global_batches(shape, total):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad(set_to_none=True)
             loss = gpt_loss(model, batch)
             loss.backward()
             opt.step()
             losses.append(loss.item())
             times.append(time.perf_counter() - t0)
-        return times, losses
+            cpu.append(time.process_time() - c0)
+        return times, cpu, losses
     finally:
         torch.set_num_threads(previous)
 
@@ -304,8 +311,8 @@ def _mesh_text(mesh: dict[str, int]) -> str:
 def table(rows: list[dict[str, Any]], dp_median: float) -> str:
     lines = [
         "| variant | mesh | predicted ms (compute + comm) | measured median ms | p90 ms "
-        "| measured / predicted | speed vs data_parallel |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| CPU median ms | measured / predicted | speed vs data_parallel |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         pred, times = row["prediction"], row["times"]
@@ -314,6 +321,7 @@ def table(rows: list[dict[str, Any]], dp_median: float) -> str:
             f"| {row['name']} | {_mesh_text(pred['mesh'])} | {pred['step_s'] * 1e3:.1f} "
             f"({pred['compute_s'] * 1e3:.1f} + {pred['communication_s'] * 1e3:.1f}) "
             f"| {median * 1e3:.1f} | {percentile(times, 0.9) * 1e3:.1f} "
+            f"| {statistics.median(row['cpu']) * 1e3:.1f} "
             f"| {median / pred['step_s']:.1f} | {dp_median / median:.2f}x |"
         )
     return "\n".join(lines)
@@ -374,7 +382,7 @@ def main() -> None:
             f"{args.steps} timed steps per variant; {os.cpu_count()} CPUs, load average "
             f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}"
         )
-        base_times, base_losses = baseline_run(shape, total, args.baseline_threads)
+        base_times, base_cpu, base_losses = baseline_run(shape, total, args.baseline_threads)
         chosen = [v for v in all_variants if v.name in names]
         predictions = {v.name: predicted(shape, v) for v in chosen}
         base_prediction = predicted(shape, None)
@@ -387,6 +395,7 @@ def main() -> None:
             "name": f"plain PyTorch, 1 process ({args.baseline_threads} threads)",
             "prediction": base_prediction,
             "times": base_times[args.warmup :],
+            "cpu": base_cpu[args.warmup :],
         }
     ]
     worst = 0.0
@@ -406,7 +415,14 @@ def main() -> None:
         name = v.name
         if v.planned and v.config.mesh is None:
             name += f": chose {_mesh_text(prediction['mesh'])}"
-        rows.append({"name": name, "prediction": prediction, "times": r["times"][args.warmup :]})
+        rows.append(
+            {
+                "name": name,
+                "prediction": prediction,
+                "times": r["times"][args.warmup :],
+                "cpu": r["cpu"][args.warmup :],
+            }
+        )
         diff = max(abs(a - b) for a, b in zip(r["losses"], base_losses, strict=True))
         worst = max(worst, diff)
         extra = "" if ran is None else f", executor layout mismatches {ran['mismatches']}"

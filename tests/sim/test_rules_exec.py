@@ -257,8 +257,6 @@ DTENSOR_GAPS = frozenset(
         "sdpa_causal [None, tp, None, None] [None, tp, None, None] [None, tp, None, None]",
         "triu [tp, None, None]",
         "embedding [(dp, tp), None] [None, None]",
-        "embedding [dp, None] [tp, None]",
-        "embedding [dp, None] [None, tp]",
     }
 )
 # DTensor's math fallback for sdpa (GQA, explicit masks) takes minutes per strategy under

@@ -81,7 +81,9 @@ def main() -> None:
     rows += [("transformer", n, d) for n in (1, 12, 96) for d in DEVICES]
     if args.quick:
         rows = [r for r in rows if r[1] <= 2 and r[2] <= 64]
-    print(f"torch {torch.__version__}; profile a100-80g; cell: search time / objective (ratio to best)")
+    print(
+        f"torch {torch.__version__}; profile a100-80g; cell: search time / objective (ratio to best)"
+    )
     header = ["model", "devices", "mesh", "ops", *SEARCHERS]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

@@ -192,7 +192,7 @@ class Job:
         if self.plain is not None:
             loss = self._plain_loss(batch, self.plain, training=False)
             return self.plain.mean_of(self.plain.start_loss_sum(loss))
-        with greedy_redistribution_planning():
+        with greedy_redistribution_planning(), torch.no_grad():
             return float(full_value(self._loss(batch)).item())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -20,6 +20,13 @@ the next op needs it. Parameter gradients left pending over an axis (the plan's
 ``grad_reduce_axes``) are reduced by the Job: over the data-parallel axis in fused buckets
 (:class:`~plait.runtime.grad_sync.GradSync`), over other axes one by one (``sync_grad``).
 
+Evaluation (``model.eval()``, as ``Job.evaluate`` sets it) runs the model's evaluation-mode
+program: the model is exported a second time in eval mode, so dropout is off, batch norm reads
+its running statistics and updates no buffer, and any ``if self.training`` branch of the
+user's code is taken as on one device. Its ops keep the plan's strategies where the op is the
+same (name, target, arguments) or the plan's strategy is valid for it too; any other op runs
+replicated (:func:`evaluation_plan`).
+
 :func:`build_plan_job` builds the :class:`~plait.runtime.job.Job` for a plan, the way
 ``parallelize`` builds a semi_auto job, with the executor as the job's loss function.
 """
@@ -27,6 +34,7 @@ the next op needs it. Parameter gradients left pending over an axis (the plan's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable
@@ -63,18 +71,26 @@ from plait.comm.redistribute import (
 )
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
-from plait.errors import ConfigError, PlanError, ShardingError
-from plait.graph import OpGraph
+from plait.errors import CaptureError, ConfigError, PlanError, ShardingError
+from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.layout.redistribute import plan_redistribution
+from plait.mesh import MeshSpec
 from plait.plan import Plan, PlannedOp
-from plait.rules.registry import OpStrategy, grad_reduce_axes
+from plait.rules.catalogue import default_catalogue
+from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strategy
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
 from plait.search.constraints import batch_layouts
 
-__all__ = ["LayoutMismatch", "PlanExecutor", "build_plan_job", "check_plan_fits"]
+__all__ = [
+    "LayoutMismatch",
+    "PlanExecutor",
+    "build_plan_job",
+    "check_plan_fits",
+    "evaluation_plan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +205,10 @@ class PlanExecutor:
         dp_axis, dataset_strategy: how the batch is laid out (ParallelConfig's fields).
         strict: raise ShardingError when DTensor's output layout differs from the plan's,
             instead of redistributing to the planned layout and recording the difference.
+        captured: the model's :func:`~plait.capture.capture_program` in its current mode,
+            when the caller has it (otherwise the model is exported here).
+        evaluation: also export the model in eval mode, run when ``model.training`` is False
+            (see the module docstring); False for that evaluation executor itself.
     """
 
     def __init__(
@@ -203,10 +223,13 @@ class PlanExecutor:
         dataset_strategy: object = "data_parallel",
         strict: bool = False,
         captured: ExecutableCapture | None = None,
+        evaluation: bool = True,
     ) -> None:
         self.plan = plan
         self.device_mesh = device_mesh
         self.strict = strict
+        self._dp_axis = dp_axis
+        self._dataset_strategy = dataset_strategy
         self.captured = captured or capture_program(model, example_batch, loss_fn)
         check_plan_fits(plan, self.captured.graph)
         self.input_layouts = batch_layouts(
@@ -223,6 +246,44 @@ class PlanExecutor:
         self.mismatches: list[LayoutMismatch] = []
         """Ops whose DTensor output layout differed from the plan (first call records)."""
         self._seen_mismatch: set[tuple[str, int]] = set()
+        self._evaluation: PlanExecutor | CaptureError | None = None
+        if evaluation:
+            self._evaluation = self._evaluation_executor(model, example_batch, loss_fn)
+
+    def _evaluation_executor(
+        self, model: nn.Module, example_batch: Any, loss_fn: LossFn | None
+    ) -> PlanExecutor | CaptureError | None:
+        """The executor of the model's eval-mode program; None when it is the training one.
+
+        Exported now, while the parameters are still the user's tensors (export cannot trace
+        DTensor parameters). A model that does not export in eval mode keeps the error, raised
+        by the first evaluation, so training is not refused for it.
+        """
+        training = model.training
+        try:
+            model.eval()
+            captured = capture_program(model, example_batch, loss_fn)
+        except CaptureError as e:
+            return e
+        finally:
+            model.train(training)
+        if captured.program.graph_module.code == self.captured.program.graph_module.code:
+            return None  # no mode-dependent op: evaluation runs the training program
+        executor = PlanExecutor(
+            model,
+            evaluation_plan(self.plan, captured.graph, self.captured.graph),
+            example_batch,
+            loss_fn,
+            self.device_mesh,
+            dp_axis=self._dp_axis,
+            dataset_strategy=self._dataset_strategy,
+            strict=self.strict,
+            captured=captured,
+            evaluation=False,
+        )
+        executor.mismatches = self.mismatches  # one record of layout differences
+        executor._seen_mismatch = self._seen_mismatch
+        return executor
 
     # ------------------------------------------------------------------ inputs
 
@@ -306,7 +367,17 @@ class PlanExecutor:
     # ------------------------------------------------------------------ running
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The loss of ``batch`` (a DTensor), computed as the plan says."""
+        """The loss of ``batch`` (a DTensor), computed as the plan says; with the model in eval
+        mode, by its evaluation-mode program."""
+        if not model.training and self._evaluation is not None:
+            if isinstance(self._evaluation, CaptureError):
+                raise CaptureError(
+                    f"evaluating {type(model).__name__}: its eval-mode program could not be "
+                    f"exported ({self._evaluation}); evaluate with the model in training mode "
+                    "(job.model.train() and a loss under torch.no_grad()), or make its eval "
+                    "branch exportable"
+                ) from self._evaluation
+            return self._evaluation(model, batch)
         interpreter = self._interpreter
         if interpreter is None:
             interpreter = self._interpreter = _PlanInterpreter(self)
@@ -340,6 +411,55 @@ class PlanExecutor:
             self._seen_mismatch.add((op.name, k))
             self.mismatches.append(LayoutMismatch(op.name, k, planned, actual))
             logger.warning("plan executor: %s", self.mismatches[-1].describe())
+
+
+def evaluation_plan(plan: Plan, graph: OpGraph, training: OpGraph) -> Plan:
+    """``plan`` (made for ``training``, the model's training-mode graph) for ``graph``, its
+    evaluation-mode graph (same parameters).
+
+    An op keeps its planned strategy when the training program has it with the same target,
+    arguments and shapes, or when that strategy is also one of the catalogue's strategies for
+    the evaluation op (batch norm with running statistics accepts training's channel split);
+    any other op runs replicated, as an op without a rule does. Collectives are not listed
+    (they are the training step's).
+    """
+    planned = {op.name: op for op in plan.ops}
+    trained = {op.name: op for op in training.ops}
+    ops = tuple(
+        _evaluation_op(op, planned.get(op.name), trained.get(op.name), plan.mesh)
+        for op in graph.ops
+    )
+    return dataclasses.replace(plan, ops=ops, collectives=(), stages=(), options=())
+
+
+def _evaluation_op(
+    op: OpNode, found: PlannedOp | None, trained: OpNode | None, mesh: MeshSpec
+) -> PlannedOp:
+    if found is not None and trained is not None and trained.target == op.target:
+        same = (trained.args, trained.kwargs, trained.input_metas, trained.outputs) == (
+            op.args,
+            op.kwargs,
+            op.input_metas,
+            op.outputs,
+        )
+        if same:
+            return found
+        valid = {(s.inputs, s.outputs) for s in default_catalogue().strategies(op, mesh)}
+        if (found.inputs, found.outputs) in valid:
+            return found
+    whole = replicated_strategy(op, mesh)
+    return PlannedOp(
+        name=op.name,
+        target=op.target,
+        module_path=op.module_path,
+        strategy=whole.cuts(),
+        inputs=whole.inputs,
+        outputs=whole.outputs,
+        label="replicate",
+        covered=False,
+        reason="evaluation mode only: run whole on every device",
+        layer=op.layer,
+    )
 
 
 def _strip(target: str | None) -> str:

@@ -8,6 +8,7 @@ is re-raised here with the rank and its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -53,11 +54,18 @@ def _worker(
         result = ("ok", fn(*args))
     except BaseException:  # report every failure to the parent, then exit non-zero
         result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # The result is on disk before teardown, so a crash there cannot hide what the rank did.
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if dist.is_initialized():
+        if result[0] == "ok":
+            # Tear down together: a rank that closes its gloo pairs while a peer still reads
+            # from them can abort that peer's process ("terminate called without an active
+            # exception"). Best effort: a peer that failed may never come (its error is in
+            # its result file, which the parent reports).
+            with contextlib.suppress(Exception):
+                dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_workers(

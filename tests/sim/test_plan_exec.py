@@ -249,3 +249,53 @@ def test_execute_redistribution_runs_the_planned_steps_and_returns_gradients(src
         (y * y).sum().backward()
         assert layout_of(x.grad) == source  # the gradient comes back in the source's layout
         assert torch.equal(full_value(x.grad), 2 * full)
+
+
+class _DropNorm(torch.nn.Module):
+    """Dropout and batch norm: ops that behave differently in evaluation; and an op only
+    evaluation runs (the user's own ``if not self.training`` branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.drop = torch.nn.Dropout(0.5)
+        self.norm = torch.nn.BatchNorm1d(32)
+        self.fc2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.drop(torch.relu(self.fc1(x))))
+        if not self.training:
+            h = h.clamp(-0.5, 0.5)
+        return self.fc2(h)
+
+
+def _mse(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def test_evaluate_runs_the_plan_in_evaluation_mode_and_changes_no_state():
+    """job.evaluate on a plan job: no dropout, batch norm on its running statistics, the
+    eval-only clamp run (replicated, as an op the plan does not have), and no buffer updated
+    (running statistics, batch count), as model.eval() on one device."""
+    torch.manual_seed(0)
+    model = _DropNorm()
+    batch = (torch.randn(8, 16), torch.randn(8, 8))
+    cfg = ParallelConfig(mode="auto", mesh=DP_TP)
+    with torch.no_grad():  # running statistics that differ from the batch's
+        model.norm.running_mean.uniform_(-1, 1)
+        model.norm.running_var.uniform_(0.5, 2)
+    expected = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = _mse(expected, batch).item()
+    plan = plait.plan(model, batch, cfg, loss_fn=_mse)
+    with plait.testing.simulate(4):
+        job = build_plan_job(copy.deepcopy(model), plan, cfg, _mse, sgd, batch)
+        before = job.full_state_dict()
+        got = [job.evaluate(batch) for _ in range(2)]
+        after = job.full_state_dict()
+    assert got == pytest.approx([want, want], rel=1e-5)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    evaluation = job.loss_fn._evaluation
+    assert {op.name for op in evaluation.plan.ops if not op.covered} == {"clamp"}
+    assert not {op.name for op in plan.ops} - {op.name for op in evaluation.plan.ops} - {"add_"}

@@ -26,6 +26,7 @@ from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
+from plait.plan import Plan
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory, split_micro_batches
@@ -96,7 +97,7 @@ def _job_mesh(cfg: ParallelConfig, world_size: int) -> MeshSpec:
 
 def parallelize(
     model: nn.Module,
-    config: ParallelConfig,
+    config: ParallelConfig | Plan,
     *,
     optimizer: OptimizerFactory,
     loss_fn: LossFn,
@@ -106,7 +107,10 @@ def parallelize(
 
     Args:
         model: the full model, built identically (same seed) on every rank.
-        config: the parallel configuration.
+        config: the parallel configuration, or a :class:`~plait.plan.Plan` to run as it is
+            (from ``plait.plan`` or ``Plan.load``; its mesh, precision and gradient
+            accumulation are the job's; ``ParallelConfig(plan="file.json")`` is the same for a
+            saved file).
         optimizer: called with the (now distributed) parameters, returns the optimizer.
         loss_fn: ``loss_fn(model, batch)`` returns the scalar loss of a batch.
         example_batch: a global batch (real, fake or meta tensors; only shapes are read), needed
@@ -117,9 +121,13 @@ def parallelize(
         ConfigError: the mesh does not match the world.
         ShardingError, LayoutError: an annotation does not fit the model or the mesh.
     """
+    plan: Plan | None = None
+    if isinstance(config, Plan):
+        plan, config = config, _config_of(config)
     if not isinstance(config, ParallelConfig):
         raise ConfigError(
-            f"parallelize expects a plait.ParallelConfig, got {type(config).__name__}"
+            f"parallelize expects a plait.ParallelConfig or a plait.Plan, got "
+            f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
     _refuse_unbuilt(config)
     world = current_world()
@@ -140,8 +148,10 @@ def parallelize(
             "(under `plait run` or torchrun), or use plait.testing.simulate(world_size=N) to run "
             "N ranks in this process"
         )
-    if config.mode == "auto" or config.plan is not None:
-        return _planned_job(model, config, optimizer, loss_fn, example_batch, world.world_size)
+    if config.mode == "auto" or config.plan is not None or plan is not None:
+        return _planned_job(
+            model, config, optimizer, loss_fn, example_batch, world.world_size, plan
+        )
     mesh = _job_mesh(config, world.world_size)
     if config.mode == "data_parallel":
         _refuse_annotations(model)
@@ -176,25 +186,32 @@ def _planned_job(
     loss_fn: LossFn,
     example_batch: Any,
     world_size: int,
+    plan: Plan | None = None,
 ) -> Job:
-    """Mode auto (plan now, on the example batch) or a saved plan file, run op by op."""
+    """Mode auto (plan now, on the example batch), a saved plan file or a given plan, run op
+    by op."""
     from plait.capture import capture_program
-    from plait.plan import Plan
     from plait.planner import plan_graph
     from plait.runtime.plan_exec import build_plan_job
 
+    if plan is not None:
+        where = "the given plan"
+    elif config.plan is not None:
+        where = f"plan file {os.fspath(config.plan)!r}"
+    else:
+        where = "mode 'auto'"
     if example_batch is None:
-        what = "mode 'auto'" if config.plan is None else f"plan={config.plan!r}"
         raise ConfigError(
-            f"parallelize with {what} needs example_batch=: a global batch (shapes only; meta "
+            f"parallelize with {where} needs example_batch=: a global batch (shapes only; meta "
             "tensors are fine) to plan and trace the model on"
         )
     # With gradient accumulation each micro-step runs the graph on 1/k of the batch: the plan
     # is made for (and the model traced on) one micro-step's batch.
     micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
-    plan = Plan.load(config.plan) if config.plan is not None else None
+    if plan is None and config.plan is not None:
+        plan = Plan.load(config.plan)
     if plan is not None:
-        _check_plan_batch(plan, config, micro)
+        _check_plan_batch(plan, config, micro, where)
     captured = capture_program(model, micro, loss_fn)
     if plan is None:
         if config.mesh is None and config.devices is None:
@@ -204,9 +221,18 @@ def _planned_job(
     return build_plan_job(model, plan, config, loss_fn, optimizer, micro, captured=captured)
 
 
-def _check_plan_batch(plan: Any, config: ParallelConfig, micro: Any) -> None:
+def _config_of(plan: Plan) -> ParallelConfig:
+    """The job settings a plan fixes: its mesh, precision and gradient accumulation."""
+    return ParallelConfig(
+        mode="auto",
+        mesh=plan.mesh.as_dict(),
+        precision=plan.precision,  # type: ignore[arg-type]
+        grad_accumulation=plan.grad_accumulation,
+    )
+
+
+def _check_plan_batch(plan: Plan, config: ParallelConfig, micro: Any, where: str) -> None:
     """A saved plan runs with the gradient accumulation and batch shapes it was made for."""
-    where = f"plan file {os.fspath(config.plan)!r}"  # type: ignore[arg-type]
     if plan.grad_accumulation != config.grad_accumulation:
         raise PlanError(
             f"{where} was made for grad_accumulation={plan.grad_accumulation} but the config "

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
 from plait.config import ParallelConfig
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlanError
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
 from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
@@ -76,6 +78,49 @@ def test_saved_plan_file_replays(tmp_path) -> None:
         model, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, plan=str(path)), batches
     )
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+
+
+def test_plan_object_runs_through_parallelize() -> None:
+    """``parallelize(model, plan)``: a Plan value runs as it is (mesh and settings its own)."""
+    torch.manual_seed(0)
+    model = annotate_megatron(TinyGPT(GPT), 2)
+    batches = _batches(2)
+    plan = plait.plan(
+        model, batches[0], ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+    )
+    expected = reference_run(model, gpt_loss, sgd, batches)
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            copy.deepcopy(model), plan, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        assert job.loss_fn.plan is plan
+        actual = parallel_steps(job, batches)
+    assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+
+
+def test_plan_object_that_does_not_fit_is_refused_before_any_collective() -> None:
+    """A plan for another world size, or for another model, is refused by name up front."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    batches = _batches(1)
+    plan = plait.plan(
+        model, batches[0], ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+    )
+    other = TinyGPT(dataclasses.replace(GPT, width=32))
+    kwargs = {"optimizer": sgd, "loss_fn": gpt_loss, "example_batch": batches[0]}
+    two = plait.testing.simulate(world_size=2)
+    with two, CommDebugMode() as comm, pytest.raises(PlanError, match=r"4 devices.*2"):
+        plait.parallelize(model, plan, **kwargs)
+    assert comm.get_total_counts() == 0
+    four = plait.testing.simulate(world_size=4)
+    with four, CommDebugMode() as comm, pytest.raises(PlanError, match="shape"):
+        plait.parallelize(other, plan, **kwargs)
+    assert comm.get_total_counts() == 0
+
+
+def test_parallelize_names_what_it_was_given() -> None:
+    with plait.testing.simulate(world_size=2), pytest.raises(ConfigError, match="got dict"):
+        plait.parallelize(TinyGPT(GPT), {"mode": "auto"}, optimizer=sgd, loss_fn=gpt_loss)  # type: ignore[arg-type]
 
 
 def test_auto_mode_needs_an_example_batch() -> None:

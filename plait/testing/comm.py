@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Collective", "CollectiveLog"]
+__all__ = ["Collective", "CollectiveLog", "collective_kind"]
 
 _KINDS = {
     "all_reduce": "all_reduce",
@@ -27,6 +27,13 @@ _KINDS = {
     "all_to_all_single": "all_to_all",
     "broadcast": "broadcast",
 }
+
+
+def collective_kind(op: object) -> str | None:
+    """The kind ("all_reduce", "all_gather", ...) of a functional collective op or its name,
+    as CommDebugMode's ``get_comm_counts()`` keys them; None for anything else."""
+    name = getattr(op, "_opname", None) or getattr(op, "__name__", None) or str(op)
+    return _KINDS.get(name.rpartition(".")[2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ plans split most ops over tp, and each searcher reaches them its own way.
 
 For each case: 5 AdamW steps equal single-device training (losses and final parameters, fp32,
 rtol 1e-4); the collectives executed in step 2 (kind, mesh axis, bytes, count, from plait's
-collective log) equal the plan's list exactly, under the default gradient fusion; CommDebugMode
-counts the same number; DTensor's output layouts agree with the plan at every op.
+collective log) equal the plan's list exactly, under the default gradient fusion;
+CommDebugMode's counts per kind equal the plan's; DTensor's output layouts agree with the plan at every op.
 
 Searchers often agree: a plan whose executable content (mesh, every op's layouts, parameter
 layouts and reductions) equals one already run is not run again; its own collective list is
@@ -44,7 +44,15 @@ from plait.runtime.plan_exec import PlanExecutor
 from plait.testing.equivalence import Run, assert_same_run, reference_run
 from plait.testing.models import GPTConfig, TinyGPT, gpt_loss
 from plait.zoo import ModelSpec, build
-from tests.sim.test_plan_exec import adamw, gpt_batches, hf_loss, planned_collectives, run_plan, sgd
+from tests.sim.test_plan_exec import (
+    adamw,
+    by_kind,
+    gpt_batches,
+    hf_loss,
+    planned_collectives,
+    run_plan,
+    sgd,
+)
 
 SEARCHERS = ("sharding_propagation", "recursive_programming", "dynamic_programming", "ilp")
 MODELS = ("gpt", "llama", "bert", "cnn", "hf_gpt2", "hf_llama")
@@ -62,7 +70,7 @@ class Case:
     expected: Run
 
 
-Outcome = tuple[Run, Counter[tuple[str, str, int]], int, PlanExecutor]
+Outcome = tuple[Run, Counter[tuple[str, str, int]], Counter[str], PlanExecutor]
 
 
 # --------------------------------------------------------------------------- models
@@ -217,7 +225,7 @@ def test_auto_plan_runs_and_matches_one_device(
             case.batches,
             world,
         )
-    run, executed, debug_total, executor = outcomes[key]
+    run, executed, debug, executor = outcomes[key]
 
     assert_same_run(case.expected, run, rtol=1e-4, atol=1e-5)
     assert executor.mismatches == [], [m.describe() for m in executor.mismatches]
@@ -225,7 +233,7 @@ def test_auto_plan_runs_and_matches_one_device(
     assert executed == planned, (
         f"executed, not planned: {executed - planned}; planned, not executed: {planned - executed}"
     )
-    assert debug_total == executed.total()
+    assert debug == by_kind(executed)
 
 
 # --------------------------------------------------------------------------- no rule
@@ -269,13 +277,11 @@ def test_op_without_a_rule_runs_replicated_and_the_plan_says_so(
     assert _split_over(plan, "tp") > 0  # the ops around it split: it is moved to and from whole
 
     expected = reference_run(model, _mse, adamw, batches)
-    run, executed, debug_total, executor = run_plan(
-        model, captured, plan, cfg, _mse, adamw, batches, 4
-    )
+    run, executed, debug, executor = run_plan(model, captured, plan, cfg, _mse, adamw, batches, 4)
     assert_same_run(expected, run, rtol=1e-4, atol=1e-5)
     assert executor.mismatches == []
     assert executed == planned_collectives(plan)
-    assert debug_total == executed.total()
+    assert debug == by_kind(executed)
 
 
 @pytest.mark.parametrize("loss", ["mse", "smooth_l1"])

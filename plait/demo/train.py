@@ -46,10 +46,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; defaults are the ``make demo`` run (about a minute on 4 CPU workers)."""
     p = argparse.ArgumentParser(prog="plait GPT example", description=__doc__.split("\n", 1)[0])
-    p.add_argument("--mode", choices=MODES, default="semi_auto", help="parallel mode")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="parallel mode (default semi_auto; auto with --plan)")  # fmt: skip
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (semi_auto)")
     p.add_argument("--search", choices=SEARCHERS, default="dynamic_programming",
                    help="strategy searcher (auto: plait plans the mesh and every op)")  # fmt: skip
+    p.add_argument("--plan", type=Path, metavar="PATH",
+                   help="run a saved plan file (from --save-plan or `plait plan`) as it is; "
+                        "its mesh, precision and gradient accumulation are the run's")  # fmt: skip
+    p.add_argument("--save-plan", type=Path, metavar="PATH",
+                   help="mode auto: write the plan the run uses to PATH (rank 0)")  # fmt: skip
     p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                    help="micro-batches per step, one gradient reduction")  # fmt: skip
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
@@ -66,12 +72,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
+    args.mode = args.mode or ("auto" if args.plan is not None else "semi_auto")
     for name in ("tp", "grad_accumulation", "steps", "batch", "seq", "width", "layers", "heads",
                  "eval_every", "eval_batches"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.width % args.heads:
         p.error(f"--width {args.width} is not divisible by --heads {args.heads}")
+    if args.plan is not None and args.mode != "auto":
+        p.error(f"--plan runs a saved plan, which is mode auto; drop --mode {args.mode}")
+    if args.save_plan is not None and (args.mode != "auto" or args.plan is not None):
+        p.error("--save-plan saves the plan mode auto makes: use it with --mode auto, no --plan")
     return args
 
 
@@ -134,8 +145,8 @@ def sample_batch(data: torch.Tensor, seq: int, batch: int, gen: torch.Generator)
 
 def dp_place(job: plait.Job) -> tuple[int, int]:
     """This rank's data-parallel (index, size); (0, 1) without a mesh."""
-    if job.device_mesh is None or job.mesh is None:
-        return 0, 1
+    if job.device_mesh is None or job.mesh is None or "dp" not in job.mesh.axis_names:
+        return 0, 1  # no data-parallel axis: every rank reads the whole batch
     axis = job.mesh.axis_index("dp")
     return int(job.device_mesh.get_coordinate()[axis]), job.mesh.axis_size("dp")
 
@@ -251,7 +262,7 @@ class Summary:
         ])  # fmt: skip
 
 
-def build_job(args: argparse.Namespace, vocab: int, world_size: int) -> plait.Job:
+def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int = 0) -> plait.Job:
     """Build the model (seeded: the same on every rank), annotate it and parallelize it."""
     mesh = mesh_for(args, world_size)
     torch.manual_seed(args.seed)
@@ -261,21 +272,29 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int) -> plait.Jo
     if args.mode == "semi_auto":
         annotate_megatron(model, args.tp)
     auto = args.mode == "auto"
-    config = plait.ParallelConfig(
+    config: plait.ParallelConfig | plait.Plan = plait.ParallelConfig(
         mode=args.mode,
         mesh=mesh,
         grad_accumulation=args.grad_accumulation,
         search=args.search if auto else None,
     )
+    if args.plan is not None:
+        config = plait.Plan.load(args.plan)
+        args.grad_accumulation = config.grad_accumulation  # the plan's, for check_batch
     # mode auto plans on the shapes of one global batch (meta tensors: no memory)
     example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
-    return plait.parallelize(
+    job = plait.parallelize(
         model,
         config,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
         loss_fn=gpt_loss,
         example_batch=(example, example) if auto else None,
     )
+    plan = getattr(job.loss_fn, "plan", None)
+    if args.save_plan is not None and plan is not None and rank == 0:
+        plan.save(args.save_plan)
+        logger.info("plan saved to %s", args.save_plan)
+    return job
 
 
 def evaluate(job: plait.Job, batches: list[Batch], index: int, size: int) -> float:
@@ -294,7 +313,7 @@ def train(args: argparse.Namespace) -> Summary:
         world = plait.init()
         rank, world_size = world.rank, world.world_size
     corpus = load_corpus(args.corpus)
-    job = build_job(args, len(corpus.chars), world_size)
+    job = build_job(args, len(corpus.chars), world_size, rank)
     index, size = dp_place(job)
     check_batch(args, size)
     logger.info("mesh %s, dp slice %d of %d, %d local sequences a step",

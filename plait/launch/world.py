@@ -19,6 +19,7 @@ rank 0's host, reachable from every rank (it defaults to 127.0.0.1 for MPI).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import tempfile
@@ -120,9 +121,26 @@ def init(
     device = _select_device(chosen, penv)
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     _init_process_group(chosen, penv, wait)
+    # The group init() made is destroyed at exit, before the interpreter tears down: left to
+    # process teardown, a gloo group's threads can outlive it and abort the process
+    # ("terminate called without an active exception", exit code 134) after a clean run.
+    atexit.register(_leave)
     _world = _make_world(penv, chosen, device)
     logger.info("joined %s", _world)
     return _world
+
+
+def _leave() -> None:
+    """Destroy the default group if it is still there (no collective: it cannot hang)."""
+    global _world
+    import torch.distributed as dist
+
+    _world = None
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # exiting anyway: say so, do not mask the exit status
+            logger.warning("destroying the process group at exit failed: %s", e)
 
 
 def resolve_backend(backend: str | None, penv: ProcessEnv) -> Backend:

@@ -1,7 +1,7 @@
 """The GPT example (examples/gpt/train.py, the code of `make demo`) runs and its loss falls.
 
-Short real runs under `plait run` on 2 gloo workers (Megatron dp=1 x tp=2, and mode auto)
-and one in-process run in stand_alone mode, all with a tiny model.
+Short real runs under `plait run` on 2 gloo workers (Megatron dp=1 x tp=2, mode auto, and its
+saved plan replayed) and one in-process run in stand_alone mode, all with a tiny model.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import plait
 from plait.demo.train import load_corpus, parse_args, sample_batch, train
 
 pytestmark = pytest.mark.dist
@@ -54,18 +55,44 @@ def test_gpt_example_semi_auto_on_two_workers(tmp_path: Path) -> None:
     assert "INFO rank1 plait.demo.gpt: summary" in rank1  # other ranks log into their files
 
 
-def test_gpt_example_auto_on_two_workers(tmp_path: Path) -> None:
-    """Mode auto: plait plans the mesh and every op on the example batch and runs the plan."""
+def _run_example(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "plait", "run", "--worker-num", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
-           str(EXAMPLE), "--mode", "auto", "--search", "recursive_programming", *TINY]  # fmt: skip
+           str(EXAMPLE), *args, *TINY]  # fmt: skip
     env = clean_env()
     env["PLAIT_HOME"] = str(tmp_path / "home")  # no calibrated profile: the built-in defaults
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mode        auto, mesh {'dp': " in proc.stdout
-    assert "plan        recursive_programming: " in proc.stdout
-    assert "predicted" in proc.stdout and "step     8  eval loss" in proc.stdout
+    return proc
+
+
+def _summary_line(stdout: str, key: str) -> str:
+    return next(line for line in stdout.splitlines() if f"  {key} " in line)
+
+
+def test_gpt_example_auto_on_two_workers_and_its_saved_plan(tmp_path: Path) -> None:
+    """Mode auto: plait plans the mesh and every op on the example batch and runs the plan,
+    saving it; a second run replays the saved file (--plan) with the same losses."""
+    path = tmp_path / "gpt.plan.json"
+    auto = _run_example(tmp_path, "--mode", "auto", "--search", "recursive_programming",
+                        "--save-plan", str(path))  # fmt: skip
+    assert "mode        auto, mesh {'dp': " in auto.stdout
+    assert "plan        recursive_programming: " in auto.stdout
+    assert "predicted" in auto.stdout and "step     8  eval loss" in auto.stdout
+    saved = plait.Plan.load(path)
+    assert saved.search == "recursive_programming" and saved.mesh.size == 2
+
+    replay = _run_example(tmp_path, "--plan", str(path))
+    for key in ("mode", "train loss", "eval loss"):
+        assert _summary_line(replay.stdout, key) == _summary_line(auto.stdout, key)
+
+
+def test_gpt_example_refuses_a_plan_with_another_mode() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "semi_auto", "--plan", "gpt.plan.json"])
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "data_parallel", "--save-plan", "gpt.plan.json"])
+    assert parse_args(["--plan", "gpt.plan.json"]).mode == "auto"
 
 
 def test_gpt_example_stand_alone_in_process() -> None:

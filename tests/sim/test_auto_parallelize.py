@@ -133,23 +133,9 @@ def test_auto_mode_needs_an_example_batch() -> None:
 def test_hugging_face_model_runs_through_parallelize_in_a_simulated_world() -> None:
     """Mode auto on an unmodified Hugging Face GPT-2 built and planned inside ``simulate``
     (the export runs outside the simulated world: HF models do not export under it)."""
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (pip install -e '.[dev]')"
-    )
-    from tests.sim.test_plan_exec import hf_loss
+    from tests.sim.test_plan_exec import hf_loss, hf_model
 
-    torch.manual_seed(0)
-    conf = transformers.GPT2Config(
-        vocab_size=32,
-        n_positions=8,
-        n_embd=16,
-        n_layer=1,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(conf)
+    model = hf_model("gpt2")
     batches = _batches(3)
     batches = [(ids[:4], targets[:4]) for ids, targets in batches]
     expected = reference_run(model, hf_loss, sgd, batches)

@@ -222,6 +222,36 @@ def test_cnn_auto_plan_matches_one_device_with_sgd():
     assert any(op.target == "aten.batch_norm.default" and op.inputs[0].dims[1] for op in plan.ops)
 
 
+def hf_model(arch: str) -> torch.nn.Module:
+    """An unmodified Hugging Face GPT-2 ("gpt2") or Llama, tiny, from a config, random weights."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install -e '.[dev]')"
+    )
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        conf = transformers.GPT2Config(
+            vocab_size=32,
+            n_positions=8,
+            n_embd=16,
+            n_layer=1,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        return transformers.GPT2LMHeadModel(conf)
+    conf = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+    )
+    return transformers.LlamaForCausalLM(conf)
+
+
 def hf_loss(model, batch):
     ids, targets = batch
     t = ids.shape[1]

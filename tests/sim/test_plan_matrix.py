@@ -49,6 +49,7 @@ from tests.sim.test_plan_exec import (
     by_kind,
     gpt_batches,
     hf_loss,
+    hf_model,
     planned_collectives,
     run_plan,
     sgd,
@@ -83,35 +84,6 @@ def _zoo(kind: str, **extra: Any) -> tuple[nn.Module, list[Any], Callable[..., t
     return model, [first] + [build(spec)[1] for _ in range(STEPS - 1)], loss_fn
 
 
-def _hugging_face(arch: str) -> nn.Module:
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (pip install -e '.[dev]')"
-    )
-    torch.manual_seed(0)
-    if arch == "gpt2":
-        conf = transformers.GPT2Config(
-            vocab_size=32,
-            n_positions=8,
-            n_embd=16,
-            n_layer=1,
-            n_head=4,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        return transformers.GPT2LMHeadModel(conf)
-    conf = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8,
-    )
-    return transformers.LlamaForCausalLM(conf)
-
-
 def _build(kind: str) -> tuple[nn.Module, list[Any], Callable[..., torch.Tensor]]:
     if kind == "gpt":
         torch.manual_seed(0)
@@ -131,7 +103,7 @@ def _build(kind: str) -> tuple[nn.Module, list[Any], Callable[..., torch.Tensor]
         for block in model.features:
             block[0].bias.requires_grad_(False)
         return model, batches, loss_fn
-    model = _hugging_face(kind.removeprefix("hf_"))
+    model = hf_model(kind.removeprefix("hf_"))
     return model, gpt_batches(GPT, STEPS, batch=4), hf_loss
 
 

@@ -190,9 +190,8 @@ def _planned_job(
 ) -> Job:
     """Mode auto (plan now, on the example batch), a saved plan file or a given plan, run op
     by op."""
-    from plait.capture import capture_program
     from plait.planner import plan_graph
-    from plait.runtime.plan_exec import build_plan_job
+    from plait.runtime.plan_exec import build_plan_job, capture_in_mode
 
     if plan is not None:
         where = "the given plan"
@@ -212,7 +211,7 @@ def _planned_job(
         plan = Plan.load(config.plan)
     if plan is not None:
         _check_plan_batch(plan, config, micro, where)
-    captured = capture_program(model, micro, loss_fn)
+    captured = capture_in_mode(model, micro, loss_fn, training=True)  # what Job.step runs
     if plan is None:
         if config.mesh is None and config.devices is None:
             config = dataclasses.replace(config, devices=world_size)

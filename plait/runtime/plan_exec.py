@@ -88,6 +88,7 @@ __all__ = [
     "LayoutMismatch",
     "PlanExecutor",
     "build_plan_job",
+    "capture_in_mode",
     "check_plan_fits",
     "evaluation_plan",
 ]
@@ -230,7 +231,7 @@ class PlanExecutor:
         self.strict = strict
         self._dp_axis = dp_axis
         self._dataset_strategy = dataset_strategy
-        self.captured = captured or capture_program(model, example_batch, loss_fn)
+        self.captured = captured or capture_in_mode(model, example_batch, loss_fn, training=True)
         check_plan_fits(plan, self.captured.graph)
         self.input_layouts = batch_layouts(
             self.captured.graph, plan.mesh, dp_axis, dataset_strategy
@@ -259,14 +260,10 @@ class PlanExecutor:
         DTensor parameters). A model that does not export in eval mode keeps the error, raised
         by the first evaluation, so training is not refused for it.
         """
-        training = model.training
         try:
-            model.eval()
-            captured = capture_program(model, example_batch, loss_fn)
+            captured = capture_in_mode(model, example_batch, loss_fn, training=False)
         except CaptureError as e:
             return e
-        finally:
-            model.train(training)
         if captured.program.graph_module.code == self.captured.program.graph_module.code:
             return None  # no mode-dependent op: evaluation runs the training program
         executor = PlanExecutor(
@@ -372,10 +369,10 @@ class PlanExecutor:
         if not model.training and self._evaluation is not None:
             if isinstance(self._evaluation, CaptureError):
                 raise CaptureError(
-                    f"evaluating {type(model).__name__}: its eval-mode program could not be "
-                    f"exported ({self._evaluation}); evaluate with the model in training mode "
-                    "(job.model.train() and a loss under torch.no_grad()), or make its eval "
-                    "branch exportable"
+                    f"evaluating {type(model).__name__}: its eval-mode forward could not be "
+                    f"exported when the job was built ({self._evaluation}); make the "
+                    "forward under model.eval() exportable (torch.export, as in training), or "
+                    "evaluate on one device"
                 ) from self._evaluation
             return self._evaluation(model, batch)
         interpreter = self._interpreter
@@ -411,6 +408,24 @@ class PlanExecutor:
             self._seen_mismatch.add((op.name, k))
             self.mismatches.append(LayoutMismatch(op.name, k, planned, actual))
             logger.warning("plan executor: %s", self.mismatches[-1].describe())
+
+
+def capture_in_mode(
+    model: nn.Module, example_batch: Any, loss_fn: LossFn | None, *, training: bool
+) -> ExecutableCapture:
+    """:func:`~plait.capture.capture_program` with the model in training or eval mode (every
+    submodule, as ``model.train(training)`` sets it), restoring the modes it had after.
+
+    Job.step runs with ``model.train()`` and Job.evaluate with ``model.eval()``: the programs
+    they run are exported so, whatever mode the user's model was left in.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(training)
+        return capture_program(model, example_batch, loss_fn)
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def evaluation_plan(plan: Plan, graph: OpGraph, training: OpGraph) -> Plan:

@@ -29,7 +29,7 @@ from plait.plan import Plan
 from plait.planner import plan_graph
 from plait.runtime.plan_exec import PlanExecutor, build_plan_job
 from plait.testing.comm import CollectiveLog, collective_kind
-from plait.testing.equivalence import Run, assert_same_run, reference_run
+from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
 from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.zoo import ModelSpec, build
 
@@ -348,3 +348,40 @@ def test_evaluate_runs_the_plan_in_evaluation_mode_and_changes_no_state():
     evaluation = job.loss_fn._evaluation
     assert {op.name for op in evaluation.plan.ops if not op.covered} == {"clamp"}
     assert not {op.name for op in plan.ops} - {op.name for op in evaluation.plan.ops} - {"add_"}
+
+
+class _Norm(torch.nn.Module):
+    """Batch norm between two linears: training and evaluation compute different things."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.BatchNorm1d(32)
+        self.fc2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(torch.relu(self.fc1(x))))
+
+
+def test_model_handed_over_in_eval_mode_trains_in_training_mode():
+    """parallelize exports the program Job.step runs (training mode) whatever mode the model
+    was left in, and leaves the user's module modes as they were while building."""
+    torch.manual_seed(0)
+    model = _Norm()
+    batches = [(torch.randn(8, 16), torch.randn(8, 8)) for _ in range(3)]
+    expected = reference_run(model.train(), _mse, sgd, batches)  # batch statistics, updated
+    model.eval()
+    with plait.testing.simulate(4):
+        job = plait.parallelize(
+            copy.deepcopy(model),
+            ParallelConfig(mode="auto", mesh=DP_TP),
+            optimizer=sgd,
+            loss_fn=_mse,
+            example_batch=batches[0],
+        )
+        assert not job.model.training  # building changed no mode
+        targets = [str(n.args[5]) for n in job.loss_fn.captured.program.graph.nodes
+                   if str(n.target) == "aten.batch_norm.default"]  # fmt: skip
+        assert targets == ["True"]  # training=True: the training program
+        actual = parallel_steps(job, batches)
+    assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)

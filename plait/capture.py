@@ -35,13 +35,14 @@ readers read its input) and shape/metadata assertions (no data). Everything else
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ __all__ = [
     "capture",
     "capture_program",
     "find_repeated_layers",
+    "in_mode",
     "op_bytes",
     "op_flops",
 ]
@@ -995,6 +997,23 @@ def _check_loss(graph: OpGraph, model: nn.Module, loss_fn: LossFn | None) -> Non
 
 
 # --------------------------------------------------------------------------- entry point
+
+
+@contextlib.contextmanager
+def in_mode(model: nn.Module, *, training: bool) -> Iterator[nn.Module]:
+    """Every module of ``model`` in training (or eval) mode inside the block, as
+    ``model.train(training)`` sets it; each module's own mode is restored after.
+
+    Plans are for training steps and the runtime's steps run under ``model.train()``: the
+    programs planned and run are exported so, whatever mode the user's model was left in.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(training)
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def capture(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from plait.assemble import BACKWARD_FLOPS_FACTOR, PP_AXIS, assemble_plan
-from plait.capture import capture
+from plait.capture import capture, in_mode
 from plait.config import ParallelConfig
 from plait.cost import get_profile
 from plait.cost.comm import Topology
@@ -102,7 +102,8 @@ def plan(
     _check_config(cfg)
     if cfg.mode != "auto":
         mesh_of(cfg)  # a bad mesh or device count fails before the capture
-    graph = capture(model, example_batch, loss_fn)
+    with in_mode(model, training=True):  # a plan is for training steps
+        graph = capture(model, example_batch, loss_fn)
     return plan_graph(graph, cfg, model=model, hardware_file=hardware_file)
 
 

@@ -52,6 +52,7 @@ from plait.capture import (
     ExecutableCapture,
     batch_leaves,
     capture_program,
+    in_mode,
 )
 from plait.comm.dtensor import (
     build_device_mesh,
@@ -413,19 +414,11 @@ class PlanExecutor:
 def capture_in_mode(
     model: nn.Module, example_batch: Any, loss_fn: LossFn | None, *, training: bool
 ) -> ExecutableCapture:
-    """:func:`~plait.capture.capture_program` with the model in training or eval mode (every
-    submodule, as ``model.train(training)`` sets it), restoring the modes it had after.
-
-    Job.step runs with ``model.train()`` and Job.evaluate with ``model.eval()``: the programs
-    they run are exported so, whatever mode the user's model was left in.
-    """
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        model.train(training)
+    """:func:`~plait.capture.capture_program` with the model in training or eval mode
+    (:func:`~plait.capture.in_mode`): Job.step runs under ``model.train()`` and Job.evaluate
+    under ``model.eval()``, so their programs are exported so."""
+    with in_mode(model, training=training):
         return capture_program(model, example_batch, loss_fn)
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 def evaluation_plan(plan: Plan, graph: OpGraph, training: OpGraph) -> Plan:

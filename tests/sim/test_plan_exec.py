@@ -363,21 +363,23 @@ class _Norm(torch.nn.Module):
         return self.fc2(self.norm(torch.relu(self.fc1(x))))
 
 
-def test_model_handed_over_in_eval_mode_trains_in_training_mode():
-    """parallelize exports the program Job.step runs (training mode) whatever mode the model
-    was left in, and leaves the user's module modes as they were while building."""
+@pytest.mark.parametrize("given", ["config", "plan"])
+def test_model_handed_over_in_eval_mode_trains_in_training_mode(given: str):
+    """plait.plan and parallelize export the program Job.step runs (training mode) whatever
+    mode the model was left in, and leave the user's module modes as they were."""
     torch.manual_seed(0)
     model = _Norm()
     batches = [(torch.randn(8, 16), torch.randn(8, 8)) for _ in range(3)]
     expected = reference_run(model.train(), _mse, sgd, batches)  # batch statistics, updated
     model.eval()
+    cfg = ParallelConfig(mode="auto", mesh=DP_TP)
+    if given == "plan":
+        cfg = plait.plan(model, batches[0], cfg, loss_fn=_mse)
+        assert not model.training
+        assert any(op.target == "aten.add_.Tensor" for op in cfg.ops)  # the batch count
     with plait.testing.simulate(4):
         job = plait.parallelize(
-            copy.deepcopy(model),
-            ParallelConfig(mode="auto", mesh=DP_TP),
-            optimizer=sgd,
-            loss_fn=_mse,
-            example_batch=batches[0],
+            copy.deepcopy(model), cfg, optimizer=sgd, loss_fn=_mse, example_batch=batches[0]
         )
         assert not job.model.training  # building changed no mode
         targets = [str(n.args[5]) for n in job.loss_fn.captured.program.graph.nodes

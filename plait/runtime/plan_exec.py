@@ -263,22 +263,23 @@ class PlanExecutor:
         """
         try:
             captured = capture_in_mode(model, example_batch, loss_fn, training=False)
-        except CaptureError as e:
-            return e
-        if captured.program.graph_module.code == self.captured.program.graph_module.code:
-            return None  # no mode-dependent op: evaluation runs the training program
-        executor = PlanExecutor(
-            model,
-            evaluation_plan(self.plan, captured.graph, self.captured.graph),
-            example_batch,
-            loss_fn,
-            self.device_mesh,
-            dp_axis=self._dp_axis,
-            dataset_strategy=self._dataset_strategy,
-            strict=self.strict,
-            captured=captured,
-            evaluation=False,
-        )
+            if captured.program.graph_module.code == self.captured.program.graph_module.code:
+                return None  # no mode-dependent op: evaluation runs the training program
+            executor = PlanExecutor(
+                model,
+                evaluation_plan(self.plan, captured.graph, self.captured.graph),
+                example_batch,
+                loss_fn,
+                self.device_mesh,
+                dp_axis=self._dp_axis,
+                dataset_strategy=self._dataset_strategy,
+                strict=self.strict,
+                captured=captured,
+                evaluation=False,
+            )
+        except Exception as e:  # training must not be refused for its evaluation program
+            logger.warning("plan executor: no evaluation program (%s: %s)", type(e).__name__, e)
+            return CaptureError(f"{type(e).__name__}: {e}")
         executor.mismatches = self.mismatches  # one record of layout differences
         executor._seen_mismatch = self._seen_mismatch
         return executor
@@ -370,10 +371,10 @@ class PlanExecutor:
         if not model.training and self._evaluation is not None:
             if isinstance(self._evaluation, CaptureError):
                 raise CaptureError(
-                    f"evaluating {type(model).__name__}: its eval-mode forward could not be "
-                    f"exported when the job was built ({self._evaluation}); make the "
-                    "forward under model.eval() exportable (torch.export, as in training), or "
-                    "evaluate on one device"
+                    f"evaluating {type(model).__name__}: its eval-mode program could not be "
+                    f"prepared when the job was built ({self._evaluation}); make the forward "
+                    "under model.eval() exportable (torch.export, as in training), or evaluate "
+                    "on one device"
                 ) from self._evaluation
             return self._evaluation(model, batch)
         interpreter = self._interpreter
@@ -425,36 +426,57 @@ def evaluation_plan(plan: Plan, graph: OpGraph, training: OpGraph) -> Plan:
     """``plan`` (made for ``training``, the model's training-mode graph) for ``graph``, its
     evaluation-mode graph (same parameters).
 
-    An op keeps its planned strategy when the training program has it with the same target,
-    arguments and shapes, or when that strategy is also one of the catalogue's strategies for
-    the evaluation op (batch norm with running statistics accepts training's channel split);
-    any other op runs replicated, as an op without a rule does. Collectives are not listed
-    (they are the training step's).
+    Ops are matched by module, target and occurrence within the module (so an op that only
+    training runs, a dropout or a drop-path, shifts nothing outside its module). A matched op
+    keeps its planned strategy when it has the same arguments and shapes, or when that
+    strategy is also one of the catalogue's strategies for the evaluation op (batch norm with
+    running statistics accepts training's channel split); any other op runs replicated, as an
+    op without a rule does. Each parameter is read first by its first reader in ``graph`` (none
+    for a parameter only training reads). Collectives are not listed: they are the training
+    step's.
     """
     planned = {op.name: op for op in plan.ops}
-    trained = {op.name: op for op in training.ops}
-    ops = tuple(
-        _evaluation_op(op, planned.get(op.name), trained.get(op.name), plan.mesh)
-        for op in graph.ops
+    trained = {key: op for key, op in _keyed_ops(training)}
+    ops = []
+    for key, op in _keyed_ops(graph):
+        match = trained.get(key)
+        found = None if match is None else planned.get(match.name)
+        ops.append(_evaluation_op(op, found, match, plan.mesh))
+    readers = {
+        g.target: next((reader.name for reader, _ in graph.consumers(g.name)), "")
+        for g in graph.inputs
+        if g.kind == "parameter"
+    }
+    parameters = tuple(dataclasses.replace(p, op=readers.get(p.name, "")) for p in plan.parameters)
+    return dataclasses.replace(
+        plan, ops=tuple(ops), parameters=parameters, collectives=(), stages=(), options=()
     )
-    return dataclasses.replace(plan, ops=ops, collectives=(), stages=(), options=())
+
+
+def _keyed_ops(graph: OpGraph) -> Iterable[tuple[tuple[str, str, int], OpNode]]:
+    """Each op with (module path, target, its occurrence among that module's such ops)."""
+    seen: dict[tuple[str, str], int] = {}
+    for op in graph.ops:
+        k = seen.get((op.module_path, op.target), 0)
+        seen[(op.module_path, op.target)] = k + 1
+        yield (op.module_path, op.target, k), op
 
 
 def _evaluation_op(
     op: OpNode, found: PlannedOp | None, trained: OpNode | None, mesh: MeshSpec
 ) -> PlannedOp:
-    if found is not None and trained is not None and trained.target == op.target:
+    if found is not None and trained is not None:
         same = (trained.args, trained.kwargs, trained.input_metas, trained.outputs) == (
             op.args,
             op.kwargs,
             op.input_metas,
             op.outputs,
         )
-        if same:
-            return found
-        valid = {(s.inputs, s.outputs) for s in default_catalogue().strategies(op, mesh)}
-        if (found.inputs, found.outputs) in valid:
-            return found
+        valid = same or (found.inputs, found.outputs) in {
+            (s.inputs, s.outputs) for s in default_catalogue().strategies(op, mesh)
+        }
+        if valid:
+            return dataclasses.replace(found, name=op.name, layer=op.layer)
     whole = replicated_strategy(op, mesh)
     return PlannedOp(
         name=op.name,

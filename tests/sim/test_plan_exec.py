@@ -387,3 +387,49 @@ def test_model_handed_over_in_eval_mode_trains_in_training_mode(given: str):
         assert targets == ["True"]  # training=True: the training program
         actual = parallel_steps(job, batches)
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+
+
+class _TrainingOnly(torch.nn.Module):
+    """Training-only work before and beside what both modes run: a noise-free "drop path"
+    scale (an op ahead of the shared ones, shifting op names) and an auxiliary head whose
+    parameters evaluation never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 8)
+        self.aux = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x * 0.9
+        h = torch.relu(self.fc1(x))
+        out = self.fc2(h * 2.0)
+        if self.training:
+            out = out + 0.3 * self.aux(h)
+        return out
+
+
+@pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming"])
+def test_training_only_ops_and_parameters_leave_evaluation_correct(search: str):
+    torch.manual_seed(0)
+    model = _TrainingOnly()
+    batches = [(torch.randn(8, 16), torch.randn(8, 8)) for _ in range(3)]
+    expected = reference_run(model, _mse, sgd, batches)
+    cfg = ParallelConfig(mode="auto", mesh=DP_TP, search=search)
+    with plait.testing.simulate(4):
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=sgd, loss_fn=_mse, example_batch=batches[0]
+        )
+        actual = parallel_steps(job, batches)
+        got = job.evaluate(batches[0])
+        evaluation = job.loss_fn._evaluation.plan
+    assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(expected.state)
+    with torch.no_grad():
+        want = _mse(trained.eval(), batches[0]).item()
+    assert got == pytest.approx(want, rel=1e-5)
+    readers = {p.name: p.op for p in evaluation.parameters}
+    assert readers["aux.weight"] == "" and readers["fc1.weight"] == "linear"
+    assert all(op.covered for op in evaluation.ops)  # every eval op matched a planned one

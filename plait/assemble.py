@@ -164,6 +164,9 @@ def assemble_plan(
         batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
         memory_limit=cfg.memory_limit,  # type: ignore[arg-type]
         grad_accumulation=cfg.grad_accumulation,
+        dp_axis=cfg.dp_axis,
+        dataset_strategy=cfg.dataset_strategy,
+        comm_fusion=cfg.comm_fusion,
     )
 
 

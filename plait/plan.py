@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, get_args
 
-from plait.config import Mode, Precision, Recompute
+from plait.config import CommFusion, DatasetStrategy, Mode, Precision, Recompute
 from plait.errors import PlaitError, PlanError
 from plait.layout import TensorLayout
 from plait.layout.placement import ReduceOp
@@ -393,6 +393,13 @@ class Plan:
     """Micro-steps per optimizer step (``ParallelConfig.grad_accumulation``): ``batch`` is one
     micro-step's batch; activation collectives repeat per micro-step (their ``count``), the
     gradient reductions happen once."""
+    dp_axis: str = "dp"
+    """The data-parallel mesh axis the plan was made with (``ParallelConfig.dp_axis``)."""
+    dataset_strategy: str | tuple[Any, ...] = "data_parallel"
+    """How the batch enters a step (``ParallelConfig.dataset_strategy``): "data_parallel",
+    "full_batch", or one strategy per input (a tuple of splits or a TensorLayout)."""
+    comm_fusion: CommFusion | None = None
+    """The gradient fusion the plan's bucketed reductions assume (None: plait's default)."""
     schema_version: ClassVar[int] = 1
     _ops: dict[str, PlannedOp] = field(init=False, repr=False, compare=False, hash=False)
     _params: dict[str, PlannedParameter] = field(init=False, repr=False, compare=False, hash=False)
@@ -418,6 +425,11 @@ class Plan:
         _choice("Plan.precision", self.precision, get_args(Precision))
         _int("Plan.micro_batches", self.micro_batches, 1)
         _int("Plan.grad_accumulation", self.grad_accumulation, 1)
+        _str("Plan.dp_axis", self.dp_axis, empty=False)
+        object.__setattr__(self, "dataset_strategy", _check_dataset_strategy(self.dataset_strategy))
+        if self.comm_fusion is not None and not isinstance(self.comm_fusion, CommFusion):
+            raise _fail("Plan.comm_fusion", self.comm_fusion, "must be a CommFusion or None",
+                        "give plait.config.CommFusion(...)")  # fmt: skip
         _int("Plan.pipeline_stages", self.pipeline_stages, 1)
         _choice("Plan.optimizer_shard", self.optimizer_shard, (None, 1, 2, 3))
         object.__setattr__(self, "recompute", _recompute("Plan", self.recompute))
@@ -672,6 +684,68 @@ def _model_shapes(model_or_params: object) -> dict[str, tuple[int, ...]]:
 # --------------------------------------------------------------------------- JSON writing
 
 
+def _check_dataset_strategy(value: object) -> str | tuple[Any, ...]:
+    """``value`` with per-input split counts as tuples; an error naming the field if bad."""
+    if isinstance(value, str) and value in get_args(DatasetStrategy):
+        return value
+    entries_ok = isinstance(value, tuple | list) and all(
+        isinstance(e, TensorLayout)
+        or (
+            isinstance(e, tuple | list)
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in e)
+        )
+        for e in value
+    )
+    if not entries_ok:
+        raise _fail(
+            "Plan.dataset_strategy",
+            value,
+            "must be 'data_parallel', 'full_batch' or a tuple of per-input strategies",
+            "give ParallelConfig.dataset_strategy's value",
+        )
+    return tuple(e if isinstance(e, TensorLayout) else tuple(e) for e in value)  # type: ignore[union-attr]
+
+
+def _dataset_strategy_data(value: str | tuple[Any, ...]) -> Any:
+    if isinstance(value, str):
+        return value
+    return [_layout_data(e) if isinstance(e, TensorLayout) else list(e) for e in value]
+
+
+def _dataset_strategy_from(top: Any, mesh: MeshSpec) -> str | tuple[Any, ...]:
+    raw = top.get("dataset_strategy", (str, list), "a strategy name or list", "data_parallel")
+    if isinstance(raw, str):
+        return raw
+    path = top.at("dataset_strategy")
+    return tuple(
+        _layout_from(e, f"{path}[{i}]", mesh)
+        if isinstance(e, dict)
+        else tuple(_int_list(f"{path}[{i}]", e))
+        for i, e in enumerate(raw)
+    )
+
+
+def _comm_fusion_data(value: CommFusion | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    return {"mode": value.mode, "bucket_mb": value.bucket_mb, "boundaries": list(value.boundaries)}
+
+
+def _comm_fusion_from(top: Any) -> CommFusion | None:
+    raw = top.get("comm_fusion", (dict, type(None)), "an object or null", None)
+    if raw is None:
+        return None
+    o = _Obj(raw, top.at("comm_fusion"))
+    mode = o.get("mode", str, "'size' or 'index'")
+    bucket_mb = o.get("bucket_mb", _NUMBER, "megabytes (a number)")
+    boundaries = tuple(_int_list(o.at("boundaries"), o.get("boundaries", list, "a list")))
+    o.done()
+    return _build(
+        top.at("comm_fusion"),
+        lambda: CommFusion(mode=mode, bucket_mb=bucket_mb, boundaries=boundaries),  # type: ignore[arg-type]
+    )
+
+
 def _layout_data(layout: TensorLayout) -> dict[str, Any]:
     def tm(v: int | tuple[int, ...]) -> int | list[int]:
         return list(v) if isinstance(v, tuple) else v
@@ -778,6 +852,9 @@ def _plan_to_data(plan: Plan) -> dict[str, Any]:
         "recompute": plan.recompute,
         "memory_limit": plan.memory_limit,
         "grad_accumulation": plan.grad_accumulation,
+        "dp_axis": plan.dp_axis,
+        "dataset_strategy": _dataset_strategy_data(plan.dataset_strategy),
+        "comm_fusion": _comm_fusion_data(plan.comm_fusion),
         "predicted": _prediction_data(plan.predicted),
         "stages": [list(s) for s in plan.stages],
         "ops": [_op_data(op) for op in plan.ops],
@@ -1097,6 +1174,9 @@ def _plan_from_data(data: object) -> Plan:
         "recompute": top.get("recompute", str, "'none', 'full' or 'selective'"),
         "memory_limit": top.get("memory_limit", _OPT_INT, "bytes or null", None),
         "grad_accumulation": top.get("grad_accumulation", int, "an integer >= 1", 1),
+        "dp_axis": top.get("dp_axis", str, "a mesh axis name", "dp"),
+        "dataset_strategy": _dataset_strategy_from(top, mesh),
+        "comm_fusion": _comm_fusion_from(top),
         "predicted": _prediction_from(top.obj("predicted")),
         "stages": tuple(_str_list(p, v) for p, v in top.items("stages", [])),
         "ops": tuple(_op_from(v, p, mesh) for p, v in top.items("ops")),

@@ -221,17 +221,39 @@ def _planned_job(
 
 
 def _config_of(plan: Plan) -> ParallelConfig:
-    """The job settings a plan fixes: its mesh, precision and gradient accumulation."""
+    """The job settings a plan fixes: mesh, precision, gradient accumulation, data-parallel
+    axis, dataset strategy and gradient fusion, as it was made with."""
     return ParallelConfig(
         mode="auto",
         mesh=plan.mesh.as_dict(),
         precision=plan.precision,  # type: ignore[arg-type]
         grad_accumulation=plan.grad_accumulation,
+        dp_axis=plan.dp_axis,
+        dataset_strategy=plan.dataset_strategy,  # type: ignore[arg-type]
+        comm_fusion=plan.comm_fusion,
     )
+
+
+def _check_plan_settings(plan: Plan, config: ParallelConfig, where: str) -> None:
+    """A plan runs with the settings its collectives and batch layouts were planned for."""
+    pairs = [
+        ("precision", plan.precision, config.precision),
+        ("dp_axis", plan.dp_axis, config.dp_axis),
+        ("dataset_strategy", plan.dataset_strategy, config.dataset_strategy),
+        ("comm_fusion", plan.comm_fusion, config.comm_fusion),
+    ]
+    for name, planned, given in pairs:
+        if planned != given:
+            raise PlanError(
+                f"{where} was made with {name}={planned!r} but the config has {name}="
+                f"{given!r}; give the plan's value (or leave it out with "
+                f"plait.parallelize(model, plan, ...)) or plan again with this one"
+            )
 
 
 def _check_plan_batch(plan: Plan, config: ParallelConfig, micro: Any, where: str) -> None:
     """A saved plan runs with the gradient accumulation and batch shapes it was made for."""
+    _check_plan_settings(plan, config, where)
     if plan.grad_accumulation != config.grad_accumulation:
         raise PlanError(
             f"{where} was made for grad_accumulation={plan.grad_accumulation} but the config "

@@ -98,6 +98,45 @@ def test_plan_object_runs_through_parallelize() -> None:
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
 
 
+def test_plan_object_keeps_the_settings_it_was_made_with(tmp_path) -> None:
+    """A plan made on axis "data" with one-parameter gradient buckets runs so through
+    parallelize(model, plan): the collectives of a step are the plan's; a config replaying
+    its file with other settings is refused by name."""
+    from plait.config import CommFusion
+    from plait.testing.comm import CollectiveLog
+    from tests.sim.test_plan_exec import executed_collectives, planned_collectives
+
+    torch.manual_seed(0)
+    model = annotate_megatron(TinyGPT(GPT), 2)
+    batches = _batches(2)
+    cfg = ParallelConfig(
+        mode="auto",
+        mesh={"data": 2, "tp": 2},
+        dp_axis="data",
+        comm_fusion=CommFusion(bucket_mb=1e-9),  # one bucket per parameter
+    )
+    plan = plait.plan(model, batches[0], cfg, loss_fn=gpt_loss)
+    assert (plan.dp_axis, plan.comm_fusion) == ("data", cfg.comm_fusion)
+    expected = reference_run(model, gpt_loss, sgd, batches)
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            copy.deepcopy(model), plan, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        first = job.step(batches[0])
+        with CollectiveLog(job.device_mesh) as log:
+            second = job.step(batches[1])
+        state = job.full_state_dict()
+    assert executed_collectives(log) == planned_collectives(plan)
+    assert sum(n for (kind, axis, _), n in planned_collectives(plan).items() if axis == "data") > 5
+    assert_same_run(expected, Run([first, second], state), rtol=1e-4, atol=1e-5)
+
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    other = ParallelConfig(mode="auto", mesh={"data": 2, "tp": 2}, dp_axis="data", plan=path)
+    with plait.testing.simulate(world_size=4), pytest.raises(PlanError, match="comm_fusion"):
+        plait.parallelize(model, other, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0])
+
+
 def test_plan_object_that_does_not_fit_is_refused_before_any_collective() -> None:
     """A plan for another world size, or for another model, is refused by name up front."""
     torch.manual_seed(0)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from plait.config import CommFusion
 from plait.errors import PlaitError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -182,6 +183,44 @@ def test_round_trip_is_lossless_and_byte_identical():
     assert pickle.loads(pickle.dumps(plan)) == plan  # plans travel to worker processes
     assert back.op("linear_1").outputs[0].partial == ("tp",)
     assert back.parameter("layers.0.fc1.weight").layout.dims == (("tp",), ())
+
+
+def test_run_settings_round_trip():
+    """The settings a plan's batch layouts and gradient buckets assume travel with it."""
+    strategies = ((2, 1), TensorLayout(MESH, (("dp",), ("tp",))))
+    plan = toy_plan(
+        dp_axis="tp",
+        dataset_strategy=strategies,
+        comm_fusion=CommFusion(mode="index", boundaries=(2,)),
+    )
+    back = Plan.from_json(plan.to_json())
+    assert back == plan
+    assert back.dataset_strategy == strategies and back.comm_fusion == plan.comm_fusion
+    default = Plan.from_json(toy_plan().to_json())
+    assert (default.dp_axis, default.dataset_strategy, default.comm_fusion) == (
+        "dp",
+        "data_parallel",
+        None,
+    )
+    # files written before these fields existed load with the defaults
+    old = json.loads(toy_plan().to_json())
+    for key in ("dp_axis", "dataset_strategy", "comm_fusion"):
+        del old[key]
+    assert Plan.from_json(json.dumps(old)) == toy_plan()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dataset_strategy", "sharded", r"Plan.dataset_strategy='sharded'"),
+        ("dataset_strategy", ((2, 0),), r"Plan.dataset_strategy=\(\(2, 0\),\)"),
+        ("dp_axis", "", r"Plan.dp_axis=''"),
+        ("comm_fusion", {"mode": "size"}, r"Plan.comm_fusion="),
+    ],
+)
+def test_run_settings_are_checked(field, value, message):
+    with pytest.raises(PlanError, match=message):
+        toy_plan(**{field: value})
 
 
 def test_two_builds_give_identical_files(tmp_path):

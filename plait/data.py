@@ -46,10 +46,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from plait._compat import simulated_ranks
-from plait.errors import ConfigError, LayoutError
+from plait.errors import ConfigError, LayoutError, ShardingError
 from plait.layout import TensorLayout, resolve_tensor_strategy
 from plait.mesh import MeshSpec
 from plait.rules.common import to_mesh
@@ -60,6 +61,7 @@ __all__ = [
     "ShardedSampler",
     "input_layouts",
     "slice_batch",
+    "split_micro_batches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -632,3 +634,21 @@ def _linear_rank(mesh: MeshSpec, coord: Sequence[int]) -> int:
     for size, c in zip(mesh.shape, coord, strict=True):
         rank = rank * size + c
     return rank
+
+
+def split_micro_batches(batch: Any, k: int) -> list[Any]:
+    """Cut every tensor of ``batch`` into ``k`` equal pieces along dim 0 (``[batch]`` if k == 1)."""
+    if k == 1:
+        return [batch]
+    leaves = [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    for x in leaves:
+        if x.ndim == 0 or x.shape[0] % k:
+            raise ShardingError(
+                f"batch tensor of shape {tuple(x.shape)}: dim 0 does not divide into "
+                f"grad_accumulation={k} micro-batches; use a batch size divisible by {k}"
+            )
+    pieces = [
+        tree_map(lambda x, i=i: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch)
+        for i in range(k)
+    ]
+    return pieces

@@ -24,6 +24,7 @@ from plait.config import ParallelConfig
 from plait.cost import get_profile
 from plait.cost.comm import Topology
 from plait.cost.compute import op_seconds
+from plait.data import split_micro_batches
 from plait.errors import ConfigError
 from plait.graph import OpGraph, OpNode
 from plait.mesh import MeshSpec
@@ -95,6 +96,10 @@ def plan(
 ) -> Plan:
     """Plan how to train ``model`` under ``cfg`` (no process group, no parameter memory).
 
+    ``example_batch`` is one optimizer step's global batch, as ``parallelize`` takes it (real,
+    fake or meta tensors); with ``grad_accumulation=k`` the plan is for its micro-batches of
+    1/k, and ``plan.batch`` records one micro-batch's shapes.
+
     Example:
         >>> plan = plait.plan(model, batch, ParallelConfig(mode="auto", devices=8), loss_fn=loss)
         >>> print(plan.summary())
@@ -102,8 +107,11 @@ def plan(
     _check_config(cfg)
     if cfg.mode != "auto":
         mesh_of(cfg)  # a bad mesh or device count fails before the capture
-    with in_mode(model, training=True):  # a plan is for training steps
-        graph = capture(model, example_batch, loss_fn)
+    # A plan is for training steps; with gradient accumulation each micro-step runs on 1/k of
+    # the step's batch, so the graph is traced on one micro-batch (as parallelize does).
+    micro = split_micro_batches(example_batch, cfg.grad_accumulation)[0]
+    with in_mode(model, training=True):
+        graph = capture(model, micro, loss_fn)
     return plan_graph(graph, cfg, model=model, hardware_file=hardware_file)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from plait._compat import greedy_redistribution_planning
 from plait.comm.dispatch import PlaitDispatchMode
@@ -21,7 +21,7 @@ from plait.comm.dtensor import (
     sync_grad,
 )
 from plait.config import ParallelConfig
-from plait.data import input_layouts
+from plait.data import input_layouts, split_micro_batches
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -35,24 +35,6 @@ logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-def split_micro_batches(batch: Any, k: int) -> list[Any]:
-    """Cut every tensor of ``batch`` into ``k`` equal pieces along dim 0 (``[batch]`` if k == 1)."""
-    if k == 1:
-        return [batch]
-    leaves = [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
-    for x in leaves:
-        if x.ndim == 0 or x.shape[0] % k:
-            raise ShardingError(
-                f"batch tensor of shape {tuple(x.shape)}: dim 0 does not divide into "
-                f"grad_accumulation={k} micro-batches; use a batch size divisible by {k}"
-            )
-    pieces = [
-        tree_map(lambda x, i=i: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch)
-        for i in range(k)
-    ]
-    return pieces
 
 
 class Job:
@@ -74,6 +56,7 @@ class Job:
         layouts: dict[str, TensorLayout],
         grad_sync: GradSync | PlainGradSync | None = None,
         plain: PlainDataParallel | None = None,
+        micro_step_shapes: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -87,6 +70,9 @@ class Job:
         self.plain = plain
         """Set for pure data parallelism, which runs on plain tensors (runtime.data_parallel)."""
         self.loss_scaler = LossScaler() if config.precision == "fp16" else None
+        self._micro_step_shapes = micro_step_shapes
+        """The loss function runs batches of one micro-step's shapes only (a plan's program):
+        evaluate cuts its batch into micro-batches as step does."""
         self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
 
     def step(self, batch: Any) -> float:
@@ -187,13 +173,20 @@ class Job:
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> float:
-        """The global loss on ``batch`` without training."""
+        """The global loss on ``batch`` without training (the model in eval mode).
+
+        A job running a plan takes the batch size ``step`` takes: with ``grad_accumulation=k``
+        the batch is cut into ``k`` micro-batches and the mean of their losses is returned, as
+        ``step`` computes its loss.
+        """
         self.model.eval()
         if self.plain is not None:
             loss = self._plain_loss(batch, self.plain, training=False)
             return self.plain.mean_of(self.plain.start_loss_sum(loss))
-        with greedy_redistribution_planning(), torch.no_grad():
-            return float(full_value(self._loss(batch)).item())
+        k = self.config.grad_accumulation if self._micro_step_shapes else 1
+        with greedy_redistribution_planning():
+            losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
+        return float(sum(loss.item() for loss in losses)) / k
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, same keys as ``model.state_dict()``.

@@ -243,6 +243,9 @@ class PlanExecutor:
         self._steps = _node_steps(self.captured, self._planned)
         self._sources = _input_sources(self._signature)
         self._batch_names = [g.name for g in self.captured.graph.inputs if g.kind == "input"]
+        self._batch_shapes = [
+            tuple(g.meta.shape) for g in self.captured.graph.inputs if g.kind == "input"
+        ]
         self._interpreter: _PlanInterpreter | None = None  # built at the first call, reused
         self._owners_of: tuple[nn.Module, list[tuple[Any, str]]] | None = None
         self.mismatches: list[LayoutMismatch] = []
@@ -316,6 +319,7 @@ class PlanExecutor:
                 value = user[k]
                 k += 1
                 if isinstance(value, torch.Tensor):
+                    self._check_batch_shape(value, t)
                     value = self._batch_tensor(value, self.input_layouts[batch_names[t]])
                     t += 1
                 out.append(value)
@@ -326,6 +330,17 @@ class PlanExecutor:
             else:  # a constant tensor (_input_sources refuses other kinds)
                 out.append(self._replicated(self.captured.program.constants[target]))
         return out
+
+    def _check_batch_shape(self, value: torch.Tensor, t: int) -> None:
+        """The program was exported for one batch shape: another one is refused by name."""
+        expected = self._batch_shapes[t]
+        if tuple(value.shape) != expected:
+            raise ShardingError(
+                f"batch tensor {t} has global shape {tuple(value.shape)} but the plan's program "
+                f"runs {expected} (the shape it was planned and exported for, one micro-step "
+                "with gradient accumulation); step and evaluate take batches of the planned "
+                "size: cut larger ones, or plan again for this batch size"
+            )
 
     def _owners(self, model: nn.Module) -> list[tuple[Any, str]]:
         """Per exported input that is a parameter or buffer: (its module, its attribute name).
@@ -1031,6 +1046,7 @@ def build_plan_job(
         slice_inputs=world.simulated or cfg.dataset_strategy == "full_batch",
         layouts=layouts,
         grad_sync=grad_sync,
+        micro_step_shapes=True,
     )
 
 

@@ -79,6 +79,7 @@ from plait.layout.redistribute import plan_redistribution
 from plait.mesh import MeshSpec
 from plait.plan import Plan, PlannedOp
 from plait.rules.catalogue import default_catalogue
+from plait.rules.pooling import pooling_rules
 from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strategy
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
@@ -101,9 +102,15 @@ logger = logging.getLogger(__name__)
 # strategy for the CPU kernel of attention and shards convolutions on the batch only; for the
 # matmul family its own strategy choice may differ from the plan's (a split sequence dim of a
 # 3-D linear input is gathered by its flattening decomposition), and its search for batched
-# matmuls on 4-D operands costs seconds per shape.
-_LOCAL_BY_RULE = frozenset(
+# matmuls on 4-D operands costs seconds per shape. Torch 2.13's DTensor has no strategy for
+# the backward of average, adaptive-max and 3-D pooling, and runs group norm's backward with
+# the global sizes on local pieces: pooling (spatial dims never split) and group norm (whole
+# groups per rank) run locally too.
+_GROUP_NORM = "aten.group_norm.default"
+_POOLING = frozenset(t for rule in pooling_rules() for t in rule.targets)
+_LOCAL_BY_RULE = _POOLING | frozenset(
     {
+        _GROUP_NORM,
         "aten.scaled_dot_product_attention.default",
         "aten.conv1d.default",
         "aten.conv2d.default",
@@ -537,6 +544,8 @@ class _LocalOp:
     """Per tensor input: added after a pending sum, so it enters as one of ``share`` shares."""
     share: int
     """Ranks summing the output's pending sum (1 when the output is not pending)."""
+    groups_split: int = 1
+    """Group norm: ranks its channels (whole groups) are split over; each runs 1/n of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -621,6 +630,7 @@ def _local_op(op: PlannedOp) -> _LocalOp:
             for layout in op.inputs
         ),
         share=share,
+        groups_split=op.inputs[0].splits()[1] if op.target == _GROUP_NORM else 1,
     )
 
 
@@ -866,7 +876,10 @@ def _run_local(op: PlannedOp, plan: _LocalOp, target: Any, args: Any, kwargs: An
         piece = x.to_local(grad_placements=plan.grad_placements[i])  # type: ignore[attr-defined]
         return _ShareOfSum.apply(piece, plan.share) if plan.bias_like[i] else piece
 
-    out = target(*_map(local, args), **_map(local, kwargs))
+    local_args = _map(local, args)
+    if plan.groups_split > 1:  # group_norm(input, num_groups, ...): this rank's groups
+        local_args = (local_args[0], local_args[1] // plan.groups_split, *local_args[2:])
+    out = target(*local_args, **_map(local, kwargs))
     assert mesh is not None, f"op {op.name} has no DTensor input"
     if isinstance(out, tuple | list):
         return type(out)(

@@ -281,3 +281,45 @@ def test_mean_reduced_loss_on_a_split_batch_has_the_global_gradient(
     assert_same_run(expected, run, rtol=1e-4, atol=1e-5)
     assert executor.mismatches == []
     assert executed == planned_collectives(plan)
+
+
+# --------------------------------------------------------------------------- run locally
+
+
+class _PoolNorm(nn.Module):
+    """Group norm and the pooling ops DTensor cannot run backward (average, adaptive max,
+    3-D): the executor runs them on local pieces by plait's rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(4, 8)
+        self.head = nn.Linear(8 * 2 * 2 + 8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x)))
+        a = torch.nn.functional.avg_pool2d(h, 2)  # 8 x 4 x 4
+        b = torch.nn.functional.adaptive_max_pool2d(a, 2).flatten(1)  # 8 x 2 x 2
+        c = torch.nn.functional.avg_pool3d(h.unsqueeze(2), (1, 8, 8)).flatten(1)  # 8
+        return self.head(torch.cat([b, c], dim=1))
+
+
+@pytest.mark.parametrize("search", ["sharding_propagation", "dynamic_programming"])
+@pytest.mark.parametrize("world", sorted(MESHES))
+def test_pooling_and_group_norm_run_on_local_pieces(
+    search: str, world: int, compute_bound: str
+) -> None:
+    torch.manual_seed(0)
+    model = _PoolNorm()
+    batches = [(torch.randn(8, 4, 8, 8), torch.randn(8, 8)) for _ in range(3)]
+    captured = capture_program(model, batches[0], _mse)
+    cfg = ParallelConfig(mode="auto", mesh=MESHES[world], search=search)
+    plan = plan_graph(captured.graph, cfg, model=model, hardware_file=compute_bound)
+    split = [op.target for op in plan.ops if op.label != "replicate"]
+    assert "aten.group_norm.default" in split or "aten.avg_pool2d.default" in split, split
+    expected = reference_run(model, _mse, sgd, batches)
+    run, executed, debug, executor = run_plan(model, captured, plan, cfg, _mse, sgd, batches, world)
+    assert_same_run(expected, run, rtol=1e-4, atol=1e-5)
+    assert executor.mismatches == []
+    assert executed == planned_collectives(plan)
+    assert debug == by_kind(executed)

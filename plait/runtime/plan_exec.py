@@ -250,6 +250,7 @@ class PlanExecutor:
         self._steps = _node_steps(self.captured, self._planned)
         self._sources = _input_sources(self._signature)
         self._batch_names = [g.name for g in self.captured.graph.inputs if g.kind == "input"]
+        self._example_leaves = batch_leaves(example_batch)
         self._batch_shapes = [
             tuple(g.meta.shape) for g in self.captured.graph.inputs if g.kind == "input"
         ]
@@ -329,6 +330,8 @@ class PlanExecutor:
                     self._check_batch_shape(value, t)
                     value = self._batch_tensor(value, self.input_layouts[batch_names[t]])
                     t += 1
+                else:
+                    self._check_batch_constant(value, k - 1)
                 out.append(value)
             elif kind == InputKind.PARAMETER:
                 out.append(getattr(*owners[len(out)]))
@@ -347,6 +350,16 @@ class PlanExecutor:
                 f"runs {expected} (the shape it was planned and exported for, one micro-step "
                 "with gradient accumulation); step and evaluate take batches of the planned "
                 "size: cut larger ones, or plan again for this batch size"
+            )
+
+    def _check_batch_constant(self, value: Any, k: int) -> None:
+        """Python values of the batch were baked into the program: another one is refused."""
+        example = self._example_leaves[k]
+        if type(value) is not type(example) or value != example:
+            raise ShardingError(
+                f"batch leaf {k} is {value!r} but the plan's program was exported with "
+                f"{example!r}: Python values in the batch (numbers, flags, strings) are fixed "
+                "when the model is exported; pass a 0-d tensor instead, or keep the value"
             )
 
     def _owners(self, model: nn.Module) -> list[tuple[Any, str]]:

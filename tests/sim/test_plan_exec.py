@@ -24,6 +24,7 @@ from plait.capture import ExecutableCapture, capture_program
 from plait.comm.dtensor import build_device_mesh, distribute, full_value, layout_of
 from plait.comm.redistribute import execute_redistribution
 from plait.config import CommFusion, ParallelConfig
+from plait.errors import ShardingError
 from plait.layout.redistribute import plan_redistribution
 from plait.plan import Plan
 from plait.planner import plan_graph
@@ -433,3 +434,25 @@ def test_training_only_ops_and_parameters_leave_evaluation_correct(search: str):
     readers = {p.name: p.op for p in evaluation.parameters}
     assert readers["aux.weight"] == "" and readers["fc1.weight"] == "linear"
     assert all(op.covered for op in evaluation.ops)  # every eval op matched a planned one
+
+
+def test_python_values_in_the_batch_are_fixed_by_the_export():
+    """A float in the batch is a constant of the exported program: the same value runs,
+    another is refused by name before any collective (it would silently be ignored)."""
+
+    def scaled(model, batch):
+        x, y, scale = batch
+        return F.mse_loss(model(x) * scale, y)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    cfg = ParallelConfig(mode="auto", mesh=DP_TP)
+    with plait.testing.simulate(4):
+        job = plait.parallelize(
+            model, cfg, optimizer=sgd, loss_fn=scaled, example_batch=(x, y, 0.5)
+        )
+        job.step((x, y, 0.5))
+        with CommDebugMode() as comm, pytest.raises(ShardingError, match=r"batch leaf 2 is 2.0"):
+            job.step((x, y, 2.0))
+    assert comm.get_total_counts() == 0

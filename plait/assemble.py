@@ -44,6 +44,7 @@ from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
 from plait.plan import Alternative, Plan, PlannedCollective, PlannedOp, PlannedParameter, Prediction
 from plait.rules import default_catalogue
+from plait.rules.loss import CLASS_LOSS_TARGETS
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.search.problem import SearchProblem, gradient_layout, settled
 from plait.search.propagation import Decision
@@ -261,19 +262,21 @@ def _op_collectives(
                 f"gradient of {what} for {op.name}: {grad.describe()} -> {back.describe()}",
             )
     if op.target in _MEAN_LOSSES and strategy.outputs[0].partial:
-        # nll_loss_backward divides by the global count of non-ignored targets: one scalar
-        # all-reduce per axis splitting the batch.
+        # The mean divides by the global count of targets not ignored, which differs between
+        # ranks: one float64 scalar all-reduce per axis splitting the batch (the executor's
+        # _run_mean_class_loss).
         for axis in sorted({a for d in strategy.inputs[0].dims for a in d}):
             step.add(
                 "all_reduce",
                 (axis,),
-                4,
-                ("backward", op.name, stage),
-                f"{op.name}: total weight of the mean over a batch split on {axis!r}",
+                8,
+                ("forward", op.name, stage),
+                f"{op.name}: count of the targets the mean divides by, over a batch split on "
+                f"{axis!r}",
             )
 
 
-_MEAN_LOSSES = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default"})
+_MEAN_LOSSES = frozenset(CLASS_LOSS_TARGETS)
 
 
 def _parameters(

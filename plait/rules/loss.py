@@ -4,9 +4,9 @@ Batch (and, for ``[N, C, d1, ...]`` inputs, spatial) dims split; the class dim s
 (its softmax is reduced inside the op). By ``reduction``: ``none`` (0) splits the output
 alike; ``sum`` (2) leaves a pending sum; ``mean`` (1) leaves a pending average, which is
 exact when every device averages the same number of terms: true for elementwise losses
-(even splits), and for class-index losses only when no target equals ``ignore_index``
-(PyTorch divides by the number of non-ignored targets, which may differ between devices;
-DDP's averaged gradients make the same assumption). Class-weighted means (``weight`` given)
+(even splits); for class-index losses PyTorch divides by the number of targets not equal to
+``ignore_index``, which may differ between devices, so the executor makes each device's term
+exact with the all-reduced global count (the plan lists that scalar all-reduce). Class-weighted means (``weight`` given)
 divide by a weight sum that differs per device: they are not split.
 """
 
@@ -17,7 +17,17 @@ from plait.layout.placement import ReduceOp
 from plait.rules.args import arg, ref_index
 from plait.rules.einsum import FIXED, Einsum, EinsumRule, aligned, dim_letters, einsum_for
 
-__all__ = ["loss_rules"]
+__all__ = ["CLASS_LOSS_TARGETS", "loss_rules"]
+
+CLASS_LOSS_TARGETS = (
+    "aten.cross_entropy_loss.default",
+    "aten.nll_loss.default",
+    "aten.nll_loss_nd.default",
+    "aten.nll_loss2d.default",
+)
+"""Class-index losses ``(input, target, weight, reduction, ignore_index, ...)``: a mean divides
+by the number of targets not ignored (rows, for probability targets), which differs between
+the ranks of a split batch; the executor all-reduces it (one scalar per batch axis)."""
 
 _REDUCE: dict[int, ReduceOp] = {1: "avg", 2: "sum"}
 
@@ -90,12 +100,7 @@ def loss_rules() -> tuple[EinsumRule, ...]:
     return (
         EinsumRule(
             "loss",
-            (
-                "aten.cross_entropy_loss.default",
-                "aten.nll_loss.default",
-                "aten.nll_loss_nd.default",
-                "aten.nll_loss2d.default",
-            ),
+            CLASS_LOSS_TARGETS,
             class_loss_rule,
         ),
         EinsumRule("loss", tuple(_REDUCTION_POS), elementwise_loss_rule),

@@ -58,6 +58,7 @@ from plait.comm.dtensor import (
     build_device_mesh,
     distribute,
     from_local_piece,
+    full_value,
     is_dtensor,
     layout_of,
     local_piece,
@@ -79,6 +80,7 @@ from plait.layout.redistribute import plan_redistribution
 from plait.mesh import MeshSpec
 from plait.plan import Plan, PlannedOp
 from plait.rules.catalogue import default_catalogue
+from plait.rules.loss import CLASS_LOSS_TARGETS
 from plait.rules.pooling import pooling_rules
 from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strategy
 from plait.runtime.grad_sync import GradSync
@@ -591,6 +593,9 @@ class _NodeStep:
     settled: tuple[tuple[TensorLayout, tuple[Any, ...]], ...] = ()
     """Per planned output: its layout with pending sums reduced (where its gradient is pinned)
     and that layout's placements."""
+    mean_loss: tuple[str, ...] = ()
+    """A mean class-index loss on a split batch: the mesh axes splitting it
+    (:func:`_run_mean_class_loss`)."""
 
 
 def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> dict[str, _NodeStep]:
@@ -609,12 +614,14 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
         name = captured.op_of_node.get(n.name)
         op = None if name is None else planned[name]
         by_rule = op is not None and op.covered and str(n.target) in _LOCAL_BY_RULE
+        mean_loss = _mean_class_loss_axes(n, op)
         ins = () if op is None else op.inputs
         outs = () if op is None else op.outputs
         steps[n.name] = _NodeStep(
             op=op,
             skipped=str(n.target) in _SKIPPED_TARGETS,
             local=_local_op(op) if by_rule and op is not None else None,
+            mean_loss=mean_loss,
             writes=_writes_any(n.target),
             pin=n.name not in outputs,
             no_grad=no_grad,
@@ -718,6 +725,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
             out = target(*args, **kwargs)
         elif not op.covered:
             out = self._run_replicated(target, args, kwargs)
+        elif step.mean_loss:
+            out = _run_mean_class_loss(op, step.mean_loss, target, args, kwargs)
         elif step.local is not None:
             out = _run_local(op, step.local, target, args, kwargs)
         else:
@@ -900,6 +909,75 @@ def _run_local(op: PlannedOp, plan: _LocalOp, target: Any, args: Any, kwargs: An
             for k, o in enumerate(out)
         )
     return from_local_piece(out, mesh, op.outputs[0])
+
+
+# Mean-reduced class-index losses: ``target(input, target, weight, reduction, ignore_index,
+# ...)``; the mean divides by the number of targets not equal to ``ignore_index``.
+_MEAN_CLASS_LOSSES = frozenset(CLASS_LOSS_TARGETS)
+_MEAN, _SUM = 1, 2
+
+
+def _mean_class_loss_axes(node: torch.fx.Node, op: PlannedOp | None) -> tuple[str, ...]:
+    """Mesh axes splitting the batch of a mean class-index loss planned as a pending average
+    (():the loss runs as :func:`_run_mean_class_loss`); () for any other node."""
+    if op is None or not op.covered or str(node.target) not in _MEAN_CLASS_LOSSES:
+        return ()
+    if not op.outputs or not op.outputs[0].partial or len(op.inputs) != 2:
+        return ()  # a weighted mean (3 tensor inputs) is never split by the rule
+    args = dict(zip(("input", "target", "weight", "reduction"), node.args, strict=False))
+    args.update(node.kwargs)
+    if args.get("weight") is not None or args.get("reduction", _MEAN) != _MEAN:
+        return ()
+    return tuple(a for d in op.inputs[0].dims for a in d)
+
+
+def _run_mean_class_loss(
+    op: PlannedOp, axes: tuple[str, ...], target: Any, args: Any, kwargs: Any
+) -> torch.Tensor:
+    """A mean class-index loss on a split batch, exact with ignored targets.
+
+    PyTorch divides the summed loss by the number of targets that are not ``ignore_index``
+    (by the number of rows for probability targets); ranks hold different numbers of them,
+    so a mean of per-rank means is wrong. Each rank sums its terms, the global count is
+    all-reduced (the scalar all-reduce the plan lists for the loss), and the rank contributes
+    ``sum * ranks / count`` to the planned pending average: the average over ranks is the
+    global mean, and each rank's gradient is its terms' gradients over the global count, as
+    on one device.
+    """
+    names = [a.name for a in target._schema.arguments]
+    call = {**dict(zip(names, args, strict=False)), **kwargs}
+    x, t = call[names[0]], call[names[1]]
+    mesh = x.device_mesh
+    x_local = x.to_local(grad_placements=to_dtensor_placements(op.inputs[0]))
+    t_local = t.to_local()
+    call.update({names[0]: x_local, names[1]: t_local, "reduction": _SUM})
+    total = target(**call)
+    if t_local.is_floating_point():  # probability targets: one term per row
+        # (built from the local target, so that a simulated rank counts its own rows)
+        count = torch.ones_like(t_local.select(1, 0), dtype=torch.float64).sum()
+    else:
+        count = (t_local != call.get("ignore_index", -100)).sum(dtype=torch.float64)
+    layout = op.outputs[0]
+    pending = from_local_piece(count, mesh, TensorLayout(layout.mesh, (), axes))
+    ranks = math.prod(layout.mesh.axis_size(a) for a in axes)
+    count = full_value(pending).to(total.dtype)
+    return from_local_piece(_ShareOfMean.apply(total, count, ranks), mesh, layout)
+
+
+class _ShareOfMean(torch.autograd.Function):
+    """``total * ranks / count`` forward (this rank's term of a pending average over
+    ``ranks``), gradient ``grad / count``: backward hands every rank the whole gradient of the
+    averaged value, and the global mean depends on this rank's sum with slope 1/count."""
+
+    @staticmethod
+    def forward(ctx: Any, total: torch.Tensor, count: torch.Tensor, ranks: int) -> torch.Tensor:
+        ctx.save_for_backward(count)
+        return total * (ranks / count)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (count,) = ctx.saved_tensors
+        return grad / count, None, None
 
 
 class _ShareOfSum(torch.autograd.Function):

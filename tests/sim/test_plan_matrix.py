@@ -323,3 +323,65 @@ def test_pooling_and_group_norm_run_on_local_pieces(
     assert executor.mismatches == []
     assert executed == planned_collectives(plan)
     assert debug == by_kind(executed)
+
+
+# --------------------------------------------------------------------------- class losses
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+_CLASS_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "ignore_index": lambda m, b: torch.nn.functional.cross_entropy(
+        m(b[0]).reshape(-1, 32), b[1].reshape(-1), ignore_index=-100
+    ),
+    "ignore_index_smoothing": lambda m, b: torch.nn.functional.cross_entropy(
+        m(b[0]).transpose(1, 2), b[1], ignore_index=-100, label_smoothing=0.1
+    ),
+    "nll_loss": lambda m, b: torch.nn.functional.nll_loss(
+        torch.log_softmax(m(b[0]), -1).reshape(-1, 32), b[1].reshape(-1)
+    ),
+    "probability_targets": lambda m, b: torch.nn.functional.cross_entropy(
+        m(b[0]).reshape(-1, 32), (b[1].clamp(min=0) % 7).float().reshape(-1, 1).expand(-1, 32)
+    ),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(_CLASS_LOSSES))
+@pytest.mark.parametrize("world", sorted(MESHES))
+def test_mean_class_loss_with_ignored_targets_matches_one_device(
+    loss: str, world: int, compute_bound: str
+) -> None:
+    """PyTorch's mean divides by the targets not ignored, which differ between the ranks of a
+    split batch (a row of one rank entirely ignored here): the executor divides every rank's
+    sum by the all-reduced global count, the one scalar all-reduce the plan lists."""
+    torch.manual_seed(0)
+    model = _TinyLM()
+    batches = []
+    for _ in range(3):
+        ids, targets = torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))
+        targets[torch.rand(8, 8) < 0.3] = -100
+        targets[1] = -100
+        batches.append((ids, targets))
+    loss_fn = _CLASS_LOSSES[loss]
+    captured = capture_program(model, batches[0], loss_fn)
+    cfg = ParallelConfig(mode="auto", mesh=MESHES[world], search="dynamic_programming")
+    plan = plan_graph(captured.graph, cfg, model=model, hardware_file=compute_bound)
+    (op,) = [op for op in plan.ops if "loss" in op.target]
+    assert op.outputs[0].partial, op  # the batch of the loss is split
+    expected = reference_run(model, loss_fn, sgd, batches)
+    run, executed, debug, executor = run_plan(
+        model, captured, plan, cfg, loss_fn, sgd, batches, world
+    )
+    assert_same_run(expected, run, rtol=1e-4, atol=1e-5)
+    assert executor.mismatches == []
+    assert executed == planned_collectives(plan)
+    assert debug == by_kind(executed)

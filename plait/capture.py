@@ -743,10 +743,22 @@ class _Converter:
 
 
 def _convert(program: torch.export.ExportedProgram, model: nn.Module, batch: Any) -> _Captured:
-    conv = _Converter(program, model, batch)
-    inputs = conv.inputs()
-    ops = conv.ops(inputs)
-    return _Captured(inputs, ops, conv.outputs())
+    try:
+        conv = _Converter(program, model, batch)
+        inputs = conv.inputs()
+        ops = conv.ops(inputs)
+        return _Captured(inputs, ops, conv.outputs())
+    except Exception as e:
+        if "GuardOnDataDependent" not in type(e).__name__ and "data-dependent" not in str(e):
+            raise
+        # export traced it, but a tensor's size depends on values (boolean-mask indexing,
+        # nonzero, unique): plans need every size up front
+        raise CaptureError(
+            f"capture of {type(model).__name__}: a tensor's size depends on tensor values "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); plans need static "
+            "sizes: replace boolean-mask indexing, nonzero or unique with masking (torch.where, "
+            "multiplying by the mask) that keeps the shape"
+        ) from e
 
 
 # --------------------------------------------------------------------------- fast path

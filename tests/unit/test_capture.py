@@ -300,6 +300,16 @@ class Branchy(nn.Module):
         return x * 2 if x.sum() > 0 else x
 
 
+class Masked(nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum()
+
+
+def test_value_dependent_sizes_name_the_model_and_a_fix():
+    with pytest.raises(CaptureError, match=r"Masked: a tensor's size depends on tensor values"):
+        capture(Masked(), torch.randn(4, 3), lambda m, b: m(b))
+
+
 def test_export_failures_name_the_model_and_a_fix():
     with pytest.raises(CaptureError, match="Branchy") as info:
         capture(Branchy(), torch.ones(3))

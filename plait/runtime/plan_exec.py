@@ -918,8 +918,9 @@ _MEAN, _SUM = 1, 2
 
 
 def _mean_class_loss_axes(node: torch.fx.Node, op: PlannedOp | None) -> tuple[str, ...]:
-    """Mesh axes splitting the batch of a mean class-index loss planned as a pending average
-    (():the loss runs as :func:`_run_mean_class_loss`); () for any other node."""
+    """Mesh axes splitting the terms (batch and spatial dims) of a mean class-index loss
+    planned as a pending average, which then runs as :func:`_run_mean_class_loss`; () for
+    any other node."""
     if op is None or not op.covered or str(node.target) not in _MEAN_CLASS_LOSSES:
         return ()
     if not op.outputs or not op.outputs[0].partial or len(op.inputs) != 2:

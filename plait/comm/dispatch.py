@@ -14,6 +14,12 @@ Active during a Job's forward and backward as a ``TorchFunctionMode``. Two cases
    dims alike and neither splits the contraction dim, the product is purely local: plait's
    matmul rule says so and the op runs on the local pieces.
 
+3. **Mean class-index losses** (``F.cross_entropy``, ``F.nll_loss``) on a split batch: PyTorch
+   divides the summed loss by the number of targets not equal to ``ignore_index``, which
+   differs between ranks; DTensor averages per-rank means. Computed as ``reduction="none"``,
+   summed, and divided by the global count of counted targets, they are exact (one scalar
+   all-reduce for each; the backward needs none).
+
 Anything else goes to DTensor unchanged; plain tensors are never touched.
 """
 
@@ -100,6 +106,31 @@ def _mean_loss_op_as_none(func: Any, args: Any, kwargs: dict[str, Any]) -> Any |
     return func(*args, **kwargs).mean()
 
 
+_CLASS_LOSSES = {F.cross_entropy, F.nll_loss}
+_CLASS_LOSS_KWARGS = {"ignore_index", "reduction", "label_smoothing", "weight"}
+_LEGACY = {"size_average", "reduce"}
+
+
+def exact_mean_class_loss(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """``F.cross_entropy`` / ``F.nll_loss`` with ``reduction="mean"`` on a DTensor input whose
+    terms are split: ``sum(none-reduced) / global count``; None when that does not apply (a
+    class weight, other arguments, a replicated input)."""
+    # torch passes every argument by name, the legacy ones as None
+    kwargs = {k: v for k, v in kwargs.items() if not (k in _LEGACY and v is None)}
+    if len(args) != 2 or set(kwargs) - _CLASS_LOSS_KWARGS or kwargs.get("weight") is not None:
+        return None
+    x, target = args
+    if kwargs.get("reduction", "mean") != "mean" or not isinstance(x, DTensor):
+        return None
+    if not any(p.is_shard() for p in x.placements):
+        return None
+    terms = func(x, target, **{**kwargs, "reduction": "none"})
+    if target.is_floating_point():  # probability targets: every row counts
+        return terms.mean()
+    counted = (target != kwargs.get("ignore_index", -100)).sum().to(terms.dtype)
+    return terms.sum() / counted
+
+
 class PlaitDispatchMode(TorchFunctionMode):
     """Route the ops above to plait's rules when their inputs are DTensors."""
 
@@ -112,6 +143,10 @@ class PlaitDispatchMode(TorchFunctionMode):
         ):
             kwargs["reduction"] = "none"
             return func(*args, **kwargs).mean()
+        if func in _CLASS_LOSSES:
+            out = exact_mean_class_loss(func, args, kwargs)
+            if out is not None:
+                return out
         if func in _MEAN_LOSS_OPS and any(isinstance(a, DTensor) for a in args):
             out = _mean_loss_op_as_none(func, args, kwargs)
             if out is not None:

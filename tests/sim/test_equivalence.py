@@ -99,3 +99,23 @@ def test_stand_alone_is_plain_training(mlp_and_batches):
     )
     losses = [job.step(b) for b in batches]
     assert_same_run(expected, plait.testing.equivalence.Run(losses, job.full_state_dict()))
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"dp": 4, "tp": 1}], ids=["dp2_tp2", "dp4"])
+def test_gpt_with_ignored_targets_matches_single_device(mesh, gpt_and_batches):
+    """Padding targets (ignore_index) fall unevenly across the dp ranks, one sequence entirely:
+    the mean cross-entropy still divides by the global count, as on one device (SGD shows a
+    wrong gradient scale that Adam would hide)."""
+    model, batches = gpt_and_batches
+    torch.manual_seed(1)
+    padded = []
+    for ids, targets in batches:
+        targets = targets.clone()
+        targets[torch.rand(targets.shape) < 0.3] = -100
+        targets[1] = -100
+        padded.append((ids, targets))
+    if mesh["tp"] > 1:
+        annotate_megatron(model, mesh["tp"])
+    config = ParallelConfig(mode="semi_auto", mesh=mesh)
+    expected = reference_run(model, gpt_loss, sgd, padded)
+    assert_same_run(expected, simulated_run(model, config, gpt_loss, sgd, padded, 4))

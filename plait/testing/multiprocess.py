@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -57,15 +58,18 @@ def _worker(
     # The result is on disk before teardown, so a crash there cannot hide what the rank did.
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
-    if dist.is_initialized():
-        if result[0] == "ok":
-            # Tear down together: a rank that closes its gloo pairs while a peer still reads
-            # from them can abort that peer's process ("terminate called without an active
-            # exception"). Best effort: a peer that failed may never come (its error is in
-            # its result file, which the parent reports).
-            with contextlib.suppress(Exception):
-                dist.barrier()
-        dist.destroy_process_group()
+    if dist.is_initialized() and result[0] == "ok":
+        # Leave together: a rank that exits while a peer still reads from its gloo pairs can
+        # abort that peer. Best effort: a peer that failed may never come (its error is in
+        # its result file, which the parent reports).
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    # Exit without interpreter teardown: gloo's threads, destroyed there, can abort a process
+    # whose work is done ("terminate called without an active exception", SIGABRT), which
+    # the parent would report as a failure although every result is on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_workers(

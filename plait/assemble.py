@@ -44,7 +44,7 @@ from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
 from plait.plan import Alternative, Plan, PlannedCollective, PlannedOp, PlannedParameter, Prediction
 from plait.rules import default_catalogue
-from plait.rules.loss import CLASS_LOSS_TARGETS
+from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.search.problem import SearchProblem, gradient_layout, settled
 from plait.search.propagation import Decision
@@ -261,7 +261,7 @@ def _op_collectives(
                 ("backward", op.name, stage),
                 f"gradient of {what} for {op.name}: {grad.describe()} -> {back.describe()}",
             )
-    if op.target in _MEAN_LOSSES and strategy.outputs[0].partial:
+    if divides_by_target_count(op.target, strategy.outputs[0]):
         # The mean divides by the global count of targets not ignored, which differs between
         # ranks: one float64 scalar all-reduce per axis splitting the batch (the executor's
         # _run_mean_class_loss).
@@ -274,9 +274,6 @@ def _op_collectives(
                 f"{op.name}: count of the targets the mean divides by, over a batch split on "
                 f"{axis!r}",
             )
-
-
-_MEAN_LOSSES = frozenset(CLASS_LOSS_TARGETS)
 
 
 def _parameters(

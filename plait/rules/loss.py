@@ -6,18 +6,20 @@ alike; ``sum`` (2) leaves a pending sum; ``mean`` (1) leaves a pending average, 
 exact when every device averages the same number of terms: true for elementwise losses
 (even splits); for class-index losses PyTorch divides by the number of targets not equal to
 ``ignore_index``, which may differ between devices, so the executor makes each device's term
-exact with the all-reduced global count (the plan lists that scalar all-reduce). Class-weighted means (``weight`` given)
-divide by a weight sum that differs per device: they are not split.
+exact with the all-reduced global count (the plan lists that scalar all-reduce:
+:func:`divides_by_target_count`). Class-weighted means (``weight`` given) divide by a weight
+sum that differs per device: they are not split.
 """
 
 from __future__ import annotations
 
 from plait.graph import OpNode
+from plait.layout import TensorLayout
 from plait.layout.placement import ReduceOp
 from plait.rules.args import arg, ref_index
 from plait.rules.einsum import FIXED, Einsum, EinsumRule, aligned, dim_letters, einsum_for
 
-__all__ = ["CLASS_LOSS_TARGETS", "loss_rules"]
+__all__ = ["CLASS_LOSS_TARGETS", "divides_by_target_count", "loss_rules"]
 
 CLASS_LOSS_TARGETS = (
     "aten.cross_entropy_loss.default",
@@ -30,6 +32,12 @@ by the number of targets not ignored (rows, for probability targets), which diff
 the ranks of a split batch; the executor all-reduces it (one scalar per batch axis)."""
 
 _REDUCE: dict[int, ReduceOp] = {1: "avg", 2: "sum"}
+
+
+def divides_by_target_count(target: str, output: TensorLayout) -> bool:
+    """A class-index loss whose planned output is a pending mean over split terms: each device
+    divides by the global count of its targets (one scalar all-reduce per splitting axis)."""
+    return target in CLASS_LOSS_TARGETS and bool(output.partial) and output.reduce_op == "avg"
 
 
 def _reduced(

@@ -29,7 +29,7 @@ from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
 
-__all__ = ["Job", "LossFn", "OptimizerFactory", "split_micro_batches"]
+__all__ = ["Job", "LossFn", "OptimizerFactory"]
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,14 @@ from torch.utils._pytree import tree_leaves
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
+from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.plan import Plan
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
-from plait.runtime.job import Job, LossFn, OptimizerFactory, split_micro_batches
+from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
 from plait.runtime.modules import apply_layouts, collect_layouts
 

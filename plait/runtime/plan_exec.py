@@ -23,9 +23,9 @@ the next op needs it. Parameter gradients left pending over an axis (the plan's
 Evaluation (``model.eval()``, as ``Job.evaluate`` sets it) runs the model's evaluation-mode
 program: the model is exported a second time in eval mode, so dropout is off, batch norm reads
 its running statistics and updates no buffer, and any ``if self.training`` branch of the
-user's code is taken as on one device. Its ops keep the plan's strategies where the op is the
-same (name, target, arguments) or the plan's strategy is valid for it too; any other op runs
-replicated (:func:`evaluation_plan`).
+user's code is taken as on one device. Its ops are matched to planned ones by module, target
+and occurrence, and keep the plan's strategies where the call is the same or the strategy is
+valid for it too; any other op runs replicated (:func:`evaluation_plan`).
 
 :func:`build_plan_job` builds the :class:`~plait.runtime.job.Job` for a plan, the way
 ``parallelize`` builds a semi_auto job, with the executor as the job's loss function.
@@ -80,7 +80,7 @@ from plait.layout.redistribute import plan_redistribution
 from plait.mesh import MeshSpec
 from plait.plan import Plan, PlannedOp
 from plait.rules.catalogue import default_catalogue
-from plait.rules.loss import CLASS_LOSS_TARGETS
+from plait.rules.loss import divides_by_target_count
 from plait.rules.pooling import pooling_rules
 from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strategy
 from plait.runtime.grad_sync import GradSync
@@ -614,7 +614,7 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
         name = captured.op_of_node.get(n.name)
         op = None if name is None else planned[name]
         by_rule = op is not None and op.covered and str(n.target) in _LOCAL_BY_RULE
-        mean_loss = _mean_class_loss_axes(n, op)
+        mean_loss = _mean_class_loss_axes(op)
         ins = () if op is None else op.inputs
         outs = () if op is None else op.outputs
         steps[n.name] = _NodeStep(
@@ -911,23 +911,14 @@ def _run_local(op: PlannedOp, plan: _LocalOp, target: Any, args: Any, kwargs: An
     return from_local_piece(out, mesh, op.outputs[0])
 
 
-# Mean-reduced class-index losses: ``target(input, target, weight, reduction, ignore_index,
-# ...)``; the mean divides by the number of targets not equal to ``ignore_index``.
-_MEAN_CLASS_LOSSES = frozenset(CLASS_LOSS_TARGETS)
-_MEAN, _SUM = 1, 2
+_SUM = 2  # ``reduction`` argument of the class-index losses
 
 
-def _mean_class_loss_axes(node: torch.fx.Node, op: PlannedOp | None) -> tuple[str, ...]:
+def _mean_class_loss_axes(op: PlannedOp | None) -> tuple[str, ...]:
     """Mesh axes splitting the terms (batch and spatial dims) of a mean class-index loss
     planned as a pending average, which then runs as :func:`_run_mean_class_loss`; () for
-    any other node."""
-    if op is None or not op.covered or str(node.target) not in _MEAN_CLASS_LOSSES:
-        return ()
-    if not op.outputs or not op.outputs[0].partial or len(op.inputs) != 2:
-        return ()  # a weighted mean (3 tensor inputs) is never split by the rule
-    args = dict(zip(("input", "target", "weight", "reduction"), node.args, strict=False))
-    args.update(node.kwargs)
-    if args.get("weight") is not None or args.get("reduction", _MEAN) != _MEAN:
+    any other op."""
+    if op is None or not op.covered or not divides_by_target_count(op.target, op.outputs[0]):
         return ()
     return tuple(a for d in op.inputs[0].dims for a in d)
 

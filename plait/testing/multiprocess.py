@@ -53,7 +53,7 @@ def _worker(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         result = ("ok", fn(*args))
-    except BaseException:  # report every failure to the parent, then exit non-zero
+    except BaseException:  # report every failure to the parent (its result file)
         result = ("error", traceback.format_exc())
     # The result is on disk before teardown, so a crash there cannot hide what the rank did.
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:

@@ -58,9 +58,9 @@ import plait
 from plait import ParallelConfig
 from plait.cost.calibrate import calibrate, format_profile
 from plait.cost.hardware import HardwareProfile, default_profile_path, load_profile
-from plait.planner import plan_graph
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.planning import plan_graph
 from plait.testing import run_workers
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 WORLD = 4
 LR = 1e-3

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import plait
+from plait.models import MLP
 from plait.testing import run_workers
-from plait.testing.models import MLP
 
 WORLD = 4
 WARMUP = 5

@@ -18,9 +18,9 @@ import time
 import torch
 
 import plait
-from plait.capture import capture
-from plait.planner import plan_graph
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.graph import capture
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.planning import plan_graph
 
 # layers, hidden, heads, devices, tp
 ROWS = [

@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from plait.capture import capture
 from plait.config import ParallelConfig
-from plait.planner import prepare
+from plait.graph import capture
+from plait.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
+from plait.planning.setup import prepare
 from plait.search import get_searcher
-from plait.testing.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
 
 SEARCHERS = ("sharding_propagation", "recursive_programming", "dynamic_programming", "ilp")
 ILP_MAX_OPS = 60

@@ -43,8 +43,8 @@ from torch.distributed.tensor.parallel import (
 
 import plait
 from plait import ParallelConfig
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 WORLD = 4
 DP = 2

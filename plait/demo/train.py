@@ -9,7 +9,7 @@ Rank 0 draws the progress bar and prints evaluation losses and the final summary
 ranks log the same events with ``logging`` into their own files (``worker_<rank>.log`` under
 ``plait run --log-dir``). The program exits with status 1 if the training loss did not fall.
 
-The model is :class:`plait.testing.models.TinyGPT`: token and position embeddings, pre-norm
+The model is :class:`plait.models.gpt.TinyGPT`: token and position embeddings, pre-norm
 blocks with causal multi-head attention (explicit matmuls and softmax), a GELU MLP, a final
 LayerNorm and an LM head.
 """
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import plait
 from plait.launch import detect_environment
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 logger = logging.getLogger("plait.demo.gpt")
 

@@ -19,7 +19,7 @@ from plait import CommFusion, ParallelConfig
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import Run, assert_same_run, reference_run
-from plait.testing.models import MLP, mlp_loss
+from plait.models import MLP, mlp_loss
 
 WORLD = 2
 STEPS = 4

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from plait.testing.models import MLP, GPTConfig, TinyGPT
+from plait.models import MLP, GPTConfig, TinyGPT
 
 GPT_CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
 STEPS = 10

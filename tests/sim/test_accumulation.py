@@ -8,9 +8,9 @@ import torch
 
 import plait
 from plait import ParallelConfig, ShardingError
+from plait.models import annotate_megatron, gpt_loss, mlp_loss
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, reference_run, simulated_run
-from plait.testing.models import annotate_megatron, gpt_loss, mlp_loss
 from tests.sim.conftest import adamw
 
 

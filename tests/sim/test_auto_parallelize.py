@@ -12,8 +12,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 import plait
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlanError
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
 

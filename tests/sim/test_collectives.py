@@ -8,8 +8,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
 from plait import ParallelConfig
+from plait.models import annotate_megatron, gpt_loss, mlp_loss
 from plait.testing.comm import CollectiveLog
-from plait.testing.models import annotate_megatron, gpt_loss, mlp_loss
 from tests.sim.conftest import adamw
 
 

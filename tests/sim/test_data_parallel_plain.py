@@ -15,9 +15,9 @@ import plait
 from plait import CommFusion, ParallelConfig, ShardingError
 from plait._compat import LocalTensor
 from plait.comm.dtensor import is_dtensor
+from plait.models import MLP, mlp_loss
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, reference_run, simulated_run
-from plait.testing.models import MLP, mlp_loss
 from tests.sim.conftest import adamw
 
 

@@ -11,9 +11,9 @@ import plait
 from plait import ParallelConfig
 from plait.data import ShardedLoader, slice_batch
 from plait.mesh import MeshSpec
+from plait.models import MLP, mlp_loss
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, reference_run, simulated_run
-from plait.testing.models import MLP, mlp_loss
 from tests.sim.conftest import adamw
 
 

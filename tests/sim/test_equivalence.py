@@ -10,8 +10,8 @@ import torch
 
 import plait
 from plait import Layout, ParallelConfig
+from plait.models import annotate_megatron, gpt_loss, mlp_loss
 from plait.testing.equivalence import assert_same_run, reference_run, simulated_run
-from plait.testing.models import annotate_megatron, gpt_loss, mlp_loss
 from tests.sim.conftest import adamw
 
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
 from plait import ConfigError, Layout, LayoutError, NotBuiltError, ParallelConfig, ShardingError
-from plait.testing.models import MLP, mlp_loss
+from plait.models import MLP, mlp_loss
 from tests.sim.conftest import adamw
 
 SEMI = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2})

@@ -9,10 +9,10 @@ import torch
 
 import plait
 from plait import CommFusion, ParallelConfig
+from plait.models import annotate_megatron, gpt_loss, mlp_loss
 from plait.runtime.grad_sync import plan_buckets
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, reference_run, simulated_run
-from plait.testing.models import annotate_megatron, gpt_loss, mlp_loss
 from tests.sim.conftest import adamw
 
 NUM_MLP_PARAMS = 6  # MLP((16, 32, 16, 8)): three Linears, weight and bias each

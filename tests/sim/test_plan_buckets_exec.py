@@ -17,12 +17,12 @@ import torch
 
 import plait
 from plait.annotate import shard
-from plait.capture import capture_program
 from plait.config import CommFusion, ParallelConfig
-from plait.planner import plan_graph
+from plait.graph import capture_program
+from plait.models import MLP, GPTConfig, TinyGPT, annotate_megatron, gpt_loss, mlp_loss
+from plait.planning import plan_graph
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, reference_run
-from plait.testing.models import MLP, GPTConfig, TinyGPT, annotate_megatron, gpt_loss, mlp_loss
 from tests.sim.test_plan_exec import (
     adamw,
     by_kind,

@@ -20,19 +20,18 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
 from plait.annotate import shard
-from plait.capture import ExecutableCapture, capture_program
 from plait.comm.dtensor import build_device_mesh, distribute, full_value, layout_of
 from plait.comm.redistribute import execute_redistribution
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ShardingError
+from plait.graph import ExecutableCapture, capture_program
 from plait.layout.redistribute import plan_redistribution
-from plait.plan import Plan
-from plait.planner import plan_graph
+from plait.models import GPTConfig, ModelSpec, TinyGPT, annotate_megatron, build, gpt_loss
+from plait.planning import Plan
+from plait.planning import plan_graph
 from plait.runtime.plan_exec import PlanExecutor, build_plan_job
 from plait.testing.comm import CollectiveLog, collective_kind
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
-from plait.zoo import ModelSpec, build
 
 RTOL = 1e-4
 STEPS = 5

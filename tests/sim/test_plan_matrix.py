@@ -33,17 +33,16 @@ import pytest
 import torch
 from torch import nn
 
-from plait.capture import ExecutableCapture, capture_program
 from plait.config import ParallelConfig
 from plait.cost.comm import Link
 from plait.cost.hardware import local_defaults, save_profile
+from plait.graph import ExecutableCapture, capture_program
 from plait.layout import TensorLayout
-from plait.plan import Plan
-from plait.planner import plan_graph
+from plait.models import GPTConfig, ModelSpec, TinyGPT, build, gpt_loss
+from plait.planning import Plan
+from plait.planning import plan_graph
 from plait.runtime.plan_exec import PlanExecutor
 from plait.testing.equivalence import Run, assert_same_run, reference_run
-from plait.testing.models import GPTConfig, TinyGPT, gpt_loss
-from plait.zoo import ModelSpec, build
 from tests.sim.test_plan_exec import (
     adamw,
     by_kind,

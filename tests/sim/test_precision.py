@@ -11,7 +11,7 @@ import torch
 
 import plait
 from plait import ParallelConfig
-from plait.testing.models import annotate_megatron, gpt_loss, mlp_loss
+from plait.models import annotate_megatron, gpt_loss, mlp_loss
 from tests.sim.conftest import adamw
 
 

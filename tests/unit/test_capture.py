@@ -1,4 +1,4 @@
-"""plait.capture: models become OpGraphs with shapes, FLOPs, parameters and layer groups."""
+"""plait.graph (capture): models become OpGraphs with shapes, FLOPs, parameters and layer groups."""
 
 from dataclasses import replace
 
@@ -6,11 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from plait.capture import capture, find_repeated_layers, op_flops
+from plait.cost.flops import op_flops
 from plait.errors import CaptureError
-from plait.graph import LayerGroup, OpGraph, Ref, TensorMeta
-from plait.testing.models import GPTConfig, TinyGPT, gpt_loss
-from plait.zoo import ModelSpec, build
+from plait.graph import LayerGroup, OpGraph, Ref, TensorMeta, capture, find_repeated_layers
+from plait.models import GPTConfig, ModelSpec, TinyGPT, build, gpt_loss
 
 B, T, D, H, V = 2, 8, 16, 4, 32
 CFG = GPTConfig(vocab=V, seq=T, width=D, heads=H, layers=2)

@@ -10,7 +10,7 @@ import torch
 
 import plait
 from plait.config import ParallelConfig
-from plait.testing.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
+from plait.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
 
 
 def _gpt(layers: int = 4, width: int = 64, batch: int = 16):
@@ -25,7 +25,10 @@ def test_generous_memory_needs_no_zero_or_recompute() -> None:
     winner uses neither, and every option it weighed is recorded with the reason."""
     model, batch = _gpt()
     plan = plait.plan(
-        model, batch, ParallelConfig(mode="auto", devices=8, hardware="a100-80g"), loss_fn=gpt_loss
+        model,
+        ParallelConfig(mode="auto", devices=8, hardware="a100-80g"),
+        example_batch=batch,
+        loss_fn=gpt_loss,
     )
     assert plan.optimizer_shard is None and plan.recompute == "none"
     assert len(plan.options) > 3
@@ -42,13 +45,16 @@ def test_tight_memory_escalates_until_the_plan_fits() -> None:
     and it is slower than the unconstrained winner (or it would have won before)."""
     model, batch = _gpt()
     free = plait.plan(
-        model, batch, ParallelConfig(mode="auto", devices=8, hardware="a100-80g"), loss_fn=gpt_loss
+        model,
+        ParallelConfig(mode="auto", devices=8, hardware="a100-80g"),
+        example_batch=batch,
+        loss_fn=gpt_loss,
     )
     limit = int(free.predicted.memory_bytes * 0.6)
     tight = plait.plan(
         model,
-        batch,
         ParallelConfig(mode="auto", devices=8, hardware="a100-80g", memory_limit=limit),
+        example_batch=batch,
         loss_fn=gpt_loss,
     )
     assert tight.predicted.memory_bytes <= limit
@@ -62,14 +68,14 @@ def test_what_the_user_fixes_stays_fixed() -> None:
     cfg = ParallelConfig(
         mode="auto", mesh={"dp": 4, "tp": 2}, optimizer_shard=2, hardware="a100-80g"
     )
-    plan = plait.plan(model, batch, cfg, loss_fn=gpt_loss)
+    plan = plait.plan(model, cfg, example_batch=batch, loss_fn=gpt_loss)
     assert plan.mesh.as_dict() == {"dp": 4, "tp": 2}
     assert plan.optimizer_shard == 2
     assert {tuple(o.mesh.items()) for o in plan.options} == {(("dp", 4), ("tp", 2))}
     staged = plait.plan(
         model,
-        batch,
         ParallelConfig(mode="auto", devices=8, pipeline_stages=2, hardware="a100-80g"),
+        example_batch=batch,
         loss_fn=gpt_loss,
     )
     assert staged.pipeline_stages == 2 and staged.mesh.as_dict()["pp"] == 2
@@ -86,7 +92,10 @@ def test_big_batch_small_model_stays_data_parallel() -> None:
         x = torch.zeros(262_144, 64)
         y = torch.zeros(262_144, 64)
     plan = plait.plan(
-        model, (x, y), ParallelConfig(mode="auto", devices=8, hardware="a100-80g"), loss_fn=mlp_loss
+        model,
+        ParallelConfig(mode="auto", devices=8, hardware="a100-80g"),
+        example_batch=(x, y),
+        loss_fn=mlp_loss,
     )
     assert plan.mesh.as_dict() == {"dp": 8}
     assert plan.pipeline_stages == 1

@@ -13,15 +13,13 @@ import math
 import pytest
 import torch
 
-import plait
-from plait.capture import capture
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import CaptureError
 from plait.fusion import plan_buckets
-from plait.graph import GraphInput, OpGraph, TensorMeta
-from plait.plan import Plan
-from plait.planner import plan_graph, prepare
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.graph import GraphInput, OpGraph, TensorMeta, capture
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.planning import Plan, PlannedCollective, plan_graph
+from plait.planning.setup import prepare
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=3)
 DP_TP = {"dp": 2, "tp": 2}
@@ -65,7 +63,7 @@ def _plan(model, graph, fusion=None, mode="semi_auto", **extra) -> Plan:
     return plan_graph(graph, cfg)
 
 
-def _buckets(plan: Plan) -> list[plait.plan.PlannedCollective]:
+def _buckets(plan: Plan) -> list[PlannedCollective]:
     return [c for c in plan.collectives if c.reason.startswith("gradients of")]
 
 

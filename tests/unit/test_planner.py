@@ -14,7 +14,7 @@ from torch import nn
 import plait
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, ShardingError
-from plait.testing.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 # One gradient bucket per parameter: these tests read per-parameter reductions.
 NO_FUSION = CommFusion(bucket_mb=1e-9)
@@ -55,7 +55,7 @@ def test_megatron_semi_auto_gives_megatron_layouts_and_collectives() -> None:
     """
     model, batch = _gpt(megatron=True)
     cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, comm_fusion=NO_FUSION)
-    plan = plait.plan(model, batch, cfg, loss_fn=gpt_loss)
+    plan = plait.plan(model, cfg, example_batch=batch, loss_fn=gpt_loss)
     layouts = {p.name: p.layout.describe() for p in plan.parameters}
     for b in range(2):
         for name in ("attn.q", "attn.k", "attn.v", "fc1"):
@@ -86,8 +86,8 @@ def test_data_parallel_plan_replicates_every_parameter() -> None:
     model, batch = _gpt()
     plan = plait.plan(
         model,
-        batch,
         ParallelConfig(mode="data_parallel", devices=4, comm_fusion=NO_FUSION),
+        example_batch=batch,
         loss_fn=gpt_loss,
     )
     assert all(not any(p.layout.dims) for p in plan.parameters)
@@ -105,9 +105,9 @@ def test_data_parallel_plan_replicates_every_parameter() -> None:
 def test_plan_file_is_deterministic_and_lossless(tmp_path) -> None:
     model, batch = _gpt(megatron=True)
     cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2})
-    first = plait.plan(model, batch, cfg, loss_fn=gpt_loss).to_json()
+    first = plait.plan(model, cfg, example_batch=batch, loss_fn=gpt_loss).to_json()
     model2, batch2 = _gpt(megatron=True)
-    second = plait.plan(model2, batch2, cfg, loss_fn=gpt_loss).to_json()
+    second = plait.plan(model2, cfg, example_batch=batch2, loss_fn=gpt_loss).to_json()
     assert first == second
     again = plait.Plan.from_json(first)
     assert again.to_json() == first
@@ -119,7 +119,10 @@ def test_plan_file_is_deterministic_and_lossless(tmp_path) -> None:
 def test_plan_explains_parameters_and_ops() -> None:
     model, batch = _gpt(megatron=True)
     plan = plait.plan(
-        model, batch, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+        model,
+        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+        example_batch=batch,
+        loss_fn=gpt_loss,
     )
     text = plan.explain("blocks.0.attn.q.weight")
     assert "[tp, None]" in text
@@ -136,7 +139,10 @@ def test_auto_propagation_from_annotation_reaches_every_op() -> None:
     """
     model, batch = _gpt(megatron=True)
     plan = plait.plan(
-        model, batch, ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+        model,
+        ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}),
+        example_batch=batch,
+        loss_fn=gpt_loss,
     )
     assert not any(k == "all_to_all" for k, _ in _count(plan))
     inner = [op for op in plan.ops if op.target.split(".")[1] in ("softmax", "matmul")]
@@ -162,7 +168,10 @@ def test_conflicting_annotations_name_both_ops() -> None:
     plait.shard(model.b, in_strategy=((1, 2),))
     with pytest.raises(ShardingError, match="conflicting annotations") as err:
         plait.plan(
-            model, (x,), ParallelConfig(mode="auto", devices=2), loss_fn=lambda m, b: m(*b).sum()
+            model,
+            ParallelConfig(mode="auto", devices=2),
+            example_batch=(x,),
+            loss_fn=lambda m, b: m(*b).sum(),
         )
     assert "a" in str(err.value) and "b" in str(err.value)
 
@@ -170,12 +179,12 @@ def test_conflicting_annotations_name_both_ops() -> None:
 def test_plan_refuses_what_it_cannot_do_yet() -> None:
     model, batch = _gpt()
     with pytest.raises(ConfigError, match="devices"):
-        plait.plan(model, batch, ParallelConfig(mode="auto"), loss_fn=gpt_loss)
+        plait.plan(model, ParallelConfig(mode="auto"), example_batch=batch, loss_fn=gpt_loss)
 
 
 def test_planning_allocates_no_parameter_memory() -> None:
     model, batch = _gpt(layers=3)
-    plait.plan(model, batch, ParallelConfig(mode="auto", devices=8), loss_fn=gpt_loss)
+    plait.plan(model, ParallelConfig(mode="auto", devices=8), example_batch=batch, loss_fn=gpt_loss)
     assert all(p.is_meta for p in model.parameters())
 
 
@@ -185,7 +194,7 @@ def test_pipeline_plan_cuts_at_layers_and_prices_the_bubble() -> None:
     the bubble is (stages - 1) / micro_batches of the busiest stage's time (1F1B)."""
     model, batch = _gpt(layers=4)
     cfg = ParallelConfig(mode="data_parallel", devices=4, pipeline_stages=2, micro_batches=4)
-    plan = plait.plan(model, batch, cfg, loss_fn=gpt_loss)
+    plan = plait.plan(model, cfg, example_batch=batch, loss_fn=gpt_loss)
     assert plan.mesh.as_dict() == {"pp": 2, "dp": 2}
     assert len(plan.stages) == 2
     layers_of = [{plan.op(n).layer for n in stage} - {None} for stage in plan.stages]
@@ -209,10 +218,10 @@ def test_optimizer_shard_levels_change_collectives_and_memory() -> None:
     plans = {
         level: plait.plan(
             model,
-            batch,
             ParallelConfig(
                 mode="data_parallel", devices=4, optimizer_shard=level, comm_fusion=NO_FUSION
             ),
+            example_batch=batch,
             loss_fn=gpt_loss,
         )
         for level in (None, 1, 2, 3)
@@ -241,7 +250,10 @@ def test_optimizer_shard_levels_change_collectives_and_memory() -> None:
 def test_plan_validates_against_its_model() -> None:
     model, batch = _gpt(megatron=True)
     plan = plait.plan(
-        model, batch, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), loss_fn=gpt_loss
+        model,
+        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+        example_batch=batch,
+        loss_fn=gpt_loss,
     )
     plan.validate(model, world_size=4)
     other, _ = _gpt(layers=3)
@@ -259,8 +271,8 @@ def test_full_batch_plans_the_batch_split_over_dp_like_the_runtime() -> None:
     plans = [
         plait.plan(
             model,
-            batch,
             ParallelConfig(mode="data_parallel", devices=4, dataset_strategy=strategy),
+            example_batch=batch,
             loss_fn=gpt_loss,
         )
         for strategy in ("data_parallel", "full_batch")

@@ -374,8 +374,8 @@ ZOO = {"gpt": {}, "llama": {"heads": 4, "kv_heads": 2}, "bert": {}, "mlp": {}, "
 
 @pytest.fixture(scope="module")
 def zoo_graphs():
-    from plait.capture import capture
-    from plait.zoo import ModelSpec, build
+    from plait.graph import capture
+    from plait.models import ModelSpec, build
 
     graphs = {}
     for kind, kw in ZOO.items():

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.capture import capture
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlanError
-from plait.planner import SearchSetup, prepare
+from plait.graph import capture
+from plait.models import MLP, Block, GPTConfig, mlp_loss
+from plait.planning.setup import SearchSetup, prepare
 from plait.search import get_searcher, sharding_propagation
 from plait.search.dynamic import (
     CostGraph,
@@ -33,7 +34,6 @@ from plait.search.dynamic import (
     eliminate,
 )
 from plait.search.ilp import IlpResult, ilp, solve_cost_graph
-from plait.testing.models import MLP, Block, GPTConfig, mlp_loss
 
 MESHES = (
     {"dp": 2},

@@ -16,13 +16,12 @@ from torch import nn
 
 import plait
 from plait.annotate import shard
-from plait.capture import capture
 from plait.config import ParallelConfig
-from plait.planner import SearchSetup, prepare
+from plait.graph import capture
+from plait.models import MLP, GPTConfig, ModelSpec, TinyGPT, build, gpt_loss, mlp_loss
+from plait.planning.setup import SearchSetup, prepare
 from plait.search import get_searcher, sharding_propagation
 from plait.search.recursive import axis_orders, recursive_programming
-from plait.testing.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
-from plait.zoo import ModelSpec, build
 
 
 def _mlp_setup(

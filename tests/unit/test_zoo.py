@@ -1,4 +1,4 @@
-"""plait.zoo: every built-in model trains a step on CPU and builds on meta without memory."""
+"""plait.models: every built-in model (the zoo) trains a step on CPU and builds on meta without memory."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from plait.errors import ConfigError
-from plait.zoo import KINDS, ModelSpec, build, parameter_count
+from plait.models import KINDS, ModelSpec, build, parameter_count
 
 SPECS = [
     ModelSpec(kind="gpt"),

@@ -1,13 +1,11 @@
-"""Small reference models for tests, the demo and benchmarks, and their Megatron annotations.
+"""TinyGPT: a GPT with learned positions and pre-norm blocks, and its Megatron annotations.
 
 Tensor-name legend: B batch, T sequence, D model width, H heads, K head width, V vocab.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,27 +14,7 @@ from torch import nn
 
 from plait.annotate import shard
 
-__all__ = ["MLP", "GPTConfig", "TinyGPT", "annotate_megatron", "gpt_loss", "mlp_loss"]
-
-
-class MLP(nn.Module):
-    """Linear layers with GELU between them."""
-
-    def __init__(self, dims: Sequence[int] = (16, 32, 16, 8)) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = F.gelu(x)
-        return x
-
-
-def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.mse_loss(model(x), y)
+__all__ = ["Attention", "Block", "GPTConfig", "TinyGPT", "annotate_megatron", "gpt_loss"]
 
 
 @dataclass(frozen=True)

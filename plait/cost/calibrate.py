@@ -20,21 +20,17 @@ the efficiencies are 1.0. The collective measurement runs real processes through
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from plait.cost.comm import Link
 from plait.cost.errors import CostError
 from plait.cost.hardware import (
     HardwareProfile,
@@ -42,14 +38,11 @@ from plait.cost.hardware import (
     local_defaults,
     save_profile,
 )
-
-if TYPE_CHECKING:
-    from plait.cli import Command
+from plait.cost.link import Link
 
 __all__ = [
     "CalibrationSettings",
     "calibrate",
-    "calibrate_command",
     "fit_alpha_beta",
     "format_profile",
     "measure_copy_bandwidth",
@@ -293,50 +286,4 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  devices per node:  {profile.devices_per_node}",
             f"  source: {profile.source}",
         ]
-    )
-
-
-# ------------------------------------------------------------------------------------ CLI
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--out",
-        metavar="PATH",
-        default=None,
-        help=f"where to write the profile (default: {default_profile_path()}; $PLAIT_HOME moves it)",
-    )
-    parser.add_argument(
-        "--world-size",
-        type=int,
-        default=2,
-        metavar="N",
-        help="local processes for the all_reduce measurement (default 2)",
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="smaller sizes and fewer repetitions (~20 s)"
-    )
-
-
-def _handle(args: argparse.Namespace) -> int:
-    try:
-        profile = calibrate(world_size=args.world_size, out=args.out, quick=args.quick)
-    except CostError as e:
-        sys.stderr.write(f"plait calibrate: error: {e}\n")
-        return 2
-    path = Path(args.out) if args.out else default_profile_path()
-    sys.stdout.write(format_profile(profile) + f"\nwrote {path}\n")
-    return 0
-
-
-def calibrate_command() -> Command:
-    """The ``plait calibrate`` subcommand, for :func:`plait.cli.register_command`."""
-    from plait.cli import Command
-
-    return Command(
-        name="calibrate",
-        help="measure this machine (matmul, memory, gloo all_reduce) and write the 'local' "
-        "hardware profile",
-        add_arguments=_add_arguments,
-        handler=_handle,
     )

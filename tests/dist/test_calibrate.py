@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from plait.cli.calibrate import calibrate_command
 from plait.cost import Topology, collective_seconds, get_profile
-from plait.cost.calibrate import calibrate_command
 from plait.mesh import MeshSpec
 
 pytestmark = pytest.mark.dist

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plait.cli import Command, _build_parser, main, register_command
+from plait.cli import Command, build_parser, main, register_command
 from plait.launch import LaunchError, RunConfig
 from plait.launch._worker_exec import cpu_slice
 from plait.launch.command import config_from_args
@@ -28,7 +28,7 @@ def train(tmp_path: Path) -> str:
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return _build_parser().parse_args(["run", *argv])
+    return build_parser().parse_args(["run", *argv])
 
 
 def test_launch_cli_script_args_go_to_the_script(train: str) -> None:

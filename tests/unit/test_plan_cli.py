@@ -9,8 +9,8 @@ import json
 import pytest
 
 from plait.cli import main
+from plait.cli.plan import add_plan_arguments
 from plait.config import ParallelConfig
-from plait.plan_cli import add_plan_arguments
 
 SMALL = [
     "--layers",

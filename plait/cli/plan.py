@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from typing import Any, get_args
 
+from plait.cli.base import EXIT_USAGE, Command
 from plait.config import (
     DatasetStrategy,
     Hardware,
@@ -23,9 +25,9 @@ from plait.config import (
     Schedule,
     Search,
 )
-from plait.errors import ConfigError
+from plait.errors import ConfigError, PlaitError
 
-__all__ = ["add_plan_arguments", "config_from_args", "run_plan"]
+__all__ = ["add_plan_arguments", "config_from_args", "plan_command", "run_plan"]
 
 MODELS = ("gpt", "llama", "mlp", "bert", "cnn")
 
@@ -163,23 +165,21 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                 "(model, example_batch, loss_fn)"
             )
         return built
-    from plait import zoo
+    from plait.models import ModelSpec, annotate_megatron, build
 
     fields = {
         k: getattr(args, k)
         for k in ("layers", "hidden", "heads", "kv_heads", "seq", "vocab", "batch")
         if getattr(args, k) is not None
     }
-    spec = zoo.ModelSpec(kind=args.model, **fields)
+    spec = ModelSpec(kind=args.model, **fields)
     with torch.device("meta"):
-        model, batch, loss_fn = zoo.build(spec)
+        model, batch, loss_fn = build(spec)
     if args.megatron:
         if args.model != "gpt":
             raise ConfigError(
                 f"--megatron annotates the built-in gpt only, not --model {args.model}"
             )
-        from plait.testing.models import annotate_megatron
-
         annotate_megatron(model, tp=(args.mesh or {}).get("tp", 1))
     return model, batch, loss_fn
 
@@ -197,3 +197,22 @@ def run_plan(args: argparse.Namespace) -> str:
         plan.save(args.json)
         parts.append(f"plan written to {args.json}")
     return "\n\n".join(parts)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        print(run_plan(args))
+        return 0
+    except PlaitError as e:
+        print(f"plait plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def plan_command() -> Command:
+    """The ``plait plan`` subcommand."""
+    return Command(
+        name="plan",
+        help="plan a model on N devices (no process group): summary and plan file",
+        add_arguments=add_plan_arguments,
+        handler=_plan,
+    )

@@ -1,13 +1,10 @@
-"""The `plait` command: one console script with subcommands.
+"""``plait run``: start a distributed job, one command per node (like msrun and torchrun).
 
-    plait run [options] script.py [script args]    start a job (docs/launch.md)
+    plait run [options] script.py [script args]
 
-Each subcommand is a `Command`: a name, a one-line help, a function that declares its flags
-on an `argparse` parser, and a handler that returns the exit code. Adding one (`plan`,
-`calibrate`, `info`, ...) is one `register_command(...)` call at the bottom of this file; the
-handler may import heavy modules lazily so that `plait --help` stays fast.
-
-This is the only module of plait that prints; library code logs.
+The flags and their meaning live in :mod:`plait.launch.command` (docs/launch.md); this module
+turns them into a launch, a ``--dry-run`` preview or an ``--emit`` file, and owns the
+launcher's logging handlers (the application, not the library, configures logging).
 """
 
 from __future__ import annotations
@@ -16,63 +13,11 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Command", "main", "register_command"]
+from plait.cli.base import EXIT_USAGE, Command
 
-EXIT_USAGE = 2
-"""Exit code for bad flags or input (argparse's convention)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    """One `plait <name>` subcommand."""
-
-    name: str
-    """Word after `plait`."""
-    help: str
-    """One line for `plait --help`."""
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    """Declares the subcommand's flags."""
-    handler: Callable[[argparse.Namespace], int]
-    """Runs it; returns the process exit code."""
-
-
-_COMMANDS: dict[str, Command] = {}
-
-
-def register_command(command: Command) -> None:
-    """Add a subcommand; a second command with the same name is an error."""
-    if command.name in _COMMANDS:
-        raise ValueError(
-            f"plait subcommand {command.name!r} is registered twice ({_COMMANDS[command.name]}"
-            f" and {command}). Pick another name."
-        )
-    _COMMANDS[command.name] = command
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="plait", description="Train one PyTorch model on many devices."
-    )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers.required = True
-    for command in _COMMANDS.values():
-        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(sub)
-        sub.set_defaults(handler=command.handler)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `plait` with `argv` (default: the process arguments); return the exit code."""
-    args = _build_parser().parse_args(argv)
-    return int(args.handler(args))
-
-
-# ---------------------------------------------------------------------------------- plait run
+__all__ = ["run_command"]
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,57 +111,11 @@ def _configure_logging(launcher_log: Path) -> None:
     plait_logger.addHandler(console)
 
 
-def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from plait.plan_cli import add_plan_arguments
-
-    add_plan_arguments(parser)
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from plait.errors import PlaitError
-    from plait.plan_cli import run_plan
-
-    try:
-        print(run_plan(args))
-        return 0
-    except PlaitError as e:
-        print(f"plait plan: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-
-
-def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
-    from plait.cost.calibrate import calibrate_command
-
-    calibrate_command().add_arguments(parser)
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    from plait.cost.calibrate import calibrate_command
-
-    return calibrate_command().handler(args)
-
-
-register_command(
-    Command(
-        name="plan",
-        help="plan a model on N devices (no process group): summary and plan file",
-        add_arguments=_add_plan_arguments,
-        handler=_plan,
-    )
-)
-register_command(
-    Command(
-        name="calibrate",
-        help="measure this machine (matmul, memory, gloo collectives) into the 'local' profile",
-        add_arguments=_add_calibrate_arguments,
-        handler=_calibrate,
-    )
-)
-register_command(
-    Command(
+def run_command() -> Command:
+    """The ``plait run`` subcommand."""
+    return Command(
         name="run",
         help="start a distributed job: one command per node (like msrun and torchrun)",
         add_arguments=_add_run_arguments,
         handler=_run,
     )
-)

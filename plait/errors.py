@@ -1,8 +1,10 @@
 """plait's exception hierarchy.
 
-User input errors derive from ``ValueError``/``TypeError`` through :class:`PlaitError`, so a
-caller can catch plait's errors alone or treat them as the ordinary Python errors they are.
-Every message says what was given, where, which rule it breaks and how to fix it.
+User input errors derive from ``ValueError`` through :class:`PlaitError`, so a caller can catch
+plait's errors alone or treat them as the ordinary Python errors they are. Every message says
+what was given, where, which rule it breaks and how to fix it. :class:`WorkerFailed` is the one
+error that is not about input: a worker process of :func:`plait.testing.run_workers` raised.
+Every class is defined here and exported from :mod:`plait`.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 __all__ = [
     "CaptureError",
     "ConfigError",
+    "CostError",
+    "LaunchError",
     "LayoutError",
     "NotBuiltError",
     "PlaitError",
     "PlanError",
     "ShardingError",
+    "WorkerFailed",
 ]
 
 
@@ -44,3 +49,22 @@ class PlanError(PlaitError):
 
 class CaptureError(PlaitError):
     """A model, example batch or loss function cannot be captured into an OpGraph."""
+
+
+class CostError(PlaitError):
+    """A hardware profile, profile file or cost-model argument is invalid."""
+
+
+class LaunchError(PlaitError):
+    """A launch cannot start: bad flags, environment, rank table or rendezvous.
+
+    Raised before any worker process starts.
+    """
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised; the message holds its rank and traceback.
+
+    Not an input error (hence not a :class:`PlaitError`): the failure happened inside the
+    function the workers ran.
+    """

@@ -37,8 +37,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _handle(args: argparse.Namespace) -> int:
     from plait.cost.calibrate import calibrate, format_profile
-    from plait.cost.errors import CostError
     from plait.cost.hardware import default_profile_path
+    from plait.errors import CostError
 
     try:
         profile = calibrate(world_size=args.world_size, out=args.out, quick=args.quick)

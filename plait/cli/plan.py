@@ -190,7 +190,9 @@ def run_plan(args: argparse.Namespace) -> str:
 
     cfg = config_from_args(args)
     model, batch, loss_fn = _build_model(args)
-    plan = plait.plan(model, batch, cfg, loss_fn=loss_fn, hardware_file=args.hardware_file)
+    plan = plait.plan(
+        model, cfg, example_batch=batch, loss_fn=loss_fn, hardware_file=args.hardware_file
+    )
     parts = [plan.summary()]
     parts += [plan.explain(name) for name in args.explain]
     if args.json:

@@ -27,7 +27,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from plait.launch import LaunchError
+    from plait.errors import LaunchError
     from plait.launch import command as run_command
 
     try:

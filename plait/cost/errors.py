@@ -1,15 +1,8 @@
-"""The cost model's error class.
+"""The cost model's error class, :class:`~plait.errors.CostError`, defined in :mod:`plait.errors`.
 
-Lives here until ``plait/errors.py`` (owned by the lead) takes it; it is a
-:class:`~plait.errors.PlaitError` like every other plait input error.
+Re-exported here so that ``from plait.cost.errors import CostError`` keeps working.
 """
 
-from __future__ import annotations
-
-from plait.errors import PlaitError
+from plait.errors import CostError
 
 __all__ = ["CostError"]
-
-
-class CostError(PlaitError):
-    """A hardware profile, profile file or cost-model argument is invalid."""

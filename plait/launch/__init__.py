@@ -13,12 +13,12 @@ the same ground on torch's elastic launcher (c10d rendezvous):
 `launch` knows nothing of models (DESIGN.md, "Rooms"). User guide: docs/launch.md.
 """
 
+from plait.errors import LaunchError
 from plait.launch.config import RunConfig
 from plait.launch.emit import EmitOptions, EmitTarget, KubernetesApi, emit
 from plait.launch.environment import DEFAULT_MASTER_PORT, ProcessEnv, detect_environment
-from plait.launch.errors import LaunchError
 from plait.launch.rank_table import RankTable, load_rank_table, parse_rank_table
-from plait.launch.world import World, current_world, init
+from plait.launch.world import World, init
 
 
 def run_job(config: RunConfig):
@@ -38,7 +38,6 @@ __all__ = [
     "RankTable",
     "RunConfig",
     "World",
-    "current_world",
     "detect_environment",
     "emit",
     "init",

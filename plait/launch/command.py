@@ -12,10 +12,10 @@ import dataclasses
 import os
 import tempfile
 
+from plait.errors import LaunchError
 from plait.launch.config import DEFAULT_CLUSTER_TIMEOUT, RunConfig
 from plait.launch.emit import EmitOptions, EmitTarget, KubernetesApi
 from plait.launch.environment import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-from plait.launch.errors import LaunchError
 from plait.launch.rank_table import RankTable, find_this_node, load_rank_table
 
 __all__ = ["add_run_arguments", "config_from_args", "emit_options_from_args", "with_log_dir"]

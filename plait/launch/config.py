@@ -11,8 +11,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from plait.errors import LaunchError
 from plait.launch.environment import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-from plait.launch.errors import LaunchError
 
 __all__ = ["DEFAULT_CLUSTER_TIMEOUT", "RunConfig"]
 

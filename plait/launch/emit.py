@@ -22,8 +22,8 @@ from enum import StrEnum
 
 import yaml
 
+from plait.errors import LaunchError
 from plait.launch.config import RunConfig
-from plait.launch.errors import LaunchError
 
 __all__ = ["EmitOptions", "EmitTarget", "KubernetesApi", "emit", "plait_run_argv"]
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from plait.launch.errors import LaunchError
+from plait.errors import LaunchError
 from plait.launch.rank_table import load_rank_table
 
 __all__ = [

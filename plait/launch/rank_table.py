@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.launch.errors import LaunchError
+from plait.errors import LaunchError
 
 __all__ = ["RankTable", "RankTableDevice", "RankTableServer", "load_rank_table", "parse_rank_table"]
 

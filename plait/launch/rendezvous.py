@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from plait.launch.errors import LaunchError
+from plait.errors import LaunchError
 
 __all__ = ["BACKEND_NAME", "NodeRankedHandler", "create_plait_handler", "register_backend"]
 

@@ -30,8 +30,8 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from plait.errors import LaunchError
 from plait.launch.config import RunConfig
-from plait.launch.errors import LaunchError
 from plait.launch.logs import LOG_LINE_PREFIX, RankLogsSpecs, last_lines, worker_log_name
 from plait.launch.rendezvous import BACKEND_NAME, register_backend
 

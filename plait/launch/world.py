@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from plait.errors import LaunchError
 from plait.launch.environment import LauncherKind, ProcessEnv, detect_environment
-from plait.launch.errors import LaunchError
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "World", "current_world", "init"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "World", "init"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +76,10 @@ class World:
 
 
 # The default process group is process-wide state in torch itself; caching the World that
-# describes it is what makes init() idempotent. Nothing else in plait keeps global state.
+# describes it is what makes init() idempotent (a second init() returns it). Nothing else in
+# plait keeps global state; what the runtime sees of the world (real or simulated ranks) is
+# plait.comm.world.current_world().
 _world: World | None = None
-
-
-def current_world() -> World | None:
-    """The World returned by the last `init()`, or None before it (or after teardown)."""
-    import torch.distributed as dist
-
-    return _world if _world is not None and dist.is_initialized() else None
 
 
 def init(

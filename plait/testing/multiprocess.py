@@ -21,12 +21,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from plait.errors import WorkerFailed
+
 __all__ = ["WorkerFailed", "run_workers"]
-
-
-class WorkerFailed(RuntimeError):
-    """A worker raised; the message holds its rank and traceback."""
-
 
 def _worker(
     rank: int,

@@ -16,7 +16,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from plait.launch import LaunchError, RunConfig, World, current_world, init
+from plait.comm.world import CurrentWorld, current_world
+from plait.launch import LaunchError, RunConfig, World, init
 from plait.launch.logs import RankLogsSpecs
 from plait.launch.rendezvous import NodeRankedHandler
 from plait.launch.runner import (
@@ -141,7 +142,8 @@ def test_launch_init_single_process_world(monkeypatch: pytest.MonkeyPatch) -> No
         assert world == World(rank=0, world_size=1, local_rank=0, local_world_size=1,
                               node_rank=0, num_nodes=1, backend="gloo", device="cpu",
                               launcher="single")  # fmt: skip
-        assert init() is world and current_world() is world
+        assert init() is world
+        assert current_world() == CurrentWorld(0, 1, simulated=False, device_type="cpu")
         t = torch.ones(2)
         dist.all_reduce(t)
         assert t.tolist() == [1.0, 1.0]

@@ -17,14 +17,19 @@ import torch.distributed._local_tensor
 __all__ = [
     "TORCH_VERSION",
     "FakeStore",
+    "HigherOrderOperator",
     "LocalTensor",
     "LocalTensorMode",
     "StridedShard",
+    "TorchDispatchMode",
+    "funcol",
     "local_tensor_mode_active",
     "own_per_rank",
     "same_on_every_rank",
     "simulated_ranks",
     "simulation_suspended",
+    "tree_leaves",
+    "tree_map",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -51,6 +56,22 @@ try:  # layouts that split one dim over several mesh axes against mesh order
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 except ImportError as e:  # pragma: no cover
     raise _fail("_StridedShard", "multi-axis layouts", e) from e
+
+try:  # walking nested batches and step results (tuples, lists, dicts of tensors)
+    from torch.utils._pytree import tree_leaves, tree_map
+except ImportError as e:  # pragma: no cover
+    raise _fail("torch.utils._pytree", "nested batches", e) from e
+
+try:  # collectives on plain tensors that autograd and tracing see through
+    import torch.distributed._functional_collectives as funcol
+except ImportError as e:  # pragma: no cover
+    raise _fail("torch.distributed._functional_collectives", "redistribution", e) from e
+
+try:  # watching every op a step dispatches (plait.testing.comm.CollectiveLog)
+    from torch._ops import HigherOrderOperator
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError as e:  # pragma: no cover
+    raise _fail("TorchDispatchMode, HigherOrderOperator", "collective logs", e) from e
 
 
 def local_tensor_mode_active() -> bool:

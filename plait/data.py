@@ -46,10 +46,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from plait._compat import simulated_ranks
+from plait._compat import simulated_ranks, tree_leaves, tree_map
 from plait.errors import ConfigError, LayoutError, ShardingError
 from plait.layout import TensorLayout, resolve_tensor_strategy
 from plait.mesh import MeshSpec

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Replicate
 
+from plait._compat import funcol
 from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
 from plait.errors import LayoutError
 from plait.layout import TensorLayout

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from plait._compat import tree_map
 from plait.comm.dp import own_copy, rank_slice, start_sum, wait_sum
 from plait.comm.dtensor import full_value
 from plait.config import CommFusion

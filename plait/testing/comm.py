@@ -12,10 +12,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from plait._compat import HigherOrderOperator, TorchDispatchMode
 
 __all__ = ["Collective", "CollectiveLog", "collective_kind"]
 
@@ -60,7 +60,7 @@ class CollectiveLog(TorchDispatchMode):
         if any(t is DTensor for t in types):
             # Let DTensor desugar into collectives first, then see those (as CommDebugMode does).
             return NotImplemented
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             return func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             kind = _KINDS.get(func._opname)

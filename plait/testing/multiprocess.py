@@ -25,6 +25,7 @@ from plait.errors import WorkerFailed
 
 __all__ = ["WorkerFailed", "run_workers"]
 
+
 def _worker(
     rank: int,
     world_size: int,

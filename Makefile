@@ -25,6 +25,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests bench examples
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,32 +7,34 @@ and runs it on ``torch.distributed``. See README.md for a tour.
 
 from plait import data, ops, testing
 from plait.annotate import shard
-from plait.capture import capture
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import (
+    CaptureError,
     ConfigError,
+    CostError,
+    LaunchError,
     LayoutError,
     NotBuiltError,
     PlaitError,
     PlanError,
     ShardingError,
+    WorkerFailed,
 )
-from plait.graph import OpGraph
+from plait.graph import OpGraph, capture
 from plait.launch import World, init
 from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
 from plait.mesh import MeshSpec
-
-# The module plait.plan (the Plan type) is imported before the function plait.plan is bound,
-# so that the name plait.plan stays the function: `from plait.plan import Plan` still works.
-from plait.plan import Plan  # isort: skip
-from plait.planner import plan  # isort: skip
+from plait.planning import Plan, plan
 from plait.runtime.job import Job
 from plait.runtime.parallelize import parallelize
 
 __all__ = [
+    "CaptureError",
     "CommFusion",
     "ConfigError",
+    "CostError",
     "Job",
+    "LaunchError",
     "Layout",
     "LayoutError",
     "MeshSpec",
@@ -48,6 +50,7 @@ __all__ = [
     "ShardingError",
     "TensorLayout",
     "World",
+    "WorkerFailed",
     "capture",
     "data",
     "init",

@@ -2,10 +2,11 @@
 
 Pure planning code (no ``torch.distributed``):
 
+- :mod:`plait.cost.link`: :class:`Link`, one level's alpha-beta terms (the bottom).
 - :mod:`plait.cost.hardware`: :class:`HardwareProfile`, the built-in datasheet profiles
   (a100-40g, a100-80g, h100, h200, ascend-910) and ``local`` (``plait calibrate``'s file).
-- :mod:`plait.cost.comm`: :class:`Link`, :class:`Topology` (which mesh axes cross nodes),
-  alpha-beta ring collective times.
+- :mod:`plait.cost.comm`: :class:`Topology` (which mesh axes cross nodes), alpha-beta ring
+  collective times.
 - :mod:`plait.cost.compute`: roofline op times, backward FLOPs.
 - :mod:`plait.cost.memory`: ZeRO model-state memory, transformer and graph activations,
   pipeline in-flight micro-batches, :class:`MemoryBreakdown`.
@@ -13,7 +14,7 @@ Pure planning code (no ``torch.distributed``):
 ``plait.cost.calibrate`` (the measurement behind ``plait calibrate``) is imported on use.
 """
 
-from plait.cost.comm import CollectiveKind, Link, Topology, collective_seconds, wire_bytes
+from plait.cost.comm import CollectiveKind, Topology, collective_seconds, wire_bytes
 from plait.cost.compute import (
     backward_flops,
     compute_dtype,
@@ -32,6 +33,7 @@ from plait.cost.hardware import (
     local_defaults,
     save_profile,
 )
+from plait.cost.link import Link
 from plait.cost.memory import (
     MemoryBreakdown,
     MemoryModel,

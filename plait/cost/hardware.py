@@ -25,8 +25,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from plait.cost.comm import Link
 from plait.cost.errors import CostError
+from plait.cost.link import Link
 
 __all__ = [
     "BUILTIN_NAMES",

@@ -48,8 +48,9 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Literal
 
 from plait.cost.errors import CostError
-from plait.graph import GraphInput
 
+# Types only: the graph package counts FLOPs and bytes with plait.cost.flops, so the cost
+# model reads graphs without importing their module (no cost <-> graph import cycle).
 if TYPE_CHECKING:
     from plait.config import ParallelConfig
     from plait.graph import OpGraph
@@ -306,10 +307,11 @@ def _output_refs(name: str, count: int) -> list[str]:
 
 
 def _enters_layer(graph: OpGraph, ref: str, layer: str) -> bool:
+    given = graph.graph_input(ref)
+    if given is not None:  # parameters and buffers are model states, not activations
+        return given.kind == "input"
     node, _ = graph.producer(ref)
-    if isinstance(node, GraphInput):  # parameters and buffers are model states, not activations
-        return node.kind == "input"
-    return node.layer != layer
+    return node.layer != layer  # type: ignore[union-attr]
 
 
 def training_memory(

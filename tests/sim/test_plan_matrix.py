@@ -34,13 +34,12 @@ import torch
 from torch import nn
 
 from plait.config import ParallelConfig
-from plait.cost.comm import Link
 from plait.cost.hardware import local_defaults, save_profile
+from plait.cost.link import Link
 from plait.graph import ExecutableCapture, capture_program
 from plait.layout import TensorLayout
 from plait.models import GPTConfig, ModelSpec, TinyGPT, build, gpt_loss
-from plait.planning import Plan
-from plait.planning import plan_graph
+from plait.planning import Plan, plan_graph
 from plait.runtime.plan_exec import PlanExecutor
 from plait.testing.equivalence import Run, assert_same_run, reference_run
 from tests.sim.test_plan_exec import (

@@ -18,7 +18,7 @@ from plait.config import CommFusion
 from plait.errors import PlaitError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.plan import (
+from plait.planning import (
     Alternative,
     Plan,
     PlannedCollective,
@@ -525,3 +525,37 @@ def test_validate_refuses_indivisible_layouts_and_unknown_stages():
 
 def test_plan_error_is_a_plait_error():
     assert issubclass(PlanError, PlaitError) and issubclass(PlanError, ValueError)
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def test_codec_file_order_names_every_field_and_keys_follow_it():
+    """The file form comes from the dataclass fields: every record declares all of them."""
+    from plait.planning import codec
+
+    data = codec.encode(toy_plan())
+    assert list(data)[:3] == ["model", "batch", "mesh"] and list(data)[-1] == "notes"
+    assert list(data["ops"][0])[:4] == ["name", "target", "module", "layer"]
+    assert "name" not in data["parameters"]["layers.0.fc1.weight"]  # the key is the name
+    assert list(data["collectives"][0])[:4] == ["kind", "axes", "phase", "op"]
+    # every field of every record reaches the file (a field left out would not round-trip)
+    for record in (toy_plan(), toy_plan().ops[0], toy_plan().predicted, toy_plan().options[0]):
+        keys = set(codec.encode(record))
+        fields = {f.metadata.get(codec.KEY, f.name) for f in dataclasses.fields(record) if f.init}
+        assert keys == fields
+
+
+def test_union_fields_are_read_by_their_json_kind():
+    """dataset_strategy is a name or a list of split tuples and layouts; null is a value too."""
+    layout = TensorLayout(MESH, (("dp",), ()))
+    plan = toy_plan(dataset_strategy=((4, 1), layout), memory_limit=None)
+    back = Plan.from_json(plan.to_json())
+    assert back.dataset_strategy == ((4, 1), layout) and back.memory_limit is None
+    data = json.loads(plan.to_json())
+    data["dataset_strategy"] = 7
+    with pytest.raises(PlanError, match=r"dataset_strategy is 7; expected a string or a list"):
+        Plan.from_json(json.dumps(data))
+    data["dataset_strategy"] = [[4, True]]
+    with pytest.raises(PlanError, match=r"dataset_strategy\[0\]\[1\] is True"):
+        Plan.from_json(json.dumps(data))

@@ -280,3 +280,24 @@ def test_full_batch_plans_the_batch_split_over_dp_like_the_runtime() -> None:
     assert plans[0].collectives == plans[1].collectives
     assert any(c.kind == "all_reduce" and c.phase == "backward" for c in plans[1].collectives)
     assert [op.inputs for op in plans[0].ops] == [op.inputs for op in plans[1].ops]
+
+
+def test_plan_takes_parallelize_argument_order_and_reads_the_old_one() -> None:
+    """plan(model, config, *, example_batch, loss_fn) as parallelize; the older order still works."""
+    import importlib
+    import inspect
+
+    assert inspect.isfunction(plait.plan)  # no module plait.plan hides the function
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("plait.plan")
+    model, batch = _gpt()
+    cfg = ParallelConfig(mode="data_parallel", devices=2)
+    new = plait.plan(model, cfg, example_batch=batch, loss_fn=gpt_loss)
+    assert plait.plan(model, batch, cfg, loss_fn=gpt_loss) == new
+    assert plait.plan(model, batch, cfg, gpt_loss) == new
+    with pytest.raises(ConfigError, match="needs example_batch"):
+        plait.plan(model, cfg, loss_fn=gpt_loss)
+    with pytest.raises(ConfigError, match=r"expects a plait\.ParallelConfig"):
+        plait.plan(model, {"mode": "auto"}, example_batch=batch)
+    with pytest.raises(ConfigError, match="by name"):
+        plait.plan(model, cfg, batch, gpt_loss)

@@ -1,4 +1,4 @@
-"""From the searcher's choices to a :class:`~plait.plan.Plan`: collectives, stages, predictions.
+"""From the searcher's choices to a :class:`~plait.planning.Plan`: collectives, stages, predictions.
 
 Given one strategy per op, this module writes down what a training step does and costs:
 
@@ -42,7 +42,14 @@ from plait.graph import GraphInput, OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
-from plait.plan import Alternative, Plan, PlannedCollective, PlannedOp, PlannedParameter, Prediction
+from plait.planning.records import (
+    Alternative,
+    Plan,
+    PlannedCollective,
+    PlannedOp,
+    PlannedParameter,
+    Prediction,
+)
 from plait.rules import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes

@@ -26,7 +26,11 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
-from plait.plan import Plan, PlanOption, fmt_bytes, fmt_seconds
+from plait.planning.assemble import assemble_plan
+from plait.planning.records import Plan, PlanOption
+from plait.planning.report import fmt_bytes, fmt_seconds
+from plait.planning.setup import hardware_of, mesh_of, prepare
+from plait.search import get_searcher
 
 __all__ = ["auto_plan", "mesh_candidates"]
 
@@ -112,12 +116,8 @@ def auto_plan(
 
     ``runnable_only``: no pipeline stages, ZeRO or recompute (what ``parallelize`` runs today).
     """
-    from plait.assemble import assemble_plan
-    from plait.planner import mesh_of, prepare
-    from plait.search import get_searcher
-
     searcher = get_searcher(cfg.search or "sharding_propagation")
-    hardware = _hardware(cfg, hardware_file)
+    hardware = hardware_of(cfg, hardware_file)
     limit = cfg.memory_limit or hardware.memory_bytes
     if cfg.mesh is not None:
         meshes = [mesh_of(cfg).as_dict()]
@@ -183,12 +183,6 @@ def auto_plan(
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
     return _winner(trials, limit)
-
-
-def _hardware(cfg: ParallelConfig, hardware_file: str | None):  # -> HardwareProfile
-    from plait.cost import get_profile
-
-    return get_profile(cfg.hardware, hardware_file) if hardware_file else get_profile(cfg.hardware)
 
 
 def _with(cfg: ParallelConfig, **changes: object) -> ParallelConfig:

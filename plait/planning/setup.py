@@ -1,49 +1,44 @@
-"""``plait.plan``: model + example batch + config -> Plan, with no process group.
+"""Before any strategy is chosen: the plan's mesh, and a search's candidates, costs, constraints.
 
-The one path of the design, up to the Plan:
-
-    capture (OpGraph) -> rules (candidates per op) -> constraints (annotations, mode, batch)
-    -> search -> Plan (layouts, every collective with its reason and cost, predictions)
-
-Costs are seconds and bytes on the config's hardware profile (``plait.cost``).
+:func:`mesh_of` turns a config into the plan's mesh; :func:`prepare` gathers what a searcher
+and :func:`~plait.planning.assemble.assemble_plan` need for one graph on one mesh (a
+:class:`SearchSetup`). Both the inner planner and mode auto's outer planner start here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 
-from plait.assemble import BACKWARD_FLOPS_FACTOR, PP_AXIS, assemble_plan
-from plait.capture import capture, in_mode
 from plait.config import ParallelConfig
-from plait.cost import get_profile
+from plait.cost import HardwareProfile, get_profile
 from plait.cost.comm import Topology
 from plait.cost.compute import op_seconds
-from plait.data import split_micro_batches
 from plait.errors import ConfigError
 from plait.graph import OpGraph, OpNode
 from plait.mesh import MeshSpec
-from plait.plan import (
-    Plan,
-)
+from plait.planning.assemble import BACKWARD_FLOPS_FACTOR, PP_AXIS
 from plait.rules import default_catalogue
 from plait.rules.registry import OpStrategy
-from plait.search import get_searcher
 from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints
-from plait.search.problem import (
-    CostModel,
-    SearchProblem,
-)
+from plait.search.problem import CostModel, SearchProblem
 
-__all__ = ["SearchSetup", "mesh_of", "plan", "plan_graph", "prepare"]
+__all__ = ["PLANNABLE_MODES", "SearchSetup", "check_config", "hardware_of", "mesh_of", "prepare"]
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 PLANNABLE_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_config(cfg: ParallelConfig) -> None:
+    """ConfigError unless ``cfg.mode`` is one plait plans (hybrid and PS are by hand)."""
+    if cfg.mode not in PLANNABLE_MODES:
+        raise ConfigError(
+            f"ParallelConfig.mode={cfg.mode!r}: plait.plan plans modes {', '.join(PLANNABLE_MODES)}; "
+            "hybrid and parameter_server runs are written by hand, not planned"
+        )
 
 
 def mesh_of(cfg: ParallelConfig) -> MeshSpec:
@@ -78,41 +73,9 @@ def mesh_of(cfg: ParallelConfig) -> MeshSpec:
     return MeshSpec.from_dict(mesh)
 
 
-def _check_config(cfg: ParallelConfig) -> None:
-    if cfg.mode not in PLANNABLE_MODES:
-        raise ConfigError(
-            f"ParallelConfig.mode={cfg.mode!r}: plait.plan plans modes {', '.join(PLANNABLE_MODES)}; "
-            "hybrid and parameter_server runs are written by hand, not planned"
-        )
-
-
-def plan(
-    model: nn.Module,
-    example_batch: Any,
-    cfg: ParallelConfig,
-    loss_fn: LossFn | None = None,
-    *,
-    hardware_file: str | None = None,
-) -> Plan:
-    """Plan how to train ``model`` under ``cfg`` (no process group, no parameter memory).
-
-    ``example_batch`` is one optimizer step's global batch, as ``parallelize`` takes it (real,
-    fake or meta tensors); with ``grad_accumulation=k`` the plan is for its micro-batches of
-    1/k, and ``plan.batch`` records one micro-batch's shapes.
-
-    Example:
-        >>> plan = plait.plan(model, batch, ParallelConfig(mode="auto", devices=8), loss_fn=loss)
-        >>> print(plan.summary())
-    """
-    _check_config(cfg)
-    if cfg.mode != "auto":
-        mesh_of(cfg)  # a bad mesh or device count fails before the capture
-    # A plan is for training steps; with gradient accumulation each micro-step runs on 1/k of
-    # the step's batch, so the graph is traced on one micro-batch (as parallelize does).
-    micro = split_micro_batches(example_batch, cfg.grad_accumulation)[0]
-    with in_mode(model, training=True):
-        graph = capture(model, micro, loss_fn)
-    return plan_graph(graph, cfg, model=model, hardware_file=hardware_file)
+def hardware_of(cfg: ParallelConfig, hardware_file: str | None = None) -> HardwareProfile:
+    """The config's hardware profile (from ``hardware_file`` when given)."""
+    return get_profile(cfg.hardware, hardware_file) if hardware_file else get_profile(cfg.hardware)
 
 
 @dataclass(frozen=True)
@@ -125,7 +88,7 @@ class SearchSetup:
     allowed: Mapping[str, Sequence[int]]
     configured: Mapping[str, str]
     topology: Topology
-    hardware: Any  # plait.cost.HardwareProfile
+    hardware: HardwareProfile
     dtype: str
 
 
@@ -139,10 +102,8 @@ def prepare(
 ) -> SearchSetup:
     """Candidates, costs and constraints for ``graph`` under ``cfg`` (annotations from ``model``)."""
     mesh = mesh or mesh_of(cfg)
-    hardware = (
-        get_profile(cfg.hardware, hardware_file) if hardware_file else get_profile(cfg.hardware)
-    )
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.precision]
+    hardware = hardware_of(cfg, hardware_file)
+    dtype = _DTYPES[cfg.precision]
     topology = Topology(mesh, hardware)
 
     def op_compute(op: OpNode, pieces: int) -> float:
@@ -157,36 +118,6 @@ def prepare(
     constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode)
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
-
-
-def plan_graph(
-    graph: OpGraph,
-    cfg: ParallelConfig,
-    *,
-    mesh: MeshSpec | None = None,
-    model: nn.Module | None = None,
-    hardware_file: str | None = None,
-    runnable_only: bool = False,
-) -> Plan:
-    """Plan an already captured graph (annotations are read from ``model`` when given).
-
-    ``runnable_only`` keeps mode auto to what the operator executor runs today: no pipeline
-    stages, ZeRO or recompute.
-    """
-    _check_config(cfg)
-    if cfg.mode == "auto" and mesh is None:
-        from plait.search.outer import auto_plan
-
-        return auto_plan(
-            graph, cfg, model=model, hardware_file=hardware_file, runnable_only=runnable_only
-        )
-    setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
-    searcher = get_searcher(cfg.search or "sharding_propagation")
-    decisions = searcher(setup.problem, setup.allowed, setup.configured)
-    model_name = type(model).__name__ if model is not None else ""
-    return assemble_plan(
-        graph, cfg, setup.mesh, setup.problem, decisions, setup.topology, setup.hardware, model_name
-    )
 
 
 def _op_key(op: OpNode) -> tuple[object, ...]:

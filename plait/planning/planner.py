@@ -1,0 +1,125 @@
+"""``plait.plan``: model + config (+ example batch) -> Plan, with no process group.
+
+The one path of the design, up to the Plan:
+
+    capture (OpGraph) -> rules (candidates per op) -> constraints (annotations, mode, batch)
+    -> search -> Plan (layouts, every collective with its reason and cost, predictions)
+
+Mode auto without a fixed mesh goes through the outer planner (:mod:`plait.planning.outer`),
+which runs this search once per mesh. Costs are seconds and bytes on the config's hardware
+profile (``plait.cost``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.config import ParallelConfig
+from plait.data import split_micro_batches
+from plait.errors import ConfigError
+from plait.graph import OpGraph, capture, in_mode
+from plait.mesh import MeshSpec
+from plait.planning.assemble import assemble_plan
+from plait.planning.outer import auto_plan
+from plait.planning.records import Plan
+from plait.planning.setup import check_config, mesh_of, prepare
+from plait.search import get_searcher
+
+__all__ = ["LossFn", "plan", "plan_graph"]
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    *legacy: Any,
+    example_batch: Any = None,
+    loss_fn: LossFn | None = None,
+    hardware_file: str | None = None,
+) -> Plan:
+    """Plan how to train ``model`` under ``config`` (no process group, no parameter memory).
+
+    The arguments are ``parallelize``'s, in its order. ``example_batch`` is one optimizer
+    step's global batch, as ``parallelize`` takes it (real, fake or meta tensors; only shapes
+    are read); with ``grad_accumulation=k`` the plan is for its micro-batches of 1/k, and
+    ``plan.batch`` records one micro-batch's shapes. ``loss_fn(model, batch)`` returns the
+    scalar loss (None: the model's output is the loss). The older order
+    ``plan(model, example_batch, config[, loss_fn])`` is still read.
+
+    Example:
+        >>> cfg = ParallelConfig(mode="auto", devices=8)
+        >>> plan = plait.plan(model, cfg, example_batch=batch, loss_fn=loss)  # doctest: +SKIP
+        >>> print(plan.summary())  # doctest: +SKIP
+    """
+    config, example_batch, loss_fn = _arguments(config, legacy, example_batch, loss_fn)
+    check_config(config)
+    if config.mode != "auto":
+        mesh_of(config)  # a bad mesh or device count fails before the capture
+    # A plan is for training steps; with gradient accumulation each micro-step runs on 1/k of
+    # the step's batch, so the graph is traced on one micro-batch (as parallelize does).
+    micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
+    with in_mode(model, training=True):
+        graph = capture(model, micro, loss_fn)
+    return plan_graph(graph, config, model=model, hardware_file=hardware_file)
+
+
+def _arguments(
+    config: Any, legacy: tuple[Any, ...], example_batch: Any, loss_fn: LossFn | None
+) -> tuple[ParallelConfig, Any, LossFn | None]:
+    """``(config, example_batch, loss_fn)`` from either argument order; ConfigError if neither."""
+    if legacy and not isinstance(config, ParallelConfig) and isinstance(legacy[0], ParallelConfig):
+        # plan(model, example_batch, config[, loss_fn]): the order before parallelize's
+        if len(legacy) > 2 or example_batch is not None or (len(legacy) == 2 and loss_fn):
+            raise ConfigError("plait.plan(model, batch, config, loss_fn): too many arguments")
+        example_batch, config = config, legacy[0]
+        loss_fn = legacy[1] if len(legacy) == 2 else loss_fn
+    elif legacy:
+        raise ConfigError(
+            f"plait.plan takes (model, config, *, example_batch=..., loss_fn=...); got "
+            f"{2 + len(legacy)} positional arguments: pass example_batch= and loss_fn= by name"
+        )
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(
+            f"plait.plan expects a plait.ParallelConfig as its second argument, got "
+            f"{type(config).__name__}; e.g. plait.plan(model, ParallelConfig(mode='auto', "
+            "devices=8), example_batch=batch, loss_fn=loss)"
+        )
+    if example_batch is None:
+        raise ConfigError(
+            "plait.plan needs example_batch=: one step's global batch (real, fake or meta "
+            "tensors; only shapes are read), to capture the program it plans"
+        )
+    return config, example_batch, loss_fn
+
+
+def plan_graph(
+    graph: OpGraph,
+    cfg: ParallelConfig,
+    *,
+    mesh: MeshSpec | None = None,
+    model: nn.Module | None = None,
+    hardware_file: str | None = None,
+    runnable_only: bool = False,
+) -> Plan:
+    """Plan an already captured graph (annotations are read from ``model`` when given).
+
+    ``runnable_only`` keeps mode auto to what the operator executor runs today: no pipeline
+    stages, ZeRO or recompute.
+    """
+    check_config(cfg)
+    if cfg.mode == "auto" and mesh is None:
+        return auto_plan(
+            graph, cfg, model=model, hardware_file=hardware_file, runnable_only=runnable_only
+        )
+    setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
+    searcher = get_searcher(cfg.search or "sharding_propagation")
+    decisions = searcher(setup.problem, setup.allowed, setup.configured)
+    model_name = type(model).__name__ if model is not None else ""
+    return assemble_plan(
+        graph, cfg, setup.mesh, setup.problem, decisions, setup.topology, setup.hardware, model_name
+    )

@@ -202,7 +202,7 @@ def _measure_local(settings: CalibrationSettings) -> dict[str, Any]:
 
 
 def _measure_collectives(settings: CalibrationSettings, world_size: int) -> list[float]:
-    from plait.testing.multiprocess import run_workers  # spawns processes: import on use
+    from plait.launch.local import run_workers  # spawns processes: import on use
 
     per_rank = run_workers(
         _all_reduce_times, world_size, settings.message_bytes, settings.collective_reps

@@ -6,7 +6,8 @@ collectives compute exact results, so a simulated step equals a real one. It is 
 performance model: everything runs serially on one CPU.
 """
 
-from plait.testing.multiprocess import WorkerFailed, run_workers
+from plait.errors import WorkerFailed
+from plait.launch.local import run_workers
 from plait.testing.simulate import simulate
 
 __all__ = ["WorkerFailed", "run_workers", "simulate"]

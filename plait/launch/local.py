@@ -1,4 +1,7 @@
-"""Run a function on N real processes joined by a gloo process group (tests and benchmarks).
+"""Run a function on N local processes joined by a gloo process group.
+
+Used by tests, benchmarks and ``plait calibrate`` (which times collectives between real
+processes); :mod:`plait.testing` re-exports it.
 
 Each worker gets ``RANK``/``WORLD_SIZE`` set, a gloo default group through a ``FileStore`` in a
 temporary directory, and a timeout on collectives, so a missing rank fails instead of hanging.

@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from plait._compat import greedy_redistribution_planning
+from plait._compat import greedy_redistribution_planning, tree_map
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     distribute,

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from plait._compat import tree_leaves
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig

@@ -46,14 +46,6 @@ import torch.fx
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from plait.capture import (
-    AUTOCAST_META,
-    GRAD_ENABLED_META,
-    ExecutableCapture,
-    batch_leaves,
-    capture_program,
-    in_mode,
-)
 from plait.comm.dtensor import (
     build_device_mesh,
     distribute,
@@ -74,7 +66,16 @@ from plait.comm.redistribute import (
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import CaptureError, ConfigError, PlanError, ShardingError
-from plait.graph import OpGraph, OpNode
+from plait.graph import (
+    AUTOCAST_META,
+    GRAD_ENABLED_META,
+    ExecutableCapture,
+    OpGraph,
+    OpNode,
+    batch_leaves,
+    capture_program,
+    in_mode,
+)
 from plait.layout import TensorLayout
 from plait.layout.redistribute import plan_redistribution
 from plait.mesh import MeshSpec

@@ -27,7 +27,7 @@ from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.plan import Plan
+from plait.planning import Plan
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
@@ -191,7 +191,7 @@ def _planned_job(
 ) -> Job:
     """Mode auto (plan now, on the example batch), a saved plan file or a given plan, run op
     by op."""
-    from plait.planner import plan_graph
+    from plait.planning import plan_graph
     from plait.runtime.plan_exec import build_plan_job, capture_in_mode
 
     if plan is not None:

@@ -79,7 +79,7 @@ from plait.graph import (
 from plait.layout import TensorLayout
 from plait.layout.redistribute import plan_redistribution
 from plait.mesh import MeshSpec
-from plait.plan import Plan, PlannedOp
+from plait.planning import Plan, PlannedOp
 from plait.rules.catalogue import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.pooling import pooling_rules

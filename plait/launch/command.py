@@ -2,7 +2,7 @@
 
 `add_run_arguments` declares the flags (msrun's, in kebab case, plus `--emit` and
 `--dry-run`); `config_from_args` validates them, reads the rank table when one is given, and
-returns the `RunConfig`. Printing and exit codes belong to `plait/cli.py`.
+returns the `RunConfig`. Printing and exit codes belong to `plait/cli/run.py`.
 """
 
 from __future__ import annotations

@@ -317,6 +317,8 @@ class Plan:
     batch: tuple[tuple[int, ...], ...] = ()
     notes: tuple[str, ...] = ()
     memory_limit: int | None = None
+    # Fields added after schema_version 1 was first written keep a default: the codec fills
+    # it in for files written before them (a field without a default is required in a file).
     grad_accumulation: int = 1
     """Micro-steps per optimizer step (``ParallelConfig.grad_accumulation``): ``batch`` is one
     micro-step's batch; activation collectives repeat per micro-step (their ``count``), the

@@ -39,7 +39,16 @@ from plait.layout import TensorLayout
 from plait.layout.placement import ReduceOp
 from plait.mesh import MeshSpec
 
-__all__ = ["KEY", "KEYED_BY", "Reader", "decode", "dump", "encode", "no_duplicate_keys"]
+__all__ = [
+    "KEY",
+    "KEYED_BY",
+    "Reader",
+    "check_header",
+    "decode",
+    "dump",
+    "encode",
+    "no_duplicate_keys",
+]
 
 KEY = "plait.codec.key"
 KEYED_BY = "plait.codec.keyed_by"

@@ -86,7 +86,9 @@ def simulated_ranks() -> tuple[int, ...] | None:
     from torch.distributed._local_tensor import local_tensor_mode
 
     mode = local_tensor_mode()
-    return None if mode is None else tuple(sorted(mode.ranks))
+    if mode is None or getattr(mode, "_disable", False):  # suspended: one plain process
+        return None
+    return tuple(sorted(mode.ranks))
 
 
 def own_per_rank(tensor: torch.Tensor, ranks: tuple[int, ...]) -> torch.Tensor:
@@ -145,3 +147,62 @@ def greedy_redistribution_planning():  # type: ignore[no-untyped-def]
     from torch.distributed.tensor._redistribute import use_min_cost_redistribution_plan
 
     return use_min_cost_redistribution_plan(False)
+
+
+@contextlib.contextmanager
+def traced_as_rank(device_mesh, rank: int) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """DTensor code in the block sees ``rank``'s coordinate on every DeviceMesh.
+
+    Used to trace the per-rank programs of a simulated world one rank at a time, in this one
+    process (a real process traces its own rank and needs nothing of this). A DeviceMesh keeps
+    the coordinate of the process that built it; DTensor reads it through ``get_coordinate``
+    and ``_sym_get_coordinate``, which are patched on the class for the block (submeshes and
+    meshes cached by DTensor included), each answering for ``rank``.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    root = device_mesh.mesh
+    where = (root == rank).nonzero().tolist()
+    if len(where) != 1:
+        raise ValueError(f"rank {rank} is not on the device mesh {root.tolist()}")
+    by_name = dict(zip(device_mesh.mesh_dim_names or (), where[0], strict=True))
+    sizes = dict(zip(device_mesh.mesh_dim_names or (), root.shape, strict=True))
+
+    def coordinate(mesh) -> list[int]:  # type: ignore[no-untyped-def]
+        names = mesh.mesh_dim_names
+        if names is None:
+            return list(where[0])
+        out = []
+        for name in names:
+            if name in by_name:
+                out.append(by_name[name])
+                continue
+            parts = name.split("_")  # a flattened mesh dim, e.g. "dp_tp"
+            if not all(p in by_name for p in parts):
+                raise ValueError(f"mesh dim {name!r} is not a dim of {list(by_name)}")
+            index = 0
+            for part in parts:
+                index = index * sizes[part] + by_name[part]
+            out.append(index)
+        return out
+
+    saved = (DeviceMesh.get_coordinate, DeviceMesh._sym_get_coordinate)
+    DeviceMesh.get_coordinate = lambda self: coordinate(self)  # type: ignore[method-assign]
+    DeviceMesh._sym_get_coordinate = lambda self, i: coordinate(self)[i]  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.get_coordinate, DeviceMesh._sym_get_coordinate = saved  # type: ignore[method-assign]
+
+
+def rank_pieces(value: torch.Tensor, ranks: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Each simulated rank's plain tensor of ``value`` (the same tensor for a plain one)."""
+    if isinstance(value, LocalTensor):
+        return dict(value._local_tensors)
+    return dict.fromkeys(ranks, value)
+
+
+def join_rank_pieces(pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One LocalTensor holding ``pieces`` (rank -> plain tensor)."""
+    with torch.distributed._local_tensor.maybe_disable_local_tensor_mode():
+        return LocalTensor(dict(pieces))

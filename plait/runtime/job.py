@@ -17,8 +17,10 @@ from plait.comm.dtensor import (
     full_value,
     implicit_replication,
     is_dtensor,
+    local_piece,
     sync_grad,
 )
+from plait.comm.lower import dtensor_from_local
 from plait.config import ParallelConfig
 from plait.data import input_layouts, split_micro_batches
 from plait.errors import ShardingError
@@ -27,6 +29,7 @@ from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
+from plait.runtime.program import Program
 
 __all__ = ["Job", "LossFn", "OptimizerFactory"]
 
@@ -56,6 +59,7 @@ class Job:
         grad_sync: GradSync | PlainGradSync | None = None,
         plain: PlainDataParallel | None = None,
         micro_step_shapes: bool = False,
+        program: Program | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -73,6 +77,8 @@ class Job:
         """The loss function runs batches of one micro-step's shapes only (a plan's program):
         evaluate cuts its batch into micro-batches as step does."""
         self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
+        self.program = program
+        """The compiled per-rank program a plan job's step runs (None for other jobs)."""
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -84,6 +90,8 @@ class Job:
         """
         if self.plain is not None:
             return self._step_plain(batch, self.plain)
+        if self.program is not None:
+            return self._step_program(batch, self.program)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -113,6 +121,50 @@ class Job:
             self.optimizer.step()
         assert total is not None
         return float(full_value(total if k == 1 else total / k).item())
+
+    def _step_program(self, batch: Any, program: Program) -> float:
+        """``step`` by the compiled per-rank program (:mod:`plait.runtime.program`).
+
+        Each micro-batch is one call of the program (forward and backward on local pieces,
+        the plan's redistributions inside it); gradients are summed locally, then reduced over
+        the data-parallel axis in the plan's fused buckets and over other pending axes one by
+        one, then the optimizer updates the local pieces.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        k = self.config.grad_accumulation
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        weight = torch.tensor(scale / k, dtype=torch.float32)
+        trained = [self.model.get_parameter(name) for name in program.trained]
+        grads: list[torch.Tensor] | None = None
+        total: torch.Tensor | None = None
+        flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
+        for micro in split_micro_batches(batch, k):
+            flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
+            out = program.run(weight, flat)
+            loss, new = out[0], out[1 : 1 + len(trained)]
+            grads = new if grads is None else [a + b for a, b in zip(grads, new, strict=True)]
+            with torch.no_grad():
+                for name, value in zip(program.buffers, out[1 + len(trained) :], strict=True):
+                    local_piece(self.model.get_buffer(name)).copy_(value)
+            total = loss.detach() if total is None else total + loss.detach()
+        assert grads is not None and total is not None
+        for p, g, placements in zip(trained, grads, program.grad_placements, strict=True):
+            p.grad = dtensor_from_local(g, p.device_mesh, placements, p.shape, p.stride())
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        for p in trained:
+            sync_grad(p)
+        if self._gradients_usable():
+            shadows = getattr(self.optimizer, "_plait_shadows", None)
+            if shadows is not None:
+                shadows.load_grads()
+            self.optimizer.step()
+        loss_value = dtensor_from_local(
+            total / k if k != 1 else total, self.device_mesh, program.loss_placements, (), ()
+        )
+        return float(full_value(loss_value).item())
 
     def _step_plain(self, batch: Any, plain: PlainDataParallel) -> float:
         """``step`` for pure data parallelism on plain tensors (see runtime.data_parallel)."""

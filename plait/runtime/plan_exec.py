@@ -46,11 +46,14 @@ import torch.fx
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from plait._compat import greedy_redistribution_planning
+from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     build_device_mesh,
     distribute,
     from_local_piece,
     full_value,
+    implicit_replication,
     is_dtensor,
     layout_of,
     local_piece,
@@ -87,6 +90,8 @@ from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strate
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
+from plait.runtime.precision import autocast_for
+from plait.runtime.program import Program, compile_program
 from plait.search.constraints import batch_layouts
 
 __all__ = [
@@ -430,6 +435,53 @@ class PlanExecutor:
             elif loss is None and spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
                 loss = value
         return loss
+
+    def run_flat(self, values: list[Any]) -> tuple[Any, ...]:
+        """The exported program on ``values`` (its inputs, laid out): its outputs, as a tuple.
+
+        This is what :func:`plait.runtime.program.compile_program` traces into the per-rank
+        program; a training step runs that program, not this.
+        """
+        interpreter = self._interpreter
+        if interpreter is None:
+            interpreter = self._interpreter = _PlanInterpreter(self)
+        try:
+            outputs = interpreter.run(*values, enable_io_processing=False)
+        finally:
+            interpreter.forget()
+        return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,)
+
+    def example_flat_inputs(self, model: nn.Module) -> list[Any]:
+        """Inputs of the planned shapes for tracing: the model's own parameters, buffers and
+        constants, and zero batch tensors laid out as planned (only shapes are read)."""
+        owners = self._owners(model)
+        out: list[Any] = []
+        k = t = 0
+        for kind, target in self._sources:
+            if kind == InputKind.USER_INPUT:
+                example = self._example_leaves[k]
+                k += 1
+                if isinstance(example, torch.Tensor):
+                    layout = self.input_layouts[self._batch_names[t]]
+                    local = [
+                        s // n for s, n in zip(self._batch_shapes[t], layout.splits(), strict=True)
+                    ]
+                    zeros = torch.zeros(local, dtype=example.dtype)
+                    out.append(from_local_piece(zeros, self.device_mesh, layout))
+                    t += 1
+                else:
+                    out.append(example)
+            elif kind == InputKind.PARAMETER:
+                out.append(getattr(*owners[len(out)]))
+            elif kind == InputKind.BUFFER:
+                out.append(self._replicated(getattr(*owners[len(out)])))
+            else:
+                out.append(self._replicated(self.captured.program.constants[target]))
+        return out
+
+    def flat_inputs(self, model: nn.Module, batch: Any) -> list[Any]:
+        """The exported program's inputs for ``batch``, laid out as planned (DTensors)."""
+        return self._flat_inputs(model, batch)
 
     def planned(self, node_name: str) -> PlannedOp | None:
         op = self.captured.op_of_node.get(node_name)
@@ -1127,6 +1179,7 @@ def build_plan_job(
     )
     layouts = _place_parameters(model, plan, device_mesh, executor.buffer_layouts())
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)
+    program = _compile(executor, model, cfg, device_mesh)
     logger.info(
         "running plan for %s on mesh %s (%d ops)",
         plan.model or type(model).__name__,
@@ -1144,6 +1197,26 @@ def build_plan_job(
         layouts=layouts,
         grad_sync=grad_sync,
         micro_step_shapes=True,
+        program=program,
+    )
+
+
+def _compile(
+    executor: PlanExecutor, model: nn.Module, cfg: ParallelConfig, device_mesh: Any
+) -> Program:
+    """The per-rank program of the executor's plan (traced on zero batches of its shapes)."""
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+
+    def contexts() -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        stack.enter_context(greedy_redistribution_planning())
+        stack.enter_context(implicit_replication())
+        stack.enter_context(PlaitDispatchMode())  # as Job._loss: exact mean-reduced losses
+        stack.enter_context(autocast_for(cfg.precision, device_mesh.device_type))
+        return stack
+
+    return compile_program(
+        executor, model, executor.example_flat_inputs(model), trained=trained, contexts=contexts
     )
 
 

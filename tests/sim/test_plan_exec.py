@@ -204,7 +204,12 @@ def test_zoo_transformer_auto_plan_from_annotations_matches_one_device(kind):
         for layer in model.layers:
             layer.qkv.bias.requires_grad_(False)
     cfg = ParallelConfig(mode="auto", mesh=DP_TP, comm_fusion=NO_FUSION)
-    plan = check_case(model, batches, cfg, loss_fn, adamw, 4)
+    # Adam's step m/sqrt(v) does not depend on the gradient's size: where a BERT gradient
+    # element nearly cancels over the batch (fc2), the different fp32 summation order of split
+    # matmuls changes it by ~1e-3 relative, and Adam turns that into 1e-3 of lr per step
+    # (2.4e-5 seen, over rtol 1e-4). SGD's error is lr times the absolute gradient error,
+    # which fp32 rounding bounds: exactness is tested with SGD here, AdamW in test_plan_matrix.
+    plan = check_case(model, batches, cfg, loss_fn, sgd if kind == "bert" else adamw, 4)
     assert {"all_reduce", "all_gather"} <= {c.kind for c in plan.collectives if c.axes == ("tp",)}
 
 

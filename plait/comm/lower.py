@@ -1,0 +1,254 @@
+"""Lowering DTensor code to per-rank programs over local tensors, and running them.
+
+A function written on DTensors, traced by ``make_fx`` on fake local tensors, becomes the
+program one rank runs: DTensor's sharding propagation happens once, at trace time, and what is
+recorded are local aten ops and explicit functional collectives
+(``_c10d_functional.all_reduce`` and friends, each followed by ``wait_tensor``). This is the
+door :mod:`plait.runtime.program` goes through to compile a plan.
+
+In a simulated world (one process, :func:`plait.testing.simulate`) every rank's program is
+traced with that rank's mesh coordinate (which chunk it keeps, the vocabulary offset of a split
+embedding may enter as constants), and :func:`run_lockstep` runs them together on LocalTensors:
+a node whose arguments are the same on every rank runs once for all ranks (collectives
+included, so collective logs see them as real processes issue them); a node whose constants
+differ runs rank by rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.distributed.tensor import DTensor, Replicate
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from plait._compat import (
+    join_rank_pieces,
+    rank_pieces,
+    simulated_ranks,
+    simulation_suspended,
+    traced_as_rank,
+)
+from plait.errors import PlanError
+
+__all__ = [
+    "ProgramCollective",
+    "collectives_of",
+    "dtensor_from_local",
+    "replicated_scalar",
+    "run_lockstep",
+    "trace_per_rank",
+    "traced_ranks",
+]
+
+# Functional collective op name -> the kind plans and collective logs use.
+_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramCollective:
+    """One collective of a per-rank program: its node, kind, mesh axis and input bytes."""
+
+    node: str
+    kind: str
+    axis: str
+    nbytes: int
+
+
+def dtensor_from_local(
+    local: torch.Tensor,
+    device_mesh: Any,
+    placements: Sequence[Any],
+    shape: torch.Size | Sequence[int],
+    stride: Sequence[int],
+) -> DTensor:
+    """A DTensor with ``placements`` whose local piece is ``local`` (no communication)."""
+    return DTensor.from_local(
+        local,
+        device_mesh,
+        tuple(placements),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(stride),
+    )
+
+
+def replicated_scalar(local: torch.Tensor, device_mesh: Any) -> DTensor:
+    """A 0-d tensor every rank holds alike, as a replicated DTensor."""
+    return DTensor.from_local(local, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+
+
+def traced_ranks() -> tuple[tuple[int, ...], int, bool]:
+    """(ranks to trace, this process's rank, simulated): every rank when simulated."""
+    ranks = simulated_ranks()
+    if ranks is not None:
+        return ranks, 0, True
+    own = int(dist.get_rank())
+    return (own,), own, False
+
+
+def trace_per_rank(
+    make_step: Callable[[], Callable[..., Any]],
+    examples: Sequence[torch.Tensor],
+    device_mesh: Any,
+) -> dict[int, torch.fx.GraphModule]:
+    """``make_step()`` traced by make_fx on fake tensors shaped like ``examples`` (local
+    pieces), once per rank."""
+    ranks, _, simulated = traced_ranks()
+    traced: dict[int, torch.fx.GraphModule] = {}
+    # The first trace is a warm-up, thrown away: DTensor's first sharding propagation of an
+    # op runs it on fake tensors (recorded though unused, mutations included) and may take
+    # another decomposition than its cached later calls; every kept trace sees warm caches.
+    for rank in (ranks[0], *ranks):
+        with _as_rank(device_mesh, rank, simulated=simulated):
+            plain = [_plain_example(x) for x in examples]
+            graph_module = make_fx(make_step(), tracing_mode="fake")(*plain)
+        graph_module.graph.eliminate_dead_code()
+        graph_module.recompile()
+        traced[rank] = graph_module
+    return traced
+
+
+def _plain_example(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with ``value``'s local metadata (a simulated rank's LocalTensor has the
+    same shape on every rank when shapes split evenly); only metadata is traced."""
+    return torch.empty_strided(
+        value.shape, value.stride(), dtype=value.dtype, device=value.device.type
+    )
+
+
+@contextlib.contextmanager
+def _as_rank(device_mesh: Any, rank: int, *, simulated: bool) -> Iterator[None]:
+    if not simulated:
+        yield
+        return
+    with simulation_suspended(), traced_as_rank(device_mesh, rank):
+        yield
+
+
+def collectives_of(graph_module: torch.fx.GraphModule, device_mesh: Any) -> list[ProgramCollective]:
+    """Every functional collective of a traced program, in program order, by mesh axis."""
+    names = tuple(device_mesh.mesh_dim_names or ())
+    axis_of_group = {device_mesh.get_group(a).group_name: a for a in names}
+    out: list[ProgramCollective] = []
+    for n in graph_module.graph.nodes:
+        kind = _collective_kind(n)
+        if kind is None:
+            continue
+        value = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        nbytes = 0 if value is None else value.numel() * value.element_size()
+        group = n.args[-1] if isinstance(n.args[-1], str) else n.kwargs.get("group_name")
+        out.append(ProgramCollective(n.name, kind, axis_of_group.get(group, str(group)), nbytes))
+    return out
+
+
+def _collective_kind(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if getattr(target, "namespace", None) != "_c10d_functional":
+        return None
+    return _KINDS.get(getattr(target, "_opname", ""))
+
+
+def run_lockstep(
+    graphs: list[torch.fx.GraphModule], ranks: tuple[int, ...], args: list[Any]
+) -> list[torch.Tensor]:
+    """Run per-rank graphs that differ only in constants, node by node, on LocalTensors.
+
+    Values are kept by node position (node names may differ between ranks' graphs).
+    """
+    node_lists = [list(g.graph.nodes) for g in graphs]
+    count = len(node_lists[0])
+    if any(len(nodes) != count for nodes in node_lists):
+        raise PlanError(
+            "the per-rank programs of this plan differ in length between simulated ranks "
+            f"({[len(n) for n in node_lists]} nodes); simulation runs ranks in lock step, which "
+            "needs every rank to run the same ops: use shapes that split evenly over the mesh"
+        )
+    positions = [{n: i for i, n in enumerate(nodes)} for nodes in node_lists]
+    env: list[Any] = [None] * count
+    position = 0
+    for index in range(count):
+        nodes = [nodes[index] for nodes in node_lists]
+        first = nodes[0]
+        if first.op == "placeholder":
+            env[index] = args[position]
+            position += 1
+        elif first.op == "output":
+            return list(torch.fx.node.map_arg(first.args[0], lambda n: env[positions[0][n]]))
+        elif first.op == "get_attr":
+            env[index] = _join(
+                {r: getattr(g, n.target) for r, g, n in zip(ranks, graphs, nodes, strict=True)}  # type: ignore[arg-type]
+            )
+        else:
+            env[index] = _run_node(nodes, ranks, env, positions)
+    raise PlanError("per-rank program has no output node")
+
+
+def _run_node(
+    nodes: list[torch.fx.Node],
+    ranks: tuple[int, ...],
+    env: list[Any],
+    positions: list[dict[torch.fx.Node, int]],
+) -> Any:
+    first = nodes[0]
+    calls = [
+        (
+            n.target,
+            repr(torch.fx.node.map_arg(n.args, lambda a, p=p: p[a])),
+            repr(torch.fx.node.map_arg(n.kwargs, lambda a, p=p: p[a])),
+        )
+        for n, p in zip(nodes, positions, strict=True)
+    ]
+    if any(c[0] != calls[0][0] for c in calls):
+        raise PlanError(
+            f"simulated ranks run different ops at {first.name!r}: "
+            f"{sorted({str(c[0]) for c in calls})}"
+        )
+    if all(c == calls[0] for c in calls[1:]):  # same call on every rank: once, on LocalTensors
+        load = lambda a: env[positions[0][a]]  # noqa: E731
+        args = torch.fx.node.map_arg(first.args, load)
+        kwargs = torch.fx.node.map_arg(first.kwargs, load)
+        return first.target(*args, **kwargs)  # type: ignore[operator]
+    outs: dict[int, Any] = {}
+    with simulation_suspended():
+        for r, n, p in zip(ranks, nodes, positions, strict=True):
+
+            def piece(arg: torch.fx.Node, r: int = r, p: dict[torch.fx.Node, int] = p) -> Any:
+                return _piece(env[p[arg]], r, ranks)
+
+            outs[r] = n.target(  # type: ignore[operator]
+                *torch.fx.node.map_arg(n.args, piece), **torch.fx.node.map_arg(n.kwargs, piece)
+            )
+    return _join(outs)
+
+
+def _piece(value: Any, rank: int, ranks: tuple[int, ...]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return rank_pieces(value, ranks)[rank]
+    if isinstance(value, tuple | list):
+        return type(value)(_piece(v, rank, ranks) for v in value)
+    return value
+
+
+def _join(outs: dict[int, Any]) -> Any:
+    first = next(iter(outs.values()))
+    if isinstance(first, torch.Tensor):
+        return join_rank_pieces(outs)
+    if isinstance(first, tuple | list):
+        return type(first)(_join({r: o[i] for r, o in outs.items()}) for i in range(len(first)))
+    if any(o != first for o in outs.values()):
+        raise PlanError(f"simulated ranks computed different values {sorted(set(outs.values()))}")
+    return first

@@ -1,0 +1,304 @@
+"""The per-rank program: a Plan compiled into one FX graph over local tensors.
+
+This is the "compile" step of the one path (DESIGN.md, "One path for every mode"; MindSpore's
+``step_parallel`` rewrites its graph the same way). The plan's operator executor
+(:class:`~plait.runtime.plan_exec.PlanExecutor`) knows, per op, the planned layouts and the
+redistributions between them, and runs them on DTensors. Running it once per rank under
+``make_fx`` on fake tensors records what that costs *below* DTensor: the local aten ops of the
+forward *and* the backward pass, with every redistribution as an explicit functional collective
+(``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+``all_to_all_single`` and its ``wait_tensor``). The result is the program one rank runs:
+
+    inputs   grad scale (0-d), then the exported program's inputs as local pieces
+             (parameters, buffers, constants, batch leaves; Python batch values are baked in)
+    outputs  the loss's local piece, each trained parameter's local gradient (pending sums
+             left for the Job's fused reduction), the new local value of each buffer the
+             forward updates
+
+A training step is one call of that graph: no DTensor dispatch, no interpreter, no hooks on
+the hot path. Parameters stay DTensors for the optimizer, state dicts and checkpoints; the
+program reads and the optimizer writes their local pieces.
+
+Simulated worlds (:func:`plait.testing.simulate`) trace every rank's program (a rank's
+coordinate on the mesh can enter it as a constant: which chunk it keeps, the vocabulary offset
+of a split embedding) and run them in lock step on LocalTensors: a node whose arguments are
+the same on every rank runs once for all ranks; a node whose constants differ runs rank by
+rank. Collectives run on LocalTensors as functional collectives, so the collective logs of
+tests see exactly what real processes issue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind, OutputKind
+
+from plait.comm.dtensor import is_dtensor, local_piece
+from plait.comm.lower import (
+    ProgramCollective,
+    collectives_of,
+    dtensor_from_local,
+    replicated_scalar,
+    run_lockstep,
+    trace_per_rank,
+    traced_ranks,
+)
+from plait.errors import PlanError, ShardingError
+
+__all__ = ["Program", "ProgramCollective", "compile_program"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Input:
+    """How one exported input enters the traced step (None placements: a baked constant)."""
+
+    kind: InputKind
+    target: str | None
+    placements: tuple[Any, ...] | None
+    shape: torch.Size | None
+    stride: tuple[int, ...] | None
+    trained: bool
+    constant: Any = None
+
+
+class Program:
+    """The compiled per-rank program of a plan (see the module docstring).
+
+    ``str(program)`` (``job.program``) prints this rank's graph with every collective named by
+    its mesh axis; :meth:`collectives` lists them.
+    """
+
+    def __init__(
+        self,
+        graphs: dict[int, torch.fx.GraphModule],
+        *,
+        inputs: Sequence[_Input],
+        trained: Sequence[str],
+        grad_placements: Sequence[tuple[Any, ...]],
+        loss_placements: tuple[Any, ...],
+        buffers: Sequence[str],
+        device_mesh: Any,
+        rank: int,
+        trace_seconds: float,
+    ) -> None:
+        self.graphs = graphs
+        self.inputs = tuple(inputs)
+        self.trained = tuple(trained)
+        """Parameter names whose local gradients the program returns, in output order."""
+        self.grad_placements = tuple(grad_placements)
+        """DTensor placements of each returned gradient (pending sums still pending)."""
+        self.loss_placements = loss_placements
+        self.buffers = tuple(buffers)
+        """Buffers the forward updates, in output order."""
+        self.device_mesh = device_mesh
+        self.rank = rank
+        self.trace_seconds = trace_seconds
+        ranks = sorted(graphs)
+        first = graphs[ranks[0]].code
+        self._same_code = all(graphs[r].code == first for r in ranks[1:])
+        self._ranks = tuple(ranks)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """This rank's program (rank 0's in a simulated world)."""
+        return self.graphs[self.rank]
+
+    def collectives(self) -> list[ProgramCollective]:
+        """Every collective this rank's program issues, in program order."""
+        return collectives_of(self.graph_module, self.device_mesh)
+
+    def __str__(self) -> str:
+        collectives = {c.node: c for c in self.collectives()}
+        lines = [
+            f"# per-rank program (rank {self.rank}): {len(self.graph_module.graph.nodes)} nodes, "
+            f"{len(collectives)} collectives, traced in {self.trace_seconds:.2f} s",
+            f"# outputs: loss, {len(self.trained)} gradients, {len(self.buffers)} buffers",
+        ]
+        for line in self.graph_module.code.splitlines():
+            name = line.strip().split(" = ", 1)[0]
+            c = collectives.get(name)
+            if c is not None:
+                line += f"  # {c.kind} over {c.axis!r}, {c.nbytes} bytes"
+            if line.strip():
+                lines.append(line)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, scale: torch.Tensor, flat: Sequence[Any]) -> list[torch.Tensor]:
+        """One step of the program on local pieces: [loss, *gradients, *buffers]."""
+        args = [scale, *(x for x, spec in zip(flat, self.inputs, strict=True) if spec.placements)]
+        if len(self._ranks) == 1:
+            return list(self.graphs[self._ranks[0]](*args))
+        if self._same_code:  # every rank runs the same code: once, on LocalTensors
+            return list(self.graphs[self._ranks[0]](*args))
+        return run_lockstep([self.graphs[r] for r in self._ranks], self._ranks, args)
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def compile_program(
+    executor: Any,
+    model: torch.nn.Module,
+    flat: Sequence[Any],
+    *,
+    trained: Sequence[str],
+    contexts: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Program:
+    """Trace ``executor`` (a :class:`~plait.runtime.plan_exec.PlanExecutor`) into a Program.
+
+    ``flat`` are the exported program's inputs as the executor would receive them (DTensor
+    parameters, buffers, constants and batch leaves, laid out as planned); only their
+    placements, shapes and strides are read. ``trained`` names the parameters that take
+    gradients. ``contexts`` enters what the step runs under (autocast, DTensor settings).
+    """
+    device_mesh = executor.device_mesh
+    inputs = _input_specs(executor, flat, set(trained))
+    _, own, _ = traced_ranks()
+    record: dict[str, Any] = {}
+    started = time.perf_counter()
+    examples = [torch.zeros((), dtype=torch.float32)] + [
+        local_piece(x) for x, spec in zip(flat, inputs, strict=True) if spec.placements
+    ]
+    traced = trace_per_rank(
+        lambda: _traced_step(executor, model, inputs, contexts, record), examples, device_mesh
+    )
+    seconds = time.perf_counter() - started
+    program = Program(
+        traced,
+        inputs=inputs,
+        trained=record["trained"],
+        grad_placements=record["grad_placements"],
+        loss_placements=record["loss_placements"],
+        buffers=record["buffers"],
+        device_mesh=device_mesh,
+        rank=own,
+        trace_seconds=seconds,
+    )
+    logger.info(
+        "compiled per-rank program: %d nodes, %d collectives (%.2f s, %d rank(s) traced)",
+        len(program.graph_module.graph.nodes),
+        len(program.collectives()),
+        seconds,
+        len(traced),
+    )
+    return program
+
+
+def _input_specs(executor: Any, flat: Sequence[Any], trained: set[str]) -> list[_Input]:
+    out: list[_Input] = []
+    for (kind, target), value in zip(executor._sources, flat, strict=True):
+        if not isinstance(value, torch.Tensor):
+            out.append(_Input(kind, target, None, None, None, False, value))
+            continue
+        if not is_dtensor(value):
+            raise PlanError(f"exported input {target or 'of the batch'} is not laid out")
+        out.append(
+            _Input(
+                kind,
+                target,
+                tuple(value.placements),
+                value.shape,
+                tuple(value.stride()),
+                kind == InputKind.PARAMETER and target in trained,
+            )
+        )
+    return out
+
+
+def _traced_step(
+    executor: Any,
+    model: torch.nn.Module,
+    inputs: Sequence[_Input],
+    contexts: Callable[[], contextlib.AbstractContextManager[Any]],
+    record: dict[str, Any],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The function make_fx traces: local pieces in, local loss, gradients and buffers out."""
+    mesh = executor.device_mesh
+    signature = executor.captured.program.graph_signature
+
+    def step(scale: torch.Tensor, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pieces = iter(local)
+        values: list[Any] = []
+        leaves: list[tuple[str, torch.Tensor]] = []
+        for spec in inputs:
+            if spec.placements is None:
+                values.append(spec.constant)
+                continue
+            assert spec.shape is not None and spec.stride is not None
+            value = dtensor_from_local(next(pieces), mesh, spec.placements, spec.shape, spec.stride)
+            if spec.trained:
+                value = value.detach().requires_grad_(True)
+                assert spec.target is not None
+                leaves.append((spec.target, value))
+            values.append(value)
+        with contexts():
+            outputs = executor.run_flat(values)
+        loss: Any = None
+        buffers: list[tuple[str, torch.Tensor]] = []
+        for out_spec, value in zip(signature.output_specs, outputs, strict=True):
+            if out_spec.kind == OutputKind.BUFFER_MUTATION:
+                buffers.append((_strip(out_spec.target), value))
+            elif loss is None and out_spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+                loss = value
+        _check_loss(loss)
+        with contexts():
+            # The seed is what ``loss.backward()`` would use (DTensor's ones_like of the loss),
+            # times the loss scale: fp16 scaling must act inside backward, not after it.
+            seed = torch.ones_like(loss) * replicated_scalar(scale.to(loss.dtype), mesh)
+            grads = torch.autograd.grad(
+                loss, [v for _, v in leaves], grad_outputs=seed, allow_unused=True
+            )
+        kept = [(name, g) for (name, _), g in zip(leaves, grads, strict=True) if g is not None]
+        record["trained"] = tuple(name for name, _ in kept)
+        record["grad_placements"] = tuple(tuple(g.placements) for _, g in kept)
+        record["loss_placements"] = tuple(loss.placements)
+        record["buffers"] = tuple(name for name, _ in buffers)
+        new_buffers = [_buffer_local(model, name, value) for name, value in buffers]
+        return (
+            loss.to_local(),
+            *(g.to_local() for _, g in kept),
+            *new_buffers,
+        )
+
+    return step
+
+
+def _strip(target: str | None) -> str:
+    """A path inside capture's wrapper module -> the path in the user's model."""
+    target = target or ""
+    return target.removeprefix("model.") if target != "model" else ""
+
+
+def _buffer_local(model: torch.nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
+    """The local piece of a buffer's new value, in the buffer's own layout."""
+    buffer = model.get_buffer(name)
+    if is_dtensor(buffer):
+        if not is_dtensor(value):
+            raise PlanError(f"buffer {name!r}: the program computed a plain new value")
+        return value.redistribute(buffer.device_mesh, buffer.placements).to_local()
+    return value.full_tensor() if is_dtensor(value) else value
+
+
+def _check_loss(loss: Any) -> None:
+    if not is_dtensor(loss):
+        raise ShardingError(
+            f"loss_fn returned a plain {type(loss).__name__}, not a tensor computed from the "
+            "model's output; return the loss tensor itself (no .item() or .detach())"
+        )
+    if loss.numel() != 1:
+        raise ShardingError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss"
+        )

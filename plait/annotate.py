@@ -18,8 +18,9 @@ from torch import nn
 
 from plait.errors import ShardingError
 from plait.layout import TensorLayout
+from plait.mesh import MeshSpec
 
-__all__ = ["ShardSpec", "get_shard_spec", "shard"]
+__all__ = ["ShardSpec", "get_shard_spec", "parameter_layouts", "shard"]
 
 StrategyLike = tuple[int, ...] | TensorLayout
 M = TypeVar("M", bound=nn.Module)
@@ -133,3 +134,39 @@ def get_shard_spec(module: nn.Module) -> ShardSpec | None:
 
 def _text(s: StrategyLike) -> str:
     return s.describe() if isinstance(s, TensorLayout) else repr(s)
+
+
+def parameter_layouts(model: nn.Module, mesh: MeshSpec) -> dict[str, TensorLayout]:
+    """Every parameter's layout from the model's ``parameter_strategy`` annotations (replicated
+    where none is given), validated against the mesh and the parameter shapes.
+
+    Pure and immediate: ``parallelize`` calls it so that a bad annotation is refused by name
+    before any process waits on another, even when planning waits for the first batch. A
+    parameter shared by two modules must be annotated alike in both.
+    """
+    from plait.layout import resolve_tensor_strategy
+    from plait.rules.common import to_mesh
+
+    found: dict[int, tuple[TensorLayout, str]] = {}
+    for path, module in model.named_modules():
+        spec = get_shard_spec(module)
+        for pname, strategy in (spec.parameter_strategy if spec else {}).items():
+            where = f"{path}.{pname}" if path else pname
+            p = module.get_parameter(pname)
+            if isinstance(strategy, TensorLayout):
+                layout = to_mesh(strategy, mesh, where)
+                layout.check_shape(tuple(p.shape), where)
+            else:
+                layout = resolve_tensor_strategy(strategy, mesh, where, tuple(p.shape))
+            prev = found.get(id(p))
+            if prev is not None and prev[0] != layout:
+                raise ShardingError(
+                    f"parameter {where} (also reached as {prev[1]}) is annotated "
+                    f"{layout.describe()} here and {prev[0].describe()} there; a shared "
+                    "parameter has one layout: make the two annotations agree"
+                )
+            found.setdefault(id(p), (layout, where))
+    return {
+        name: found[id(p)][0] if id(p) in found else TensorLayout.replicated(mesh, p.ndim)
+        for name, p in model.named_parameters()
+    }

@@ -18,16 +18,13 @@ from plait.rules.catalogue import (
     strategy_from_cuts,
 )
 from plait.rules.einsum import Einsum, EinsumRule, einsum_for, enumerate_strategies
-from plait.rules.embedding import EmbeddingRule
-from plait.rules.linear import LinearRule, matmul_signature
 from plait.rules.registry import OpRule, OpStrategy, grad_reduce_axes, replicated_strategy
+from plait.rules.signatures import linear_signature, matmul_signature
 
 __all__ = [
     "Catalogue",
     "Einsum",
     "EinsumRule",
-    "EmbeddingRule",
-    "LinearRule",
     "OpMemory",
     "OpRule",
     "OpStrategy",
@@ -35,6 +32,7 @@ __all__ = [
     "einsum_for",
     "enumerate_strategies",
     "grad_reduce_axes",
+    "linear_signature",
     "matmul_signature",
     "op_memory",
     "replicated_strategy",

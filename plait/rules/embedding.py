@@ -8,71 +8,11 @@ output's last dim, with no communication.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from plait.errors import ShardingError
 from plait.graph import OpNode
-from plait.layout import TensorLayout, resolve_tensor_strategy
-from plait.mesh import MeshSpec
 from plait.rules.args import ref_index
-from plait.rules.common import batch_axes, resolve_output, to_mesh
 from plait.rules.einsum import Einsum, EinsumRule, einsum_for
 
-__all__ = ["EmbeddingLayouts", "EmbeddingRule", "embedding_rule", "embedding_rules"]
-
-
-@dataclass(frozen=True, slots=True)
-class EmbeddingLayouts:
-    input: TensorLayout
-    weight: TensorLayout
-    output: TensorLayout
-    natural_output: TensorLayout
-
-
-@dataclass(frozen=True, slots=True)
-class EmbeddingRule:
-    """The sharding of one ``nn.Embedding``."""
-
-    where: str
-    mesh: MeshSpec
-    dp_axis: str
-    weight: TensorLayout
-    in_strategy: Sequence[int] | TensorLayout | None = None
-    out_strategy: Sequence[int] | TensorLayout | None = None
-
-    def layouts(self, ids_ndim: int) -> EmbeddingLayouts:
-        ids = self._ids_layout(ids_ndim)
-        vocab_axes, hidden_axes = self.weight.dims
-        natural = TensorLayout(self.mesh, (*ids.dims, hidden_axes), vocab_axes)
-        out = resolve_output(natural, self.out_strategy, self.where)
-        return EmbeddingLayouts(ids, self.weight, out, natural)
-
-    def _ids_layout(self, ndim: int) -> TensorLayout:
-        used = {a for axes in self.weight.dims for a in axes}
-        if self.in_strategy is None:
-            batch = batch_axes(self.mesh, self.dp_axis, list(used))
-            return TensorLayout(self.mesh, (batch,) + ((),) * (ndim - 1))
-        if isinstance(self.in_strategy, TensorLayout):
-            ids = to_mesh(self.in_strategy, self.mesh, self.where)
-        else:
-            if len(self.in_strategy) != ndim:
-                raise ShardingError(
-                    f"{self.where}: in_strategy {tuple(self.in_strategy)!r} has {len(self.in_strategy)} "
-                    f"entries but the ids have {ndim} dims; give one split per dim"
-                )
-            free = [a for a in self.mesh.axis_names if a not in used]
-            sub = MeshSpec(tuple(free), tuple(self.mesh.axis_size(a) for a in free))
-            ids = TensorLayout(
-                self.mesh, resolve_tensor_strategy(self.in_strategy, sub, self.where).dims
-            )
-        clash = used & {a for axes in ids.dims for a in axes}
-        if clash:
-            raise ShardingError(
-                f"{self.where}: the ids are split on axes {sorted(clash)!r} that also split the "
-                "embedding table; use other axes for the ids"
-            )
-        return ids
+__all__ = ["embedding_rule", "embedding_rules"]
 
 
 def embedding_rule(op: OpNode) -> Einsum | None:

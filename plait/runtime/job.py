@@ -31,7 +31,7 @@ from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
 from plait.runtime.program import Program
 
-__all__ = ["Job", "LossFn", "OptimizerFactory"]
+__all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
 
 logger = logging.getLogger(__name__)
 
@@ -323,3 +323,68 @@ class Job:
                 )
             return distribute(x, self.device_mesh, layout)
         return from_local_piece(x, self.device_mesh, layout)
+
+
+class DeferredJob(Job):
+    """A Job planned at its first step, on that step's batch (``parallelize`` without
+    ``example_batch``), as MindSpore compiles at the first call and torch.compile at the first
+    run.
+
+    Until then the model is untouched and only ``model`` and ``config`` exist; ``step``,
+    ``evaluate`` and ``full_state_dict`` plan first; any other attribute (``optimizer``,
+    ``program``, ``loss_fn``...) is there once the job is planned. The plan is for the first
+    batch's shapes: a later batch of another shape is refused by name (a plan runs one
+    program, made for one shape).
+    """
+
+    def __init__(
+        self, model: nn.Module, config: ParallelConfig, build: Callable[[Any], Job]
+    ) -> None:
+        self.model = model
+        self.config = config
+        self._build = build
+        self._built: Job | None = None
+
+    def _job(self, batch: Any) -> Job:
+        if self._built is None:
+            logger.info(
+                "planning %s (mode %s) at the first step, on batch shapes %s",
+                type(self.model).__name__,
+                self.config.mode,
+                _shapes(batch),
+            )
+            self._built = self._build(batch)
+        return self._built
+
+    @property
+    def built(self) -> Job | None:
+        """The planned job, once the first step has made it."""
+        return self._built
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_built", "_build"):
+            raise AttributeError(name)
+        built = self.__dict__.get("_built")
+        if built is None:
+            raise AttributeError(
+                f"job.{name} exists once the job is planned, at its first step(batch); call "
+                "step first, or pass example_batch= to plait.parallelize to plan at once"
+            )
+        return getattr(built, name)
+
+    def step(self, batch: Any) -> float:
+        return self._job(batch).step(batch)
+
+    def evaluate(self, batch: Any) -> float:
+        return self._job(batch).evaluate(batch)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self._built is None:  # not planned yet: the model is still whole
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return self._built.full_state_dict()
+
+
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
+    from plait._compat import tree_leaves
+
+    return [tuple(x.shape) for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]

@@ -12,6 +12,7 @@ hook-driven buckets (:mod:`plait.runtime.data_parallel`), as DDP does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from plait._compat import tree_leaves
+from plait.annotate import parameter_layouts
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
@@ -30,15 +32,15 @@ from plait.mesh import MeshSpec
 from plait.planning import Plan
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
-from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.job import DeferredJob, Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
-from plait.runtime.modules import apply_layouts, collect_layouts
+from plait.runtime.placement import place_parameters
 
 __all__ = ["parallelize"]
 
 logger = logging.getLogger(__name__)
 
-_BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
+_BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto", "hybrid")
 
 
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
@@ -149,35 +151,33 @@ def parallelize(
             "(under `plait run` or torchrun), or use plait.testing.simulate(world_size=N) to run "
             "N ranks in this process"
         )
-    if config.mode == "auto" or config.plan is not None or plan is not None:
-        return _planned_job(
-            model, config, optimizer, loss_fn, example_batch, world.world_size, plan
-        )
-    mesh = _job_mesh(config, world.world_size)
-    if config.mode == "data_parallel":
-        _refuse_annotations(model)
-    layouts = collect_layouts(model, mesh, config.dp_axis)
-    named = layouts.layout_by_name(model)
-    device_mesh = build_device_mesh(mesh, world.device_type)
-    if _is_pure_data_parallel(config, mesh):
-        return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
-    apply_layouts(model, layouts, device_mesh)
-    slice_inputs = world.simulated or config.dataset_strategy == "full_batch"
-    grad_sync = _build_grad_sync(model, named, mesh, device_mesh, config)
-    logger.info(
-        "parallelized %s on mesh %s (mode %s)", type(model).__name__, mesh.as_dict(), config.mode
+    planned = config.mode == "auto" or config.plan is not None or plan is not None
+    if not planned:
+        mesh = _job_mesh(config, world.world_size)
+        if config.mode == "data_parallel":
+            _refuse_annotations(model)
+        # annotations are checked now, before anything waits for the first batch
+        named = parameter_layouts(model, mesh)
+        if _is_pure_data_parallel(config, mesh):
+            device_mesh = build_device_mesh(mesh, world.device_type)
+            return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
+        if config.mode == "hybrid":
+            return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
+    # Every other job runs a plan: semi_auto plans from the annotations (unannotated ops data
+    # parallel), auto searches, a plan file or Plan runs as it is. Without an example batch
+    # the plan is made at the first step, on its batch.
+    build = functools.partial(
+        _planned_job, model, config, optimizer, loss_fn, world_size=world.world_size, plan=plan
     )
-    return Job(
-        model,
-        build_optimizer(model, optimizer),
-        loss_fn,
-        config,
-        mesh=mesh,
-        device_mesh=device_mesh,
-        slice_inputs=slice_inputs,
-        layouts=named,
-        grad_sync=grad_sync,
-    )
+    if example_batch is None:
+        if plan is not None or config.plan is not None:
+            where = "the given plan" if plan is not None else f"plan file {config.plan!r}"
+            raise ConfigError(
+                f"parallelize with {where} needs example_batch=: a global batch (shapes only; "
+                "meta tensors are fine) to check the plan against before anything runs"
+            )
+        return DeferredJob(model, config, build)
+    return build(example_batch)
 
 
 def _planned_job(
@@ -186,11 +186,12 @@ def _planned_job(
     optimizer: OptimizerFactory,
     loss_fn: LossFn,
     example_batch: Any,
+    *,
     world_size: int,
     plan: Plan | None = None,
 ) -> Job:
-    """Mode auto (plan now, on the example batch), a saved plan file or a given plan, run op
-    by op."""
+    """The job of a plan: made now on ``example_batch`` (semi_auto from the annotations, auto by
+    search), or a plan file or Plan checked against it; run as a compiled per-rank program."""
     from plait.planning import plan_graph
     from plait.runtime.plan_exec import build_plan_job, capture_in_mode
 
@@ -199,12 +200,7 @@ def _planned_job(
     elif config.plan is not None:
         where = f"plan file {os.fspath(config.plan)!r}"
     else:
-        where = "mode 'auto'"
-    if example_batch is None:
-        raise ConfigError(
-            f"parallelize with {where} needs example_batch=: a global batch (shapes only; meta "
-            "tensors are fine) to plan and trace the model on"
-        )
+        where = f"mode {config.mode!r}"
     # With gradient accumulation each micro-step runs the graph on 1/k of the batch: the plan
     # is made for (and the model traced on) one micro-step's batch.
     micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
@@ -342,25 +338,48 @@ def _device_of(device_type: str) -> torch.device:
     return torch.device(device_type)
 
 
-def _build_grad_sync(
+def _hybrid_job(
     model: nn.Module,
-    layouts: dict[str, TensorLayout],
-    mesh: MeshSpec,
-    device_mesh: Any,
     cfg: ParallelConfig,
-) -> GradSync | None:
-    """Fused gradient reduction for the parameters replicated over the data-parallel axis."""
+    mesh: MeshSpec,
+    layouts: dict[str, TensorLayout],
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+) -> Job:
+    """MindSpore's hybrid (manual) mode: the user's own layout-aware code.
+
+    Parameters become DTensors in their annotated layouts (replicated otherwise) and the
+    forward runs the user's code on them as written: ``plait.ops`` calls and DTensor's own
+    propagation decide the collectives, nothing is planned. Gradients of parameters the user
+    split over the data-parallel axis (MindSpore's ``layerwise_parallel``) are the user's and
+    stay out of the data-parallel all-reduce; the others are reduced in fused buckets.
+    """
+    world = current_world()
+    assert world is not None
+    device_mesh = build_device_mesh(mesh, world.device_type)
+    place_parameters(model, layouts, device_mesh)
     dp = cfg.dp_axis
-    if dp not in mesh.axis_names or mesh.axis_size(dp) == 1:
-        return None
-    replicated = [
-        p
-        for name, p in model.named_parameters()
-        if p.requires_grad and all(dp not in axes for axes in layouts[name].dims)
-    ]
-    if not replicated:
-        return None
-    return GradSync(replicated, device_mesh, dp, cfg.comm_fusion or CommFusion())
+    grad_sync = None
+    if dp in mesh.axis_names and mesh.axis_size(dp) > 1:
+        reduced = [
+            p
+            for name, p in model.named_parameters()
+            if p.requires_grad and all(dp not in axes for axes in layouts[name].dims)
+        ]
+        if reduced:
+            grad_sync = GradSync(reduced, device_mesh, dp, cfg.comm_fusion or CommFusion())
+    logger.info("parallelized %s on mesh %s (mode hybrid)", type(model).__name__, mesh.as_dict())
+    return Job(
+        model,
+        build_optimizer(model, optimizer),
+        loss_fn,
+        cfg,
+        mesh=mesh,
+        device_mesh=device_mesh,
+        slice_inputs=world.simulated or cfg.dataset_strategy == "full_batch",
+        layouts=layouts,
+        grad_sync=grad_sync,
+    )
 
 
 def _refuse_annotations(model: nn.Module) -> None:

@@ -90,6 +90,7 @@ from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strate
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
+from plait.runtime.placement import place_parameters
 from plait.runtime.precision import autocast_for
 from plait.runtime.program import Program, compile_program
 from plait.search.constraints import batch_layouts
@@ -1084,33 +1085,6 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
 # --------------------------------------------------------------------------- the Job
 
 
-def _place_parameters(
-    model: nn.Module, plan: Plan, device_mesh: Any, buffers: dict[str, TensorLayout]
-) -> dict[str, TensorLayout]:
-    """Parameters -> DTensors in their planned layouts (tied ones once); buffers in
-    ``buffers``' layouts (replicated when not named)."""
-    layouts = {p.name: p.layout for p in plan.parameters}
-    buffer_names = {id(b): n for n, b in model.named_buffers()}
-    done: dict[int, nn.Parameter] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in done:
-                layout = layouts[names[id(p)]]
-                done[id(p)] = nn.Parameter(
-                    distribute(p.detach(), device_mesh, layout), p.requires_grad
-                )
-            module._parameters[name] = done[id(p)]
-        for name, b in list(module._buffers.items()):
-            if b is not None and not is_dtensor(b):
-                layout = buffers.get(buffer_names.get(id(b), ""))
-                layout = layout or TensorLayout.replicated(plan.mesh, b.ndim)
-                module._buffers[name] = distribute(b, device_mesh, layout)
-    return {n: layouts[n] for n, _ in model.named_parameters()}
-
-
 def _grad_sync(
     model: nn.Module, plan: Plan, device_mesh: Any, cfg: ParallelConfig
 ) -> GradSync | None:
@@ -1177,7 +1151,9 @@ def build_plan_job(
         strict=strict,
         captured=captured,
     )
-    layouts = _place_parameters(model, plan, device_mesh, executor.buffer_layouts())
+    layouts = place_parameters(
+        model, {p.name: p.layout for p in plan.parameters}, device_mesh, executor.buffer_layouts()
+    )
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)
     program = _compile(executor, model, cfg, device_mesh)
     logger.info(
@@ -1205,7 +1181,10 @@ def _compile(
     executor: PlanExecutor, model: nn.Module, cfg: ParallelConfig, device_mesh: Any
 ) -> Program:
     """The per-rank program of the executor's plan (traced on zero batches of its shapes)."""
-    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    # every name of a tied parameter: the export names it once, by any of them
+    trained = [
+        name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+    ]
 
     def contexts() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()

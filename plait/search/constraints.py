@@ -139,7 +139,7 @@ def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: 
             _module_io(
                 found, graph, by_module, mesh, path, where, spec.in_strategy, spec.out_strategy
             )
-        # a Linear's bias follows its weight's output dim, as in the runtime's LinearRule
+        # a Linear's bias follows its weight's output dim
         if (
             isinstance(module, nn.Linear)
             and module.bias is not None
@@ -272,10 +272,35 @@ def _module_outputs(
         found.explicit_out.add((op.name, k))
         found.add(
             op.name,
-            lambda s, k=k, layout=layout: s.outputs[k].dims == layout.dims,
+            lambda s, k=k, layout=layout: _reaches(s.outputs[k], layout),
             f"output {n} of {where} annotated {layout.describe()}",
             annotated=f"annotated with plait.shard on {where}",
         )
+        # The value leaves the module in the annotated layout: readers outside take it so,
+        # and a pending sum is reduced into it (MindSpore: a row-parallel output annotated
+        # split is reduce-scattered instead of all-reduced).
+        ref = op.name if k == 0 else f"{op.name}:{k}"
+        for reader, i in graph.consumers(ref):
+            if reader.name in inside:
+                continue
+            found.add(
+                reader.name,
+                lambda s, i=i, layout=layout: s.inputs[i] == layout,
+                f"input {i} is output {n} of {where}, annotated {layout.describe()}",
+            )
+
+
+def _reaches(out: TensorLayout, want: TensorLayout) -> bool:
+    """Whether an op output in ``out`` becomes ``want`` by reducing its pending sums (an
+    all-reduce, or a reduce-scatter onto the axes ``want`` adds to a dim)."""
+    if out.dims == want.dims:
+        return True
+    added: list[str] = []
+    for have, wanted in zip(out.dims, want.dims, strict=True):
+        if tuple(wanted[: len(have)]) != tuple(have):
+            return False
+        added.extend(wanted[len(have) :])
+    return set(added) <= set(out.partial)
 
 
 def allowed_indices(

@@ -30,3 +30,8 @@ def gpt_and_batches():
         ids = torch.randint(0, GPT_CFG.vocab, (8, GPT_CFG.seq))
         batches.append((ids, torch.roll(ids, -1, dims=1)))
     return model, batches
+
+
+def sgd(params):
+    """SGD: a parameter's error is lr times its gradient's error (no Adam normalisation)."""
+    return torch.optim.SGD(params, lr=0.1)

@@ -17,7 +17,7 @@ from plait.rules import (
     op_memory,
     strategy_from_cuts,
 )
-from plait.rules.linear import linear_signature
+from plait.rules.signatures import linear_signature
 from plait.rules.view import view_groups
 
 SQUARE = MeshSpec(("dp", "tp"), (2, 2))

@@ -206,3 +206,13 @@ def join_rank_pieces(pieces: dict[int, torch.Tensor]) -> torch.Tensor:
     """One LocalTensor holding ``pieces`` (rank -> plain tensor)."""
     with torch.distributed._local_tensor.maybe_disable_local_tensor_mode():
         return LocalTensor(dict(pieces))
+
+
+def dtensor_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor laid out exactly as the DTensor ``template`` (same mesh, placements, global
+    shape and strides) whose local piece is ``local``: no autograd node, no spec rebuilt.
+
+    A training step hands every parameter its gradient this way; ``DTensor.from_local`` costs
+    an autograd function and a new spec per call, tens of microseconds each.
+    """
+    return type(template)(local, template._spec, requires_grad=False)

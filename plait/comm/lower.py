@@ -17,6 +17,7 @@ differ runs rank by rank.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "ProgramCollective",
     "collectives_of",
     "dtensor_from_local",
+    "fuse_output_reductions",
     "replicated_scalar",
     "run_lockstep",
     "trace_per_rank",
@@ -252,3 +254,43 @@ def _join(outs: dict[int, Any]) -> Any:
     if any(o != first for o in outs.values()):
         raise PlanError(f"simulated ranks computed different values {sorted(set(outs.values()))}")
     return first
+
+
+def fuse_output_reductions(
+    graph_module: torch.fx.GraphModule,
+    buckets: Sequence[Sequence[int]],
+    group_name: str,
+) -> None:
+    """A pass: sum-all-reduce groups of a program's outputs inside the program, in place.
+
+    Each bucket (positions in the output tuple) is flattened into one buffer and all-reduced
+    over ``group_name`` right after the last of its values is computed, so the collective
+    runs while the rest of the program (the rest of backward) computes; the waits come just
+    before the program returns, where the reduced values replace the outputs (DDP's overlapped
+    buckets, MindSpore's ``comm_fusion``, as functional collectives in the graph).
+    """
+    graph = graph_module.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    functional = torch.ops._c10d_functional
+    for bucket in buckets:
+        values = [outs[i] for i in bucket]
+        metas = [v.meta["val"] for v in values]
+        last = max(values, key=lambda v: order[v])
+        with graph.inserting_before(last.next):
+            flat = [graph.call_function(torch.ops.aten.reshape.default, (v, [-1])) for v in values]
+            cat = graph.call_function(torch.ops.aten.cat.default, (flat,))
+            total = sum(m.numel() for m in metas)
+            cat.meta["val"] = torch.empty(total, dtype=metas[0].dtype, device="meta")
+            reduced = graph.call_function(functional.all_reduce.default, (cat, "sum", group_name))
+        with graph.inserting_before(output):
+            done = graph.call_function(functional.wait_tensor.default, (reduced,))
+            sizes = [m.numel() for m in metas]
+            pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (done, sizes))
+            for k, (i, m) in enumerate(zip(bucket, metas, strict=True)):
+                piece = graph.call_function(operator.getitem, (pieces, k))
+                outs[i] = graph.call_function(torch.ops.aten.view.default, (piece, list(m.shape)))
+    output.args = (tuple(outs),)
+    graph.lint()
+    graph_module.recompile()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait._compat import greedy_redistribution_planning, tree_map
+from plait._compat import dtensor_like, greedy_redistribution_planning, tree_map
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     distribute,
@@ -151,9 +151,15 @@ class Job:
             total = loss.detach() if total is None else total + loss.detach()
         assert grads is not None and total is not None
         for p, g, placements in zip(trained, grads, program.grad_placements, strict=True):
-            p.grad = dtensor_from_local(g, p.device_mesh, placements, p.shape, p.stride())
+            if placements == p.placements:  # reduced (or never pending): the cheap wrapper
+                p.grad = dtensor_like(p, g)
+            else:
+                p.grad = dtensor_from_local(g, p.device_mesh, placements, p.shape, p.stride())
         if self.grad_sync is not None:
-            self.grad_sync.finish()
+            if program.fused_buckets:  # summed inside the program, during its backward
+                self.grad_sync.launched_in_backward = program.fused_buckets
+            else:
+                self.grad_sync.finish()
         for p in trained:
             sync_grad(p)
         if self._gradients_usable():

@@ -1156,6 +1156,9 @@ def build_plan_job(
     )
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)
     program = _compile(executor, model, cfg, device_mesh)
+    if grad_sync is not None and cfg.grad_accumulation == 1:
+        # With accumulation the sums wait for the last micro-step: the Job reduces then.
+        _fuse_buckets(program, model, grad_sync, cfg.dp_axis)
     logger.info(
         "running plan for %s on mesh %s (%d ops)",
         plan.model or type(model).__name__,
@@ -1175,6 +1178,17 @@ def build_plan_job(
         micro_step_shapes=True,
         program=program,
     )
+
+
+def _fuse_buckets(program: Program, model: nn.Module, grad_sync: GradSync, dp_axis: str) -> None:
+    """The plan's gradient buckets, all-reduced inside the program (overlapping backward)."""
+    position = {id(model.get_parameter(name)): i for i, name in enumerate(program.trained)}
+    buckets = [
+        [position[id(p)] for p in bucket.params if id(p) in position]
+        for bucket in grad_sync.buckets
+    ]
+    placements = [tuple(model.get_parameter(name).placements) for name in program.trained]
+    program.fuse_gradient_reduction(buckets, placements, dp_axis)
 
 
 def _compile(

@@ -45,6 +45,7 @@ from plait.comm.lower import (
     ProgramCollective,
     collectives_of,
     dtensor_from_local,
+    fuse_output_reductions,
     replicated_scalar,
     run_lockstep,
     trace_per_rank,
@@ -106,6 +107,8 @@ class Program:
         first = graphs[ranks[0]].code
         self._same_code = all(graphs[r].code == first for r in ranks[1:])
         self._ranks = tuple(ranks)
+        self.fused_buckets = 0
+        """Gradient buckets all-reduced inside the program (:meth:`fuse_gradient_reduction`)."""
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -115,6 +118,38 @@ class Program:
     def collectives(self) -> list[ProgramCollective]:
         """Every collective this rank's program issues, in program order."""
         return collectives_of(self.graph_module, self.device_mesh)
+
+    def fuse_gradient_reduction(
+        self, buckets: Sequence[Sequence[int]], placements: Sequence[tuple[Any, ...]], axis: str
+    ) -> None:
+        """A pass: all-reduce buckets of gradients over ``axis`` inside the program.
+
+        ``buckets`` hold positions in :attr:`trained`; ``placements`` are the parameters'
+        own placements, which those gradients have once reduced. Only gradients pending over
+        ``axis`` alone (their parameter's layout but for a pending sum there) join a bucket;
+        any other stays for the Job to reduce. The sums start as soon as a bucket's last
+        gradient is computed and overlap the rest of backward.
+        """
+        names = tuple(self.device_mesh.mesh_dim_names or ())
+        index = names.index(axis)
+        chosen = [
+            [i for i in bucket if _pending_only_over(self.grad_placements[i], placements[i], index)]
+            for bucket in buckets
+        ]
+        chosen = [b for b in chosen if b]
+        if not chosen:
+            return
+        group = self.device_mesh.get_group(axis).group_name
+        for graph_module in self.graphs.values():
+            fuse_output_reductions(graph_module, [[1 + i for i in b] for b in chosen], group)
+        grad_placements = list(self.grad_placements)
+        for bucket in chosen:
+            for i in bucket:
+                grad_placements[i] = tuple(placements[i])
+        self.grad_placements = tuple(grad_placements)
+        self.fused_buckets = len(chosen)
+        first = self.graphs[self._ranks[0]].code
+        self._same_code = all(self.graphs[r].code == first for r in self._ranks[1:])
 
     def __str__(self) -> str:
         collectives = {c.node: c for c in self.collectives()}
@@ -274,6 +309,15 @@ def _traced_step(
         )
 
     return step
+
+
+def _pending_only_over(have: tuple[Any, ...], own: tuple[Any, ...], index: int) -> bool:
+    """``have`` is ``own`` but for a pending sum on mesh dim ``index``."""
+    if len(have) != len(own) or not have[index].is_partial():
+        return False
+    if getattr(have[index], "reduce_op", "sum") != "sum":
+        return False
+    return all(h == o for k, (h, o) in enumerate(zip(have, own, strict=True)) if k != index)
 
 
 def _strip(target: str | None) -> str:

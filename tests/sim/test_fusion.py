@@ -67,14 +67,17 @@ def test_fusion_one_collective_per_bucket_started_in_backward(case, mlp_and_batc
 
 @pytest.mark.parametrize("case", ["several_buckets_by_size", "several_buckets_by_index"])
 def test_fusion_on_dtensor_path_one_collective_per_bucket(case, mlp_and_batches):
-    """semi_auto keeps DTensor parameters; its dp gradients use the same buckets."""
+    """semi_auto runs the compiled program; its dp gradients use the same buckets, each
+    all-reduced inside the program as soon as its last gradient is computed."""
     model, batches = mlp_and_batches
     fusion, num_buckets = FUSIONS[case]
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     expected = reference_run(model, mlp_loss, sgd, batches[:3])
     config = ParallelConfig(mode="semi_auto", comm_fusion=fusion)
     with plait.testing.simulate(4):
-        job = plait.parallelize(model, config, optimizer=sgd, loss_fn=mlp_loss)
+        job = plait.parallelize(
+            model, config, optimizer=sgd, loss_fn=mlp_loss, example_batch=batches[0]
+        )
         with CollectiveLog(job.device_mesh) as log:
             losses = [job.step(batches[0])]
         losses += [job.step(b) for b in batches[1:3]]
@@ -82,6 +85,7 @@ def test_fusion_on_dtensor_path_one_collective_per_bucket(case, mlp_and_batches)
     assert job.plain is None
     assert log.counts() == {("all_reduce", "dp"): num_buckets + 1}
     assert job.grad_sync.launched_in_backward == num_buckets
+    assert job.program.fused_buckets == num_buckets
     assert_same_run(expected, plait.testing.equivalence.Run(losses, state))
 
 

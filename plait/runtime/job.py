@@ -344,12 +344,41 @@ class DeferredJob(Job):
     """
 
     def __init__(
-        self, model: nn.Module, config: ParallelConfig, build: Callable[[Any], Job]
+        self,
+        model: nn.Module,
+        config: ParallelConfig,
+        build: Callable[[Any], Job],
+        *,
+        mesh: MeshSpec | None = None,
+        device_mesh: Any = None,
+        to_global: Callable[[Any], Any] | None = None,
     ) -> None:
         self.model = model
+        self._to_global = to_global
+        """A real process's own slice of a batch -> the global batch's shapes (for planning)."""
         self.config = config
         self._build = build
         self._built: Job | None = None
+        self._mesh = mesh
+        self._device_mesh = device_mesh
+
+    @property
+    def mesh(self) -> MeshSpec | None:  # type: ignore[override]
+        """The job's mesh: known now when the config fixes it, else once planned."""
+        return self._built.mesh if self._built is not None else self._mesh
+
+    @property
+    def device_mesh(self) -> Any:  # type: ignore[override]
+        """The DeviceMesh the planned job runs on (built at parallelize when the mesh is known)."""
+        return self._built.device_mesh if self._built is not None else self._device_mesh
+
+    @property
+    def plain(self) -> PlainDataParallel | None:  # type: ignore[override]
+        """Always None: a job that runs a plan is never the plain data-parallel fast path."""
+        return None
+
+    def shard_batch(self, batch: Any) -> Any:
+        return self._job(batch).shard_batch(batch)
 
     def _job(self, batch: Any) -> Job:
         if self._built is None:
@@ -359,7 +388,8 @@ class DeferredJob(Job):
                 self.config.mode,
                 _shapes(batch),
             )
-            self._built = self._build(batch)
+            example = batch if self._to_global is None else self._to_global(batch)
+            self._built = self._build(example)
         return self._built
 
     @property
@@ -368,7 +398,13 @@ class DeferredJob(Job):
         return self._built
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_built", "_build"):
+        if name.startswith("__") or name in (
+            "_built",
+            "_build",
+            "_mesh",
+            "_device_mesh",
+            "_to_global",
+        ):
             raise AttributeError(name)
         built = self.__dict__.get("_built")
         if built is None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait._compat import tree_leaves
+from plait._compat import tree_leaves, tree_map
 from plait.annotate import parameter_layouts
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
@@ -152,6 +152,7 @@ def parallelize(
             "N ranks in this process"
         )
     planned = config.mode == "auto" or config.plan is not None or plan is not None
+    mesh: MeshSpec | None = None
     if not planned:
         mesh = _job_mesh(config, world.world_size)
         if config.mode == "data_parallel":
@@ -163,20 +164,25 @@ def parallelize(
             return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
         if config.mode == "hybrid":
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
+    elif plan is None and config.plan is None and config.mesh is not None:
+        mesh = _job_mesh(config, world.world_size)
     # Every other job runs a plan: semi_auto plans from the annotations (unannotated ops data
     # parallel), auto searches, a plan file or Plan runs as it is. Without an example batch
-    # the plan is made at the first step, on its batch.
+    # the plan is made at the first step, on its batch; the mesh, when the config fixes it, is
+    # built now and shared with the planned job.
+    device_mesh = None if mesh is None else build_device_mesh(mesh, world.device_type)
     build = functools.partial(
-        _planned_job, model, config, optimizer, loss_fn, world_size=world.world_size, plan=plan
+        _planned_job,
+        model,
+        config,
+        optimizer,
+        loss_fn,
+        world_size=world.world_size,
+        plan=plan,
+        device_mesh=device_mesh,
     )
     if example_batch is None:
-        if plan is not None or config.plan is not None:
-            where = "the given plan" if plan is not None else f"plan file {config.plan!r}"
-            raise ConfigError(
-                f"parallelize with {where} needs example_batch=: a global batch (shapes only; "
-                "meta tensors are fine) to check the plan against before anything runs"
-            )
-        return DeferredJob(model, config, build)
+        return _deferred_job(model, config, build, plan, mesh, device_mesh, world.simulated)
     return build(example_batch)
 
 
@@ -189,6 +195,7 @@ def _planned_job(
     *,
     world_size: int,
     plan: Plan | None = None,
+    device_mesh: Any = None,
 ) -> Job:
     """The job of a plan: made now on ``example_batch`` (semi_auto from the annotations, auto by
     search), or a plan file or Plan checked against it; run as a compiled per-rank program."""
@@ -214,7 +221,61 @@ def _planned_job(
             config = dataclasses.replace(config, devices=world_size)
         plan = plan_graph(captured.graph, config, model=model, runnable_only=True)
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
-    return build_plan_job(model, plan, config, loss_fn, optimizer, micro, captured=captured)
+    return build_plan_job(
+        model, plan, config, loss_fn, optimizer, micro, captured=captured, device_mesh=device_mesh
+    )
+
+
+def _deferred_job(
+    model: nn.Module,
+    config: ParallelConfig,
+    build: Any,
+    plan: Plan | None,
+    mesh: MeshSpec | None,
+    device_mesh: Any,
+    simulated: bool,
+) -> DeferredJob:
+    """A job planned at its first step (no example batch given)."""
+    if plan is not None or config.plan is not None:
+        where = "the given plan" if plan is not None else f"plan file {config.plan!r}"
+        raise ConfigError(
+            f"parallelize with {where} needs example_batch=: a global batch (shapes only; "
+            "meta tensors are fine) to check the plan against before anything runs"
+        )
+    if mesh is None and not simulated:
+        raise ConfigError(
+            f"parallelize(mode={config.mode!r}) without a mesh needs example_batch=: each "
+            "process passes its own slice of the batch to step, and the slicing depends on "
+            "the mesh the plan picks; give example_batch= (the global batch, meta tensors "
+            "are fine) or ParallelConfig(mesh=...)"
+        )
+    to_global = None if simulated or mesh is None else _global_batch(config, mesh)
+    return DeferredJob(
+        model, config, build, mesh=mesh, device_mesh=device_mesh, to_global=to_global
+    )
+
+
+def _global_batch(config: ParallelConfig, mesh: MeshSpec) -> Any:
+    """The global batch's shapes (meta tensors) from one process's own slice of it, as the
+    dataset strategy cuts it (a real process steps on its slice; plans are for the whole)."""
+    strategy = config.dataset_strategy
+    if strategy == "full_batch":
+        return None
+    dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
+
+    def whole(x: Any, splits: tuple[int, ...]) -> Any:
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return x
+        shape = [s * (splits[d] if d < len(splits) else 1) for d, s in enumerate(x.shape)]
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    def to_global(batch: Any) -> Any:
+        if isinstance(strategy, tuple) and isinstance(batch, tuple | list):
+            cuts = [s.splits() if isinstance(s, TensorLayout) else tuple(s) for s in strategy]
+            return type(batch)(whole(x, c) for x, c in zip(batch, cuts, strict=False))
+        return tree_map(lambda x: whole(x, (dp,)), batch)
+
+    return to_global
 
 
 def _config_of(plan: Plan) -> ParallelConfig:

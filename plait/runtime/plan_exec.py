@@ -57,6 +57,7 @@ from plait.comm.dtensor import (
     is_dtensor,
     layout_of,
     local_piece,
+    mesh_spec_of,
     to_dtensor_placements,
     with_contiguous_local,
 )
@@ -1114,6 +1115,7 @@ def build_plan_job(
     *,
     strict: bool = False,
     captured: ExecutableCapture | None = None,
+    device_mesh: Any = None,
 ) -> Job:
     """A Job that trains ``model`` exactly as ``plan`` says (call inside a process group).
 
@@ -1139,7 +1141,8 @@ def build_plan_job(
         )
     plan.validate(model, world.world_size)
     _check_settings(plan, cfg)
-    device_mesh = build_device_mesh(plan.mesh, world.device_type)
+    if device_mesh is None or mesh_spec_of(device_mesh) != plan.mesh:
+        device_mesh = build_device_mesh(plan.mesh, world.device_type)
     executor = PlanExecutor(
         model,
         plan,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -162,11 +163,20 @@ def test_parallelize_names_what_it_was_given() -> None:
         plait.parallelize(TinyGPT(GPT), {"mode": "auto"}, optimizer=sgd, loss_fn=gpt_loss)  # type: ignore[arg-type]
 
 
-def test_auto_mode_needs_an_example_batch() -> None:
-    with plait.testing.simulate(world_size=2), pytest.raises(ConfigError, match="example_batch"):
-        plait.parallelize(
-            TinyGPT(GPT), ParallelConfig(mode="auto"), optimizer=sgd, loss_fn=gpt_loss
-        )
+def test_auto_mode_plans_at_the_first_step() -> None:
+    """Without example_batch the job is planned at its first step, on that batch; until then
+    only what the config fixes exists, and asking for more says when it will."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    ids = torch.randint(0, GPT.vocab, (4, GPT.seq))
+    with plait.testing.simulate(world_size=2):
+        job = plait.parallelize(model, ParallelConfig(mode="auto"), optimizer=sgd, loss_fn=gpt_loss)
+        assert job.built is None and job.plain is None
+        with pytest.raises(AttributeError, match="first step"):
+            job.optimizer  # noqa: B018
+        loss = job.step((ids, torch.roll(ids, -1, dims=1)))
+        assert job.built is not None and job.program is job.built.program
+    assert math.isfinite(loss)
 
 
 def test_hugging_face_model_runs_through_parallelize_in_a_simulated_world() -> None:

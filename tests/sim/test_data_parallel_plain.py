@@ -53,9 +53,11 @@ def test_data_parallel_parameters_gradients_and_batch_are_plain(mlp_and_batches)
     ids=["semi_auto", "dp_with_tp_axis", "per_input_strategy"],
 )
 def test_other_configurations_keep_the_dtensor_path(config, world, mlp_and_batches):
-    model, _ = mlp_and_batches
+    """They run a plan: DTensor parameters, planned at the first step."""
+    model, batches = mlp_and_batches
     with plait.testing.simulate(world):
         job = _job(model, config)
+        job.step(batches[0])
     assert job.plain is None
     assert all(is_dtensor(p) for p in job.model.parameters())
 

@@ -281,14 +281,16 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
     if args.plan is not None:
         config = plait.Plan.load(args.plan)
         args.grad_accumulation = config.grad_accumulation  # the plan's, for check_batch
-    # mode auto plans on the shapes of one global batch (meta tensors: no memory)
+    # auto and semi_auto plan on the shapes of one global batch (meta tensors: no memory);
+    # given now, the plan (and its errors) come before training starts
+    planned = auto or args.mode == "semi_auto" or args.plan is not None
     example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     job = plait.parallelize(
         model,
         config,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
         loss_fn=gpt_loss,
-        example_batch=(example, example) if auto else None,
+        example_batch=(example, example) if planned else None,
     )
     plan = getattr(job.loss_fn, "plan", None)
     if args.save_plan is not None and plan is not None and rank == 0:

@@ -155,9 +155,16 @@ class ParallelConfig:
     """How step() inputs are split: each rank passes its slice, or all pass the global batch."""
     plan: str | os.PathLike[str] | None = None
     """A saved plan file to run."""
+    compile: bool = False
+    """Run a plan's per-rank program through ``torch.compile`` (inductor), on real processes."""
     _mesh: MappingProxyType[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ConfigError(
+                f"ParallelConfig.compile={self.compile!r}: give True or False (True runs a "
+                "plan's per-rank program through torch.compile)"
+            )
         self._check_choices()
         self._check_counts()
         object.__setattr__(self, "_mesh", MappingProxyType(self._resolve_mesh()))

@@ -159,10 +159,16 @@ def parallelize(
             _refuse_annotations(model)
         # annotations are checked now, before anything waits for the first batch
         named = parameter_layouts(model, mesh)
-        if _is_pure_data_parallel(config, mesh):
+        if _is_pure_data_parallel(config, mesh) and not config.compile:
             device_mesh = build_device_mesh(mesh, world.device_type)
             return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
         if config.mode == "hybrid":
+            if config.compile:
+                raise NotBuiltError(
+                    "ParallelConfig(mode='hybrid', compile=True): hybrid runs the user's own "
+                    "code eagerly on DTensors; compile=True compiles a plan's per-rank program "
+                    "(modes semi_auto, auto, data_parallel): leave compile False or plan"
+                )
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
     elif plan is None and config.plan is None and config.mesh is not None:
         mesh = _job_mesh(config, world.world_size)

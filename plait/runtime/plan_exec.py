@@ -1162,6 +1162,8 @@ def build_plan_job(
     if grad_sync is not None and cfg.grad_accumulation == 1:
         # With accumulation the sums wait for the last micro-step: the Job reduces then.
         _fuse_buckets(program, model, grad_sync, cfg.dp_axis)
+    if cfg.compile:
+        program.compile()
     logger.info(
         "running plan for %s on mesh %s (%d ops)",
         plan.model or type(model).__name__,

@@ -51,7 +51,7 @@ from plait.comm.lower import (
     trace_per_rank,
     traced_ranks,
 )
-from plait.errors import PlanError, ShardingError
+from plait.errors import ConfigError, PlanError, ShardingError
 
 __all__ = ["Program", "ProgramCollective", "compile_program"]
 
@@ -109,6 +109,9 @@ class Program:
         self._ranks = tuple(ranks)
         self.fused_buckets = 0
         """Gradient buckets all-reduced inside the program (:meth:`fuse_gradient_reduction`)."""
+        self.compiled = False
+        """Whether steps run the program through ``torch.compile`` (:meth:`compile`)."""
+        self._compiled_fn: Callable[..., Any] | None = None
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -151,6 +154,21 @@ class Program:
         first = self.graphs[self._ranks[0]].code
         self._same_code = all(self.graphs[r].code == first for r in self._ranks[1:])
 
+    def compile(self) -> None:
+        """Run this rank's program through ``torch.compile`` (inductor) from the next step.
+
+        Real processes only: simulated ranks run LocalTensors, which torch.compile does not
+        take. The first step pays the compilation; the graph is static (one batch shape).
+        """
+        if len(self._ranks) != 1:
+            raise ConfigError(
+                "ParallelConfig(compile=True) runs on real processes (plait run, torchrun); "
+                "simulated ranks run the per-rank programs uncompiled: leave compile False "
+                "under plait.testing.simulate"
+            )
+        self._compiled_fn = torch.compile(self.graph_module, fullgraph=True, dynamic=False)
+        self.compiled = True
+
     def __str__(self) -> str:
         collectives = {c.node: c for c in self.collectives()}
         lines = [
@@ -174,6 +192,8 @@ class Program:
     def run(self, scale: torch.Tensor, flat: Sequence[Any]) -> list[torch.Tensor]:
         """One step of the program on local pieces: [loss, *gradients, *buffers]."""
         args = [scale, *(x for x, spec in zip(flat, self.inputs, strict=True) if spec.placements)]
+        if self._compiled_fn is not None:
+            return list(self._compiled_fn(*args))
         if len(self._ranks) == 1:
             return list(self.graphs[self._ranks[0]](*args))
         if self._same_code:  # every rank runs the same code: once, on LocalTensors

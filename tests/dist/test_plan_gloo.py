@@ -9,6 +9,8 @@ reductions run over real gloo collectives. One spawn does both checks (a spawn c
    batch, and the losses and gathered parameters equal single-device training.
 2. Rank 0 saves that plan; every rank loads it through ``ParallelConfig(plan=path)`` on a fresh
    copy of the model and trains the same 3 steps: the same result again.
+3. The saved plan once more with ``compile=True``: the per-rank program runs through
+   ``torch.compile`` (inductor, CPU): the same result again.
 
 SGD, not Adam: a wrong gradient scale (a missing or doubled reduction) shows in the parameters.
 """
@@ -78,9 +80,19 @@ def _auto_then_replay(plan_path: str) -> dict:
         loss_fn=gpt_loss,
         example_batch=batches[0],
     )
+    replay = _train(replay_job, batches)
+    compiled_job = plait.parallelize(
+        copy.deepcopy(model),
+        ParallelConfig(mode="auto", mesh=MESH, plan=plan_path, compile=True),
+        optimizer=_sgd,
+        loss_fn=gpt_loss,
+        example_batch=batches[0],
+    )
     return {
         "auto": auto,
-        "replay": _train(replay_job, batches),
+        "replay": replay,
+        "compiled": _train(compiled_job, batches),
+        "is_compiled": compiled_job.program.compiled,
         "split_ops": sum(op.label != "replicate" for op in plan.ops),
         "ops": len(plan.ops),
         "mesh": plan.mesh.as_dict(),
@@ -107,3 +119,5 @@ def test_auto_plan_and_its_saved_file_train_like_one_device_on_gloo(
         assert r["replayed_saved_plan"], f"rank {rank} did not run the saved plan as saved"
         assert_same_run(expected, r["auto"], rtol=1e-4, atol=1e-5)
         assert_same_run(expected, r["replay"], rtol=1e-4, atol=1e-5)
+        assert r["is_compiled"], f"rank {rank} did not run the program through torch.compile"
+        assert_same_run(expected, r["compiled"], rtol=1e-4, atol=1e-5)

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-nightly lint install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# the larger matrix cases too (marked nightly; deselected from `make test`)
+test-nightly: $(STAMP)
+	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests bench examples

@@ -164,9 +164,21 @@ def _split_over(plan: Plan, axis: str) -> int:
 # --------------------------------------------------------------------------- the matrix
 
 
-@pytest.mark.parametrize("world", sorted(MESHES))
-@pytest.mark.parametrize("search", SEARCHERS)
-@pytest.mark.parametrize("kind", MODELS)
+# Every model x searcher on 4 ranks, and on 8 ranks with sharding_propagation and ilp, runs
+# in `make test`; 8 ranks with recursive_programming and dynamic_programming (the slowest
+# cases: nine traced per-rank programs each) run in `make test-nightly`.
+_NIGHTLY_8 = ("recursive_programming", "dynamic_programming")
+MATRIX = [
+    pytest.param(kind, search, world, marks=pytest.mark.nightly)
+    if world == 8 and search in _NIGHTLY_8
+    else (kind, search, world)
+    for kind in MODELS
+    for search in SEARCHERS
+    for world in sorted(MESHES)
+]
+
+
+@pytest.mark.parametrize(("kind", "search", "world"), MATRIX)
 def test_auto_plan_runs_and_matches_one_device(
     kind: str,
     search: str,

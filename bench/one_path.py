@@ -171,7 +171,7 @@ def plait_job(
         config,
         optimizer=adamw,
         loss_fn=gpt_loss,
-        example_batch=batches[0] if config.mode == "auto" else None,
+        example_batch=batches[0] if config.mode in ("auto", "semi_auto") else None,
     )
     mesh = job.mesh
     dp = mesh.axis_size("dp")

@@ -216,3 +216,12 @@ def dtensor_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     an autograd function and a new spec per call, tens of microseconds each.
     """
     return type(template)(local, template._spec, requires_grad=False)
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """The global ranks of the process group registered as ``group_name`` (a functional
+    collective's group argument), in group order."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))

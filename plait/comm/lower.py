@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from plait._compat import (
+    group_ranks,
     join_rank_pieces,
     rank_pieces,
     simulated_ranks,
@@ -144,6 +145,12 @@ def collectives_of(graph_module: torch.fx.GraphModule, device_mesh: Any) -> list
     names = tuple(device_mesh.mesh_dim_names or ())
     axis_of_group = {device_mesh.get_group(a).group_name: a for a in names}
     out: list[ProgramCollective] = []
+
+    def axis_of(group: str) -> str:
+        if group not in axis_of_group:
+            axis_of_group[group] = _axes_spanned(device_mesh, group)
+        return axis_of_group[group]
+
     for n in graph_module.graph.nodes:
         kind = _collective_kind(n)
         if kind is None:
@@ -151,7 +158,7 @@ def collectives_of(graph_module: torch.fx.GraphModule, device_mesh: Any) -> list
         value = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
         nbytes = 0 if value is None else value.numel() * value.element_size()
         group = n.args[-1] if isinstance(n.args[-1], str) else n.kwargs.get("group_name")
-        out.append(ProgramCollective(n.name, kind, axis_of_group.get(group, str(group)), nbytes))
+        out.append(ProgramCollective(n.name, kind, axis_of(str(group)), nbytes))
     return out
 
 
@@ -162,6 +169,22 @@ def _collective_kind(node: torch.fx.Node) -> str | None:
     if getattr(target, "namespace", None) != "_c10d_functional":
         return None
     return _KINDS.get(getattr(target, "_opname", ""))
+
+
+def _axes_spanned(device_mesh: Any, group: str) -> str:
+    """The mesh axes a process group spans, joined by "+" (DTensor flattens several axes into
+    one group for a dim split over them); the group's name when it is not on the mesh."""
+    try:
+        ranks = group_ranks(group)
+    except Exception:  # not a registered group: name it as given
+        return group
+    grid = device_mesh.mesh
+    coords = [(grid == r).nonzero().tolist() for r in ranks]
+    if any(len(c) != 1 for c in coords):
+        return group
+    names = tuple(device_mesh.mesh_dim_names or ())
+    varying = [names[d] for d in range(grid.ndim) if len({c[0][d] for c in coords}) > 1]
+    return "+".join(varying) if varying else group
 
 
 def run_lockstep(

@@ -87,7 +87,11 @@ CASES = [
     Case("tp", "(d) torch TP + DDP (hand-written), dp=2 x tp=2", "tp"),
     Case("semi_auto", "(e) plait semi_auto Megatron, dp=2 x tp=2", "tp"),
     Case("auto_tp", "(f) plait auto Megatron, dp=2 x tp=2", "tp"),
+    Case("dp_compiled", "(g) plait data_parallel, dp=4, compile=True", "ddp"),
+    Case("semi_auto_compiled", "(h) plait semi_auto Megatron, compile=True", "tp"),
 ]
+DEFAULT_CASES = ("ddp", "dp", "auto_dp", "tp", "semi_auto", "auto_tp")
+"""Without --only: the compiled cases pay inductor's compilation (tens of seconds each)."""
 BY_KEY = {c.key: c for c in CASES}
 
 
@@ -171,7 +175,9 @@ def plait_job(
         config,
         optimizer=adamw,
         loss_fn=gpt_loss,
-        example_batch=batches[0] if config.mode in ("auto", "semi_auto") else None,
+        example_batch=batches[0]
+        if config.mode in ("auto", "semi_auto") or config.compile
+        else None,
     )
     mesh = job.mesh
     dp = mesh.axis_size("dp")
@@ -233,6 +239,12 @@ def build(key: str, cfg: GPTConfig, batches: list[Batch]) -> Built:
         return plait_job(cfg, batches, ParallelConfig(mode="semi_auto", mesh=tp_mesh), True)
     if key == "auto_tp":
         return plait_job(cfg, batches, ParallelConfig(mode="auto", mesh=tp_mesh), True)
+    if key == "dp_compiled":
+        config = ParallelConfig(mode="data_parallel", compile=True)
+        return plait_job(cfg, batches, config, False)
+    if key == "semi_auto_compiled":
+        config = ParallelConfig(mode="semi_auto", mesh=tp_mesh, compile=True)
+        return plait_job(cfg, batches, config, True)
     raise ValueError(key)
 
 
@@ -341,9 +353,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rtol", type=float, default=1e-4, help="loss agreement with DDP")
     parser.add_argument(
         "--only",
-        default=",".join(c.key for c in CASES),
+        default=",".join(DEFAULT_CASES),
         metavar="KEYS",
-        help="comma-separated cases (default all): " + ", ".join(c.key for c in CASES),
+        help="comma-separated cases (default: all but the compiled ones): "
+        + ", ".join(c.key for c in CASES),
     )
     parser.add_argument(
         "--profile", default=None, metavar="KEY", help="cProfile rank 0 on one case's steps"

@@ -35,6 +35,7 @@ __all__ = [
     "as_dtensor",
     "build_device_mesh",
     "distribute",
+    "dtensor_from_local",
     "from_dtensor_placements",
     "from_local_piece",
     "full_value",
@@ -276,6 +277,25 @@ def wait_for(result: torch.Tensor) -> torch.Tensor:
     """The finished value of a collective started by :func:`start_all_reduce`."""
     wait = getattr(result, "wait", None)
     return wait() if callable(wait) else result
+
+
+def dtensor_from_local(
+    local: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[TPlacement],
+    shape: Sequence[int],
+    stride: Sequence[int],
+) -> DTensor:
+    """A DTensor with ``placements``, global ``shape`` and ``stride``, whose local piece is
+    ``local`` (no communication)."""
+    return DTensor.from_local(
+        local,
+        device_mesh,
+        tuple(placements),
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(stride),
+    )
 
 
 def with_local(param: DTensor, local: torch.Tensor) -> DTensor:

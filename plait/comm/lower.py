@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
-from torch.distributed.tensor import DTensor, Replicate
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from plait._compat import (
@@ -41,9 +40,7 @@ from plait.errors import PlanError
 __all__ = [
     "ProgramCollective",
     "collectives_of",
-    "dtensor_from_local",
     "fuse_output_reductions",
-    "replicated_scalar",
     "run_lockstep",
     "trace_per_rank",
     "traced_ranks",
@@ -67,29 +64,6 @@ class ProgramCollective:
     kind: str
     axis: str
     nbytes: int
-
-
-def dtensor_from_local(
-    local: torch.Tensor,
-    device_mesh: Any,
-    placements: Sequence[Any],
-    shape: torch.Size | Sequence[int],
-    stride: Sequence[int],
-) -> DTensor:
-    """A DTensor with ``placements`` whose local piece is ``local`` (no communication)."""
-    return DTensor.from_local(
-        local,
-        device_mesh,
-        tuple(placements),
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=tuple(stride),
-    )
-
-
-def replicated_scalar(local: torch.Tensor, device_mesh: Any) -> DTensor:
-    """A 0-d tensor every rank holds alike, as a replicated DTensor."""
-    return DTensor.from_local(local, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
 
 
 def traced_ranks() -> tuple[tuple[int, ...], int, bool]:

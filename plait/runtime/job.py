@@ -13,6 +13,7 @@ from plait._compat import dtensor_like, greedy_redistribution_planning, tree_map
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     distribute,
+    dtensor_from_local,
     from_local_piece,
     full_value,
     implicit_replication,
@@ -20,7 +21,6 @@ from plait.comm.dtensor import (
     local_piece,
     sync_grad,
 )
-from plait.comm.lower import dtensor_from_local
 from plait.config import ParallelConfig
 from plait.data import input_layouts, split_micro_batches
 from plait.errors import ShardingError
@@ -29,7 +29,7 @@ from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
-from plait.runtime.program import Program
+from plait.runtime.program import Program, check_loss
 
 __all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
 
@@ -79,6 +79,7 @@ class Job:
         self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
         self.program = program
         """The compiled per-rank program a plan job's step runs (None for other jobs)."""
+        self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -136,7 +137,7 @@ class Job:
         k = self.config.grad_accumulation
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         weight = torch.tensor(scale / k, dtype=torch.float32)
-        trained = [self.model.get_parameter(name) for name in program.trained]
+        trained = self._trained_parameters(program)
         grads: list[torch.Tensor] | None = None
         total: torch.Tensor | None = None
         flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
@@ -171,6 +172,14 @@ class Job:
             total / k if k != 1 else total, self.device_mesh, program.loss_placements, (), ()
         )
         return float(full_value(loss_value).item())
+
+    def _trained_parameters(self, program: Program) -> list[nn.Parameter]:
+        """The parameters whose gradients the program returns, resolved once per program."""
+        cached = self._trained_cache
+        if cached is None or cached[0] is not program:
+            cached = (program, [self.model.get_parameter(n) for n in program.trained])
+            self._trained_cache = cached
+        return cached[1]
 
     def _step_plain(self, batch: Any, plain: PlainDataParallel) -> float:
         """``step`` for pure data parallelism on plain tensors (see runtime.data_parallel)."""
@@ -266,15 +275,7 @@ class Job:
                 return self.loss_fn(self.model, batch)
         with implicit_replication(), PlaitDispatchMode(), precision:
             loss = self.loss_fn(self.model, batch)
-        if not is_dtensor(loss):
-            raise ShardingError(
-                f"loss_fn returned a plain {type(loss).__name__}, not a tensor computed from the "
-                "model's output; return the loss tensor itself (no .item() or .detach())"
-            )
-        if loss.numel() != 1:
-            raise ShardingError(
-                f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss"
-            )
+        check_loss(loss)
         return loss
 
     def shard_batch(self, batch: Any) -> Any:

@@ -93,7 +93,7 @@ from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
 from plait.runtime.placement import place_parameters
 from plait.runtime.precision import autocast_for
-from plait.runtime.program import Program, compile_program
+from plait.runtime.program import Program, compile_program, strip_wrapper
 from plait.search.constraints import batch_layouts
 
 __all__ = [
@@ -433,7 +433,7 @@ class PlanExecutor:
         loss: Any = None
         for spec, value in zip(self._signature.output_specs, outputs, strict=True):
             if spec.kind == OutputKind.BUFFER_MUTATION:
-                _write_buffer(model, _strip(spec.target), value)
+                _write_buffer(model, strip_wrapper(spec.target), value)
             elif loss is None and spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
                 loss = value
         return loss
@@ -584,12 +584,6 @@ def _evaluation_op(
     )
 
 
-def _strip(target: str | None) -> str:
-    """A path inside capture's wrapper module -> the path in the user's model."""
-    target = target or ""
-    return target.removeprefix("model.") if target != "model" else ""
-
-
 @torch.no_grad()
 def _write_buffer(model: nn.Module, fqn: str, value: torch.Tensor) -> None:
     """A buffer the forward updated in place (batch-norm statistics) takes its new value."""
@@ -727,7 +721,7 @@ def _input_sources(signature: Any) -> list[tuple[InputKind, str | None]]:
         if spec.kind == InputKind.USER_INPUT:
             out.append((spec.kind, None))
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            out.append((spec.kind, _strip(spec.target)))
+            out.append((spec.kind, strip_wrapper(spec.target)))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             out.append((spec.kind, spec.target))
         else:  # capture refuses these before a plan can exist

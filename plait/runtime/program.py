@@ -40,20 +40,19 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from plait.comm.dtensor import is_dtensor, local_piece
+from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
 from plait.comm.lower import (
     ProgramCollective,
     collectives_of,
-    dtensor_from_local,
     fuse_output_reductions,
-    replicated_scalar,
     run_lockstep,
     trace_per_rank,
     traced_ranks,
 )
+from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
 
-__all__ = ["Program", "ProgramCollective", "compile_program"]
+__all__ = ["Program", "ProgramCollective", "check_loss", "compile_program", "strip_wrapper"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,14 +304,14 @@ def _traced_step(
         buffers: list[tuple[str, torch.Tensor]] = []
         for out_spec, value in zip(signature.output_specs, outputs, strict=True):
             if out_spec.kind == OutputKind.BUFFER_MUTATION:
-                buffers.append((_strip(out_spec.target), value))
+                buffers.append((strip_wrapper(out_spec.target), value))
             elif loss is None and out_spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
                 loss = value
-        _check_loss(loss)
+        check_loss(loss)
         with contexts():
             # The seed is what ``loss.backward()`` would use (DTensor's ones_like of the loss),
             # times the loss scale: fp16 scaling must act inside backward, not after it.
-            seed = torch.ones_like(loss) * replicated_scalar(scale.to(loss.dtype), mesh)
+            seed = torch.ones_like(loss) * replicated_from_local(scale.to(loss.dtype), mesh)
             grads = torch.autograd.grad(
                 loss, [v for _, v in leaves], grad_outputs=seed, allow_unused=True
             )
@@ -340,7 +339,7 @@ def _pending_only_over(have: tuple[Any, ...], own: tuple[Any, ...], index: int) 
     return all(h == o for k, (h, o) in enumerate(zip(have, own, strict=True)) if k != index)
 
 
-def _strip(target: str | None) -> str:
+def strip_wrapper(target: str | None) -> str:
     """A path inside capture's wrapper module -> the path in the user's model."""
     target = target or ""
     return target.removeprefix("model.") if target != "model" else ""
@@ -356,7 +355,8 @@ def _buffer_local(model: torch.nn.Module, name: str, value: torch.Tensor) -> tor
     return value.full_tensor() if is_dtensor(value) else value
 
 
-def _check_loss(loss: Any) -> None:
+def check_loss(loss: Any) -> None:
+    """A loss function's result must be a scalar computed from the model (a DTensor here)."""
     if not is_dtensor(loss):
         raise ShardingError(
             f"loss_fn returned a plain {type(loss).__name__}, not a tensor computed from the "

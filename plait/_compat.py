@@ -225,3 +225,22 @@ def group_ranks(group_name: str) -> list[int]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+
+def node_meta_preserved():  # type: ignore[no-untyped-def]
+    """Inside it, FX tracing copies the current node meta (``annotated``) onto new nodes."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.preserve_node_meta()
+
+
+def annotated(tags: dict[str, object]):  # type: ignore[no-untyped-def]
+    """Nodes traced inside it carry ``tags`` in ``node.meta["custom"]`` (see node_meta_preserved)."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.annotate(tags)
+
+
+def node_tags(node: torch.fx.Node) -> dict[str, object]:
+    """The ``annotated`` tags of a traced node ({} when it has none)."""
+    return node.meta.get("custom") or {}

@@ -136,7 +136,12 @@ class ParallelConfig:
     schedule: Schedule = "1f1b"
     """Pipeline schedule."""
     optimizer_shard: Literal[1, 2, 3] | None = None
-    """Optimizer parallel level (ZeRO-1/2/3); None = off."""
+    """Optimizer parallel level over ``dp_axis`` (MindSpore's ``optimizer_level``): 1 shards
+    optimizer states, 2 also gradients (reduce-scatter), 3 also parameters (gathered before
+    use in forward and again in backward, freed between); None = off."""
+    optimizer_shard_threshold: int | str = 64 * 1024
+    """A parameter whose piece is smaller than this (bytes, or e.g. '64KiB') stays whole under
+    ``optimizer_shard`` (MindSpore's ``parallel_optimizer_threshold``, 64 KB)."""
     recompute: Recompute = "none"
     """Activation recompute policy."""
     grad_accumulation: int = 1
@@ -170,6 +175,10 @@ class ParallelConfig:
         object.__setattr__(self, "_mesh", MappingProxyType(self._resolve_mesh()))
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        threshold = self.optimizer_shard_threshold
+        if threshold != 0:
+            threshold = parse_bytes(threshold, "optimizer_shard_threshold")
+        object.__setattr__(self, "optimizer_shard_threshold", threshold)
         if isinstance(self.comm_fusion, Mapping):
             try:
                 object.__setattr__(self, "comm_fusion", CommFusion(**self.comm_fusion))

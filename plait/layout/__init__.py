@@ -4,6 +4,7 @@ Pure planning code: no process groups, no ``torch.distributed``.
 """
 
 from plait.layout.layout import Layout, TensorLayout
+from plait.layout.optimizer_shard import optimizer_shard_dim, optimizer_shard_layout, why_whole
 from plait.layout.placement import Partial, Placement, Replicate, Shard
 from plait.layout.redistribute import (
     LOCAL_KINDS,
@@ -32,7 +33,10 @@ __all__ = [
     "ResolvedStrategy",
     "Shard",
     "TensorLayout",
+    "optimizer_shard_dim",
+    "optimizer_shard_layout",
     "plan_redistribution",
     "resolve_strategy",
     "resolve_tensor_strategy",
+    "why_whole",
 ]

@@ -39,7 +39,7 @@ from plait.cost.memory import (
 )
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode
-from plait.layout import TensorLayout
+from plait.layout import TensorLayout, optimizer_shard_dim, why_whole
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
 from plait.planning.records import (
@@ -328,16 +328,16 @@ def _parameters(
         stage = ctx.stage_of[op]
         for axis in axes:
             if fused and axes == (ctx.cfg.dp_axis,):
-                # the dp all-reduce goes into a bucket (_fused_reductions); ZeRO-1's
-                # all-gather of the updated shards stays per parameter
-                _gradient_reduction(ctx, step, g.target, op, axis, nbytes, stage, reduce=False)
-                continue
+                continue  # in a bucket (_fused_reductions)
             # GradSync reduces a gradient pending over dp and another axis by itself
             several = fused and ctx.cfg.dp_axis in axes and len(axes) > 1
             alone = " (reduced alone: pending over several axes)" if several else ""
-            _gradient_reduction(ctx, step, g.target, op, axis, nbytes, stage, note=alone)
+            _gradient_reduction(step, g.target, op, axis, nbytes, stage, note=alone)
+        zero_dim, whole = _optimizer_shard(ctx, g, layout, axes)
         planned.append(
-            PlannedParameter(g.target, g.meta.shape, g.meta.dtype, layout, axes, op, why)
+            PlannedParameter(
+                g.target, g.meta.shape, g.meta.dtype, layout, axes, op, why + whole, zero_dim
+            )
         )
     if fused:
         _fused_reductions(ctx, step, planned)
@@ -350,17 +350,35 @@ def _local_bytes(g: GraphInput, layout: TensorLayout) -> int:
 
 
 def _fused_dp(ctx: _Context) -> bool:
-    """Are dp gradient all-reduces fused into buckets (the runtime's GradSync/PlainGradSync)?
+    """Are dp gradient reductions fused into buckets (the runtime's GradSync/PlainGradSync,
+    and optimizer parallel's bucketed reduce-scatters and all-gathers)?
 
-    They are when the mesh has a data-parallel axis of size > 1 and gradients are all-reduced
-    over it (no ZeRO, or ZeRO-1); ZeRO-2/3 reduce-scatter each parameter on its own.
+    They are when the mesh has a data-parallel axis of size > 1.
     """
     dp = ctx.cfg.dp_axis
-    return (
-        dp in ctx.mesh.axis_names
-        and ctx.mesh.axis_size(dp) > 1
-        and ctx.cfg.optimizer_shard in (None, 1)
-    )
+    return dp in ctx.mesh.axis_names and ctx.mesh.axis_size(dp) > 1
+
+
+def _optimizer_shard(
+    ctx: _Context, g: GraphInput, layout: TensorLayout, axes: tuple[str, ...]
+) -> tuple[int | None, str]:
+    """(the dim optimizer parallel splits, or None; why it stays whole, for the reason)."""
+    cfg = ctx.cfg
+    if cfg.optimizer_shard is None:
+        return None, ""
+    if axes != (cfg.dp_axis,):
+        return (
+            None,
+            f"; optimizer shard: whole (its gradient is not a sum over {cfg.dp_axis!r} alone)",
+        )
+    kw = {"itemsize": g.meta.itemsize, "threshold": int(cfg.optimizer_shard_threshold)}
+    dim = optimizer_shard_dim(layout, g.meta.shape, cfg.dp_axis, **kw)
+    if dim is None:
+        return (
+            None,
+            f"; optimizer shard: whole ({why_whole(layout, g.meta.shape, cfg.dp_axis, **kw)})",
+        )
+    return dim, f"; optimizer shard: dim {dim} of its piece split over {cfg.dp_axis!r}"
 
 
 def _fused_reductions(
@@ -388,23 +406,56 @@ def _fused_reductions(
             continue
         stage = ctx.stage_of[p.op] if p.op else 0
         per_stage.setdefault(stage, []).append((p, _local_bytes(g, p.layout)))
+    level = ctx.cfg.optimizer_shard
+    n = ctx.mesh.axis_size(dp)
     for stage, entries in sorted(per_stage.items()):
         buckets = plan_buckets([size for _, size in entries], fusion)
         for k, bucket in enumerate(buckets):
             members = [
                 entries[i] for i in sorted(bucket) if entries[i][0].grad_reduce_axes == (dp,)
             ]
-            if not members:
+            where = f"bucket {k + 1} of {len(buckets)}, {_fusion_text(fusion)}"
+            sharded = [m for m in members if m[0].optimizer_shard_dim is not None]
+            summed = members if level == 1 else [m for m in members if m not in sharded]
+            if summed:
+                step.add(
+                    "all_reduce",
+                    (dp,),
+                    sum(size for _, size in summed),
+                    ("backward", summed[0][0].name, stage),
+                    f"gradients of {_names(summed)} summed over {dp!r} in one fused all-reduce "
+                    f"({where})",
+                )
+            if not sharded:
                 continue
-            names = [p.name for p, _ in members]
-            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            why = (
-                f"gradients of {len(names)} parameter{'s' if len(names) > 1 else ''} summed over "
-                f"{dp!r} in one fused all-reduce (bucket {k + 1} of {len(buckets)}, "
-                f"{_fusion_text(fusion)}): {shown}"
-            )
-            nbytes = sum(size for _, size in members)
-            step.add("all_reduce", (dp,), nbytes, ("backward", names[0], stage), why)
+            full = sum(size for _, size in sharded)
+            first = sharded[0][0].name
+            if level != 1:
+                step.add(
+                    "reduce_scatter",
+                    (dp,),
+                    full,
+                    ("backward", first, stage),
+                    f"gradients of {_names(sharded)} summed over {dp!r} and split, each rank "
+                    f"keeping its shard (optimizer_shard={level}; {where})",
+                )
+            phases = ("forward", "backward") if level == 3 else ("optimizer",)
+            for phase in phases:
+                what = "before use" if level == 3 else "after the update"
+                step.add(
+                    "all_gather",
+                    (dp,),
+                    full // n,
+                    (phase, first, stage),
+                    f"shards of {_names(sharded)} gathered over {dp!r} {what} in {phase} "
+                    f"(optimizer_shard={level}; {where})",
+                )
+
+
+def _names(members: Sequence[tuple[PlannedParameter, int]]) -> str:
+    names = [p.name for p, _ in members]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{len(names)} parameter{'s' if len(names) > 1 else ''} ({shown})"
 
 
 def _fusion_text(fusion: CommFusion) -> str:
@@ -414,7 +465,6 @@ def _fusion_text(fusion: CommFusion) -> str:
 
 
 def _gradient_reduction(
-    ctx: _Context,
     step: _Step,
     name: str,
     op: str,
@@ -422,45 +472,11 @@ def _gradient_reduction(
     nbytes: int,
     stage: int,
     *,
-    reduce: bool = True,
     note: str = "",
 ) -> None:
-    """One parameter's gradient reduction over ``axis`` (and ZeRO's all-gathers).
-
-    ``reduce=False`` leaves out the all-reduce itself (it is in a fused bucket) but keeps
-    what follows it per parameter (ZeRO-1's all-gather of the updated shards).
-    """
-    level = ctx.cfg.optimizer_shard
+    """One parameter's gradient all-reduce over ``axis`` (one not in a dp bucket)."""
     why = f"gradient of {name}: {op} splits its work over {axis!r} but not the parameter{note}"
-    if level is None or axis != ctx.cfg.dp_axis or nbytes % ctx.mesh.axis_size(axis):
-        if reduce:
-            step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
-        return
-    shard = nbytes // ctx.mesh.axis_size(axis)
-    if level == 1:  # ZeRO-1: gradients whole, optimizer states sharded
-        if reduce:
-            step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
-    else:
-        step.add(
-            "reduce_scatter", (axis,), nbytes, ("backward", name, stage), why + " (sharded over dp)"
-        )
-    if level == 3:  # ZeRO-3: parameters sharded, gathered for forward and for backward
-        for phase in ("forward", "backward"):
-            step.add(
-                "all_gather",
-                (axis,),
-                shard,
-                (phase, name, stage),
-                f"{name} is sharded over {axis!r} (optimizer_shard=3)",
-            )
-    else:
-        step.add(
-            "all_gather",
-            (axis,),
-            shard,
-            ("optimizer", name, stage),
-            f"updated shards of {name} (optimizer_shard={level})",
-        )
+    step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
 
 
 def _loss_collective(ctx: _Context, step: _Step) -> None:

@@ -159,6 +159,9 @@ class PlannedParameter:
     grad_reduce_axes: tuple[str, ...]
     op: str
     reason: str
+    optimizer_shard_dim: int | None = None
+    """The dim of this parameter's local piece optimizer parallel splits over the data-parallel
+    axis (``optimizer_shard``; :func:`plait.layout.optimizer_shard_dim`), None = whole."""
 
     def __post_init__(self) -> None:
         where = f"PlannedParameter {self.name!r}"
@@ -174,6 +177,14 @@ class PlannedParameter:
             raise PlanError(
                 f"{where}: layout {self.layout.describe()} has {self.layout.ndim} dims but the "
                 f"shape {self.shape!r} has {len(self.shape)}; give one entry per dim"
+            )
+        d = self.optimizer_shard_dim
+        if d is not None and (
+            not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < len(self.shape)
+        ):
+            raise PlanError(
+                f"{where}.optimizer_shard_dim={d!r} is not a dim of shape {self.shape!r}; give "
+                "a dim index or null"
             )
         split = {a for dim in self.layout.dims for a in dim}
         if split & set(axes):

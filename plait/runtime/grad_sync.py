@@ -112,14 +112,19 @@ class GradSync(_BucketedSync):
         self._group_mesh = device_mesh[axis]
         sizes = [p.to_local().numel() * p.element_size() for p in params]  # type: ignore[attr-defined]
         super().__init__(params, sizes, fusion)
+        self.skip: set[int] = set()
+        """``id`` of parameters whose gradients another reduction owns (optimizer parallel's
+        reduce-scatter): left as they are."""
 
     def _launch(self, bucket: _Bucket) -> None:
         members = [
             p
             for p in bucket.params
-            if p.grad is not None and is_pending_sum_over(p.grad, p, self._axis_index)
+            if p.grad is not None
+            and id(p) not in self.skip
+            and is_pending_sum_over(p.grad, p, self._axis_index)
         ]
-        chosen = {id(p) for p in members}
+        chosen = {id(p) for p in members} | self.skip
         for p in bucket.params:
             if p.grad is not None and id(p) not in chosen:
                 sync_grad(p)  # unexpected layout: reduce it alone
@@ -137,4 +142,5 @@ class GradSync(_BucketedSync):
     def finish(self) -> None:
         super().finish()
         for p in self._all:
-            sync_grad(p)
+            if id(p) not in self.skip:
+                sync_grad(p)

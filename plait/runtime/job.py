@@ -30,6 +30,7 @@ from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
 from plait.runtime.program import Program, check_loss
+from plait.runtime.zero import ZeroOptimizer, reduce_scatter_accumulated
 
 __all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
 
@@ -156,22 +157,37 @@ class Job:
                 p.grad = dtensor_like(p, g)
             else:
                 p.grad = dtensor_from_local(g, p.device_mesh, placements, p.shape, p.stride())
-        if self.grad_sync is not None:
-            if program.fused_buckets:  # summed inside the program, during its backward
-                self.grad_sync.launched_in_backward = program.fused_buckets
-            else:
-                self.grad_sync.finish()
-        for p in trained:
-            sync_grad(p)
+        shadows = getattr(self.optimizer, "_plait_shadows", None)
+        zero = shadows if isinstance(shadows, ZeroOptimizer) else None
+        self._reduce_gradients(program, trained, zero)
         if self._gradients_usable():
-            shadows = getattr(self.optimizer, "_plait_shadows", None)
             if shadows is not None:
                 shadows.load_grads()
             self.optimizer.step()
+            if zero is not None:
+                zero.gather_updated()
         loss_value = dtensor_from_local(
             total / k if k != 1 else total, self.device_mesh, program.loss_placements, (), ()
         )
         return float(full_value(loss_value).item())
+
+    def _reduce_gradients(
+        self, program: Program, trained: list[nn.Parameter], zero: ZeroOptimizer | None
+    ) -> None:
+        """What the program left pending: the fused buckets when it did not sum them itself
+        (gradient accumulation: once, after the last micro-batch), then other pending axes."""
+        owned: set[int] = set()
+        if self.grad_sync is not None:
+            owned = self.grad_sync.skip  # reduce-scattered by optimizer parallel
+            if program.fused_buckets:  # summed inside the program, during its backward
+                self.grad_sync.launched_in_backward = program.fused_buckets
+            else:
+                if zero is not None:
+                    reduce_scatter_accumulated(zero)
+                self.grad_sync.finish()
+        for p in trained:
+            if id(p) not in owned:
+                sync_grad(p)
 
     def _trained_parameters(self, program: Program) -> list[nn.Parameter]:
         """The parameters whose gradients the program returns, resolved once per program."""

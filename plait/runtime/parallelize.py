@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 _BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto", "hybrid")
 
 
+def _needs_program(cfg: ParallelConfig) -> bool:
+    """Settings that are passes over the compiled per-rank program (not the plain-tensor
+    data-parallel path): torch.compile, optimizer parallel, recompute."""
+    return cfg.compile or cfg.optimizer_shard is not None or cfg.recompute != "none"
+
+
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
     planned = cfg.mode == "auto" or cfg.plan is not None
     checks = [
@@ -56,9 +62,10 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
         (cfg.micro_batches != 1, f"micro_batches={cfg.micro_batches}", "pipeline micro-batches"),
         (cfg.schedule != "1f1b", f"schedule={cfg.schedule!r}", "pipeline schedules"),
         (
-            cfg.optimizer_shard is not None,
-            f"optimizer_shard={cfg.optimizer_shard}",
-            "optimizer parallel",
+            cfg.optimizer_shard is not None and cfg.mode == "hybrid",
+            f"optimizer_shard={cfg.optimizer_shard}, mode='hybrid'",
+            "optimizer parallel for hand-written layouts (modes data_parallel, semi_auto and "
+            "auto run it)",
         ),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
@@ -159,7 +166,7 @@ def parallelize(
             _refuse_annotations(model)
         # annotations are checked now, before anything waits for the first batch
         named = parameter_layouts(model, mesh)
-        if _is_pure_data_parallel(config, mesh) and not config.compile:
+        if _is_pure_data_parallel(config, mesh) and not _needs_program(config):
             device_mesh = build_device_mesh(mesh, world.device_type)
             return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
         if config.mode == "hybrid":
@@ -290,6 +297,8 @@ def _config_of(plan: Plan) -> ParallelConfig:
     return ParallelConfig(
         mode="auto",
         mesh=plan.mesh.as_dict(),
+        optimizer_shard=plan.optimizer_shard,  # type: ignore[arg-type]
+        recompute=plan.recompute,  # type: ignore[arg-type]
         precision=plan.precision,  # type: ignore[arg-type]
         grad_accumulation=plan.grad_accumulation,
         dp_axis=plan.dp_axis,

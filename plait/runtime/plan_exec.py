@@ -91,9 +91,16 @@ from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strate
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
-from plait.runtime.placement import place_parameters
+from plait.runtime.placement import place_parameters, reshard_parameters
 from plait.runtime.precision import autocast_for
 from plait.runtime.program import Program, compile_program, strip_wrapper
+from plait.runtime.zero import (
+    ShardedParameter,
+    ZeroOptimizer,
+    check_elementwise,
+    sharded_parameters,
+    split_buckets,
+)
 from plait.search.constraints import batch_layouts
 
 __all__ = [
@@ -742,6 +749,16 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.steps = executor._steps
         # (value node, layout) -> the value redistributed to that layout, for later readers
         self.moved: dict[tuple[str, TensorLayout], torch.Tensor] = {}
+        # Each op's node carries the model's module that runs it: the Interpreter makes a
+        # node's meta the current trace meta, so the per-rank program's nodes traced from it
+        # carry the tag too (recompute regions, plait.runtime.remat).
+        modules = {op.name: op.module_path for op in executor.captured.graph.ops}
+        for node in self.module.graph.nodes:
+            if node.name in modules:
+                node.meta["custom"] = {
+                    **(node.meta.get("custom") or {}),
+                    "plait_module": modules[node.name],
+                }
 
     def forget(self) -> None:
         """Drop the values of the last call (its outputs stay in the fx environment)."""
@@ -1153,9 +1170,26 @@ def build_plan_job(
     )
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)
     program = _compile(executor, model, cfg, device_mesh)
+    level = plan.optimizer_shard
+    sharded = {}
+    if level is not None and grad_sync is not None:
+        sharded = sharded_parameters(
+            plan.parameters, model, program.trained, device_mesh, cfg.dp_axis
+        )
+    buckets = [] if grad_sync is None else [b.params for b in grad_sync.buckets]
+    whole, split = split_buckets(buckets, sharded if level != 1 else {})
+    if grad_sync is not None and level not in (None, 1):
+        grad_sync.skip = set(sharded)
     if grad_sync is not None and cfg.grad_accumulation == 1:
         # With accumulation the sums wait for the last micro-step: the Job reduces then.
-        _fuse_buckets(program, model, grad_sync, cfg.dp_axis)
+        _fuse_buckets(program, model, whole, cfg.dp_axis)
+        if split:
+            program.reduce_scatter_gradients(split, cfg.dp_axis)
+    if level == 3 and split:
+        program.gather_parameters(split, cfg.dp_axis)
+        layouts = reshard_parameters(
+            model, {m.name: m.placements for b in split for m in b}, device_mesh, layouts
+        )
     if cfg.compile:
         program.compile()
     logger.info(
@@ -1166,7 +1200,7 @@ def build_plan_job(
     )
     return Job(
         model,
-        build_optimizer(model, optimizer_factory),
+        _optimizer(model, optimizer_factory, level, sharded, device_mesh, cfg.dp_axis, buckets),
         executor,
         cfg,
         mesh=plan.mesh,
@@ -1179,13 +1213,38 @@ def build_plan_job(
     )
 
 
-def _fuse_buckets(program: Program, model: nn.Module, grad_sync: GradSync, dp_axis: str) -> None:
+def _optimizer(
+    model: nn.Module,
+    factory: OptimizerFactory,
+    level: int | None,
+    sharded: dict[int, ShardedParameter],
+    device_mesh: Any,
+    axis: str,
+    buckets: list[list[nn.Parameter]],
+) -> torch.optim.Optimizer:
+    """The user's optimizer on local pieces; under optimizer parallel, on this rank's shards."""
+    if level is None:
+        return build_optimizer(model, factory)
+    check_elementwise(factory(list(model.parameters())), level)
+    zero = ZeroOptimizer(
+        list(model.named_parameters()),
+        list(sharded.values()),
+        level=level,
+        buckets=split_buckets(buckets, sharded)[1],
+        device_mesh=device_mesh,
+        axis=axis,
+    )
+    optimizer = factory(zero.shadows)
+    optimizer._plait_shadows = zero  # type: ignore[attr-defined]
+    return optimizer
+
+
+def _fuse_buckets(
+    program: Program, model: nn.Module, buckets: list[list[nn.Parameter]], dp_axis: str
+) -> None:
     """The plan's gradient buckets, all-reduced inside the program (overlapping backward)."""
     position = {id(model.get_parameter(name)): i for i, name in enumerate(program.trained)}
-    buckets = [
-        [position[id(p)] for p in bucket.params if id(p) in position]
-        for bucket in grad_sync.buckets
-    ]
+    buckets = [[position[id(p)] for p in bucket if id(p) in position] for bucket in buckets]
     placements = [tuple(model.get_parameter(name).placements) for name in program.trained]
     program.fuse_gradient_reduction(buckets, placements, dp_axis)
 
@@ -1216,7 +1275,6 @@ def _check_settings(plan: Plan, cfg: ParallelConfig) -> None:
     """Plan features the executor does not run yet are refused by name, before any change."""
     unbuilt = [
         (plan.pipeline_stages != 1, f"pipeline_stages={plan.pipeline_stages}"),
-        (plan.optimizer_shard is not None, f"optimizer_shard={plan.optimizer_shard}"),
         (plan.recompute != "none", f"recompute={plan.recompute!r}"),
         (plan.micro_batches != 1, f"micro_batches={plan.micro_batches}"),
     ]

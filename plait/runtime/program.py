@@ -30,6 +30,7 @@ tests see exactly what real processes issue.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
+from plait._compat import annotated, node_meta_preserved, node_tags
 from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
 from plait.comm.lower import (
     ProgramCollective,
@@ -51,6 +53,7 @@ from plait.comm.lower import (
 )
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
+from plait.runtime.zero import ShardedParameter, gather_inputs, reduce_scatter_outputs, regather
 
 __all__ = ["Program", "ProgramCollective", "check_loss", "compile_program", "strip_wrapper"]
 
@@ -150,6 +153,74 @@ class Program:
                 grad_placements[i] = tuple(placements[i])
         self.grad_placements = tuple(grad_placements)
         self.fused_buckets = len(chosen)
+        first = self.graphs[self._ranks[0]].code
+        self._same_code = all(self.graphs[r].code == first for r in self._ranks[1:])
+
+    def reduce_scatter_gradients(
+        self, buckets: Sequence[Sequence[ShardedParameter]], axis: str
+    ) -> None:
+        """A pass (optimizer parallel, levels 2 and 3): the gradients of each bucket's split
+        parameters are reduce-scattered inside the program; the program returns this rank's
+        shards (:func:`plait.runtime.zero.reduce_scatter_outputs`)."""
+        n, group = self._axis(axis)
+        index = list(self.device_mesh.mesh_dim_names).index(axis)
+        grad_placements = list(self.grad_placements)
+        for bucket in buckets:
+            for m in bucket:
+                have = grad_placements[m.position]
+                if not _pending_only_over(have, m.placements, index):
+                    raise PlanError(
+                        f"optimizer_shard: the plan reduces the gradient of {m.name} over "
+                        f"{axis!r} alone, but the program computes it as {have}; plan again"
+                    )
+                grad_placements[m.position] = m.placements
+        for graph_module in self.graphs.values():
+            reduce_scatter_outputs(graph_module, buckets, n, group)
+        self.grad_placements = tuple(grad_placements)
+        self.fused_buckets += len(buckets)
+        self._recheck_code()
+
+    def gather_parameters(self, buckets: Sequence[Sequence[ShardedParameter]], axis: str) -> int:
+        """A pass (optimizer parallel level 3): the program takes the split parameters' shards,
+        all-gathers them before forward reads them and again before backward does, keeping
+        no whole parameter between the two. Returns the nodes recomputed for backward."""
+        n, group = self._axis(axis)
+        names = {m.name for b in buckets for m in b}
+        recomputed = 0
+        for graph_module in self.graphs.values():
+            placeholders = self._placeholders(graph_module)
+            missing = names - set(placeholders)
+            if missing:
+                raise PlanError(
+                    f"optimizer_shard=3: the program has no input for {sorted(missing)}"
+                )
+            gathered = gather_inputs(graph_module, buckets, placeholders, n, group)
+            recomputed = regather(graph_module, gathered, first_backward_node(graph_module))
+        by_name = {m.name: m for b in buckets for m in b}
+        self.inputs = tuple(
+            dataclasses.replace(spec, placements=by_name[strip_wrapper(spec.target)].placements)
+            if spec.placements is not None and strip_wrapper(spec.target) in by_name
+            else spec
+            for spec in self.inputs
+        )
+        self._recheck_code()
+        return recomputed
+
+    def _axis(self, axis: str) -> tuple[int, str]:
+        index = list(self.device_mesh.mesh_dim_names).index(axis)
+        return int(self.device_mesh.size(index)), self.device_mesh.get_group(axis).group_name
+
+    def _placeholders(self, graph_module: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+        """Parameter name -> its placeholder (the first placeholder is the loss scale)."""
+        nodes = [n for n in graph_module.graph.nodes if n.op == "placeholder"][1:]
+        laid_out = [spec for spec in self.inputs if spec.placements is not None]
+        return {
+            strip_wrapper(spec.target): node
+            for spec, node in zip(laid_out, nodes, strict=True)
+            if spec.kind == InputKind.PARAMETER
+        }
+
+    def _recheck_code(self) -> None:
         first = self.graphs[self._ranks[0]].code
         self._same_code = all(self.graphs[r].code == first for r in self._ranks[1:])
 
@@ -298,7 +369,7 @@ def _traced_step(
                 assert spec.target is not None
                 leaves.append((spec.target, value))
             values.append(value)
-        with contexts():
+        with node_meta_preserved(), contexts():
             outputs = executor.run_flat(values)
         loss: Any = None
         buffers: list[tuple[str, torch.Tensor]] = []
@@ -308,7 +379,7 @@ def _traced_step(
             elif loss is None and out_spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
                 loss = value
         check_loss(loss)
-        with contexts():
+        with node_meta_preserved(), annotated({"plait_phase": "backward"}), contexts():
             # The seed is what ``loss.backward()`` would use (DTensor's ones_like of the loss),
             # times the loss scale: fp16 scaling must act inside backward, not after it.
             seed = torch.ones_like(loss) * replicated_from_local(scale.to(loss.dtype), mesh)
@@ -328,6 +399,14 @@ def _traced_step(
         )
 
     return step
+
+
+def first_backward_node(graph_module: torch.fx.GraphModule) -> torch.fx.Node:
+    """The first node of the program's backward part (tagged when traced)."""
+    for node in graph_module.graph.nodes:
+        if node_tags(node).get("plait_phase") == "backward":
+            return node
+    raise PlanError("the per-rank program has no backward part to recompute for")
 
 
 def _pending_only_over(have: tuple[Any, ...], own: tuple[Any, ...], index: int) -> bool:

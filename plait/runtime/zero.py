@@ -1,0 +1,434 @@
+"""Optimizer parallel (ZeRO 1/2/3) on the per-rank program.
+
+The plan says which parameters optimizer parallel splits and along which dim of their local
+piece (``PlannedParameter.optimizer_shard_dim``, one rule with the planner:
+:mod:`plait.layout.optimizer_shard`); the gradient buckets are the plan's. This module carries
+that out with MindSpore's levels (``ParallelConfig.optimizer_shard``):
+
+* **1**: gradients are all-reduced whole (in the plan's fused buckets); each rank's optimizer
+  holds and updates only its shard of each split parameter (its states are 1/dp); the updated
+  shards are all-gathered, one collective per bucket, into the whole parameters.
+* **2**: as 1, but the gradients of split parameters are reduce-scattered, one collective per
+  bucket, started inside the program as soon as the bucket's last gradient is computed (the
+  ranks never hold the whole summed gradient).
+* **3**: as 2, and the parameters themselves are kept split (a DTensor whose piece's dim is
+  split over dp too): the program all-gathers each bucket before its first use in forward,
+  frees the whole values after forward, and gathers again before backward needs them (a
+  rematerialization pass, :mod:`plait.runtime.remat`). The optimizer updates the shards in place.
+
+A bucket's tensors travel in one flat buffer laid out rank by rank: each parameter's piece is
+cut into dp chunks along its dim, and chunk ``r`` of every parameter sits in rank ``r``'s
+segment, so one all-gather or reduce-scatter serves the whole bucket and each rank's result is
+exactly its shards. The packing and unpacking is written once (:func:`pack_chunks`,
+:func:`unpack_chunks`...) against an ``apply(op, *args)`` callback: run eagerly (gradient
+accumulation's one reduction per step, the gathers after the update) or emitted as nodes of the
+per-rank program (the in-program passes), the same ops either way.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from plait.comm.dtensor import dtensor_from_local, local_piece
+from plait.errors import ConfigError
+
+__all__ = [
+    "Apply",
+    "ShardedParameter",
+    "ZeroOptimizer",
+    "check_elementwise",
+    "eager",
+    "emit_into",
+    "finish_gather",
+    "finish_reduce_scatter",
+    "start_gather",
+    "start_reduce_scatter",
+]
+
+Apply = Callable[..., Any]
+"""``apply(op, *args)``: run ``op`` (an aten or functional-collective op, or operator.getitem)."""
+
+_F = torch.ops._c10d_functional
+_A = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedParameter:
+    """One parameter optimizer parallel splits: where its chunk is, and its layouts."""
+
+    name: str
+    position: int
+    """Its place in the program's trained parameters (its gradient's output index - 1)."""
+    dim: int
+    """The dim of its local piece split over the data-parallel axis."""
+    piece_shape: tuple[int, ...]
+    """Its whole local piece's shape (after tensor parallel, before ZeRO)."""
+    placements: tuple[Any, ...]
+    """Its DTensor placements with that dim also split over dp (ZeRO-3 keeps it so)."""
+
+    def shard_shape(self, n: int) -> tuple[int, ...]:
+        shape = list(self.piece_shape)
+        shape[self.dim] //= n
+        return tuple(shape)
+
+    def shard_numel(self, n: int) -> int:
+        return math.prod(self.piece_shape) // n
+
+
+def eager(op: Any, *args: Any) -> Any:
+    """``apply`` that runs the op now."""
+    return op(*args)
+
+
+def emit_into(graph: torch.fx.Graph) -> Apply:
+    """``apply`` that appends the op to ``graph`` (at its insertion point) as a node.
+
+    Each node's ``meta["val"]`` is the op run on meta tensors, so later passes and
+    :func:`~plait.comm.lower.collectives_of` read shapes and bytes as they do for traced nodes.
+    """
+
+    def apply(op: Any, *args: Any) -> Any:
+        node = graph.call_function(op, args)
+        node.meta["val"] = op(*torch.fx.node.map_arg(args, _meta_of))
+        return node
+
+    return apply
+
+
+def _meta_of(node: torch.fx.Node) -> Any:
+    value = node.meta["val"]
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, tuple | list):
+        return type(value)(
+            torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") for v in value
+        )
+    return value
+
+
+# --------------------------------------------------------------------------- bucket collectives
+
+
+def start_gather(apply: Apply, shards: Sequence[Any], n: int, group: str) -> Any:
+    """Start one all-gather of a bucket's shards (flat, concatenated); finish_gather unpacks."""
+    flat = [apply(_A.reshape.default, s, [-1]) for s in shards]
+    packed = apply(_A.cat.default, flat) if len(flat) > 1 else flat[0]
+    return apply(_F.all_gather_into_tensor.default, packed, n, group)
+
+
+def finish_gather(
+    apply: Apply, started: Any, members: Sequence[ShardedParameter], n: int
+) -> list[Any]:
+    """Wait for :func:`start_gather` and return each member's whole local piece."""
+    done = apply(_F.wait_tensor.default, started)
+    total = sum(m.shard_numel(n) for m in members)
+    rows = apply(_A.view.default, done, [n, total])
+    sizes = [m.shard_numel(n) for m in members]
+    parts = apply(_A.split_with_sizes.default, rows, sizes, 1)
+    out = []
+    for k, m in enumerate(members):
+        part = apply(operator.getitem, parts, k)  # (n, shard numel): row r is rank r's chunk
+        chunks = apply(_A.reshape.default, part, [n, *m.shard_shape(n)])
+        if m.dim:
+            chunks = apply(_A.movedim.int, chunks, 0, m.dim)
+        out.append(apply(_A.reshape.default, chunks, list(m.piece_shape)))
+    return out
+
+
+def start_reduce_scatter(
+    apply: Apply, grads: Sequence[Any], members: Sequence[ShardedParameter], n: int, group: str
+) -> Any:
+    """Start one sum reduce-scatter of a bucket's whole local gradients."""
+    rows = []
+    for g, m in zip(grads, members, strict=True):
+        shape = list(m.piece_shape)
+        split = [*shape[: m.dim], n, shape[m.dim] // n, *shape[m.dim + 1 :]]
+        chunks = apply(_A.reshape.default, g, split)
+        if m.dim:
+            chunks = apply(_A.movedim.int, chunks, m.dim, 0)
+        rows.append(apply(_A.reshape.default, chunks, [n, -1]))
+    packed = apply(_A.cat.default, rows, 1) if len(rows) > 1 else rows[0]
+    flat = apply(_A.reshape.default, packed, [-1])
+    return apply(_F.reduce_scatter_tensor.default, flat, "sum", n, group)
+
+
+def finish_reduce_scatter(
+    apply: Apply, started: Any, members: Sequence[ShardedParameter], n: int
+) -> list[Any]:
+    """Wait for :func:`start_reduce_scatter` and return each member's gradient shard."""
+    done = apply(_F.wait_tensor.default, started)
+    sizes = [m.shard_numel(n) for m in members]
+    parts = apply(_A.split_with_sizes.default, done, sizes)
+    return [
+        apply(_A.view.default, apply(operator.getitem, parts, k), list(m.shard_shape(n)))
+        for k, m in enumerate(members)
+    ]
+
+
+# --------------------------------------------------------------------------- the optimizer side
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, level: int) -> None:
+    """Optimizer parallel splits states by element: the update must be elementwise."""
+    from plait.runtime.local_optim import is_elementwise
+
+    if not is_elementwise(optimizer):
+        raise ConfigError(
+            f"ParallelConfig(optimizer_shard={level}) with optimizer {type(optimizer).__name__}: "
+            "optimizer parallel gives each rank a shard of every split parameter to update, "
+            "which is exact only for optimizers whose update of an element reads that element "
+            "alone (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, NAdam, RAdam); use one of them "
+            "or leave optimizer_shard None"
+        )
+
+
+class ZeroOptimizer:
+    """The local pieces the user's optimizer updates under optimizer parallel.
+
+    Every DTensor parameter gets a plain "shadow" parameter for the optimizer: the local
+    piece itself (sharing storage) for a parameter kept whole and for a ZeRO-3 parameter
+    (whose piece is its shard); a copy of this rank's shard for a split parameter at level
+    1 or 2 (whose piece stays whole), written back by :meth:`gather_updated` after the step.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, nn.Parameter]],
+        sharded: Sequence[ShardedParameter],
+        *,
+        level: int,
+        buckets: Sequence[Sequence[ShardedParameter]],
+        device_mesh: Any,
+        axis: str,
+    ) -> None:
+        self.level = level
+        self.device_mesh = device_mesh
+        self.axis = axis
+        self.n = device_mesh.size(list(device_mesh.mesh_dim_names).index(axis))
+        self.group = device_mesh.get_group(axis).group_name
+        self.by_name = {s.name: s for s in sharded}
+        self.buckets = [list(b) for b in buckets]
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter, ShardedParameter | None]] = []
+        for name, p in params:
+            spec = self.by_name.get(name)
+            if spec is not None and level < 3:
+                shard = p.detach().redistribute(device_mesh, spec.placements).to_local()
+                shadow = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
+            else:
+                shadow = nn.Parameter(local_piece(p).detach(), requires_grad=p.requires_grad)
+            self.pairs.append((p, shadow, spec))
+        self._shadow_of = {s.name: sh for _, sh, s in self.pairs if s is not None}
+
+    @property
+    def shadows(self) -> list[nn.Parameter]:
+        return [s for _, s, _ in self.pairs]
+
+    def load_grads(self) -> None:
+        """Point each shadow's gradient at its parameter's local gradient (or shard of it)."""
+        for p, shadow, spec in self.pairs:
+            grad = p.grad
+            if grad is None:
+                shadow.grad = None
+            elif spec is not None and self.level == 1:  # whole reduced gradient: take the chunk
+                shadow.grad = grad.redistribute(self.device_mesh, spec.placements).to_local()
+            else:
+                shadow.grad = local_piece(grad)
+
+    @torch.no_grad()
+    def gather_updated(self) -> None:
+        """Levels 1 and 2: all-gather each bucket's updated shards into the whole pieces."""
+        if self.level == 3:
+            return
+        params = {s.name: p for p, _, s in self.pairs if s is not None}
+        for bucket in self.buckets:
+            shards = [self._shadow_of[m.name].detach() for m in bucket]
+            started = start_gather(eager, shards, self.n, self.group)
+            for m, whole in zip(bucket, finish_gather(eager, started, bucket, self.n), strict=True):
+                local_piece(params[m.name]).copy_(whole)
+
+
+def shard_gradient(grad: torch.Tensor, spec: ShardedParameter, param: Any) -> Any:
+    """A DTensor gradient from its local shard (dim ``spec.dim`` split over dp)."""
+    return dtensor_from_local(grad, param.device_mesh, spec.placements, param.shape, param.stride())
+
+
+# --------------------------------------------------------------------------- program passes
+
+
+def reduce_scatter_outputs(
+    graph_module: torch.fx.GraphModule,
+    buckets: Sequence[Sequence[ShardedParameter]],
+    n: int,
+    group: str,
+) -> None:
+    """A pass: each bucket's gradient outputs reduce-scattered inside the program, in place.
+
+    The collective starts right after the bucket's last gradient is computed (it overlaps
+    the rest of backward); the wait and unpacking come just before the program returns, and
+    the outputs become this rank's gradient shards.
+    """
+    graph = graph_module.graph
+    output = next(node for node in graph.nodes if node.op == "output")
+    outs = list(output.args[0])
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    apply = emit_into(graph)
+    for bucket in buckets:
+        values = [outs[1 + m.position] for m in bucket]
+        last = max(values, key=lambda v: order[v])
+        with graph.inserting_before(last.next):
+            started = start_reduce_scatter(apply, values, bucket, n, group)
+        with graph.inserting_before(output):
+            shards = finish_reduce_scatter(apply, started, bucket, n)
+        for m, shard in zip(bucket, shards, strict=True):
+            outs[1 + m.position] = shard
+    output.args = (tuple(outs),)
+    graph.lint()
+    graph_module.recompile()
+
+
+def gather_inputs(
+    graph_module: torch.fx.GraphModule,
+    buckets: Sequence[Sequence[ShardedParameter]],
+    placeholders: dict[str, torch.fx.Node],
+    n: int,
+    group: str,
+) -> set[torch.fx.Node]:
+    """A pass (ZeRO-3): parameter inputs become shards, all-gathered before their first use.
+
+    Buckets are gathered in the order forward first reads them; each bucket's all-gather is
+    issued when the previous bucket is first read (a prefetch, so it overlaps that bucket's
+    compute) and waited for just before its own first reader. Returns the nodes that compute
+    the whole parameters from the shards (for the backward re-gather, :func:`regather`).
+    """
+    graph = graph_module.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first_use: list[tuple[int, list[ShardedParameter]]] = []
+    for bucket in buckets:
+        readers = [u for m in bucket for u in placeholders[m.name].users]
+        if readers:
+            first_use.append((min(order[u] for u in readers), list(bucket)))
+    first_use.sort(key=lambda item: item[0])
+    nodes = list(graph.nodes)
+    apply = emit_into(graph)
+    started_of: list[Any] = []
+    for j, (_, bucket) in enumerate(first_use):
+        for m in bucket:  # the program now receives this rank's shard
+            ph = placeholders[m.name]
+            val = ph.meta["val"]
+            ph.meta["val"] = torch.empty(m.shard_shape(n), dtype=val.dtype, device="meta")
+        issue_at = nodes[first_use[j - 1][0] if j else first_use[j][0]]
+        with graph.inserting_before(issue_at):
+            shards = [placeholders[m.name] for m in bucket]
+            started_of.append(start_gather(apply, shards, n, group))
+    wholes_of: list[tuple[list[ShardedParameter], list[Any]]] = []
+    for (at, bucket), started in zip(first_use, started_of, strict=True):
+        with graph.inserting_before(nodes[at]):
+            wholes_of.append((bucket, finish_gather(apply, started, bucket, n)))
+    made = {node for node in graph.nodes if node not in order}
+    for bucket, wholes in wholes_of:
+        for m, whole in zip(bucket, wholes, strict=True):
+            # every reader but the gather's own packing now reads the whole value
+            placeholders[m.name].replace_all_uses_with(
+                whole, delete_user_cb=lambda u: u not in made
+            )
+    graph.lint()
+    graph_module.recompile()
+    return made
+
+
+def regather(
+    graph_module: torch.fx.GraphModule, gathered: set[torch.fx.Node], backward_start: torch.fx.Node
+) -> int:
+    """A pass (ZeRO-3): backward gathers the parameters again instead of keeping them.
+
+    Every forward value computed from the gathered parameters alone (the gathers themselves,
+    and views, transposes or casts of the whole parameters) is recomputed before its first
+    reader in backward (:func:`plait.runtime.remat.rematerialize`), so the whole parameters
+    are freed once forward is done with them. Returns the number of nodes recomputed.
+    """
+    from plait.runtime.remat import rematerialize
+
+    derived = set(gathered)
+    for node in graph_module.graph.nodes:
+        if node is backward_start:
+            break
+        if node in derived or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(i in derived for i in inputs) and not _random(node):
+            derived.add(node)
+    return rematerialize(
+        graph_module, backward_start=backward_start, recompute=derived.__contains__
+    )
+
+
+def _random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+# --------------------------------------------------------------------------- from the plan
+
+
+def sharded_parameters(
+    parameters: Sequence[Any], model: nn.Module, trained: Sequence[str], device_mesh: Any, axis: str
+) -> dict[int, ShardedParameter]:
+    """The plan's split parameters (``PlannedParameter.optimizer_shard_dim`` set), keyed by
+    ``id`` of the model's parameter; ``trained`` are the program's gradient outputs' names."""
+    from plait.comm.dtensor import to_dtensor_placements
+    from plait.layout import optimizer_shard_layout
+
+    position = {id(model.get_parameter(name)): i for i, name in enumerate(trained)}
+    out: dict[int, ShardedParameter] = {}
+    for planned in parameters:
+        if planned.optimizer_shard_dim is None:
+            continue
+        p = model.get_parameter(planned.name)
+        if id(p) not in position:
+            continue  # no gradient in the program: nothing to update
+        split = optimizer_shard_layout(planned.layout, planned.optimizer_shard_dim, axis)
+        out[id(p)] = ShardedParameter(
+            planned.name,
+            position[id(p)],
+            planned.optimizer_shard_dim,
+            planned.layout.local_shape(planned.shape),
+            tuple(to_dtensor_placements(split)),
+        )
+    return out
+
+
+def split_buckets(
+    buckets: Sequence[Sequence[nn.Parameter]], sharded: dict[int, ShardedParameter]
+) -> tuple[list[list[nn.Parameter]], list[list[ShardedParameter]]]:
+    """The plan's gradient buckets -> (whole members per bucket, split members per bucket)."""
+    whole = [[p for p in b if id(p) not in sharded] for b in buckets]
+    split = [[sharded[id(p)] for p in b if id(p) in sharded] for b in buckets]
+    return [b for b in whole if b], [b for b in split if b]
+
+
+def reduce_scatter_accumulated(zero: ZeroOptimizer) -> None:
+    """Levels 2 and 3 with gradient accumulation: one reduce-scatter per bucket after the last
+    micro-batch (the program leaves the summed gradients pending), eagerly."""
+    if zero.level == 1:
+        return
+    params = {s.name: p for p, _, s in zero.pairs if s is not None}
+    for bucket in zero.buckets:
+        grads = []
+        for m in bucket:
+            p = params[m.name]
+            grads.append(
+                torch.zeros(m.piece_shape, dtype=p.dtype) if p.grad is None else local_piece(p.grad)
+            )
+        started = start_reduce_scatter(eager, grads, bucket, zero.n, zero.group)
+        for m, shard in zip(
+            bucket, finish_reduce_scatter(eager, started, bucket, zero.n), strict=True
+        ):
+            params[m.name].grad = shard_gradient(shard, m, params[m.name])

@@ -6,7 +6,7 @@ and runs it on ``torch.distributed``. See README.md for a tour.
 """
 
 from plait import data, ops, testing
-from plait.annotate import shard
+from plait.annotate import recompute, shard
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import (
     CaptureError,
@@ -57,6 +57,7 @@ __all__ = [
     "ops",
     "parallelize",
     "plan",
+    "recompute",
     "shard",
     "testing",
 ]

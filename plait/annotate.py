@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from plait.errors import ShardingError
+from plait.errors import ConfigError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 
@@ -170,3 +170,35 @@ def parameter_layouts(model: nn.Module, mesh: MeshSpec) -> dict[str, TensorLayou
         name: found[id(p)][0] if id(p) in found else TensorLayout.replicated(mesh, p.ndim)
         for name, p in model.named_parameters()
     }
+
+
+_RECOMPUTE_ATTR = "_plait_recompute"
+
+
+def recompute(module: nn.Module, mode: str = "full") -> nn.Module:
+    """Recompute ``module``'s forward in backward instead of keeping its activations.
+
+    MindSpore's ``Cell.recompute()``: every op inside the module (and its sub-modules) is
+    recomputed before backward needs it, except the module's outputs, which are kept.
+    ``mode="selective"`` keeps the outputs of matrix products, convolutions and attention
+    kernels and recomputes only the cheap ops (activations, norms, softmax), as Megatron's
+    selective recompute. Runs in every mode that runs a plan (``data_parallel``, ``semi_auto``,
+    ``auto``); ``ParallelConfig(recompute=...)`` does the same for every repeated layer.
+    Returns ``module``.
+    """
+    if mode not in ("full", "selective", "none"):
+        raise ConfigError(
+            f"plait.recompute({type(module).__name__}, mode={mode!r}): mode must be 'full', "
+            "'selective' or 'none' (to undo)"
+        )
+    object.__setattr__(module, _RECOMPUTE_ATTR, mode)
+    return module
+
+
+def recompute_marks(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """(module path, mode) of every sub-module marked by :func:`recompute`, in model order."""
+    return tuple(
+        (name, getattr(m, _RECOMPUTE_ATTR))
+        for name, m in model.named_modules()
+        if getattr(m, _RECOMPUTE_ATTR, "none") != "none"
+    )

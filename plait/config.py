@@ -143,7 +143,12 @@ class ParallelConfig:
     """A parameter whose piece is smaller than this (bytes, or e.g. '64KiB') stays whole under
     ``optimizer_shard`` (MindSpore's ``parallel_optimizer_threshold``, 64 KB)."""
     recompute: Recompute = "none"
-    """Activation recompute policy."""
+    """Activation recompute for every repeated layer (transformer block): "full" recomputes
+    its forward in backward, keeping only its inputs and outputs; "selective" keeps matrix
+    products and recomputes the cheap ops; "none" keeps everything."""
+    recompute_modules: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    """Per-module recompute, module path -> "full" | "selective" (what ``plait.recompute``
+    marks, MindSpore's ``Cell.recompute()``); held as sorted (path, mode) pairs."""
     grad_accumulation: int = 1
     """Micro-steps per optimizer step."""
     comm_fusion: CommFusion | None = None
@@ -175,6 +180,7 @@ class ParallelConfig:
         object.__setattr__(self, "_mesh", MappingProxyType(self._resolve_mesh()))
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
+        self._check_recompute_modules()
         threshold = self.optimizer_shard_threshold
         if threshold != 0:
             threshold = parse_bytes(threshold, "optimizer_shard_threshold")
@@ -189,6 +195,18 @@ class ParallelConfig:
                 f"ParallelConfig.comm_fusion={self.comm_fusion!r} is not allowed; use a CommFusion "
                 "or a dict such as {'mode': 'size', 'bucket_mb': 25}"
             )
+
+    def _check_recompute_modules(self) -> None:
+        given = self.recompute_modules
+        pairs = list(given.items()) if isinstance(given, Mapping) else list(given)
+        for pair in pairs:
+            ok = isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)
+            if not ok or pair[1] not in ("full", "selective"):
+                raise ConfigError(
+                    f"ParallelConfig.recompute_modules={given!r}: each entry maps a module path "
+                    "to 'full' or 'selective', e.g. {'blocks.0': 'full'}"
+                )
+        object.__setattr__(self, "recompute_modules", tuple(sorted((p, m) for p, m in pairs)))
 
     def _check_choices(self) -> None:
         _check_choice("mode", self.mode, Mode)

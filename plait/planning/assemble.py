@@ -163,6 +163,7 @@ def assemble_plan(
         pipeline_stages=stages,
         optimizer_shard=cfg.optimizer_shard,
         recompute=cfg.recompute,
+        recompute_regions=recompute_regions(graph, cfg),
         ops=tuple(_planned_op(ctx, op, decisions[op.name]) for op in graph.ops),
         parameters=parameters,
         collectives=tuple(step.items),
@@ -344,6 +345,25 @@ def _parameters(
     return tuple(planned)
 
 
+def recompute_regions(graph: OpGraph, cfg: ParallelConfig) -> tuple[tuple[str, str], ...]:
+    """The modules whose forward backward recomputes, with the policy of each.
+
+    ``cfg.recompute`` covers every repeated layer the capture found (``OpNode.layer``: the
+    transformer blocks); a model without repeated layers has its top-level modules instead.
+    ``cfg.recompute_modules`` (``plait.recompute``) adds or overrides single modules.
+    """
+    out: dict[str, str] = {}
+    if cfg.recompute in ("full", "selective"):
+        layers = [op.layer for op in graph.ops if op.layer]
+        if not layers:  # no repeated layers: each top-level module is a region
+            layers = [op.module_path.split(".")[0] for op in graph.ops if op.module_path]
+        for path in layers:
+            out.setdefault(path, cfg.recompute)
+    for path, mode in cfg.recompute_modules:
+        out[path] = mode
+    return tuple(out.items())
+
+
 def _local_bytes(g: GraphInput, layout: TensorLayout) -> int:
     """Bytes of one device's piece of parameter ``g`` laid out as ``layout``."""
     return g.meta.nbytes // math.prod(layout.splits())
@@ -439,7 +459,11 @@ def _fused_reductions(
                     f"gradients of {_names(sharded)} summed over {dp!r} and split, each rank "
                     f"keeping its shard (optimizer_shard={level}; {where})",
                 )
-            phases = ("forward", "backward") if level == 3 else ("optimizer",)
+            phases: tuple[str, ...] = ("optimizer",)
+            if level == 3:
+                # the runtime gathers a bucket again only for the backward that reads it
+                read = any(_read_by_backward(ctx.graph, by_name[p.name].name) for p, _ in sharded)
+                phases = ("forward", "backward") if read else ("forward",)
             for phase in phases:
                 what = "before use" if level == 3 else "after the update"
                 step.add(
@@ -450,6 +474,32 @@ def _fused_reductions(
                     f"shards of {_names(sharded)} gathered over {dp!r} {what} in {phase} "
                     f"(optimizer_shard={level}; {where})",
                 )
+
+
+# (op, tensor input position) whose backward never reads that input's value: an embedding's
+# table (its gradient needs the indices), a bias (its gradient is a sum of the output's)
+_UNREAD_BY_BACKWARD = frozenset(
+    {
+        ("aten.embedding.default", 0),
+        ("aten.linear.default", 2),
+        ("aten.conv1d.default", 2),
+        ("aten.conv2d.default", 2),
+        ("aten.conv3d.default", 2),
+        ("aten.convolution.default", 2),
+        ("aten.add.Tensor", 0),
+        ("aten.add.Tensor", 1),
+    }
+)
+
+
+def _read_by_backward(graph: OpGraph, ref: str) -> bool:
+    """Does the backward pass read this parameter's value (ZeRO-3 gathers it again then)?"""
+    return any(
+        (op.target, k) not in _UNREAD_BY_BACKWARD
+        for op in graph.ops
+        for k, r in enumerate(op.inputs)
+        if r == ref
+    )
 
 
 def _names(members: Sequence[tuple[PlannedParameter, int]]) -> str:

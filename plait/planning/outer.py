@@ -114,7 +114,7 @@ def auto_plan(
 ) -> Plan:
     """The fastest plan that fits, over meshes and settings (module doc).
 
-    ``runnable_only``: no pipeline stages or recompute (what ``parallelize`` runs today).
+    ``runnable_only``: no pipeline stages (what ``parallelize`` runs today).
     """
     searcher = get_searcher(cfg.search or "sharding_propagation")
     hardware = hardware_of(cfg, hardware_file)
@@ -142,8 +142,6 @@ def auto_plan(
         decisions = searcher(setup.problem, setup.allowed, setup.configured)
         replica_batch = _global_batch(graph) // mesh.get(cfg.dp_axis, 1)
         variants = list(_variants(cfg, pp, replica_batch))
-        if runnable_only:
-            variants = [v for v in variants if v.recompute == "none"]
         for variant in variants:
             vcfg = _with(
                 base,

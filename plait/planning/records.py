@@ -341,13 +341,16 @@ class Plan:
     "full_batch", or one strategy per input (a tuple of splits or a TensorLayout)."""
     comm_fusion: CommFusion | None = None
     """The gradient fusion the plan's bucketed reductions assume (None: plait's default)."""
+    recompute_regions: tuple[tuple[str, ...], ...] = ()
+    """(module path, "full" | "selective") of each region whose forward backward recomputes:
+    every repeated layer under ``recompute``, and the modules ``plait.recompute`` marks."""
     schema_version: ClassVar[int] = 1
     # The file reads top-down: what was planned (model, batch, mesh, settings), what it costs,
     # then the long per-op and per-parameter lists.
     file_order: ClassVar[tuple[str, ...]] = (
         "model", "batch", "mesh", "mode", "search", "hardware", "precision", "micro_batches",
         "pipeline_stages", "optimizer_shard", "recompute", "memory_limit", "grad_accumulation",
-        "dp_axis", "dataset_strategy", "comm_fusion", "predicted", "stages", "ops", "parameters",
+        "dp_axis", "dataset_strategy", "comm_fusion", "recompute_regions", "predicted", "stages", "ops", "parameters",
         "collectives", "options", "notes",
     )  # fmt: skip
     _ops: dict[str, PlannedOp] = field(init=False, repr=False, compare=False, hash=False)
@@ -384,6 +387,12 @@ class Plan:
         check_int("Plan.pipeline_stages", self.pipeline_stages, 1)
         check_choice("Plan.optimizer_shard", self.optimizer_shard, (None, 1, 2, 3))
         object.__setattr__(self, "recompute", check_recompute("Plan", self.recompute))
+        regions = tuple(tuple(r) for r in self.recompute_regions)
+        for r in regions:
+            if len(r) != 2 or r[1] not in ("full", "selective"):
+                raise fail("Plan.recompute_regions", r, "must be [module path, 'full' | "
+                           "'selective']", "give pairs such as ['blocks.0', 'full']")  # fmt: skip
+        object.__setattr__(self, "recompute_regions", regions)
         check_str("Plan.model", self.model)
         if self.memory_limit is not None:
             check_int("Plan.memory_limit", self.memory_limit, 1)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from plait._compat import tree_leaves, tree_map
-from plait.annotate import parameter_layouts
+from plait.annotate import parameter_layouts, recompute_marks
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig
@@ -46,7 +46,23 @@ _BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto", "hybrid")
 def _needs_program(cfg: ParallelConfig) -> bool:
     """Settings that are passes over the compiled per-rank program (not the plain-tensor
     data-parallel path): torch.compile, optimizer parallel, recompute."""
-    return cfg.compile or cfg.optimizer_shard is not None or cfg.recompute != "none"
+    return (
+        cfg.compile
+        or cfg.optimizer_shard is not None
+        or cfg.recompute != "none"
+        or bool(cfg.recompute_modules)
+    )
+
+
+def _with_recompute_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
+    """The config with the modules ``plait.recompute`` marked (MindSpore's
+    ``Cell.recompute()``) added to ``recompute_modules`` (the config's own entries win)."""
+    marks = recompute_marks(model)
+    if not marks:
+        return cfg
+    return dataclasses.replace(
+        cfg, recompute_modules={**dict(marks), **dict(cfg.recompute_modules)}
+    )
 
 
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
@@ -67,7 +83,11 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "optimizer parallel for hand-written layouts (modes data_parallel, semi_auto and "
             "auto run it)",
         ),
-        (cfg.recompute != "none", f"recompute={cfg.recompute!r}", "recompute"),
+        (
+            cfg.recompute != "none" and cfg.mode == "hybrid",
+            f"recompute={cfg.recompute!r}, mode='hybrid'",
+            "recompute for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
+        ),
         (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
         (
             cfg.hardware is not None and not planned,
@@ -140,6 +160,7 @@ def parallelize(
             f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
     _refuse_unbuilt(config)
+    config = _with_recompute_marks(model, config)
     world = current_world()
     if config.mode == "stand_alone":
         return Job(
@@ -299,6 +320,7 @@ def _config_of(plan: Plan) -> ParallelConfig:
         mesh=plan.mesh.as_dict(),
         optimizer_shard=plan.optimizer_shard,  # type: ignore[arg-type]
         recompute=plan.recompute,  # type: ignore[arg-type]
+        recompute_modules=tuple((p, m) for p, m in plan.recompute_regions),
         precision=plan.precision,  # type: ignore[arg-type]
         grad_accumulation=plan.grad_accumulation,
         dp_axis=plan.dp_axis,

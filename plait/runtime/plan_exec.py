@@ -1152,6 +1152,8 @@ def build_plan_job(
         )
     plan.validate(model, world.world_size)
     _check_settings(plan, cfg)
+    if plan.optimizer_shard is not None:  # refused before anything is traced or placed
+        check_elementwise(optimizer_factory(list(model.parameters())), plan.optimizer_shard)
     if device_mesh is None or mesh_spec_of(device_mesh) != plan.mesh:
         device_mesh = build_device_mesh(plan.mesh, world.device_type)
     executor = PlanExecutor(
@@ -1190,6 +1192,8 @@ def build_plan_job(
         layouts = reshard_parameters(
             model, {m.name: m.placements for b in split for m in b}, device_mesh, layouts
         )
+    if (level == 3 and split) or plan.recompute_regions:
+        program.rematerialize(plan.recompute_regions)
     if cfg.compile:
         program.compile()
     logger.info(
@@ -1225,7 +1229,6 @@ def _optimizer(
     """The user's optimizer on local pieces; under optimizer parallel, on this rank's shards."""
     if level is None:
         return build_optimizer(model, factory)
-    check_elementwise(factory(list(model.parameters())), level)
     zero = ZeroOptimizer(
         list(model.named_parameters()),
         list(sharded.values()),
@@ -1275,7 +1278,6 @@ def _check_settings(plan: Plan, cfg: ParallelConfig) -> None:
     """Plan features the executor does not run yet are refused by name, before any change."""
     unbuilt = [
         (plan.pipeline_stages != 1, f"pipeline_stages={plan.pipeline_stages}"),
-        (plan.recompute != "none", f"recompute={plan.recompute!r}"),
         (plan.micro_batches != 1, f"micro_batches={plan.micro_batches}"),
     ]
     for refused, what in unbuilt:

@@ -53,7 +53,14 @@ from plait.comm.lower import (
 )
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
-from plait.runtime.zero import ShardedParameter, gather_inputs, reduce_scatter_outputs, regather
+from plait.runtime.remat import recompute_policy, rematerialize, saved_bytes
+from plait.runtime.remat import regions as region_map
+from plait.runtime.zero import (
+    ShardedParameter,
+    gather_inputs,
+    parameter_derived,
+    reduce_scatter_outputs,
+)
 
 __all__ = ["Program", "ProgramCollective", "check_loss", "compile_program", "strip_wrapper"]
 
@@ -111,6 +118,9 @@ class Program:
         self._ranks = tuple(ranks)
         self.fused_buckets = 0
         """Gradient buckets all-reduced inside the program (:meth:`fuse_gradient_reduction`)."""
+        self._regather: dict[int, set[torch.fx.Node]] = {}
+        self.saved_bytes: tuple[int, int] | None = None
+        """Bytes of forward values backward reads, before and after :meth:`rematerialize`."""
         self.compiled = False
         """Whether steps run the program through ``torch.compile`` (:meth:`compile`)."""
         self._compiled_fn: Callable[..., Any] | None = None
@@ -180,14 +190,13 @@ class Program:
         self.fused_buckets += len(buckets)
         self._recheck_code()
 
-    def gather_parameters(self, buckets: Sequence[Sequence[ShardedParameter]], axis: str) -> int:
-        """A pass (optimizer parallel level 3): the program takes the split parameters' shards,
-        all-gathers them before forward reads them and again before backward does, keeping
-        no whole parameter between the two. Returns the nodes recomputed for backward."""
+    def gather_parameters(self, buckets: Sequence[Sequence[ShardedParameter]], axis: str) -> None:
+        """A pass (optimizer parallel level 3): the program takes the split parameters' shards
+        and all-gathers them before forward reads them; :meth:`rematerialize` then has backward
+        gather them again, so no whole parameter is kept between the two."""
         n, group = self._axis(axis)
         names = {m.name for b in buckets for m in b}
-        recomputed = 0
-        for graph_module in self.graphs.values():
+        for rank, graph_module in self.graphs.items():
             placeholders = self._placeholders(graph_module)
             missing = names - set(placeholders)
             if missing:
@@ -195,7 +204,8 @@ class Program:
                     f"optimizer_shard=3: the program has no input for {sorted(missing)}"
                 )
             gathered = gather_inputs(graph_module, buckets, placeholders, n, group)
-            recomputed = regather(graph_module, gathered, first_backward_node(graph_module))
+            start = first_backward_node(graph_module)
+            self._regather[rank] = parameter_derived(graph_module, gathered, start)
         by_name = {m.name: m for b in buckets for m in b}
         self.inputs = tuple(
             dataclasses.replace(spec, placements=by_name[strip_wrapper(spec.target)].placements)
@@ -204,7 +214,38 @@ class Program:
             for spec in self.inputs
         )
         self._recheck_code()
-        return recomputed
+
+    def rematerialize(self, regions: Sequence[tuple[str, str]] = ()) -> int:
+        """The last pass: backward recomputes what it would otherwise keep from forward.
+
+        ``regions`` are (module path, "full" | "selective") pairs, the plan's recompute
+        regions (:mod:`plait.runtime.remat`); ZeRO-3's parameter gathers are recomputed too
+        (:meth:`gather_parameters`). One rematerialization per rank's graph, so the two never
+        keep each other's values alive. Returns the nodes cloned into this rank's backward.
+        """
+        cloned = 0
+        for rank, graph_module in self.graphs.items():
+            start = first_backward_node(graph_module)
+            before = saved_bytes(graph_module, start)
+            derived = self._regather.get(rank, set())
+            policies = [
+                recompute_policy(
+                    mode, region_map([p for p, m in regions if m == mode]), backward_start=start
+                )
+                for mode in sorted({m for _, m in regions})
+            ]
+            count = rematerialize(
+                graph_module,
+                backward_start=start,
+                recompute=lambda node, d=derived, ps=policies: (
+                    node in d or any(p(node) for p in ps)
+                ),
+            )
+            if rank == self.rank:
+                cloned = count
+                self.saved_bytes = (before, saved_bytes(graph_module, start))
+        self._recheck_code()
+        return cloned
 
     def _axis(self, axis: str) -> tuple[int, str]:
         index = list(self.device_mesh.mesh_dim_names).index(axis)
@@ -246,6 +287,11 @@ class Program:
             f"{len(collectives)} collectives, traced in {self.trace_seconds:.2f} s",
             f"# outputs: loss, {len(self.trained)} gradients, {len(self.buffers)} buffers",
         ]
+        if self.saved_bytes is not None:
+            lines.append(
+                "# kept from forward for backward: "
+                f"{self.saved_bytes[1]} bytes ({self.saved_bytes[0]} before recompute)"
+            )
         for line in self.graph_module.code.splitlines():
             name = line.strip().split(" = ", 1)[0]
             c = collectives.get(name)

@@ -37,6 +37,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from plait._compat import simulation_suspended
 from plait.comm.dtensor import dtensor_from_local, local_piece
 from plait.errors import ConfigError
 
@@ -97,7 +98,8 @@ def emit_into(graph: torch.fx.Graph) -> Apply:
 
     def apply(op: Any, *args: Any) -> Any:
         node = graph.call_function(op, args)
-        node.meta["val"] = op(*torch.fx.node.map_arg(args, _meta_of))
+        with simulation_suspended():  # plain meta tensors, not one per simulated rank
+            node.meta["val"] = op(*torch.fx.node.map_arg(args, _meta_of))
         return node
 
     return apply
@@ -344,18 +346,16 @@ def gather_inputs(
     return made
 
 
-def regather(
+def parameter_derived(
     graph_module: torch.fx.GraphModule, gathered: set[torch.fx.Node], backward_start: torch.fx.Node
-) -> int:
-    """A pass (ZeRO-3): backward gathers the parameters again instead of keeping them.
+) -> set[torch.fx.Node]:
+    """ZeRO-3: the forward values computed from the gathered parameters alone (the gathers
+    themselves, and views, transposes or casts of the whole parameters).
 
-    Every forward value computed from the gathered parameters alone (the gathers themselves,
-    and views, transposes or casts of the whole parameters) is recomputed before its first
-    reader in backward (:func:`plait.runtime.remat.rematerialize`), so the whole parameters
-    are freed once forward is done with them. Returns the number of nodes recomputed.
+    Backward recomputes them before its first reader (:func:`plait.runtime.remat.rematerialize`,
+    run by :meth:`~plait.runtime.program.Program.rematerialize`): it gathers the parameters
+    again instead of keeping them, so they are freed once forward is done with them.
     """
-    from plait.runtime.remat import rematerialize
-
     derived = set(gathered)
     for node in graph_module.graph.nodes:
         if node is backward_start:
@@ -365,9 +365,7 @@ def regather(
         inputs = node.all_input_nodes
         if inputs and all(i in derived for i in inputs) and not _random(node):
             derived.add(node)
-    return rematerialize(
-        graph_module, backward_start=backward_start, recompute=derived.__contains__
-    )
+    return derived
 
 
 def _random(node: torch.fx.Node) -> bool:

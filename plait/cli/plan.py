@@ -32,6 +32,24 @@ __all__ = ["add_plan_arguments", "config_from_args", "plan_command", "run_plan"]
 MODELS = ("gpt", "llama", "mlp", "bert", "cnn")
 
 
+def _recompute_modules(text: str) -> tuple[tuple[str, str], ...]:
+    """``blocks.0=full,blocks.1=selective`` -> (("blocks.0", "full"), ...)."""
+    out = []
+    for part in text.split(","):
+        path, eq, mode = part.partition("=")
+        if not eq or mode.strip() not in ("full", "selective"):
+            raise argparse.ArgumentTypeError(
+                f"--recompute-modules {text!r}: {part!r} is not PATH=full|selective; write e.g. "
+                "--recompute-modules blocks.0=full"
+            )
+        out.append((path.strip(), mode.strip()))
+    return tuple(out)
+
+
+def _bytes_or_int(text: str | int) -> str | int:
+    return int(text) if isinstance(text, str) and text.strip().isdigit() else text
+
+
 def _mesh(text: str) -> dict[str, int]:
     """``dp=32,tp=8,pp=1`` -> {"dp": 32, "tp": 8, "pp": 1} (outermost first)."""
     mesh: dict[str, int] = {}
@@ -98,7 +116,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument("--micro-batches", type=int, default=1)
     cfg.add_argument("--schedule", choices=get_args(Schedule), default="1f1b")
     cfg.add_argument("--optimizer-shard", type=_optimizer_shard, help="1, 2, 3 or none")
+    cfg.add_argument(
+        "--optimizer-shard-threshold",
+        default=64 * 1024,
+        help="parameters whose piece is smaller stay whole under --optimizer-shard (e.g. 64KiB)",
+    )
     cfg.add_argument("--recompute", choices=get_args(Recompute), default="none")
+    cfg.add_argument(
+        "--recompute-modules",
+        type=_recompute_modules,
+        default=(),
+        help="per-module recompute: PATH=full|selective, comma-separated (blocks.0=full)",
+    )
     cfg.add_argument("--grad-accumulation", type=int, default=1)
     cfg.add_argument("--comm-fusion", type=_comm_fusion, help="size:MB or index:I,J")
     cfg.add_argument("--offload", choices=get_args(Offload))
@@ -133,7 +162,9 @@ def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
         micro_batches=args.micro_batches,
         schedule=args.schedule,
         optimizer_shard=args.optimizer_shard,
+        optimizer_shard_threshold=_bytes_or_int(args.optimizer_shard_threshold),
         recompute=args.recompute,
+        recompute_modules=args.recompute_modules,
         grad_accumulation=args.grad_accumulation,
         comm_fusion=args.comm_fusion,
         offload=args.offload,

@@ -81,19 +81,38 @@ def trace_per_rank(
     device_mesh: Any,
 ) -> dict[int, torch.fx.GraphModule]:
     """``make_step()`` traced by make_fx on fake tensors shaped like ``examples`` (local
-    pieces), once per rank."""
+    pieces), per rank: ``{rank: program}``, or ``{first rank: program}`` alone when every
+    simulated rank runs the same code.
+
+    A rank's coordinate enters its program only as constants that grow with it (the chunk it
+    keeps, a vocabulary offset, the size of an uneven last piece), so the first and the last
+    rank, which differ on every mesh axis, run the same code only if all ranks do: then the
+    others are not traced (each trace costs seconds).
+    """
     ranks, _, simulated = traced_ranks()
     traced: dict[int, torch.fx.GraphModule] = {}
-    # The first trace is a warm-up, thrown away: DTensor's first sharding propagation of an
-    # op runs it on fake tensors (recorded though unused, mutations included) and may take
-    # another decomposition than its cached later calls; every kept trace sees warm caches.
-    for rank in (ranks[0], *ranks):
+
+    def trace(rank: int) -> torch.fx.GraphModule:
         with _as_rank(device_mesh, rank, simulated=simulated):
             plain = [_plain_example(x) for x in examples]
             graph_module = make_fx(make_step(), tracing_mode="fake")(*plain)
         graph_module.graph.eliminate_dead_code()
         graph_module.recompile()
-        traced[rank] = graph_module
+        return graph_module
+
+    # The first trace is a warm-up, thrown away: DTensor's first sharding propagation of an
+    # op runs it on fake tensors (recorded though unused, mutations included) and may take
+    # another decomposition than its cached later calls; every kept trace sees warm caches.
+    trace(ranks[0])
+    traced[ranks[0]] = trace(ranks[0])
+    if len(ranks) == 1:
+        return traced
+    last = trace(ranks[-1])
+    if last.code == traced[ranks[0]].code:
+        return traced
+    for rank in ranks[1:-1]:
+        traced[rank] = trace(rank)
+    traced[ranks[-1]] = last
     return traced
 
 

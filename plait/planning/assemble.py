@@ -462,7 +462,10 @@ def _fused_reductions(
             phases: tuple[str, ...] = ("optimizer",)
             if level == 3:
                 # the runtime gathers a bucket again only for the backward that reads it
-                read = any(_read_by_backward(ctx.graph, by_name[p.name].name) for p, _ in sharded)
+                again = [r for r, mode in recompute_regions(ctx.graph, ctx.cfg) if mode == "full"]
+                read = any(
+                    _read_by_backward(ctx.graph, by_name[p.name].name, again) for p, _ in sharded
+                )
                 phases = ("forward", "backward") if read else ("forward",)
             for phase in phases:
                 what = "before use" if level == 3 else "after the update"
@@ -492,14 +495,22 @@ _UNREAD_BY_BACKWARD = frozenset(
 )
 
 
-def _read_by_backward(graph: OpGraph, ref: str) -> bool:
-    """Does the backward pass read this parameter's value (ZeRO-3 gathers it again then)?"""
+def _read_by_backward(graph: OpGraph, ref: str, recomputed: Sequence[str]) -> bool:
+    """Does the backward pass read this parameter's value (ZeRO-3 gathers it again then)?
+
+    It does when an op's backward reads it, or when the op is in a region whose forward
+    backward recomputes in full (``recomputed`` module paths).
+    """
     return any(
-        (op.target, k) not in _UNREAD_BY_BACKWARD
+        (op.target, k) not in _UNREAD_BY_BACKWARD or _inside(op.module_path, recomputed)
         for op in graph.ops
         for k, r in enumerate(op.inputs)
         if r == ref
     )
+
+
+def _inside(path: str, regions: Sequence[str]) -> bool:
+    return any(path == r or path.startswith(r + ".") or r == "" for r in regions)
 
 
 def _names(members: Sequence[tuple[PlannedParameter, int]]) -> str:

@@ -53,7 +53,7 @@ from plait.comm.lower import (
 )
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
-from plait.runtime.remat import recompute_policy, rematerialize, saved_bytes
+from plait.runtime.remat import is_collective, recompute_policy, rematerialize, saved_bytes
 from plait.runtime.remat import regions as region_map
 from plait.runtime.zero import (
     ShardedParameter,
@@ -99,6 +99,7 @@ class Program:
         device_mesh: Any,
         rank: int,
         trace_seconds: float,
+        simulated: bool = False,
     ) -> None:
         self.graphs = graphs
         self.inputs = tuple(inputs)
@@ -111,6 +112,8 @@ class Program:
         """Buffers the forward updates, in output order."""
         self.device_mesh = device_mesh
         self.rank = rank
+        self.simulated = simulated
+        """Traced for a simulated world (several ranks in this process, LocalTensors)."""
         self.trace_seconds = trace_seconds
         ranks = sorted(graphs)
         first = graphs[ranks[0]].code
@@ -219,8 +222,9 @@ class Program:
         """The last pass: backward recomputes what it would otherwise keep from forward.
 
         ``regions`` are (module path, "full" | "selective") pairs, the plan's recompute
-        regions (:mod:`plait.runtime.remat`); ZeRO-3's parameter gathers are recomputed too
-        (:meth:`gather_parameters`). One rematerialization per rank's graph, so the two never
+        regions (:mod:`plait.runtime.remat`); their collectives' results are kept, not issued
+        again (MindSpore's ``mp_comm_recompute=False``: the plan's collectives are what runs).
+        ZeRO-3's parameter gathers are recomputed (:meth:`gather_parameters`). One rematerialization per rank's graph, so the two never
         keep each other's values alive. Returns the nodes cloned into this rank's backward.
         """
         cloned = 0
@@ -238,7 +242,7 @@ class Program:
                 graph_module,
                 backward_start=start,
                 recompute=lambda node, d=derived, ps=policies: (
-                    node in d or any(p(node) for p in ps)
+                    node in d or (not is_collective(node) and any(p(node) for p in ps))
                 ),
             )
             if rank == self.rank:
@@ -271,7 +275,7 @@ class Program:
         Real processes only: simulated ranks run LocalTensors, which torch.compile does not
         take. The first step pays the compilation; the graph is static (one batch shape).
         """
-        if len(self._ranks) != 1:
+        if self.simulated:
             raise ConfigError(
                 "ParallelConfig(compile=True) runs on real processes (plait run, torchrun); "
                 "simulated ranks run the per-rank programs uncompiled: leave compile False "
@@ -337,7 +341,7 @@ def compile_program(
     """
     device_mesh = executor.device_mesh
     inputs = _input_specs(executor, flat, set(trained))
-    _, own, _ = traced_ranks()
+    _, own, simulated = traced_ranks()
     record: dict[str, Any] = {}
     started = time.perf_counter()
     examples = [torch.zeros((), dtype=torch.float32)] + [
@@ -357,6 +361,7 @@ def compile_program(
         device_mesh=device_mesh,
         rank=own,
         trace_seconds=seconds,
+        simulated=simulated,
     )
     logger.info(
         "compiled per-rank program: %d nodes, %d collectives (%.2f s, %d rank(s) traced)",

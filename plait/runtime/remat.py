@@ -36,7 +36,15 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-__all__ = ["TAG", "module_of", "recompute_policy", "regions", "rematerialize", "saved_bytes"]
+__all__ = [
+    "TAG",
+    "is_collective",
+    "module_of",
+    "recompute_policy",
+    "regions",
+    "rematerialize",
+    "saved_bytes",
+]
 
 TAG = "plait_module"
 """Key in ``node.meta["custom"]`` holding the module path a forward node was traced in."""
@@ -114,9 +122,12 @@ def _is_wait(node: Node) -> bool:
     return _op_name(node) == f"{_COLLECTIVES}::wait_tensor"
 
 
-def _is_collective(node: Node) -> bool:
+def is_collective(node: Node) -> bool:
     """A functional collective or the wait on one."""
     return _op_name(node).startswith(f"{_COLLECTIVES}::")
+
+
+_is_collective = is_collective
 
 
 def _is_matmul_like(node: Node) -> bool:

@@ -229,12 +229,28 @@ def test_data_parallel_plan_fuses_full_sizes(gpt) -> None:
     assert [c.nbytes for c in _buckets(plan)] == expected and len(expected) > 1
 
 
-def test_zero_2_reduce_scatters_each_parameter(gpt) -> None:
+def test_zero_buckets_reduce_scatter_split_parameters_and_all_reduce_the_rest(gpt) -> None:
+    """ZeRO-2: each bucket's split parameters are reduce-scattered in one collective and their
+    updated shards all-gathered in one; its whole parameters keep one all-reduce. ZeRO-1 keeps
+    whole gradients: one all-reduce per bucket, plus the gathers."""
     model, graph = gpt
-    plan = _plan(model, graph, mode="data_parallel", optimizer_shard=2)
-    assert not _buckets(plan)
-    n = sum(1 for p in plan.parameters if p.grad_reduce_axes)
-    assert sum(c.kind == "reduce_scatter" for c in plan.collectives) == n
-    zero1 = _plan(model, graph, mode="data_parallel", optimizer_shard=1)
-    assert len(_buckets(zero1)) == 1  # ZeRO-1 keeps whole-gradient all-reduces: fused
-    assert sum(c.kind == "all_gather" and c.phase == "optimizer" for c in zero1.collectives) == n
+    fusion = CommFusion(bucket_mb=0.01)
+    kw = {"optimizer_shard_threshold": 2048}  # splits the MLP weights and the token table
+    plan = _plan(model, graph, fusion, mode="data_parallel", optimizer_shard=2, **kw)
+    split = {p.name for p in plan.parameters if p.optimizer_shard_dim is not None}
+    whole = {p.name for p in plan.parameters if p.grad_reduce_axes and p.name not in split}
+    assert split and whole  # the threshold keeps small parameters whole
+    sizes = [4 * math.prod(p.shape) for p in plan.parameters]
+    buckets = plan_buckets(sizes, fusion)
+    names = [[plan.parameters[i].name for i in b] for b in buckets]
+    expect_rs = [sum(sizes[i] for i in b if plan.parameters[i].name in split) for b in buckets]
+    expect_ar = [sum(sizes[i] for i in b if plan.parameters[i].name in whole) for b in buckets]
+    rs = [c.nbytes for c in plan.collectives if c.kind == "reduce_scatter"]
+    gathers = [c.nbytes for c in plan.collectives if c.kind == "all_gather"]
+    assert rs == [n for n in expect_rs if n] and gathers == [n // 4 for n in rs]
+    all_reduces = [c.nbytes for c in _buckets(plan) if c.kind == "all_reduce"]
+    assert all_reduces == [n for n in expect_ar if n]
+    assert len(names) > 1
+    zero1 = _plan(model, graph, fusion, mode="data_parallel", optimizer_shard=1, **kw)
+    assert not any(c.kind == "reduce_scatter" for c in zero1.collectives)
+    assert sum(c.phase == "optimizer" for c in zero1.collectives) == len(rs)

@@ -219,7 +219,11 @@ def test_optimizer_shard_levels_change_collectives_and_memory() -> None:
         level: plait.plan(
             model,
             ParallelConfig(
-                mode="data_parallel", devices=4, optimizer_shard=level, comm_fusion=NO_FUSION
+                mode="data_parallel",
+                devices=4,
+                optimizer_shard=level,
+                optimizer_shard_threshold=0,
+                comm_fusion=NO_FUSION,
             ),
             example_batch=batch,
             loss_fn=gpt_loss,
@@ -235,13 +239,26 @@ def test_optimizer_shard_levels_change_collectives_and_memory() -> None:
             if c.op in {p.name for p in plans[level].parameters}
         )
 
+    # one bucket per parameter (NO_FUSION): each split parameter is reduce-scattered (2, 3)
+    # and gathered after the update (1, 2) or before forward and, when backward reads it (not
+    # a bias or an embedding table), before backward (3); the others stay all-reduced
+    split = [p for p in plans[3].parameters if p.optimizer_shard_dim is not None]
+    s, read = len(split), kinds(3)[("all_gather", "backward")]
+    assert 0 < read < s <= n  # linear biases and the token table are not read by backward
+    gathered_again = {
+        c.op for c in plans[3].collectives if c.kind == "all_gather" and c.phase == "backward"
+    }
+    assert "tok.weight" not in gathered_again and "blocks.0.fc1.bias" not in gathered_again
+    assert "blocks.0.fc1.weight" in gathered_again
     assert kinds(None) == {("all_reduce", "backward"): n}
-    assert kinds(1) == {("all_reduce", "backward"): n, ("all_gather", "optimizer"): n}
-    assert kinds(2) == {("reduce_scatter", "backward"): n, ("all_gather", "optimizer"): n}
+    assert kinds(1) == {("all_reduce", "backward"): n, ("all_gather", "optimizer"): s}
+    whole = {("all_reduce", "backward"): n - s} if n > s else {}
+    assert kinds(2) == {("reduce_scatter", "backward"): s, ("all_gather", "optimizer"): s, **whole}
     assert kinds(3) == {
-        ("reduce_scatter", "backward"): n,
-        ("all_gather", "forward"): n,
-        ("all_gather", "backward"): n,
+        ("reduce_scatter", "backward"): s,
+        ("all_gather", "forward"): s,
+        ("all_gather", "backward"): read,
+        **whole,
     }
     mem = [plans[level].predicted.memory_bytes for level in (None, 1, 2, 3)]
     assert mem[0] > mem[1] > mem[2] > mem[3]

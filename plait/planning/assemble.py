@@ -625,19 +625,24 @@ def _stage_memory(
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
 ) -> MemoryBreakdown:
     graph, mesh, cfg = ctx.graph, ctx.mesh, ctx.cfg
-    param_numel = frozen_numel = 0  # frozen parameters: no gradient, no optimizer state
+    # frozen parameters: no gradient, no optimizer state; whole ones: not split by ZeRO
+    param_numel = frozen_numel = whole_numel = 0
     for g in graph.inputs:
         if g.kind != "parameter":
             continue
-        layout, op = param_layouts.get(
+        layout, op, strategy, i = param_layouts.get(
             g.name, (TensorLayout.replicated(mesh, g.meta.ndim), "", None, 0)
-        )[:2]
+        )
         if (ctx.stage_of.get(op, 0)) == stage:
             numel = g.meta.numel // math.prod(layout.splits())
-            if g.requires_grad:
+            if not g.requires_grad:
+                frozen_numel += numel
+            elif strategy is not None and _optimizer_shard(
+                ctx, g, layout, grad_reduce_axes(strategy, i)
+            )[0] is not None:
                 param_numel += numel
             else:
-                frozen_numel += numel
+                whole_numel += numel
     scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
 
     def local_bytes(ref: str) -> int:
@@ -671,9 +676,13 @@ def _stage_memory(
         activation_bytes=per_step // m,
         in_flight=in_flight,
     )
-    if not frozen_numel:
-        return trained
-    frozen = model_state_memory(
-        frozen_numel, shard_group=dp, optimizer_shard=cfg.optimizer_shard, precision=cfg.precision
+    whole = model_state_memory(whole_numel, precision=cfg.precision)
+    # ZeRO-1/2 update a copy of this rank's shard (in the parameters' dtype) and write it back
+    shadow = math.ceil(param_numel / dp) * 4 if cfg.optimizer_shard in (1, 2) else 0
+    frozen = model_state_memory(frozen_numel, precision=cfg.precision)
+    return dataclasses.replace(
+        trained,
+        parameters=trained.parameters + whole.parameters + frozen.parameters,
+        gradients=trained.gradients + whole.gradients,
+        optimizer=trained.optimizer + whole.optimizer + shadow,
     )
-    return dataclasses.replace(trained, parameters=trained.parameters + frozen.parameters)

@@ -11,6 +11,8 @@ reductions run over real gloo collectives. One spawn does both checks (a spawn c
    copy of the model and trains the same 3 steps: the same result again.
 3. The saved plan once more with ``compile=True``: the per-rank program runs through
    ``torch.compile`` (inductor, CPU): the same result again.
+4. Memory passes over real collectives: ZeRO-3 with full recompute, and ZeRO-2 with gradient
+   accumulation (one reduce-scatter per step), semi_auto on the same mesh: the same result.
 
 SGD, not Adam: a wrong gradient scale (a missing or doubled reduction) shows in the parameters.
 """
@@ -26,9 +28,9 @@ import torch.distributed as dist
 
 import plait
 from plait import ParallelConfig
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
 MESH = {"dp": 2, "tp": 2}
@@ -88,9 +90,23 @@ def _auto_then_replay(plan_path: str) -> dict:
         loss_fn=gpt_loss,
         example_batch=batches[0],
     )
+    memory = {}
+    for name, extra in {
+        "zero3_full_recompute": {"optimizer_shard": 3, "recompute": "full"},
+        "zero2_accumulation": {"optimizer_shard": 2, "grad_accumulation": 2},
+    }.items():
+        memory_job = plait.parallelize(
+            copy.deepcopy(model),
+            ParallelConfig(mode="semi_auto", mesh=MESH, optimizer_shard_threshold=0, **extra),
+            optimizer=_sgd,
+            loss_fn=gpt_loss,
+            example_batch=batches[0],
+        )
+        memory[name] = _train(memory_job, batches)
     return {
         "auto": auto,
         "replay": replay,
+        "memory": memory,
         "compiled": _train(compiled_job, batches),
         "is_compiled": compiled_job.program.compiled,
         "split_ops": sum(op.label != "replicate" for op in plan.ops),
@@ -119,5 +135,10 @@ def test_auto_plan_and_its_saved_file_train_like_one_device_on_gloo(
         assert r["replayed_saved_plan"], f"rank {rank} did not run the saved plan as saved"
         assert_same_run(expected, r["auto"], rtol=1e-4, atol=1e-5)
         assert_same_run(expected, r["replay"], rtol=1e-4, atol=1e-5)
+        for name, run in r["memory"].items():  # ZeRO and recompute over real collectives
+            try:
+                assert_same_run(expected, run, rtol=1e-4, atol=1e-5)
+            except AssertionError as e:
+                raise AssertionError(f"rank {rank}, {name}: {e}") from None
         assert r["is_compiled"], f"rank {rank} did not run the program through torch.compile"
         assert_same_run(expected, r["compiled"], rtol=1e-4, atol=1e-5)

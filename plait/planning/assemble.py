@@ -164,6 +164,7 @@ def assemble_plan(
         optimizer_shard=cfg.optimizer_shard,
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
+        offload=cfg.offload,
         ops=tuple(_planned_op(ctx, op, decisions[op.name]) for op in graph.ops),
         parameters=parameters,
         collectives=tuple(step.items),
@@ -637,9 +638,10 @@ def _stage_memory(
             numel = g.meta.numel // math.prod(layout.splits())
             if not g.requires_grad:
                 frozen_numel += numel
-            elif strategy is not None and _optimizer_shard(
-                ctx, g, layout, grad_reduce_axes(strategy, i)
-            )[0] is not None:
+            elif (
+                strategy is not None
+                and _optimizer_shard(ctx, g, layout, grad_reduce_axes(strategy, i))[0] is not None
+            ):
                 param_numel += numel
             else:
                 whole_numel += numel
@@ -680,9 +682,11 @@ def _stage_memory(
     # ZeRO-1/2 update a copy of this rank's shard (in the parameters' dtype) and write it back
     shadow = math.ceil(param_numel / dp) * 4 if cfg.optimizer_shard in (1, 2) else 0
     frozen = model_state_memory(frozen_numel, precision=cfg.precision)
+    # offload="optimizer": the optimizer's states (and its step) live on the host
+    on_device = cfg.offload != "optimizer"
     return dataclasses.replace(
         trained,
         parameters=trained.parameters + whole.parameters + frozen.parameters,
         gradients=trained.gradients + whole.gradients,
-        optimizer=trained.optimizer + whole.optimizer + shadow,
+        optimizer=(trained.optimizer + whole.optimizer + shadow) if on_device else 0,
     )

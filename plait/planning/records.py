@@ -341,6 +341,9 @@ class Plan:
     "full_batch", or one strategy per input (a tuple of splits or a TensorLayout)."""
     comm_fusion: CommFusion | None = None
     """The gradient fusion the plan's bucketed reductions assume (None: plait's default)."""
+    offload: str | None = None
+    """What lives in host memory between uses (``ParallelConfig.offload``): "optimizer" keeps
+    the optimizer's states and its step on the host (not in ``predicted.memory_by_kind``)."""
     recompute_regions: tuple[tuple[str, ...], ...] = ()
     """(module path, "full" | "selective") of each region whose forward backward recomputes:
     every repeated layer under ``recompute``, and the modules ``plait.recompute`` marks."""
@@ -350,7 +353,7 @@ class Plan:
     file_order: ClassVar[tuple[str, ...]] = (
         "model", "batch", "mesh", "mode", "search", "hardware", "precision", "micro_batches",
         "pipeline_stages", "optimizer_shard", "recompute", "memory_limit", "grad_accumulation",
-        "dp_axis", "dataset_strategy", "comm_fusion", "recompute_regions", "predicted", "stages", "ops", "parameters",
+        "dp_axis", "dataset_strategy", "comm_fusion", "offload", "recompute_regions", "predicted", "stages", "ops", "parameters",
         "collectives", "options", "notes",
     )  # fmt: skip
     _ops: dict[str, PlannedOp] = field(init=False, repr=False, compare=False, hash=False)
@@ -387,6 +390,7 @@ class Plan:
         check_int("Plan.pipeline_stages", self.pipeline_stages, 1)
         check_choice("Plan.optimizer_shard", self.optimizer_shard, (None, 1, 2, 3))
         object.__setattr__(self, "recompute", check_recompute("Plan", self.recompute))
+        check_choice("Plan.offload", self.offload, (None, "optimizer", "parameters", "activations"))
         regions = tuple(tuple(r) for r in self.recompute_regions)
         for r in regions:
             if len(r) != 2 or r[1] not in ("full", "selective"):

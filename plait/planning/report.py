@@ -171,8 +171,15 @@ def _header_lines(plan: Plan) -> list[str]:
         f"  mode {plan.mode}, search {plan.search or '-'}, hardware {plan.hardware}, "
         f"precision {plan.precision}",
         f"  micro-batches {plan.micro_batches}, pipeline stages {plan.pipeline_stages}, "
-        f"optimizer shard {zero}, recompute {plan.recompute}",
+        f"optimizer shard {zero}, recompute {plan.recompute}"
+        + (f", offload {plan.offload} (host)" if plan.offload else ""),
     ]
+    if plan.recompute_regions:
+        shown = ", ".join(f"{p or '(model)'} {m}" for p, m in plan.recompute_regions[:6])
+        more = len(plan.recompute_regions) - 6
+        lines.append(
+            f"  recomputed in backward: {shown}" + (f" and {more} more" if more > 0 else "")
+        )
     if plan.batch:
         per = (
             f" per micro-step, {plan.grad_accumulation} micro-steps (gradient accumulation)"

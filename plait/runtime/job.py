@@ -165,7 +165,7 @@ class Job:
                 shadows.load_grads()
             self.optimizer.step()
             if zero is not None:
-                zero.gather_updated()
+                zero.after_step()
         loss_value = dtensor_from_local(
             total / k if k != 1 else total, self.device_mesh, program.loss_placements, (), ()
         )

@@ -51,6 +51,7 @@ def _needs_program(cfg: ParallelConfig) -> bool:
         or cfg.optimizer_shard is not None
         or cfg.recompute != "none"
         or bool(cfg.recompute_modules)
+        or cfg.offload is not None
     )
 
 
@@ -88,7 +89,16 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             f"recompute={cfg.recompute!r}, mode='hybrid'",
             "recompute for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
         ),
-        (cfg.offload is not None, f"offload={cfg.offload!r}", "memory offload"),
+        (
+            cfg.offload not in (None, "optimizer"),
+            f"offload={cfg.offload!r}",
+            "offloading parameters or activations (offload='optimizer' is built)",
+        ),
+        (
+            cfg.offload is not None and cfg.mode == "hybrid",
+            f"offload={cfg.offload!r}, mode='hybrid'",
+            "offload for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
+        ),
         (
             cfg.hardware is not None and not planned,
             f"hardware={cfg.hardware!r}",
@@ -319,6 +329,7 @@ def _config_of(plan: Plan) -> ParallelConfig:
         mode="auto",
         mesh=plan.mesh.as_dict(),
         optimizer_shard=plan.optimizer_shard,  # type: ignore[arg-type]
+        offload=plan.offload,  # type: ignore[arg-type]
         recompute=plan.recompute,  # type: ignore[arg-type]
         recompute_modules=tuple((p, m) for p, m in plan.recompute_regions),
         precision=plan.precision,  # type: ignore[arg-type]
@@ -336,6 +347,8 @@ def _check_plan_settings(plan: Plan, config: ParallelConfig, where: str) -> None
         ("dp_axis", plan.dp_axis, config.dp_axis),
         ("dataset_strategy", plan.dataset_strategy, config.dataset_strategy),
         ("comm_fusion", plan.comm_fusion, config.comm_fusion),
+        ("optimizer_shard", plan.optimizer_shard, config.optimizer_shard),
+        ("offload", plan.offload, config.offload),
     ]
     for name, planned, given in pairs:
         if planned != given:

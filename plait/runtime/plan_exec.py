@@ -1152,7 +1152,8 @@ def build_plan_job(
         )
     plan.validate(model, world.world_size)
     _check_settings(plan, cfg)
-    if plan.optimizer_shard is not None:  # refused before anything is traced or placed
+    if plan.optimizer_shard is not None or cfg.offload == "optimizer":
+        # refused before anything is traced or placed
         check_elementwise(optimizer_factory(list(model.parameters())), plan.optimizer_shard)
     if device_mesh is None or mesh_spec_of(device_mesh) != plan.mesh:
         device_mesh = build_device_mesh(plan.mesh, world.device_type)
@@ -1204,7 +1205,16 @@ def build_plan_job(
     )
     return Job(
         model,
-        _optimizer(model, optimizer_factory, level, sharded, device_mesh, cfg.dp_axis, buckets),
+        _optimizer(
+            model,
+            optimizer_factory,
+            level,
+            sharded,
+            device_mesh,
+            cfg.dp_axis,
+            buckets,
+            host=cfg.offload == "optimizer",
+        ),
         executor,
         cfg,
         mesh=plan.mesh,
@@ -1225,9 +1235,12 @@ def _optimizer(
     device_mesh: Any,
     axis: str,
     buckets: list[list[nn.Parameter]],
+    *,
+    host: bool = False,
 ) -> torch.optim.Optimizer:
-    """The user's optimizer on local pieces; under optimizer parallel, on this rank's shards."""
-    if level is None:
+    """The user's optimizer on local pieces; under optimizer parallel, on this rank's shards;
+    with ``offload="optimizer"``, on host copies of them."""
+    if level is None and not host:
         return build_optimizer(model, factory)
     zero = ZeroOptimizer(
         list(model.named_parameters()),
@@ -1236,6 +1249,7 @@ def _optimizer(
         buckets=split_buckets(buckets, sharded)[1],
         device_mesh=device_mesh,
         axis=axis,
+        host=host,
     )
     optimizer = factory(zero.shadows)
     optimizer._plait_shadows = zero  # type: ignore[attr-defined]

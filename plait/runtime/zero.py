@@ -178,27 +178,34 @@ def finish_reduce_scatter(
 # --------------------------------------------------------------------------- the optimizer side
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer, level: int) -> None:
-    """Optimizer parallel splits states by element: the update must be elementwise."""
+def check_elementwise(optimizer: torch.optim.Optimizer, level: int | None) -> None:
+    """Optimizer parallel and offload update pieces apart: the update must be elementwise."""
     from plait.runtime.local_optim import is_elementwise
 
-    if not is_elementwise(optimizer):
-        raise ConfigError(
-            f"ParallelConfig(optimizer_shard={level}) with optimizer {type(optimizer).__name__}: "
-            "optimizer parallel gives each rank a shard of every split parameter to update, "
-            "which is exact only for optimizers whose update of an element reads that element "
-            "alone (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, NAdam, RAdam); use one of them "
-            "or leave optimizer_shard None"
-        )
+    if is_elementwise(optimizer):
+        return
+    given = f"optimizer_shard={level}" if level is not None else "offload='optimizer'"
+    raise ConfigError(
+        f"ParallelConfig({given}) with optimizer {type(optimizer).__name__}: each rank then "
+        "updates its own pieces of the parameters (its shards, on the host for offload), which "
+        "is exact only for optimizers whose update of an element reads that element alone "
+        "(SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, NAdam, RAdam); use one of them or leave "
+        f"{given.split('=')[0]} at its default"
+    )
 
 
 class ZeroOptimizer:
-    """The local pieces the user's optimizer updates under optimizer parallel.
+    """The local pieces the user's optimizer updates under optimizer parallel or offload.
 
     Every DTensor parameter gets a plain "shadow" parameter for the optimizer: the local
     piece itself (sharing storage) for a parameter kept whole and for a ZeRO-3 parameter
     (whose piece is its shard); a copy of this rank's shard for a split parameter at level
-    1 or 2 (whose piece stays whole), written back by :meth:`gather_updated` after the step.
+    1 or 2 (whose piece stays whole), written back by :meth:`after_step`.
+
+    ``host=True`` (``offload="optimizer"``, ZeRO-Offload's semantics): the shadows, so the
+    optimizer's states and its step, live in host memory; gradients are copied to the host
+    before the step and the updated values back to the device after it. On a CPU device the
+    host is the device: the shadows are the pieces themselves, as without offload.
     """
 
     def __init__(
@@ -206,27 +213,36 @@ class ZeroOptimizer:
         params: Sequence[tuple[str, nn.Parameter]],
         sharded: Sequence[ShardedParameter],
         *,
-        level: int,
+        level: int | None,
         buckets: Sequence[Sequence[ShardedParameter]],
         device_mesh: Any,
         axis: str,
+        host: bool = False,
     ) -> None:
         self.level = level
         self.device_mesh = device_mesh
         self.axis = axis
-        self.n = device_mesh.size(list(device_mesh.mesh_dim_names).index(axis))
-        self.group = device_mesh.get_group(axis).group_name
+        names = list(device_mesh.mesh_dim_names or ())
+        self.n = device_mesh.size(names.index(axis)) if axis in names else 1
+        self.group = device_mesh.get_group(axis).group_name if axis in names else ""
         self.by_name = {s.name: s for s in sharded}
         self.buckets = [list(b) for b in buckets]
         self.pairs: list[tuple[nn.Parameter, nn.Parameter, ShardedParameter | None]] = []
+        self._copied: set[int] = set()
+        """``id`` of shadows that are host copies of whole pieces or ZeRO-3 shards."""
         for name, p in params:
             spec = self.by_name.get(name)
-            if spec is not None and level < 3:
-                shard = p.detach().redistribute(device_mesh, spec.placements).to_local()
-                shadow = nn.Parameter(shard.clone(), requires_grad=p.requires_grad)
+            split_copy = spec is not None and level in (1, 2)
+            if split_copy:
+                assert spec is not None
+                piece = p.detach().redistribute(device_mesh, spec.placements).to_local().clone()
             else:
-                shadow = nn.Parameter(local_piece(p).detach(), requires_grad=p.requires_grad)
-            self.pairs.append((p, shadow, spec))
+                piece = local_piece(p).detach()
+            if host and piece.device.type != "cpu":
+                piece = _to_host(piece)
+                if not split_copy:
+                    self._copied.add(len(self.pairs))
+            self.pairs.append((p, nn.Parameter(piece, requires_grad=p.requires_grad), spec))
         self._shadow_of = {s.name: sh for _, sh, s in self.pairs if s is not None}
 
     @property
@@ -239,22 +255,35 @@ class ZeroOptimizer:
             grad = p.grad
             if grad is None:
                 shadow.grad = None
-            elif spec is not None and self.level == 1:  # whole reduced gradient: take the chunk
-                shadow.grad = grad.redistribute(self.device_mesh, spec.placements).to_local()
+                continue
+            if spec is not None and self.level == 1:  # whole reduced gradient: take the chunk
+                local = grad.redistribute(self.device_mesh, spec.placements).to_local()
             else:
-                shadow.grad = local_piece(grad)
+                local = local_piece(grad)
+            shadow.grad = local.to(shadow.device, non_blocking=True)
 
     @torch.no_grad()
-    def gather_updated(self) -> None:
-        """Levels 1 and 2: all-gather each bucket's updated shards into the whole pieces."""
-        if self.level == 3:
+    def after_step(self) -> None:
+        """Put the updated values where forward reads them: host copies back on the device;
+        levels 1 and 2 all-gather each bucket's updated shards into the whole pieces."""
+        for k in self._copied:
+            p, shadow, _ = self.pairs[k]
+            local_piece(p).copy_(shadow.detach(), non_blocking=True)
+        if self.level not in (1, 2):
             return
         params = {s.name: p for p, _, s in self.pairs if s is not None}
         for bucket in self.buckets:
-            shards = [self._shadow_of[m.name].detach() for m in bucket]
+            device = local_piece(params[bucket[0].name]).device
+            shards = [self._shadow_of[m.name].detach().to(device) for m in bucket]
             started = start_gather(eager, shards, self.n, self.group)
             for m, whole in zip(bucket, finish_gather(eager, started, bucket, self.n), strict=True):
                 local_piece(params[m.name]).copy_(whole)
+
+
+def _to_host(piece: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, pinned so copies both ways can overlap compute."""
+    host = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(piece)
 
 
 def shard_gradient(grad: torch.Tensor, spec: ShardedParameter, param: Any) -> Any:

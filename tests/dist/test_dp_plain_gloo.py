@@ -16,10 +16,10 @@ from torch import nn
 
 import plait
 from plait import CommFusion, ParallelConfig
+from plait.models import MLP, mlp_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import Run, assert_same_run, reference_run
-from plait.models import MLP, mlp_loss
 
 WORLD = 2
 STEPS = 4

@@ -10,9 +10,9 @@ import torch
 
 import plait
 from plait import ParallelConfig
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
 STEPS = 10

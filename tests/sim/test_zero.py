@@ -59,8 +59,8 @@ def gpt_and_batches():
         pytest.param(3, {"dp": 2, "tp": 2}, 2, marks=NIGHTLY),
     ],
     ids=[
+        "3-dp4-accum2-offload",
         "2-dp2xtp2-accum2",
-        "3-dp4-accum2",
         "1-dp4",
         "1-dp2xtp2-accum2",
         "2-dp4",
@@ -69,7 +69,8 @@ def gpt_and_batches():
 )
 def test_optimizer_shard_matches_one_device(gpt_and_batches, level, mesh, k):
     """Auto plans (the searcher's layouts, ZeRO on top); with accumulation one reduction per
-    step, after the last micro-batch."""
+    step, after the last micro-batch. ZeRO-3 on dp=4 also offloads the optimizer (on this
+    CPU-only machine the host is the device: the numerics and the wiring are what is tested)."""
     model, batches, expected = gpt_and_batches
     cfg = ParallelConfig(
         mode="auto",
@@ -77,6 +78,7 @@ def test_optimizer_shard_matches_one_device(gpt_and_batches, level, mesh, k):
         optimizer_shard=level,
         optimizer_shard_threshold=0,
         grad_accumulation=k,
+        offload="optimizer" if (level, k) == (3, 2) else None,
     )
     with plait.testing.simulate(4):
         job = plait.parallelize(
@@ -174,4 +176,28 @@ def test_optimizer_shard_in_hybrid_mode_is_refused_by_name(gpt_and_batches):
     model, _, _ = gpt_and_batches
     cfg = ParallelConfig(mode="hybrid", mesh={"dp": 4}, optimizer_shard=1)
     with plait.testing.simulate(4), pytest.raises(NotBuiltError, match="optimizer_shard=1"):
+        plait.parallelize(copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss)
+
+
+def test_offload_optimizer_moves_optimizer_states_off_the_device_in_the_plan(gpt_and_batches):
+    model, batches, _ = gpt_and_batches
+    captured = capture_program(model, batches[0], gpt_loss)
+    plans = {
+        offload: plan_graph(
+            captured.graph,
+            ParallelConfig(mode="data_parallel", mesh={"dp": 4}, offload=offload),
+            model=model,
+        )
+        for offload in (None, "optimizer")
+    }
+    kept, moved = (plans[o].predicted.memory_by_kind for o in (None, "optimizer"))
+    assert kept["optimizer"] > 0 and moved["optimizer"] == 0
+    assert moved["parameters"] == kept["parameters"]
+    assert "offload optimizer (host)" in plans["optimizer"].summary()
+
+
+def test_offload_of_activations_is_refused_by_name(gpt_and_batches):
+    model, _, _ = gpt_and_batches
+    cfg = ParallelConfig(mode="data_parallel", mesh={"dp": 4}, offload="activations")
+    with plait.testing.simulate(4), pytest.raises(NotBuiltError, match="offload='activations'"):
         plait.parallelize(copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss)

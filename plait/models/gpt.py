@@ -79,7 +79,7 @@ class TinyGPT(nn.Module):
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
         t = ids_BT.shape[1]
-        x = self.tok(ids_BT) + self.pos(torch.arange(t))
+        x = self.tok(ids_BT) + self.pos(torch.arange(t, device=ids_BT.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))

@@ -889,7 +889,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
             actual = layout_of(value)  # type: ignore[arg-type]
             planned = op.outputs[k]
             if actual != planned:
-                self.executor.note_mismatch(op, k, actual)
+                if _without_unit_axes(actual) != _without_unit_axes(planned):
+                    self.executor.note_mismatch(op, k, actual)
                 if not set(planned.partial) - set(actual.partial):
                     redistribution = plan_redistribution(
                         actual, planned, tuple(value.shape), value.element_size()
@@ -900,6 +901,14 @@ class _PlanInterpreter(torch.fx.Interpreter):
         if step.pin and value.requires_grad:
             _pin_gradient(value, pinned, pinned_placements)
         return value
+
+
+def _without_unit_axes(layout: TensorLayout) -> tuple[Any, ...]:
+    """A layout's splits and pending sums over mesh axes larger than one (an axis of size one
+    splits nothing: Shard and Replicate over it are the same piece)."""
+    mesh = layout.mesh
+    big = lambda axes: tuple(a for a in axes if mesh.axis_size(a) > 1)  # noqa: E731
+    return tuple(big(d) for d in layout.dims), big(layout.partial)
 
 
 def _writes_input(node: torch.fx.Node, ref: int) -> bool:

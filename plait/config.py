@@ -23,7 +23,7 @@ __all__ = ["CommFusion", "ParallelConfig"]
 Mode = Literal["stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"]
 Search = Literal["sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_v"]
-Recompute = Literal["none", "full", "selective"]
+Recompute = Literal["none", "full", "selective", "auto"]
 Offload = Literal["optimizer", "parameters", "activations"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Hardware = Literal["local", "a100-40g", "a100-80g", "h100", "h200", "ascend-910"]
@@ -145,7 +145,9 @@ class ParallelConfig:
     recompute: Recompute = "none"
     """Activation recompute for every repeated layer (transformer block): "full" recomputes
     its forward in backward, keeping only its inputs and outputs; "selective" keeps matrix
-    products and recomputes the cheap ops; "none" keeps everything."""
+    products and recomputes the cheap ops; "none" keeps everything; "auto" takes the cheapest
+    of none, selective, full whose predicted memory fits ``memory_limit`` (default: the
+    hardware profile's device memory)."""
     recompute_modules: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
     """Per-module recompute, module path -> "full" | "selective" (what ``plait.recompute``
     marks, MindSpore's ``Cell.recompute()``); held as sorted (path, mode) pairs."""

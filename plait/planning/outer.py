@@ -98,7 +98,7 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Var
     else:
         m = max((k * pp for k in (1, 2, 4) if replica_batch % (k * pp) == 0), default=1)
     levels = LEVELS if cfg.optimizer_shard is None else (cfg.optimizer_shard,)
-    recomputes = RECOMPUTES if cfg.recompute == "none" else (cfg.recompute,)
+    recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
     for recompute in recomputes:
         for level in levels if recompute == "none" else levels[-1:]:
             yield _Variant(level, recompute, m)

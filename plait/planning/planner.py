@@ -12,6 +12,7 @@ profile (``plait.cost``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -120,6 +121,27 @@ def plan_graph(
     searcher = get_searcher(cfg.search or "sharding_propagation")
     decisions = searcher(setup.problem, setup.allowed, setup.configured)
     model_name = type(model).__name__ if model is not None else ""
-    return assemble_plan(
-        graph, cfg, setup.mesh, setup.problem, decisions, setup.topology, setup.hardware, model_name
-    )
+
+    def assemble(c: ParallelConfig) -> Plan:
+        return assemble_plan(
+            graph,
+            c,
+            setup.mesh,
+            setup.problem,
+            decisions,
+            setup.topology,
+            setup.hardware,
+            model_name,
+        )
+
+    if cfg.recompute != "auto":
+        return assemble(cfg)
+    # recompute="auto": the cheapest policy whose predicted memory fits the limit
+    limit = cfg.memory_limit or setup.hardware.memory_bytes
+    for recompute in ("none", "selective", "full"):
+        plan = assemble(dataclasses.replace(cfg, recompute=recompute))
+        if plan.predicted.memory_bytes <= limit:
+            note = f"recompute='auto' chose {recompute!r}: the cheapest that fits {limit} bytes"
+            return dataclasses.replace(plan, notes=(*plan.notes, note))
+    note = f"recompute='auto': nothing fits {limit} bytes, even 'full'; see plan.summary()"
+    return dataclasses.replace(plan, notes=(*plan.notes, note))

@@ -105,9 +105,9 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "a hardware profile outside mode 'auto'",
         ),
         (
-            cfg.memory_limit is not None and not planned,
+            cfg.memory_limit is not None and not planned and cfg.recompute != "auto",
             f"memory_limit={cfg.memory_limit}",
-            "a memory limit outside mode 'auto'",
+            "a memory limit outside mode 'auto' and recompute='auto'",
         ),
     ]
     for unbuilt, given, feature in checks:

@@ -5,6 +5,7 @@ Planning needs no process group: every test here runs in one process on the meta
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -14,7 +15,9 @@ from torch import nn
 import plait
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import ConfigError, ShardingError
+from plait.graph import capture
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.planning import plan_graph
 
 # One gradient bucket per parameter: these tests read per-parameter reductions.
 NO_FUSION = CommFusion(bucket_mb=1e-9)
@@ -318,3 +321,28 @@ def test_plan_takes_parallelize_argument_order_and_reads_the_old_one() -> None:
         plait.plan(model, {"mode": "auto"}, example_batch=batch)
     with pytest.raises(ConfigError, match="by name"):
         plait.plan(model, cfg, batch, gpt_loss)
+
+
+def test_recompute_auto_takes_the_cheapest_policy_that_fits() -> None:
+    """recompute='auto' outside mode auto: none if it fits memory_limit, else selective, else
+    full; the plan records the choice and says why."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2)
+    model = TinyGPT(cfg)
+    ids = torch.randint(0, cfg.vocab, (8, cfg.seq))
+    graph = capture(model, (ids, ids), gpt_loss)
+    base = ParallelConfig(mode="data_parallel", devices=4, recompute="none")
+    sizes = {
+        r: plan_graph(graph, dataclasses.replace(base, recompute=r)).predicted.memory_bytes
+        for r in ("none", "selective", "full")
+    }
+    assert sizes["full"] < sizes["selective"] < sizes["none"]
+    for limit, chosen in [
+        (sizes["none"], "none"),
+        (sizes["selective"], "selective"),
+        (sizes["full"], "full"),
+        (sizes["full"] - 1, "full"),  # nothing fits: full, and the notes say so
+    ]:
+        plan = plan_graph(graph, dataclasses.replace(base, recompute="auto", memory_limit=limit))
+        assert plan.recompute == chosen, (limit, plan.recompute)
+        assert any("recompute='auto'" in n for n in plan.notes)

@@ -201,3 +201,25 @@ def test_offload_of_activations_is_refused_by_name(gpt_and_batches):
     cfg = ParallelConfig(mode="data_parallel", mesh={"dp": 4}, offload="activations")
     with plait.testing.simulate(4), pytest.raises(NotBuiltError, match="offload='activations'"):
         plait.parallelize(copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss)
+
+
+def test_outer_planner_escalates_to_zero_and_recompute_under_a_memory_limit_and_runs(
+    gpt_and_batches,
+):
+    """Mode auto with a memory limit only ZeRO-3 with recompute meets: the outer planner picks
+    them (its escalation: ZeRO 1, 2, 3, then recompute), and the plan runs like one device."""
+    model, batches, expected = gpt_and_batches
+    captured = capture_program(model, batches[0], gpt_loss)
+    base = {"mode": "auto", "mesh": {"dp": 4}, "optimizer_shard_threshold": 0}
+    fixed = ParallelConfig(**base, optimizer_shard=3, recompute="selective")
+    limit = plan_graph(captured.graph, fixed, model=model).predicted.memory_bytes
+    cfg = ParallelConfig(**base, memory_limit=limit)
+    with plait.testing.simulate(4):
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        plan = job.loss_fn.plan
+        run = Run([job.step(b) for b in batches], job.full_state_dict())
+    assert (plan.optimizer_shard, plan.recompute) == (3, "selective")
+    assert plan.recompute_regions == (("blocks.0", "selective"), ("blocks.1", "selective"))
+    assert_same_run(expected, run, rtol=RTOL, atol=1e-6)

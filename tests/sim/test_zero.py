@@ -223,3 +223,23 @@ def test_outer_planner_escalates_to_zero_and_recompute_under_a_memory_limit_and_
     assert (plan.optimizer_shard, plan.recompute) == (3, "selective")
     assert plan.recompute_regions == (("blocks.0", "selective"), ("blocks.1", "selective"))
     assert_same_run(expected, run, rtol=RTOL, atol=1e-6)
+
+
+@NIGHTLY
+def test_zero3_and_full_recompute_under_bf16_equal_plain_bf16(gpt_and_batches):
+    """Mixed precision composes: ZeRO-3 with full recompute under bf16 autocast trains exactly
+    (bitwise here) like the same bf16 plan without them."""
+    model, batches, _ = gpt_and_batches
+    runs = []
+    for extra in ({}, {"optimizer_shard": 3, "optimizer_shard_threshold": 0, "recompute": "full"}):
+        cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 4}, precision="bf16", **extra)
+        with plait.testing.simulate(4):
+            job = plait.parallelize(
+                copy.deepcopy(model),
+                cfg,
+                optimizer=adamw,
+                loss_fn=gpt_loss,
+                example_batch=batches[0],
+            )
+            runs.append(Run([job.step(b) for b in batches], job.full_state_dict()))
+    assert_same_run(runs[0], runs[1], rtol=0, atol=0)

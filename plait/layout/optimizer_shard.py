@@ -60,7 +60,8 @@ def _choose(
         if not layout.dims[d] and local[d] % n == 0:
             return d, ""
     return None, (
-        f"no dim of its piece {tuple(local)} that no other axis splits divides by {axis!r}={n}"
+        f"no dim of its piece {tuple(local)} that no other axis splits divides by {axis!r}={n}; "
+        f"to split it, give it a dim divisible by {n} or use a {axis!r} size that divides one"
     )
 
 

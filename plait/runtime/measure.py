@@ -14,8 +14,9 @@
 * **activations**: the peak minus the model states (the three kinds above) alive at the moment
   of the peak: everything else the step holds at once: values kept from forward for backward,
   the program's temporaries, ZeRO-3's gathered parameters, communication buffers, the batch and
-  the model's buffers;
-* **peak**: the most bytes alive at once during the step, the model states included.
+  the model's buffers (on CUDA not ``other``, below);
+* **peak**: the most bytes alive at once during the step, the model states included (on CUDA
+  also what the allocator holds outside tensors, ``other``: cuBLAS workspaces and the like).
 
 Every storage is counted once, however many tensors view it (a gradient bucket's flat buffer,
 a ZeRO-3 shadow sharing its parameter's piece).
@@ -29,8 +30,10 @@ storages are looked up in that set. It is the technique of PyTorch's
 checks this one's against), kept here because MemTracker sorts bytes by module hooks, which a
 compiled per-rank program never calls. Memory outside tensors (gloo's own buffers, Python
 objects) is not counted. On CUDA the peak is the caching allocator's
-(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``) and the same tracker
-says which model states were alive at it.
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``), the same tracker says
+which model states were alive at its own peak (the two moments can differ slightly), and the
+allocator's bytes at the start that no tensor of the job, its optimizer or the batch accounts
+for are reported apart (``other``), not as activations.
 
 Under ``plait.testing.simulate`` one simulated rank is measured (``rank=``, default the first):
 its piece of every LocalTensor.
@@ -83,9 +86,13 @@ class MemoryMeasurement:
     peak: int
     states_at_peak: int
     """Bytes of parameters, gradients and optimizer states alive at the peak (``peak -
-    activations``); less than their sum when the peak comes before every gradient exists."""
+    activations - other``); less than their sum when the peak comes before every gradient
+    exists."""
     source: str
     """Where the peak comes from: ``"tracker"`` (CPU) or ``"cuda allocator"``."""
+    other: int = 0
+    """CUDA: the allocator's bytes outside every tensor the step can reach, at its start
+    (cuBLAS workspaces and the like), part of the peak but not of the activations; 0 on CPU."""
 
     @property
     def model_states(self) -> int:
@@ -380,9 +387,11 @@ def measure_step_memory(job: Any, batch: Any, *, rank: int | None = None) -> Mem
         tracker.add(t)
     for x in tree_leaves(batch):
         tracker.add(x)
+    other = 0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        other = max(0, int(torch.cuda.memory_allocated()) - tracker.bytes)
     with tracker:
         job.step(batch)
     if cuda:
@@ -395,8 +404,9 @@ def measure_step_memory(job: Any, batch: Any, *, rank: int | None = None) -> Mem
         parameters=held["parameters"],
         gradients=held["gradients"],
         optimizer=held["optimizer"],
-        activations=max(0, peak - states_at_peak),
+        activations=max(0, peak - states_at_peak - other),
         peak=peak,
         states_at_peak=states_at_peak,
         source="cuda allocator" if cuda else "tracker",
+        other=other,
     )

@@ -1183,6 +1183,7 @@ def build_plan_job(
     grad_sync = _grad_sync(model, plan, device_mesh, cfg)
     program = _compile(executor, model, cfg, device_mesh)
     level = plan.optimizer_shard
+    _warn_whole(plan)
     sharded = {}
     if level is not None and grad_sync is not None:
         sharded = sharded_parameters(
@@ -1234,6 +1235,17 @@ def build_plan_job(
         micro_step_shapes=True,
         program=program,
     )
+
+
+def _warn_whole(plan: Plan) -> None:
+    """Optimizer parallel keeps a parameter whole where no dim of its piece divides: say which
+    (the plan's reason has the fix), so a large one is not missed."""
+    if plan.optimizer_shard is None:
+        return
+    whole = [p for p in plan.parameters if "divisible by" in p.reason]
+    for p in whole[:8]:
+        logger.warning("optimizer_shard=%s: %s stays whole: %s", plan.optimizer_shard, p.name,
+                       p.reason.rsplit("optimizer shard: whole (", 1)[-1].rstrip(")"))  # fmt: skip
 
 
 def _optimizer(

@@ -252,3 +252,26 @@ def test_zero3_and_full_recompute_under_bf16_equal_plain_bf16(gpt_and_batches):
             )
             runs.append(Run([job.step(b) for b in batches], job.full_state_dict()))
     assert_same_run(runs[0], runs[1], rtol=0, atol=0)
+
+
+def test_a_parameter_no_dim_of_which_divides_stays_whole_with_a_warning_naming_it(caplog):
+    """A (3, 6) weight on dp=4: no dim divides, so it stays whole (exact, just not split); the
+    job says which parameter and how to get it split, and still trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x, y = torch.randn(8, 8), torch.randn(8, 3)
+
+    def loss(m, b):
+        return ((m(b[0]) - b[1]) ** 2).mean()
+
+    cfg = ParallelConfig(mesh={"dp": 4}, optimizer_shard=2, optimizer_shard_threshold=0)
+    with plait.testing.simulate(4), caplog.at_level("WARNING", logger="plait"):
+        job = plait.parallelize(
+            model, cfg, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=loss,
+            example_batch=(x, y),
+        )  # fmt: skip
+        job.step((x, y))
+    dims = {p.name: p.optimizer_shard_dim for p in job.loss_fn.plan.parameters}
+    assert dims == {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": None}
+    warned = [r.getMessage() for r in caplog.records if "stays whole" in r.getMessage()]
+    assert len(warned) == 1 and "2.bias" in warned[0] and "divisible by 4" in warned[0]

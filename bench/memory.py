@@ -356,6 +356,13 @@ def report(
         "- measured peak, largest rank: "
         + ", ".join(f"{BY_KEY[k].name} {mib(v)} MiB" for k, v in peaks.items())
     )
+    others = {k: r["measured"].other for k, r in results.items() if "measured" in r}
+    if any(others.values()):
+        print(
+            "- CUDA allocator bytes outside tensors at the step's start (cuBLAS workspaces; in "
+            "the peak, not in activations): "
+            + ", ".join(f"{BY_KEY[k].name} {mib(v)} MiB" for k, v in others.items())
+        )
     met = [k for k, r in results.items() if "rows" in r and abs(r["rows"][-1].ratio - 1) <= 0.15]
     print(f"- predicted peak within 15 % of measured: {len(met)} of {len(results)} rows")
     bad = []

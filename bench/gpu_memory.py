@@ -1,12 +1,13 @@
 """Recompute and optimizer offload on one device: peak memory and step time (issue 14).
 
 One process (a world of one; NCCL on a GPU, gloo on CPU), one GPT, AdamW, the same batches,
-five ways taking turns on the same device:
+six ways taking turns on the same device:
 
 * ``plain``: ``ParallelConfig(mode="data_parallel")`` on its plain-tensor path (the baseline);
 * ``program``: the compiled per-rank program with nothing else (``mode="semi_auto"``);
 * ``selective`` / ``full``: ``recompute="selective"`` / ``"full"`` (every block);
-* ``offload``: ``offload="optimizer"``: AdamW's states and step on the host.
+* ``offload``: ``offload="optimizer"``: AdamW's states and step on the host;
+* ``act-host``: ``offload="activations"``: what backward reads waits in host memory.
 
 On CUDA each case's peak is ``torch.cuda.max_memory_allocated`` over its timed steps, and the
 bytes kept from forward for backward are the program's own count. Each case's losses must
@@ -54,6 +55,7 @@ CASES: dict[str, dict[str, Any]] = {
     "selective": {"mode": "semi_auto", "recompute": "selective"},
     "full": {"mode": "semi_auto", "recompute": "full"},
     "offload": {"mode": "semi_auto", "offload": "optimizer"},
+    "act-host": {"mode": "semi_auto", "offload": "activations"},
 }
 
 
@@ -133,6 +135,9 @@ def _case(
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     program = getattr(job, "program", None)
     kept = getattr(program, "saved_bytes", None) if program is not None else None
+    moved = getattr(program, "offloaded_bytes", 0) if program is not None else 0
+    if moved:
+        kept = (0, -moved)  # shown as bytes moved to the host (negative)
     del job, model
     return {
         "case": name,

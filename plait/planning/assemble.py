@@ -663,6 +663,10 @@ def _stage_memory(
         return int(nbytes * scale) if node.outputs[k].dtype == "float32" else nbytes
 
     per_step = graph_activation_bytes(graph, recompute=cfg.recompute, local_bytes=local_bytes)
+    if cfg.offload == "activations":
+        # what backward reads waits on the host: about one repeated layer's worth is on the
+        # device at a time (a rough bound; small values stay, see plait/runtime/offload.py)
+        per_step //= max(1, len({op.layer for op in graph.ops if op.layer}))
     m = cfg.micro_batches
     in_flight = (
         in_flight_micro_batches(stage, cfg.pipeline_stages, m, cfg.schedule)

@@ -90,9 +90,9 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "recompute for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
         ),
         (
-            cfg.offload not in (None, "optimizer"),
+            cfg.offload == "parameters",
             f"offload={cfg.offload!r}",
-            "offloading parameters or activations (offload='optimizer' is built)",
+            "offloading parameters (offload='optimizer' and 'activations' are built)",
         ),
         (
             cfg.offload is not None and cfg.mode == "hybrid",

@@ -1205,6 +1205,8 @@ def build_plan_job(
         )
     if (level == 3 and split) or plan.recompute_regions:
         program.rematerialize(plan.recompute_regions)
+    if plan.offload == "activations":
+        program.offload_activations()
     if cfg.compile:
         program.compile()
     logger.info(

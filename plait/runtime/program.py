@@ -53,6 +53,7 @@ from plait.comm.lower import (
 )
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
+from plait.runtime.offload import offload_saved
 from plait.runtime.remat import is_collective, recompute_policy, rematerialize, saved_bytes
 from plait.runtime.remat import regions as region_map
 from plait.runtime.zero import (
@@ -122,6 +123,8 @@ class Program:
         self.fused_buckets = 0
         """Gradient buckets all-reduced inside the program (:meth:`fuse_gradient_reduction`)."""
         self._regather: dict[int, set[torch.fx.Node]] = {}
+        self.offloaded_bytes = 0
+        """Bytes of forward values this rank's program keeps on the host for backward."""
         self.saved_bytes: tuple[int, int] | None = None
         """Bytes of forward values backward reads, before and after :meth:`rematerialize`."""
         self.compiled = False
@@ -251,6 +254,22 @@ class Program:
         self._recheck_code()
         return cloned
 
+    def offload_activations(self, *, min_bytes: int = 1 << 20) -> int:
+        """A pass (``offload="activations"``): large forward values backward reads wait in
+        host memory in between (:mod:`plait.runtime.offload`). Returns this rank's bytes moved
+        per step."""
+        device = torch.device(self.device_mesh.device_type)
+        moved = 0
+        for rank, graph_module in self.graphs.items():
+            count = offload_saved(
+                graph_module, first_backward_node(graph_module), device=device, min_bytes=min_bytes
+            )
+            if rank == self.rank:
+                moved = count
+        self.offloaded_bytes = moved
+        self._recheck_code()
+        return moved
+
     def _axis(self, axis: str) -> tuple[int, str]:
         index = list(self.device_mesh.mesh_dim_names).index(axis)
         return int(self.device_mesh.size(index)), self.device_mesh.get_group(axis).group_name
@@ -291,6 +310,8 @@ class Program:
             f"{len(collectives)} collectives, traced in {self.trace_seconds:.2f} s",
             f"# outputs: loss, {len(self.trained)} gradients, {len(self.buffers)} buffers",
         ]
+        if self.offloaded_bytes:
+            lines.append(f"# kept on the host for backward: {self.offloaded_bytes} bytes")
         if self.saved_bytes is not None:
             lines.append(
                 "# kept from forward for backward: "

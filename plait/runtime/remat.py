@@ -40,6 +40,7 @@ __all__ = [
     "TAG",
     "is_collective",
     "module_of",
+    "owns_memory",
     "recompute_policy",
     "regions",
     "rematerialize",
@@ -274,6 +275,12 @@ def _root_of(node: Node, root: dict[Node, Node]) -> Node:
         return node
     aliased = _aliased_input(node, 0)
     return node if aliased is None else root.get(aliased, aliased)
+
+
+def owns_memory(node: Node) -> bool:
+    """Whether ``node``'s value lives in memory of its own (not a view of another value; a
+    collective's wait counts as the owner of the collective's result)."""
+    return _is_wait(node) or _root_of(node, {}) is node
 
 
 def _pure(node: Node) -> bool:

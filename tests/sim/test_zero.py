@@ -194,10 +194,10 @@ def test_offload_optimizer_moves_optimizer_states_off_the_device_in_the_plan(gpt
     assert "offload optimizer (host)" in plans["optimizer"].summary()
 
 
-def test_offload_of_activations_is_refused_by_name(gpt_and_batches):
+def test_offload_of_parameters_is_refused_by_name(gpt_and_batches):
     model, _, _ = gpt_and_batches
-    cfg = ParallelConfig(mode="data_parallel", mesh={"dp": 4}, offload="activations")
-    with plait.testing.simulate(4), pytest.raises(NotBuiltError, match="offload='activations'"):
+    cfg = ParallelConfig(mode="data_parallel", mesh={"dp": 4}, offload="parameters")
+    with plait.testing.simulate(4), pytest.raises(NotBuiltError, match="offload='parameters'"):
         plait.parallelize(copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss)
 
 

@@ -255,7 +255,7 @@ def table(results: dict[str, Any], warmup: int) -> tuple[str, dict[str, float]]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per case")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per case")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per case")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)

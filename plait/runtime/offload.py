@@ -8,9 +8,9 @@ dies after forward, as with recompute, but nothing is computed twice. MindSpore'
 swap and torch's ``save_on_cpu`` do the same; here it is visible in the program
 (``print(job.program)``) and runs under ``torch.compile`` too.
 
-What moves: forward values with a backward reader, at least ``min_bytes`` large, that own
-their memory (a view would keep its base on the device anyway) and are not graph inputs
-(parameters and the batch stay where they are). On a CPU device the host is the device: the
+What moves: forward values with a backward reader, at least ``min_bytes`` large, computed in
+forward (views of parameters or of the batch stay, they cost nothing of their own); a view of
+an activation moves as it is, so its base can die after forward. On a CPU device the host is the device: the
 copies run (so the numerics are the same path) but save nothing.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from plait.runtime.remat import owns_memory
+from plait.runtime.remat import memory_root
 
 __all__ = ["offload_saved"]
 
@@ -80,4 +80,16 @@ def _movable(node: Node, min_bytes: int) -> bool:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.numel() * val.element_size() < min_bytes:
         return False
-    return owns_memory(node)
+    # a view of a graph input (a parameter's transpose) costs no memory of its own; a view
+    # of an activation moves as it is, so its base can die after forward
+    if memory_root(node).op in ("placeholder", "get_attr"):
+        return False
+    return not any(_reads_strides(u) for u in node.users)
+
+
+def _reads_strides(node: Node) -> bool:
+    """Ops that depend on their input's exact strides (a copy back may be contiguous)."""
+    return node.op == "call_function" and node.target in (
+        _A.as_strided.default,
+        _A.as_strided_.default,
+    )

@@ -39,8 +39,8 @@ from torch.fx import Node
 __all__ = [
     "TAG",
     "is_collective",
+    "memory_root",
     "module_of",
-    "owns_memory",
     "recompute_policy",
     "regions",
     "rematerialize",
@@ -277,10 +277,16 @@ def _root_of(node: Node, root: dict[Node, Node]) -> Node:
     return node if aliased is None else root.get(aliased, aliased)
 
 
-def owns_memory(node: Node) -> bool:
-    """Whether ``node``'s value lives in memory of its own (not a view of another value; a
-    collective's wait counts as the owner of the collective's result)."""
-    return _is_wait(node) or _root_of(node, {}) is node
+def memory_root(node: Node) -> Node:
+    """The node whose memory ``node``'s value lives in (itself, unless it is a view)."""
+    root: Node = node
+    while True:
+        if _is_wait(root) or root.op != "call_function":
+            return root
+        parent = _root_of(root, {})
+        if parent is root:
+            return root
+        root = parent
 
 
 def _pure(node: Node) -> bool:

@@ -244,6 +244,7 @@ class ZeroOptimizer:
                     self._copied.add(len(self.pairs))
             self.pairs.append((p, nn.Parameter(piece, requires_grad=p.requires_grad), spec))
         self._shadow_of = {s.name: sh for _, sh, s in self.pairs if s is not None}
+        self._coordinate = _coordinate_on(device_mesh, axis)
 
     @property
     def shadows(self) -> list[nn.Parameter]:
@@ -257,10 +258,19 @@ class ZeroOptimizer:
                 shadow.grad = None
                 continue
             if spec is not None and self.level == 1:  # whole reduced gradient: take the chunk
-                local = grad.redistribute(self.device_mesh, spec.placements).to_local()
+                local = self._chunk(local_piece(grad), spec, grad)
             else:
                 local = local_piece(grad)
             shadow.grad = local.to(shadow.device, non_blocking=True)
+
+    def _chunk(self, piece: torch.Tensor, spec: ShardedParameter, grad: Any) -> torch.Tensor:
+        """This rank's chunk of a whole local gradient along the split dim: a plain slice on a
+        real process; a simulated world (one LocalTensor for every rank, each with its own
+        chunk) takes it through DTensor."""
+        if self._coordinate is None:
+            return grad.redistribute(self.device_mesh, spec.placements).to_local()
+        size = spec.piece_shape[spec.dim] // self.n
+        return piece.narrow(spec.dim, self._coordinate * size, size)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -278,6 +288,17 @@ class ZeroOptimizer:
             started = start_gather(eager, shards, self.n, self.group)
             for m, whole in zip(bucket, finish_gather(eager, started, bucket, self.n), strict=True):
                 local_piece(params[m.name]).copy_(whole)
+
+
+def _coordinate_on(device_mesh: Any, axis: str) -> int | None:
+    """This process's coordinate on ``axis`` (None in a simulated world, or without it)."""
+    from plait._compat import simulated_ranks
+
+    names = list(device_mesh.mesh_dim_names or ())
+    if axis not in names or simulated_ranks() is not None:
+        return None
+    coordinate = device_mesh.get_coordinate()
+    return None if coordinate is None else int(coordinate[names.index(axis)])
 
 
 def _to_host(piece: torch.Tensor) -> torch.Tensor:

@@ -1206,7 +1206,8 @@ def build_plan_job(
     if (level == 3 and split) or plan.recompute_regions:
         program.rematerialize(plan.recompute_regions)
     if plan.offload == "activations":
-        program.offload_activations()
+        # torch.compile takes the program whole: plain copy ops there, not stream calls
+        program.offload_activations(side_stream=not cfg.compile)
     if cfg.compile:
         program.compile()
     logger.info(

@@ -254,7 +254,7 @@ class Program:
         self._recheck_code()
         return cloned
 
-    def offload_activations(self, *, min_bytes: int = 1 << 20) -> int:
+    def offload_activations(self, *, min_bytes: int = 1 << 20, side_stream: bool = True) -> int:
         """A pass (``offload="activations"``): large forward values backward reads wait in
         host memory in between (:mod:`plait.runtime.offload`). Returns this rank's bytes moved
         per step."""
@@ -262,7 +262,11 @@ class Program:
         moved = 0
         for rank, graph_module in self.graphs.items():
             count = offload_saved(
-                graph_module, first_backward_node(graph_module), device=device, min_bytes=min_bytes
+                graph_module,
+                first_backward_node(graph_module),
+                device=device,
+                min_bytes=min_bytes,
+                side_stream=side_stream,
             )
             if rank == self.rank:
                 moved = count

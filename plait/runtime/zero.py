@@ -50,6 +50,13 @@ __all__ = [
     "emit_into",
     "finish_gather",
     "finish_reduce_scatter",
+    "gather_inputs",
+    "parameter_derived",
+    "reduce_scatter_accumulated",
+    "reduce_scatter_outputs",
+    "shard_gradient",
+    "sharded_parameters",
+    "split_buckets",
     "start_gather",
     "start_reduce_scatter",
 ]

@@ -258,7 +258,9 @@ class _Converter:
             )
 
         args = tuple(arg(a) for a in node.args)
-        kwargs = tuple((k, arg(v)) for k, v in node.kwargs.items())
+        # where a tensor is made (a device kwarg) is an execution detail, not part of the op:
+        # a model captured on meta tensors and on its real device gives the same graph
+        kwargs = tuple((k, arg(v)) for k, v in node.kwargs.items() if k != "device")
         outputs = _output_metas(node.meta.get("val"))
         self.refs[node.name] = node.name
         if len(outputs) == 1:

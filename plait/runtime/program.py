@@ -60,6 +60,7 @@ from plait.runtime.zero import (
     ShardedParameter,
     gather_inputs,
     parameter_derived,
+    prefetch_regathers,
     reduce_scatter_outputs,
 )
 
@@ -248,6 +249,8 @@ class Program:
                     node in d or (not is_collective(node) and any(p(node) for p in ps))
                 ),
             )
+            if derived:
+                prefetch_regathers(graph_module, derived)
             if rank == self.rank:
                 cloned = count
                 self.saved_bytes = (before, saved_bytes(graph_module, start))

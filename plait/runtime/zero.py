@@ -27,6 +27,7 @@ per-rank program (the in-program passes), the same ops either way.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -52,6 +53,7 @@ __all__ = [
     "finish_reduce_scatter",
     "gather_inputs",
     "parameter_derived",
+    "prefetch_regathers",
     "reduce_scatter_accumulated",
     "reduce_scatter_outputs",
     "shard_gradient",
@@ -487,3 +489,47 @@ def reduce_scatter_accumulated(zero: ZeroOptimizer) -> None:
             bucket, finish_reduce_scatter(eager, started, bucket, zero.n), strict=True
         ):
             params[m.name].grad = shard_gradient(shard, m, params[m.name])
+
+
+def prefetch_regathers(graph_module: torch.fx.GraphModule, gathered: set[torch.fx.Node]) -> int:
+    """A pass (ZeRO-3, after the rematerialization): backward's bucket re-gathers start one
+    bucket early.
+
+    The re-gather clones sit just before their first backward reader, the collective right
+    before its wait. This moves each one's collective (with the packing of its shards, which
+    reads only graph inputs) to just before the previous re-gather's wait, so it runs while
+    the previous bucket's backward computes, as forward's gathers do. Returns how many moved.
+    """
+    graph = graph_module.graph
+    names = {n.name for n in gathered}
+    starts = [
+        n
+        for n in graph.nodes
+        if n.meta.get("recomputed_from") in names and n.target is _F.all_gather_into_tensor.default
+    ]
+    moved = 0
+    for previous, start in itertools.pairwise(starts):
+        wait = next(iter(u for u in previous.users if u.target is _F.wait_tensor.default), None)
+        if wait is None:
+            continue
+        for node in _packing(start):  # inputs first: each lands before the wait, in order
+            wait.prepend(node)
+        moved += 1
+    graph.lint()
+    graph_module.recompile()
+    return moved
+
+
+def _packing(start: torch.fx.Node) -> list[torch.fx.Node]:
+    """The collective and the nodes packing its input, inputs first (graph inputs excluded)."""
+    out: list[torch.fx.Node] = []
+
+    def visit(node: torch.fx.Node) -> None:
+        if node.op == "placeholder" or node in out:
+            return
+        for i in node.all_input_nodes:
+            visit(i)
+        out.append(node)
+
+    visit(start)
+    return out

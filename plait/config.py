@@ -139,6 +139,9 @@ class ParallelConfig:
     """Optimizer parallel level over ``dp_axis`` (MindSpore's ``optimizer_level``): 1 shards
     optimizer states, 2 also gradients (reduce-scatter), 3 also parameters (gathered before
     use in forward and again in backward, freed between); None = off."""
+    optimizer_shard_exclude: tuple[str, ...] = ()
+    """Parameters (by name) optimizer parallel keeps whole (MindSpore's
+    ``Parameter.parallel_optimizer = False``, which plait also reads off a parameter)."""
     optimizer_shard_threshold: int | str = 64 * 1024
     """A parameter whose piece is smaller than this (bytes, or e.g. '64KiB') stays whole under
     ``optimizer_shard`` (MindSpore's ``parallel_optimizer_threshold``, 64 KB)."""
@@ -183,6 +186,13 @@ class ParallelConfig:
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         self._check_recompute_modules()
+        exclude = self.optimizer_shard_exclude
+        if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
+            raise ConfigError(
+                f"ParallelConfig.optimizer_shard_exclude={exclude!r}: give a tuple of parameter "
+                "names, e.g. ('tok.weight',)"
+            )
+        object.__setattr__(self, "optimizer_shard_exclude", tuple(sorted(set(exclude))))
         threshold = self.optimizer_shard_threshold
         if threshold != 0:
             threshold = parse_bytes(threshold, "optimizer_shard_threshold")

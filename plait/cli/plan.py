@@ -121,6 +121,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=64 * 1024,
         help="parameters whose piece is smaller stay whole under --optimizer-shard (e.g. 64KiB)",
     )
+    cfg.add_argument(
+        "--optimizer-shard-exclude",
+        type=lambda text: tuple(n.strip() for n in text.split(",") if n.strip()),
+        default=(),
+        help="parameters optimizer parallel keeps whole, comma-separated",
+    )
     cfg.add_argument("--recompute", choices=get_args(Recompute), default="none")
     cfg.add_argument(
         "--recompute-modules",
@@ -163,6 +169,7 @@ def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
         schedule=args.schedule,
         optimizer_shard=args.optimizer_shard,
         optimizer_shard_threshold=_bytes_or_int(args.optimizer_shard_threshold),
+        optimizer_shard_exclude=args.optimizer_shard_exclude,
         recompute=args.recompute,
         recompute_modules=args.recompute_modules,
         grad_accumulation=args.grad_accumulation,

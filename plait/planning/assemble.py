@@ -387,6 +387,8 @@ def _optimizer_shard(
     cfg = ctx.cfg
     if cfg.optimizer_shard is None:
         return None, ""
+    if g.target in cfg.optimizer_shard_exclude:
+        return None, "; optimizer shard: whole (excluded: optimizer_shard_exclude)"
     if axes != (cfg.dp_axis,):
         return (
             None,

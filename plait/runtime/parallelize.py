@@ -55,15 +55,24 @@ def _needs_program(cfg: ParallelConfig) -> bool:
     )
 
 
-def _with_recompute_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
-    """The config with the modules ``plait.recompute`` marked (MindSpore's
-    ``Cell.recompute()``) added to ``recompute_modules`` (the config's own entries win)."""
+def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
+    """The config with what the model's modules and parameters say: modules marked by
+    ``plait.recompute`` (MindSpore's ``Cell.recompute()``) added to ``recompute_modules`` (the
+    config's own entries win), and parameters with ``parallel_optimizer = False`` (MindSpore's
+    flag) added to ``optimizer_shard_exclude``."""
     marks = recompute_marks(model)
-    if not marks:
-        return cfg
-    return dataclasses.replace(
-        cfg, recompute_modules={**dict(marks), **dict(cfg.recompute_modules)}
+    if marks:
+        cfg = dataclasses.replace(
+            cfg, recompute_modules={**dict(marks), **dict(cfg.recompute_modules)}
+        )
+    excluded = tuple(
+        n for n, p in model.named_parameters() if getattr(p, "parallel_optimizer", True) is False
     )
+    if excluded:
+        cfg = dataclasses.replace(
+            cfg, optimizer_shard_exclude=(*cfg.optimizer_shard_exclude, *excluded)
+        )
+    return cfg
 
 
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
@@ -170,7 +179,7 @@ def parallelize(
             f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
     _refuse_unbuilt(config)
-    config = _with_recompute_marks(model, config)
+    config = _with_model_marks(model, config)
     world = current_world()
     if config.mode == "stand_alone":
         return Job(

@@ -95,9 +95,9 @@ def test_recompute_one_module_marked_by_plait_recompute(gpt_and_batches):
 
 def dataclass_with_marks(model, cfg):
     """The config plan_graph sees: parallelize folds plait.recompute marks in the same way."""
-    from plait.runtime.parallelize import _with_recompute_marks
+    from plait.runtime.parallelize import _with_model_marks
 
-    return _with_recompute_marks(model, cfg)
+    return _with_model_marks(model, cfg)
 
 
 def test_recompute_full_with_zero3_matches_one_device(gpt_and_batches):

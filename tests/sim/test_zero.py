@@ -255,10 +255,12 @@ def test_zero3_and_full_recompute_under_bf16_equal_plain_bf16(gpt_and_batches):
 
 
 def test_a_parameter_no_dim_of_which_divides_stays_whole_with_a_warning_naming_it(caplog):
-    """A (3, 6) weight on dp=4: no dim divides, so it stays whole (exact, just not split); the
-    job says which parameter and how to get it split, and still trains."""
+    """A (3,) bias on dp=4: no dim divides, so it stays whole (exact, just not split); the job
+    says which parameter and how to get it split, and still trains. A parameter flagged
+    ``parallel_optimizer = False`` (MindSpore's flag) stays whole too, without a warning."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model[0].bias.parallel_optimizer = False  # MindSpore's flag: keep this one whole
     x, y = torch.randn(8, 8), torch.randn(8, 3)
 
     def loss(m, b):
@@ -271,7 +273,9 @@ def test_a_parameter_no_dim_of_which_divides_stays_whole_with_a_warning_naming_i
             example_batch=(x, y),
         )  # fmt: skip
         job.step((x, y))
-    dims = {p.name: p.optimizer_shard_dim for p in job.loss_fn.plan.parameters}
-    assert dims == {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": None}
+    planned = {p.name: p for p in job.loss_fn.plan.parameters}
+    dims = {name: p.optimizer_shard_dim for name, p in planned.items()}
+    assert dims == {"0.weight": 0, "0.bias": None, "2.weight": 1, "2.bias": None}
+    assert "excluded" in planned["0.bias"].reason
     warned = [r.getMessage() for r in caplog.records if "stays whole" in r.getMessage()]
     assert len(warned) == 1 and "2.bias" in warned[0] and "divisible by 4" in warned[0]

@@ -78,7 +78,7 @@ def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
     planned = cfg.mode == "auto" or cfg.plan is not None
     checks = [
-        (cfg.mode not in _BUILT_MODES, f"mode={cfg.mode!r}", f"modes {list(_BUILT_MODES)!r}"),
+        (cfg.mode not in _BUILT_MODES, f"mode={cfg.mode!r}", f"mode {cfg.mode!r}"),
         (
             cfg.search is not None and not planned,
             f"search={cfg.search!r}",

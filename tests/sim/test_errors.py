@@ -165,3 +165,10 @@ def test_error_no_process_group():
 def test_unbuilt_feature_is_refused_by_name(field, value, feature):
     with pytest.raises(NotBuiltError, match=rf"ParallelConfig\({field}=.*{feature}.* is not built"):
         _parallelize(MLP(), ParallelConfig(**{field: value}))
+
+
+def test_an_unbuilt_mode_is_refused_naming_itself_and_the_built_ones():
+    with pytest.raises(NotBuiltError) as e:
+        _parallelize(MLP(), ParallelConfig(mode="parameter_server"))
+    text = str(e.value)
+    assert "mode 'parameter_server' is not built" in text and "'semi_auto'" in text

@@ -133,9 +133,12 @@ class HardwareProfile:
         try:
             return self.peak_flops[dtype]
         except KeyError:
+            config = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+            usable = [f"precision={config[d]!r}" for d in sorted(self.peak_flops) if d in config]
             raise CostError(
                 f"hardware {self.name!r} has no peak FLOP/s for dtype {dtype!r} (it lists "
-                f"{sorted(self.peak_flops)}); use one of those precisions or a profile that has it"
+                f"{sorted(self.peak_flops)}); plan with ParallelConfig("
+                f"{' or '.join(usable) or 'another precision'}) or another hardware profile"
             ) from None
 
     def to_dict(self) -> dict[str, Any]:

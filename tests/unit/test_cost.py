@@ -179,6 +179,8 @@ def test_op_seconds_roofline() -> None:
 def test_op_seconds_unknown_dtype_names_the_fix() -> None:
     with pytest.raises(CostError, match=r"'ascend-910' has no peak FLOP/s for dtype 'float32'"):
         op_seconds(1e9, 0, "float32", get_profile("ascend-910"))
+    with pytest.raises(CostError, match=r"ParallelConfig\(precision='fp16'\)"):
+        op_seconds(1e9, 0, "float32", get_profile("ascend-910"))
     with pytest.raises(CostError, match="flops=-1"):
         op_seconds(-1, 0, "float32", get_profile("h100"))
     assert compute_dtype("bf16") == "bfloat16"

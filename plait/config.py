@@ -130,7 +130,7 @@ class ParallelConfig:
     dp_axis: str = "dp"
     """The mesh axis that plays data parallel (the batch is split across it)."""
     pipeline_stages: int = 1
-    """Number of pipeline stages."""
+    """Number of pipeline stages; taken from the mesh's ``pp`` axis when that is given."""
     micro_batches: int = 1
     """Micro-batches per step for the pipeline."""
     schedule: Schedule = "1f1b"
@@ -183,6 +183,10 @@ class ParallelConfig:
         self._check_choices()
         self._check_counts()
         object.__setattr__(self, "_mesh", MappingProxyType(self._resolve_mesh()))
+        pp = self._mesh.get("pp", 1)
+        if pp > 1 and self.pipeline_stages == 1:
+            # the mesh's pp axis holds the stages: no need to say it twice
+            object.__setattr__(self, "pipeline_stages", pp)
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         self._check_recompute_modules()

@@ -60,3 +60,9 @@ def test_config_is_frozen():
     cfg = ParallelConfig()
     with pytest.raises(AttributeError):
         cfg.mode = "semi_auto"  # type: ignore[misc]
+
+
+def test_pipeline_stages_come_from_the_mesh_pp_axis() -> None:
+    """The mesh's pp axis holds the stages: saying it once is enough."""
+    assert ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}).pipeline_stages == 2
+    assert ParallelConfig(mode="auto", mesh={"dp": 4}).pipeline_stages == 1

@@ -180,7 +180,7 @@ def auto_plan(
                 break
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
-    return _winner(trials, limit)
+    return _winner(trials, limit, cfg)
 
 
 def _with(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
@@ -189,7 +189,9 @@ def _with(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
     return ParallelConfig(**fields)
 
 
-def _winner(trials: Sequence[tuple[Plan | None, PlanOption]], limit: int) -> Plan:
+def _winner(
+    trials: Sequence[tuple[Plan | None, PlanOption]], limit: int, cfg: ParallelConfig
+) -> Plan:
     real = [(p, o) for p, o in trials if p is not None]
     if not real:
         raise ConfigError("no mesh could be planned: " + "; ".join(o.note for _, o in trials[:4]))
@@ -208,8 +210,23 @@ def _winner(trials: Sequence[tuple[Plan | None, PlanOption]], limit: int) -> Pla
     options = (best, *others[: KEPT_OPTIONS - 1])
     notes = [
         _why(best, ranked[1][1] if len(ranked) > 1 else None, limit, bool(feasible), len(real))
+        + ("" if feasible else _advice(cfg))
     ]
     return dataclasses.replace(best_plan, options=options, notes=(*best_plan.notes, *notes))
+
+
+def _advice(cfg: ParallelConfig) -> str:
+    """What the user fixed that the escalation could not change, and offload, as ways out."""
+    ways = []
+    if cfg.optimizer_shard not in (None, 3):
+        ways.append("optimizer_shard=3")
+    if cfg.recompute not in ("none", "auto", "full"):
+        ways.append("recompute='full'")
+    if cfg.micro_batches > 1:
+        ways.append(f"fewer micro-batches in flight than micro_batches={cfg.micro_batches}")
+    if cfg.offload is None:
+        ways.append("offload='optimizer' or 'activations' (host memory)")
+    return f"; also possible: {', '.join(ways)}" if ways else ""
 
 
 def _describe(o: PlanOption) -> str:

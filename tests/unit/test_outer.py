@@ -99,3 +99,14 @@ def test_big_batch_small_model_stays_data_parallel() -> None:
     )
     assert plan.mesh.as_dict() == {"dp": 8}
     assert plan.pipeline_stages == 1
+
+
+def test_nothing_fits_names_the_ways_out_the_user_fixed() -> None:
+    """When no option fits, the note says so and names what would help that the search could
+    not change (a fixed ZeRO level, offload), beside more devices or memory."""
+    model, batch = _gpt(layers=2)
+    cfg = ParallelConfig(mode="auto", devices=4, memory_limit=1000, optimizer_shard=1)
+    plan = plait.plan(model, cfg, example_batch=batch, loss_fn=gpt_loss)
+    note = plan.notes[-1]
+    assert note.startswith("no option fits 1000 B per device")
+    assert "optimizer_shard=3" in note and "offload='optimizer'" in note and "add devices" in note

@@ -58,6 +58,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="mode auto: write the plan the run uses to PATH (rank 0)")  # fmt: skip
     p.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                    help="micro-batches per step, one gradient reduction")  # fmt: skip
+    p.add_argument("--optimizer-shard", type=int, choices=(1, 2, 3), default=None,
+                   help="optimizer parallel level (ZeRO-1/2/3) over dp")  # fmt: skip
+    p.add_argument("--recompute", choices=("none", "selective", "full", "auto"), default="none",
+                   help="activation recompute of every block")  # fmt: skip
+    p.add_argument("--offload", choices=("optimizer", "activations"), default=None,
+                   help="keep the optimizer or saved activations in host memory")  # fmt: skip
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
     p.add_argument("--batch", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (characters)")
@@ -277,13 +283,18 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
         mesh=mesh,
         grad_accumulation=args.grad_accumulation,
         search=args.search if auto else None,
+        optimizer_shard=args.optimizer_shard,
+        optimizer_shard_threshold=0 if args.optimizer_shard else 64 * 1024,  # a small model
+        recompute=args.recompute,
+        offload=args.offload,
     )
     if args.plan is not None:
         config = plait.Plan.load(args.plan)
         args.grad_accumulation = config.grad_accumulation  # the plan's, for check_batch
     # auto and semi_auto plan on the shapes of one global batch (meta tensors: no memory);
     # given now, the plan (and its errors) come before training starts
-    planned = auto or args.mode == "semi_auto" or args.plan is not None
+    memory = args.optimizer_shard is not None or args.recompute != "none" or args.offload
+    planned = auto or args.mode == "semi_auto" or args.plan is not None or bool(memory)
     example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     job = plait.parallelize(
         model,

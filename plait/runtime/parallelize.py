@@ -94,6 +94,13 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "auto run it)",
         ),
         (
+            cfg.mode == "stand_alone"
+            and (cfg.optimizer_shard is not None or cfg.recompute != "none" or bool(cfg.offload)),
+            "mode='stand_alone' with optimizer_shard, recompute or offload",
+            "memory passes on the plain stand-alone path (use mode 'data_parallel' on one "
+            "process, which runs them)",
+        ),
+        (
             cfg.recompute != "none" and cfg.mode == "hybrid",
             f"recompute={cfg.recompute!r}, mode='hybrid'",
             "recompute for hand-written layouts (modes data_parallel, semi_auto and auto run it)",

@@ -172,3 +172,8 @@ def test_an_unbuilt_mode_is_refused_naming_itself_and_the_built_ones():
         _parallelize(MLP(), ParallelConfig(mode="parameter_server"))
     text = str(e.value)
     assert "mode 'parameter_server' is not built" in text and "'semi_auto'" in text
+
+
+def test_stand_alone_refuses_memory_passes_and_points_to_data_parallel():
+    with pytest.raises(NotBuiltError, match="use mode 'data_parallel' on one process"):
+        _parallelize(MLP(), ParallelConfig(mode="stand_alone", recompute="full"))

@@ -431,6 +431,7 @@ def _fused_reductions(
         per_stage.setdefault(stage, []).append((p, _local_bytes(g, p.layout)))
     level = ctx.cfg.optimizer_shard
     n = ctx.mesh.axis_size(dp)
+    read_again = _read_by_backward(ctx.graph, ctx.cfg) if level == 3 else set()
     for stage, entries in sorted(per_stage.items()):
         buckets = plan_buckets([size for _, size in entries], fusion)
         for k, bucket in enumerate(buckets):
@@ -465,10 +466,7 @@ def _fused_reductions(
             phases: tuple[str, ...] = ("optimizer",)
             if level == 3:
                 # the runtime gathers a bucket again only for the backward that reads it
-                again = [r for r, mode in recompute_regions(ctx.graph, ctx.cfg) if mode == "full"]
-                read = any(
-                    _read_by_backward(ctx.graph, by_name[p.name].name, again) for p, _ in sharded
-                )
+                read = any(by_name[p.name].name in read_again for p, _ in sharded)
                 phases = ("forward", "backward") if read else ("forward",)
             for phase in phases:
                 what = "before use" if level == 3 else "after the update"
@@ -498,18 +496,19 @@ _UNREAD_BY_BACKWARD = frozenset(
 )
 
 
-def _read_by_backward(graph: OpGraph, ref: str, recomputed: Sequence[str]) -> bool:
-    """Does the backward pass read this parameter's value (ZeRO-3 gathers it again then)?
+def _read_by_backward(graph: OpGraph, cfg: ParallelConfig) -> set[str]:
+    """The values the backward pass reads (ZeRO-3 gathers such a parameter again then).
 
-    It does when an op's backward reads it, or when the op is in a region whose forward
-    backward recomputes in full (``recomputed`` module paths).
+    An op's backward reads an input unless ``_UNREAD_BY_BACKWARD`` says otherwise, and reads
+    every input when the op is in a region whose forward backward recomputes in full.
     """
-    return any(
-        (op.target, k) not in _UNREAD_BY_BACKWARD or _inside(op.module_path, recomputed)
+    again = [r for r, mode in recompute_regions(graph, cfg) if mode == "full"]
+    return {
+        ref
         for op in graph.ops
-        for k, r in enumerate(op.inputs)
-        if r == ref
-    )
+        for k, ref in enumerate(op.inputs)
+        if (op.target, k) not in _UNREAD_BY_BACKWARD or _inside(op.module_path, again)
+    }
 
 
 def _inside(path: str, regions: Sequence[str]) -> bool:

@@ -234,7 +234,7 @@ class Program:
         cloned = 0
         for rank, graph_module in self.graphs.items():
             start = first_backward_node(graph_module)
-            before = saved_bytes(graph_module, start)
+            before = saved_bytes(graph_module, start) if rank == self.rank else 0
             derived = self._regather.get(rank, set())
             policies = [
                 recompute_policy(

@@ -41,6 +41,7 @@ from torch import nn
 from plait._compat import simulation_suspended
 from plait.comm.dtensor import dtensor_from_local, local_piece
 from plait.errors import ConfigError
+from plait.runtime.local_optim import is_elementwise
 
 __all__ = [
     "Apply",
@@ -189,8 +190,6 @@ def finish_reduce_scatter(
 
 def check_elementwise(optimizer: torch.optim.Optimizer, level: int | None) -> None:
     """Optimizer parallel and offload update pieces apart: the update must be elementwise."""
-    from plait.runtime.local_optim import is_elementwise
-
     if is_elementwise(optimizer):
         return
     given = f"optimizer_shard={level}" if level is not None else "offload='optimizer'"
@@ -253,6 +252,8 @@ class ZeroOptimizer:
                     self._copied.add(len(self.pairs))
             self.pairs.append((p, nn.Parameter(piece, requires_grad=p.requires_grad), spec))
         self._shadow_of = {s.name: sh for _, sh, s in self.pairs if s is not None}
+        self.params = {s.name: p for p, _, s in self.pairs if s is not None}
+        """Each split parameter by name."""
         self._coordinate = _coordinate_on(device_mesh, axis)
 
     @property
@@ -290,7 +291,7 @@ class ZeroOptimizer:
             local_piece(p).copy_(shadow.detach(), non_blocking=True)
         if self.level not in (1, 2):
             return
-        params = {s.name: p for p, _, s in self.pairs if s is not None}
+        params = self.params
         for bucket in self.buckets:
             device = local_piece(params[bucket[0].name]).device
             shards = [self._shadow_of[m.name].detach().to(device) for m in bucket]
@@ -476,7 +477,7 @@ def reduce_scatter_accumulated(zero: ZeroOptimizer) -> None:
     micro-batch (the program leaves the summed gradients pending), eagerly."""
     if zero.level == 1:
         return
-    params = {s.name: p for p, _, s in zero.pairs if s is not None}
+    params = zero.params
     for bucket in zero.buckets:
         grads = []
         for m in bucket:

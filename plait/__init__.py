@@ -5,11 +5,12 @@ does (data parallel, semi-automatic operator-level parallel with strategies and 
 and runs it on ``torch.distributed``. See README.md for a tour.
 """
 
-from plait import data, ops, testing
+from plait import checkpoint, data, ops, testing
 from plait.annotate import recompute, shard
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import (
     CaptureError,
+    CheckpointError,
     ConfigError,
     CostError,
     LaunchError,
@@ -30,6 +31,7 @@ from plait.runtime.parallelize import parallelize
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "CommFusion",
     "ConfigError",
     "CostError",
@@ -52,6 +54,7 @@ __all__ = [
     "WorkerFailed",
     "World",
     "capture",
+    "checkpoint",
     "data",
     "init",
     "ops",

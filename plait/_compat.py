@@ -23,6 +23,7 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "funcol",
+    "load_dcp_keys",
     "local_tensor_mode_active",
     "own_per_rank",
     "same_on_every_rank",
@@ -244,3 +245,17 @@ def annotated(tags: dict[str, object]):  # type: ignore[no-untyped-def]
 def node_tags(node: torch.fx.Node) -> dict[str, object]:
     """The ``annotated`` tags of a traced node ({} when it has none)."""
     return node.meta.get("custom") or {}
+
+
+def load_dcp_keys(path: str, keys: set[str] | None) -> dict[str, torch.Tensor]:
+    """Whole tensors (``keys``, or all) from a DCP checkpoint, on one process, no process group.
+
+    DCP's own reader for this is private (``_load_state_dict_from_keys``).
+    """
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    except ImportError as e:  # pragma: no cover
+        raise _fail("_load_state_dict_from_keys", "plait checkpoint merge", e) from e
+    import torch.distributed.checkpoint as dcp
+
+    return _load_state_dict_from_keys(keys, storage_reader=dcp.FileSystemReader(path))

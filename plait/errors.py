@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "ConfigError",
     "CostError",
     "LaunchError",
@@ -49,6 +50,13 @@ class PlanError(PlaitError):
 
 class CaptureError(PlaitError):
     """A model, example batch or loss function cannot be captured into an OpGraph."""
+
+
+class CheckpointError(PlaitError):
+    """A checkpoint is missing, incomplete, corrupted, or does not fit the job loading it.
+
+    Raised before anything is loaded: a failed load leaves the job as it was.
+    """
 
 
 class CostError(PlaitError):

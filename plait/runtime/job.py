@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from plait.comm.dtensor import (
 )
 from plait.config import ParallelConfig
 from plait.data import input_layouts, split_micro_batches
-from plait.errors import ShardingError
+from plait.errors import CheckpointError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
@@ -31,6 +32,9 @@ from plait.runtime.grad_sync import GradSync
 from plait.runtime.precision import LossScaler, autocast_for
 from plait.runtime.program import Program, check_loss
 from plait.runtime.zero import ZeroOptimizer, reduce_scatter_accumulated
+
+if TYPE_CHECKING:
+    from plait.runtime.checkpoint import SaveHandle, Stateful
 
 __all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
 
@@ -81,6 +85,10 @@ class Job:
         self.program = program
         """The compiled per-rank program a plan job's step runs (None for other jobs)."""
         self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
+        self.steps_taken = 0
+        """Optimizer steps taken (restored by :meth:`load`)."""
+        self._saving: SaveHandle | None = None
+        self._save_group: Any = None
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -90,6 +98,74 @@ class Job:
         after the last: the update equals one step on the whole batch (MindSpore's gradient
         accumulation).
         """
+        loss = self._step(batch)
+        self.steps_taken += 1
+        return loss
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+        async_save: bool = False,
+    ) -> SaveHandle:
+        """Write a sharded checkpoint of this job to directory ``path``; every rank calls it.
+
+        Saved: the model's parameters and buffers and the optimizer's states (each rank writes
+        the pieces it holds), the step count, RNG streams, the loss scaler, the optimizer's
+        hyperparameters, ``loader``'s position and each of ``stateful``'s objects (anything
+        with ``state_dict``, such as an LR scheduler), with the plan and a manifest of every
+        file's checksum beside them. The checkpoint appears at ``path`` only once complete: a
+        crash during a save leaves what was there before.
+
+        ``async_save=True`` copies the state to host memory and returns at once; the files are
+        written in a background thread while training goes on. The next save, load, or
+        ``handle.wait()`` waits for it. Returns a handle either way.
+        """
+        from plait.runtime.checkpoint import save_job
+
+        self._saving = save_job(self, path, loader=loader, stateful=stateful, async_save=async_save)
+        return self._saving
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+        optimizer: bool = True,
+    ) -> int:
+        """Load a checkpoint written by :meth:`save`, under this job's plan; returns the number
+        of steps already taken.
+
+        ``path`` is a checkpoint, or a directory of them (the newest complete ``step-*``). The
+        checkpoint may come from another mesh, layout, optimizer-parallel level or number of
+        processes: each rank reads just the parts it holds. Every file's checksum, the model's
+        names and shapes and the optimizer's class are checked first; on an error nothing is
+        loaded. ``optimizer=False`` loads the model alone. RNG streams are restored when the
+        number of processes is the same.
+        """
+        from plait.runtime.checkpoint import load_job
+
+        return load_job(self, path, loader=loader, stateful=stateful, optimizer=optimizer)
+
+    def wait_for_save(self) -> None:
+        """Block until an ``async_save`` in progress is committed (re-raising its error)."""
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.wait()
+
+    def _checkpoint_group(self) -> Any:
+        """The process group background saves coordinate on (made at the first one)."""
+        if self._save_group is None:
+            from plait.comm.checkpoint_io import checkpoint_group
+
+            self._save_group = checkpoint_group()
+        return self._save_group
+
+    def _step(self, batch: Any) -> float:
+        """One step (see :meth:`step`)."""
         if self.plain is not None:
             return self._step_plain(batch, self.plain)
         if self.program is not None:
@@ -378,6 +454,8 @@ class DeferredJob(Job):
         self._built: Job | None = None
         self._mesh = mesh
         self._device_mesh = device_mesh
+        self._pending_load: tuple[Any, bool, int] | None = None
+        """(checkpoint, optimizer, step) that :meth:`load` left for the planned job."""
 
     @property
     def mesh(self) -> MeshSpec | None:  # type: ignore[override]
@@ -406,7 +484,12 @@ class DeferredJob(Job):
                 _shapes(batch),
             )
             example = batch if self._to_global is None else self._to_global(batch)
-            self._built = self._build(example)
+            built = self._build(example)
+            if self._pending_load is not None:
+                where, optimizer, _ = self._pending_load
+                built.load(where, optimizer=optimizer)
+                self._pending_load = None
+            self._built = built
         return self._built
 
     @property
@@ -421,6 +504,7 @@ class DeferredJob(Job):
             "_mesh",
             "_device_mesh",
             "_to_global",
+            "_pending_load",
         ):
             raise AttributeError(name)
         built = self.__dict__.get("_built")
@@ -436,6 +520,44 @@ class DeferredJob(Job):
 
     def evaluate(self, batch: Any) -> float:
         return self._job(batch).evaluate(batch)
+
+    @property
+    def steps_taken(self) -> int:  # type: ignore[override]
+        if self._built is not None:
+            return self._built.steps_taken
+        return 0 if self._pending_load is None else self._pending_load[2]
+
+    def save(self, path: Any, **kwargs: Any) -> Any:
+        if self._built is None:
+            raise CheckpointError(
+                f"job.save({os.fspath(path)!r}) before the first step: this job is planned at "
+                "its first step(batch), and until then there is nothing but the model you "
+                "passed in; save after a step, or pass example_batch= to plait.parallelize"
+            )
+        return self._built.save(path, **kwargs)
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+        optimizer: bool = True,
+    ) -> int:
+        """As :meth:`Job.load`. Before the first step the checkpoint is checked now and the
+        loader's position and ``stateful`` objects restored; the model and optimizer states
+        are loaded once the first step has planned the job."""
+        if self._built is not None:
+            return self._built.load(path, loader=loader, stateful=stateful, optimizer=optimizer)
+        from plait.runtime.checkpoint import prepare_deferred_load
+
+        where, step = prepare_deferred_load(path, loader=loader, stateful=stateful)
+        self._pending_load = (where, optimizer, step)
+        return step
+
+    def wait_for_save(self) -> None:
+        if self._built is not None:
+            self._built.wait_for_save()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self._built is None:  # not planned yet: the model is still whole

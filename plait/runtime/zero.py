@@ -283,6 +283,20 @@ class ZeroOptimizer:
         return piece.narrow(spec.dim, self._coordinate * size, size)
 
     @torch.no_grad()
+    def reload_from_parameters(self) -> None:
+        """Refresh the shadows that are copies (level 1/2 shards, host copies) from the
+        parameters, after the parameters were overwritten (a checkpoint load)."""
+        for k, (p, shadow, spec) in enumerate(self.pairs):
+            if spec is not None and self.level in (1, 2):
+                if self._coordinate is None:
+                    piece = p.detach().redistribute(self.device_mesh, spec.placements).to_local()
+                else:
+                    piece = self._chunk(local_piece(p), spec, p)
+                shadow.detach().copy_(piece)
+            elif k in self._copied:
+                shadow.detach().copy_(local_piece(p))
+
+    @torch.no_grad()
     def after_step(self) -> None:
         """Put the updated values where forward reads them: host copies back on the device;
         levels 1 and 2 all-gather each bucket's updated shards into the whole pieces."""

@@ -1,0 +1,227 @@
+"""A plait checkpoint on disk: its directory, manifest, checksums, atomic commit, and discovery.
+
+A checkpoint is one directory::
+
+    step-00000040/
+      plait.json        manifest: format, step, world, mesh, optimizer, every file's size and CRC-32
+      plan.json         the plan the job ran (jobs that run a plan)
+      .metadata         DCP's metadata: every tensor's global shape and where its pieces lie
+      __0_0.distcp ...  DCP's data files, one per rank
+      extra/rank0.pt... each rank's small state (RNG streams, data-loader position, loss scaler,
+                        the optimizer's hyperparameters, user objects)
+
+It is written under ``<name>.partial`` and renamed to ``<name>`` once every file is on disk
+and the manifest (written last) lists them: a directory with a manifest is complete, and a
+crash during a save leaves the previous checkpoint as it was. Nothing here touches a process
+group; ``plait/runtime/checkpoint.py`` runs the protocol across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from plait.errors import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "checksum",
+    "commit",
+    "complete_checkpoints",
+    "files_of",
+    "latest",
+    "partial_path",
+    "prune",
+    "read_manifest",
+    "resolve",
+    "step_name",
+    "verify",
+    "write_manifest",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "plait-checkpoint/1"
+MANIFEST = "plait.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHUNK = 1 << 23  # bytes read at a time when checksumming
+
+
+def step_name(step: int) -> str:
+    """The directory name of the checkpoint taken after ``step`` steps: ``step-00000040``."""
+    return f"step-{step:08d}"
+
+
+def partial_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is committed to ``path``."""
+    return path.with_name(path.name + ".partial")
+
+
+def checksum(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "crc32": "%08x"}`` of one file."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def files_of(directory: Path) -> list[str]:
+    """Every file under ``directory`` but the manifest, relative, sorted (the same list on
+    every rank, so ranks can split the checksumming by index)."""
+    out = [
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    ]
+    return sorted(out)
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest (last: its presence marks the files complete) and sync it."""
+    target = directory / MANIFEST
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+def commit(partial: Path, path: Path) -> None:
+    """Make the written ``partial`` directory the checkpoint ``path`` (replacing one there)."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(partial, path)
+    _sync_directory(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory to load for ``path``.
+
+    ``path`` is a checkpoint, or a directory of them (``step-*``: the latest complete one).
+    A checkpoint replaced by a save that crashed between its two renames is found under
+    ``<path>.old``.
+    """
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return p
+    old = p.with_name(p.name + ".old")
+    if not p.exists() and (old / MANIFEST).is_file():
+        logger.warning("checkpoint %s: loading %s (a save replacing it did not finish)", p, old)
+        return old
+    if p.is_dir():
+        found = latest(p)
+        if found is not None:
+            return found
+        partial = [q.name for q in p.iterdir() if q.name.endswith(".partial")]
+        extra = f" (unfinished saves: {', '.join(sorted(partial))})" if partial else ""
+        if (p / ".metadata").is_file():
+            raise CheckpointError(
+                f"checkpoint {str(p)!r} has DCP data but no {MANIFEST}: the save that wrote it "
+                "did not finish (the manifest is written last), or it is not a plait "
+                "checkpoint; load an earlier checkpoint"
+            )
+        raise CheckpointError(
+            f"no checkpoint in {str(p)!r}: it holds no {MANIFEST} and no complete step-* "
+            f"checkpoint{extra}; pass a directory written by job.save or plait.checkpoint"
+            ".Checkpoints"
+        )
+    raise CheckpointError(
+        f"checkpoint {str(p)!r} does not exist; pass a directory written by job.save"
+    )
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, checked for its format."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no {MANIFEST}: the save did not finish, or the "
+            "directory is not a plait checkpoint"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint manifest {str(file)!r} cannot be read: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(
+            f"{str(file)!r} has format {got!r}; this plait reads {FORMAT!r} checkpoints"
+        )
+    return manifest
+
+
+def verify(path: Path, manifest: dict[str, Any], names: Iterable[str]) -> list[str]:
+    """The problems (missing, wrong size, wrong checksum) of the listed files, each a sentence
+    naming the file."""
+    listed = manifest["files"]
+    problems = []
+    for name in names:
+        want = listed[name]
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{str(file)!r} is missing")
+            continue
+        have = checksum(file)
+        if have["bytes"] != want["bytes"]:
+            problems.append(
+                f"{str(file)!r} has {have['bytes']} bytes, the manifest says {want['bytes']} "
+                "(truncated or overwritten)"
+            )
+        elif have["crc32"] != want["crc32"]:
+            problems.append(
+                f"{str(file)!r} has CRC-32 {have['crc32']}, the manifest says {want['crc32']} "
+                "(corrupted)"
+            )
+    return problems
+
+
+def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """The complete ``step-*`` checkpoints in ``directory``, by step."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint of the highest step in ``directory`` (None if there is none)."""
+    found = complete_checkpoints(Path(directory))
+    return found[-1][1] if found else None
+
+
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints; returns what was deleted."""
+    found = complete_checkpoints(directory)
+    gone = [p for _, p in found[: max(len(found) - keep, 0)]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone

@@ -1,0 +1,130 @@
+"""A directory of checkpoints: save every N steps, keep the last K, resume from the newest.
+
+``plait run --checkpoint-dir DIR`` sets ``PLAIT_CHECKPOINT_DIR`` for every worker, so a
+script that builds ``Checkpoints()`` without a directory resumes where the previous attempt
+stopped after ``--max-restarts`` restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from plait.checkpoint import files
+from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.runtime.checkpoint import Stateful
+    from plait.runtime.job import Job
+
+__all__ = ["ENV_DIR", "Checkpoints"]
+
+logger = logging.getLogger(__name__)
+
+ENV_DIR = "PLAIT_CHECKPOINT_DIR"
+
+
+@dataclass
+class Checkpoints:
+    """Periodic checkpoints of a job in one directory (``step-00000040``, ...).
+
+    Args:
+        directory: where they go; ``None`` takes ``$PLAIT_CHECKPOINT_DIR`` (set by
+            ``plait run --checkpoint-dir``).
+        every: save after every ``every``-th step (``maybe_save``).
+        keep: how many of the newest to keep (older ones are deleted after a save commits).
+        async_save: write in a background thread while training goes on.
+
+    Example::
+
+        ckpt = plait.checkpoint.Checkpoints("ckpt", every=100, keep=2)
+        start = ckpt.resume(job, loader=loader)      # 0 on a fresh start
+        for batch in loader:
+            job.step(batch)
+            ckpt.maybe_save(job, loader=loader)
+    """
+
+    directory: str | os.PathLike[str] | None = None
+    every: int = 100
+    keep: int = 2
+    async_save: bool = False
+    _path: Path = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        directory = self.directory if self.directory is not None else os.environ.get(ENV_DIR)
+        if not directory:
+            raise ConfigError(
+                "Checkpoints() got no directory and $PLAIT_CHECKPOINT_DIR is not set; pass "
+                "Checkpoints('ckpt', ...) or run under plait run --checkpoint-dir DIR"
+            )
+        for name in ("every", "keep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Checkpoints({name}={value!r}): must be an int >= 1")
+        self._path = Path(directory)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint here (None if there is none)."""
+        return files.latest(self._path)
+
+    def resume(
+        self,
+        job: Job,
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+    ) -> int:
+        """Load the newest complete checkpoint into ``job``; return its step (0 if none)."""
+        found = self.latest()
+        if found is None:
+            logger.info("no checkpoint in %s: starting at step 0", self._path)
+            return 0
+        return job.load(found, loader=loader, stateful=stateful)
+
+    def save(
+        self,
+        job: Job,
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+    ) -> Any:
+        """Save now, as ``step-<steps taken>``; then delete all but the newest ``keep``."""
+        # The previous background save commits before its older siblings are pruned.
+        job.wait_for_save()
+        self._prune()
+        handle = job.save(
+            self._path / files.step_name(job.steps_taken),
+            loader=loader,
+            stateful=stateful,
+            async_save=self.async_save,
+        )
+        if not self.async_save:
+            self._prune()
+        return handle
+
+    def maybe_save(
+        self,
+        job: Job,
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+    ) -> Any:
+        """Save when the job's step count is a multiple of ``every``; else nothing (None)."""
+        if job.steps_taken % self.every:
+            return None
+        return self.save(job, loader=loader, stateful=stateful)
+
+    def _prune(self) -> None:
+        from plait.comm.checkpoint_io import rank
+
+        if rank() == 0:
+            for gone in files.prune(self._path, self.keep):
+                logger.info("deleted old checkpoint %s", gone)

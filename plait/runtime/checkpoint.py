@@ -1,0 +1,571 @@
+"""Saving and loading a Job: sharded, resumable, loadable under any other plan.
+
+One checkpoint holds, as a DCP checkpoint (:mod:`plait.comm.checkpoint_io`):
+
+* ``model.<name>``: every entry of ``model.state_dict()`` (parameters and buffers), each rank
+  writing the pieces it holds;
+* ``optim.<parameter>.<state>``: the optimizer's per-parameter states (Adam's moments...) as
+  global tensors laid out like the piece the optimizer updates: the parameter's layout, or
+  under optimizer parallel its shard's (so ZeRO's 1/dp states are saved 1/dp per rank);
+  scalar states (Adam's ``step``) whole;
+
+and, beside it, each rank's small state (``extra/rank<r>.pt``: RNG streams, data-loader
+position, loss scaler, the optimizer's hyperparameters, user objects with ``state_dict``), the
+plan the job ran, and the manifest with the step and every file's checksum
+(:mod:`plait.checkpoint.files`).
+
+Because every tensor is saved with its global shape and each piece's offset, a load under
+another mesh, layout or optimizer-parallel level reads on each rank just the parts of the
+saved pieces that overlap the pieces it will hold (MindSpore's strategy transformation, done
+by DCP): dp=4 to dp=2 x tp=2, to ZeRO-3, to one process, and back.
+
+A load checks everything before it writes anything (the manifest, every file's checksum, the
+model's names and shapes, the optimizer's class), so a bad checkpoint leaves the job as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from plait._compat import TORCH_VERSION, simulated_ranks
+from plait.checkpoint import files
+from plait.comm import checkpoint_io as io
+from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
+from plait.errors import CheckpointError
+from plait.runtime.local_optim import LocalShadows
+from plait.runtime.zero import ZeroOptimizer
+
+if TYPE_CHECKING:
+    from plait.runtime.job import Job
+
+__all__ = [
+    "SaveHandle",
+    "Stateful",
+    "load_job",
+    "prepare_deferred_load",
+    "read_extras",
+    "save_job",
+]
+
+logger = logging.getLogger(__name__)
+
+MODEL = "model."
+OPTIM = "optim."
+
+
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(state)`` (a data loader, an LR
+    scheduler...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """One parameter as the optimizer sees it."""
+
+    name: str
+    param: torch.Tensor
+    key: torch.Tensor
+    """The tensor the optimizer keys its state by: a local shadow, or the parameter itself."""
+    placements: tuple[Any, ...] | None
+    """Placements of the piece the optimizer updates (None: its states are the parameter's
+    own kind, a plain tensor or a DTensor, saved as they are)."""
+
+
+# ----------------------------------------------------------------------------- state of a job
+
+
+def _slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Slot]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    shadows = getattr(optimizer, "_plait_shadows", None)
+    if isinstance(shadows, ZeroOptimizer):
+        return [
+            _Slot(
+                names[id(p)],
+                p,
+                s,
+                spec.placements if spec is not None and shadows.level in (1, 2) else p.placements,
+            )
+            for p, s, spec in shadows.pairs
+        ]
+    if isinstance(shadows, LocalShadows):
+        return [_Slot(names[id(p)], p, s, p.placements) for p, s in shadows.pairs]
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [
+        _Slot(n, p, p, None) for n, p in model.named_parameters() if id(p) in in_optimizer
+    ]
+
+
+def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
+    """An optimizer state tensor as the global tensor a checkpoint stores."""
+    if slot.placements is None or value.ndim == 0:
+        return value
+    if tuple(value.shape) != tuple(slot.key.shape):
+        raise CheckpointError(
+            f"{where} has shape {tuple(value.shape)}, neither a scalar nor the shape of the "
+            f"piece the optimizer updates {tuple(slot.key.shape)}; plait saves per-element "
+            "optimizer states (SGD, Adam, AdamW...) of sharded parameters; use one of those, or "
+            "a layout that keeps this parameter whole"
+        )
+    p = slot.param
+    return dtensor_from_local(value, p.device_mesh, slot.placements, p.shape, p.stride())
+
+
+def tensor_state(job: Job) -> dict[str, torch.Tensor]:
+    """The flat tensor dict a checkpoint of ``job`` stores (sharing storage with the job)."""
+    state: dict[str, torch.Tensor] = {
+        MODEL + k: v for k, v in job.model.state_dict().items()
+    }
+    for slot in _slots(job.model, job.optimizer):
+        for k, v in job.optimizer.state.get(slot.key, {}).items():
+            if isinstance(v, torch.Tensor):
+                where = f"optimizer state {k!r} of parameter {slot.name!r}"
+                state[f"{OPTIM}{slot.name}.{k}"] = _as_global(v, slot, where)
+    return state
+
+
+def _extras(job: Job, loader: Stateful | None, stateful: Mapping[str, Stateful]) -> dict:
+    scaler = job.loss_scaler
+    return {
+        "step": job.steps_taken,
+        "rng": _rng_state(),
+        "loader": None if loader is None else loader.state_dict(),
+        "loss_scaler": None if scaler is None else dict(vars(scaler)),
+        "optimizer": {
+            "class": type(job.optimizer).__name__,
+            "groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in job.optimizer.param_groups
+            ],
+        },
+        "objects": {name: obj.state_dict() for name, obj in stateful.items()},
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    """Lists back to the tuples ``random.setstate`` wants."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
+class SaveHandle:
+    """A save in progress (``async_save=True``) or done: ``wait()`` until it is committed."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
+        self.path = path
+        self._thread = thread
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is committed; re-raise what the save raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.path
+
+
+def _check_real(what: str) -> None:
+    if simulated_ranks() is not None:
+        raise CheckpointError(
+            f"{what} in a simulated world (plait.testing.simulate): one process plays every "
+            "rank there, and a checkpoint is written by real processes, each its own pieces; "
+            "run it on real processes (plait run, or plait.testing.run_workers) or on one"
+        )
+
+
+def save_job(
+    job: Job,
+    path: str | os.PathLike[str],
+    *,
+    loader: Stateful | None = None,
+    stateful: Mapping[str, Stateful] | None = None,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Write a checkpoint of ``job`` to directory ``path`` (see :meth:`plait.Job.save`)."""
+    _check_real("job.save")
+    job.wait_for_save()
+    final = Path(path)
+    partial = files.partial_path(final)
+    rank = io.rank()
+    extras = _extras(job, loader, dict(stateful or {}))
+    state = tensor_state(job)
+    if async_save:
+        group = job._checkpoint_group()
+        state = _staged(state)  # training may change the live tensors from now on
+        extras = _copied(extras)
+    else:
+        group = None
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "extra").mkdir(parents=True)
+        plan = getattr(job.loss_fn, "plan", None)
+        if plan is not None:
+            plan.save(partial / "plan.json")
+    io.barrier(group)  # the directory exists before anyone writes into it
+    manifest = _manifest(job, extras)
+
+    def write() -> None:
+        torch.save(extras, partial / "extra" / f"rank{rank}.pt")
+        io.save_tensors(state, partial, group)
+        _commit(partial, final, manifest, group)
+
+    if not async_save:
+        write()
+        return SaveHandle(final)
+    handle = SaveHandle(final)
+
+    def background() -> None:
+        try:
+            write()
+        except BaseException as e:  # handed to wait(), in the training thread
+            handle.error = e
+
+    thread = threading.Thread(target=background, name=f"plait-save-{final.name}")
+    handle._thread = thread
+    thread.start()
+    return handle
+
+
+def _staged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of every tensor (DTensors keep their layout), for a background write."""
+    out = {}
+    for k, v in state.items():
+        if is_dtensor(v):
+            local = local_piece(v).detach().to("cpu", copy=True)
+            out[k] = dtensor_from_local(local, v.device_mesh, v.placements, v.shape, v.stride())
+        else:
+            out[k] = v.detach().to("cpu", copy=True)
+    return out
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def _manifest(job: Job, extras: dict[str, Any]) -> dict[str, Any]:
+    mesh = job.mesh
+    return {
+        "format": files.FORMAT,
+        "step": extras["step"],
+        "world_size": io.world_size(),
+        "mesh": None if mesh is None else mesh.as_dict(),
+        "mode": job.config.mode,
+        "optimizer_shard": job.config.optimizer_shard,
+        "model": type(job.model).__name__,
+        "optimizer": extras["optimizer"]["class"],
+        "torch": TORCH_VERSION,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _commit(partial: Path, final: Path, manifest: dict[str, Any], group: Any) -> None:
+    """Checksum every file (the ranks split them), write the manifest, rename into place."""
+    rank, world = io.rank(), io.world_size()
+    names = files.files_of(partial)
+    mine = {n: files.checksum(partial / n) for n in names[rank::world]}
+    gathered = io.all_gather_objects(mine, group)
+    if rank == 0:
+        listed: dict[str, Any] = {}
+        for part in gathered:
+            listed.update(part)
+        files.write_manifest(partial, {**manifest, "files": listed})
+        files.commit(partial, final)
+        logger.info("checkpoint of step %d written to %s", manifest["step"], final)
+    io.barrier(group)  # committed before any rank goes on (or prunes, or loads it)
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def read_extras(path: Path) -> dict[str, Any]:
+    """This rank's small state from the checkpoint at ``path`` (rank 0's when the world
+    changed size and this rank did not exist)."""
+    rank = io.rank()
+    file = path / "extra" / f"rank{rank}.pt"
+    if not file.is_file():
+        file = path / "extra" / "rank0.pt"
+    try:
+        return torch.load(file, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {str(file)!r}") from None
+
+
+def verify_collectively(path: Path, manifest: dict[str, Any]) -> None:
+    """Every file's size and checksum, the ranks splitting the work; the same error on all."""
+    rank, world = io.rank(), io.world_size()
+    names = sorted(manifest["files"])
+    problems = files.verify(path, manifest, names[rank::world])
+    everyone = [p for part in io.all_gather_objects(problems) for p in part]
+    if everyone:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is damaged, nothing was loaded: "
+            + "; ".join(everyone[:5])
+            + (f"; and {len(everyone) - 5} more" if len(everyone) > 5 else "")
+            + ". Load an earlier checkpoint"
+        )
+
+
+def check_model(path: Path, saved: Mapping[str, io.SavedTensor], model: Mapping[str, Any]) -> None:
+    """The checkpoint's model tensors are this model's: the same names and shapes."""
+    have = {k[len(MODEL) :]: v for k, v in saved.items() if k.startswith(MODEL)}
+    missing = [k for k in model if k not in have]
+    unexpected = [k for k in have if k not in model]
+    wrong = [
+        f"{k}: saved {have[k].shape}, this model {tuple(v.shape)}"
+        for k, v in model.items()
+        if k in have and tuple(have[k].shape) != tuple(v.shape)
+    ]
+    if not (missing or unexpected or wrong):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_few(missing)}")
+    if unexpected:
+        parts.append(f"not in this model: {_few(unexpected)}")
+    if wrong:
+        parts.append(f"shapes differ: {_few(wrong)}")
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} does not fit this model, nothing was loaded: "
+        + "; ".join(parts)
+        + ". Load a checkpoint of the same model (the same class and config)"
+    )
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def _optimizer_destinations(
+    job: Job, saved: Mapping[str, io.SavedTensor], saved_class: str
+) -> tuple[dict[str, torch.Tensor], list[tuple[_Slot, str, torch.Tensor]]]:
+    """Fresh tensors to load the saved optimizer states into, laid out as this job's optimizer
+    pieces, and where each goes once loaded."""
+    slots = {s.name: s for s in _slots(job.model, job.optimizer)}
+    ours = type(job.optimizer).__name__
+    keys = [k for k in saved if k.startswith(OPTIM)]
+    if keys and saved_class != ours:
+        raise CheckpointError(
+            f"the checkpoint's optimizer states are {saved_class}'s; this job's optimizer is "
+            f"{ours}; nothing was loaded. Build the job with {saved_class}, or load the model "
+            "alone with job.load(..., optimizer=False)"
+        )
+    dest: dict[str, torch.Tensor] = {}
+    install: list[tuple[_Slot, str, torch.Tensor]] = []
+    for key in keys:
+        name, _, state_key = key[len(OPTIM) :].rpartition(".")
+        slot = slots.get(name)
+        if slot is None:
+            raise CheckpointError(
+                f"checkpoint has optimizer state {key!r} for parameter {name!r}, which this "
+                "job's optimizer does not train; nothing was loaded. Load with optimizer=False "
+                "to take the model alone"
+            )
+        meta = saved[key]
+        existing = job.optimizer.state.get(slot.key, {}).get(state_key)
+        local, target = _destination(slot, meta, existing)
+        dest[key] = target
+        install.append((slot, state_key, local))
+    return dest, install
+
+
+def _destination(
+    slot: _Slot, meta: io.SavedTensor, existing: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the optimizer will hold, what DCP loads into) for one saved state."""
+    p = slot.param
+    if len(meta.shape) == 0:
+        device = existing.device if isinstance(existing, torch.Tensor) else torch.device("cpu")
+        t = torch.zeros((), dtype=meta.dtype, device=device)
+        return t, t
+    if tuple(meta.shape) != tuple(p.shape):
+        raise CheckpointError(
+            f"saved optimizer state of {slot.name!r} has shape {meta.shape}, the parameter "
+            f"{tuple(p.shape)}; nothing was loaded"
+        )
+    if slot.placements is None:
+        if is_dtensor(p):
+            local = torch.zeros_like(local_piece(p), dtype=meta.dtype)
+            t = dtensor_from_local(local, p.device_mesh, p.placements, p.shape, p.stride())
+            return t, t
+        t = torch.zeros_like(p, dtype=meta.dtype)
+        return t, t
+    local = torch.zeros(slot.key.shape, dtype=meta.dtype, device=slot.key.device)
+    target = dtensor_from_local(local, p.device_mesh, slot.placements, p.shape, p.stride())
+    return local, target
+
+
+def load_job(
+    job: Job,
+    path: str | os.PathLike[str],
+    *,
+    loader: Stateful | None = None,
+    stateful: Mapping[str, Stateful] | None = None,
+    optimizer: bool = True,
+) -> int:
+    """Load the checkpoint at ``path`` into ``job`` (see :meth:`plait.Job.load`)."""
+    _check_real("job.load")
+    job.wait_for_save()
+    where = files.resolve(path)
+    manifest = files.read_manifest(where)
+    verify_collectively(where, manifest)
+    try:
+        saved = io.read_tensor_metadata(where)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {str(where)!r} has no DCP metadata file '.metadata'; it is incomplete"
+        ) from None
+    model_state = {MODEL + k: v for k, v in job.model.state_dict().items()}
+    check_model(where, saved, {k[len(MODEL) :]: v for k, v in model_state.items()})
+    extras = read_extras(where)
+    if not optimizer:
+        saved = {k: v for k, v in saved.items() if not k.startswith(OPTIM)}
+    dest, install = _optimizer_destinations(job, saved, extras["optimizer"]["class"])
+    check_host_state(where, extras, loader, stateful)
+    io.load_tensors({**model_state, **dest}, where)
+    # Everything below only writes what was read and checked.
+    for slot, state_key, local in install:
+        job.optimizer.state[slot.key][state_key] = local
+    if optimizer:
+        _restore_groups(job.optimizer, extras["optimizer"]["groups"])
+    shadows = getattr(job.optimizer, "_plait_shadows", None)
+    if isinstance(shadows, ZeroOptimizer):
+        shadows.reload_from_parameters()
+    if job.loss_scaler is not None and extras.get("loss_scaler"):
+        vars(job.loss_scaler).update(extras["loss_scaler"])
+    restore_host_state(where, manifest, extras, loader, stateful)
+    job.steps_taken = int(extras["step"])
+    logger.info("loaded checkpoint %s (step %d)", where, job.steps_taken)
+    return job.steps_taken
+
+
+def check_host_state(
+    where: Path,
+    extras: Mapping[str, Any],
+    loader: Stateful | None,
+    stateful: Mapping[str, Stateful] | None,
+) -> None:
+    """The checkpoint holds the loader position and user objects asked for."""
+    if loader is not None and extras.get("loader") is None:
+        raise CheckpointError(
+            f"checkpoint {str(where)!r} was saved without a data loader, nothing was loaded; "
+            "call job.load without loader=, or save with job.save(path, loader=...)"
+        )
+    objects = extras.get("objects", {})
+    for name in stateful or {}:
+        if name not in objects:
+            raise CheckpointError(
+                f"checkpoint {str(where)!r} holds no object {name!r} (it holds "
+                f"{sorted(objects) or 'none'}), nothing was loaded; pass the names given to "
+                "job.save(stateful=...)"
+            )
+
+
+def restore_host_state(
+    where: Path,
+    manifest: Mapping[str, Any],
+    extras: Mapping[str, Any],
+    loader: Stateful | None,
+    stateful: Mapping[str, Stateful] | None,
+    *,
+    rng: bool = True,
+) -> None:
+    """The data-loader position, user objects and (same world size only) RNG streams."""
+    if loader is not None:
+        loader.load_state_dict(extras["loader"])
+    for name, obj in (stateful or {}).items():
+        obj.load_state_dict(extras["objects"][name])
+    if not rng:
+        return
+    if manifest.get("world_size") == io.world_size():
+        _set_rng_state(extras["rng"])
+    else:
+        logger.info(
+            "checkpoint %s was saved by %s processes, loaded by %d: RNG streams are per process "
+            "and were not restored",
+            where,
+            manifest.get("world_size"),
+            io.world_size(),
+        )
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """The saved hyperparameters (a scheduler's learning rate...), group by group."""
+    if len(groups) != len(optimizer.param_groups):
+        logger.warning(
+            "checkpoint optimizer has %d parameter groups, this one %d: hyperparameters "
+            "(learning rates...) kept as they are",
+            len(groups),
+            len(optimizer.param_groups),
+        )
+        return
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        group.update(saved)
+
+
+def prepare_deferred_load(
+    path: str | os.PathLike[str],
+    *,
+    loader: Stateful | None,
+    stateful: Mapping[str, Stateful] | None,
+) -> tuple[Path, int]:
+    """For a job not planned yet: check the checkpoint, restore the loader's position and the
+    user objects now (the loop reads batches before the first step plans the job); return
+    the checkpoint and its step. The tensors and RNG streams load once the job is planned."""
+    _check_real("job.load")
+    where = files.resolve(path)
+    manifest = files.read_manifest(where)
+    verify_collectively(where, manifest)
+    extras = read_extras(where)
+    check_host_state(where, extras, loader, stateful)
+    restore_host_state(where, manifest, extras, loader, stateful, rng=False)
+    return where, int(extras["step"])

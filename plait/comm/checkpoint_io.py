@@ -107,9 +107,7 @@ def read_tensor_metadata(path: str | os.PathLike[str]) -> dict[str, SavedTensor]
     out: dict[str, SavedTensor] = {}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            out[key] = SavedTensor(
-                tuple(item.size), item.properties.dtype, len(item.chunks)
-            )
+            out[key] = SavedTensor(tuple(item.size), item.properties.dtype, len(item.chunks))
     return out
 
 

@@ -107,9 +107,7 @@ def _slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Slot]:
     if isinstance(shadows, LocalShadows):
         return [_Slot(names[id(p)], p, s, p.placements) for p, s in shadows.pairs]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [
-        _Slot(n, p, p, None) for n, p in model.named_parameters() if id(p) in in_optimizer
-    ]
+    return [_Slot(n, p, p, None) for n, p in model.named_parameters() if id(p) in in_optimizer]
 
 
 def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
@@ -129,9 +127,7 @@ def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
 
 def tensor_state(job: Job) -> dict[str, torch.Tensor]:
     """The flat tensor dict a checkpoint of ``job`` stores (sharing storage with the job)."""
-    state: dict[str, torch.Tensor] = {
-        MODEL + k: v for k, v in job.model.state_dict().items()
-    }
+    state: dict[str, torch.Tensor] = {MODEL + k: v for k, v in job.model.state_dict().items()}
     for slot in _slots(job.model, job.optimizer):
         for k, v in job.optimizer.state.get(slot.key, {}).items():
             if isinstance(v, torch.Tensor):

@@ -150,6 +150,15 @@ class Job:
 
         return load_job(self, path, loader=loader, stateful=stateful, optimizer=optimizer)
 
+    def load_pretrained(self, path: str | os.PathLike[str]) -> list[str]:
+        """Load pretrained weights (a ``.safetensors`` file, or a Hugging Face model directory
+        with one or several of them) into this job's parameters and buffers, each rank reading
+        only the slices it holds. Returns the names loaded. See :mod:`plait.runtime.pretrained`.
+        """
+        from plait.runtime.pretrained import load_pretrained
+
+        return load_pretrained(self, path)
+
     def wait_for_save(self) -> None:
         """Block until an ``async_save`` in progress is committed (re-raising its error)."""
         if self._saving is not None:

@@ -10,7 +10,7 @@ One spawn of 4 workers (a spawn costs ~15 s) runs both checks:
    final step. Every step's loss and the final parameters equal 8 steps of single-device
    training (optimizer states included: AdamW's moments and step count travel through every
    layout).
-2. **Exact resume.** On dp=2 x tp=2 with ZeRO-1, a job trains 3 steps from a ShardedLoader,
+2. **Exact resume.** On plain data parallel over 4 processes, a job trains 3 steps from a ShardedLoader,
    saves in the background (``async_save``) and goes on; a fresh job loads that checkpoint
    (model, optimizer, loader position, RNG) and trains the remaining steps: losses and final
    weights are bitwise equal to an uninterrupted run.
@@ -98,7 +98,7 @@ def _chain(root: str) -> list[float]:
 
 
 def _exact_resume(root: str) -> dict:
-    config = CHAIN[3]
+    config = CHAIN[2]
     dataset = list(zip(*[torch.cat(x) for x in zip(*_batches())], strict=True))
 
     def fresh():

@@ -4,7 +4,8 @@ One spawn of 4 workers (a spawn costs ~15 s) runs both checks:
 
 1. **Reshard chain.** This process trains a TinyGPT for 2 AdamW steps on one process and
    saves. The workers then hand the training along a chain of plans, each loading the last
-   checkpoint, taking one step and saving: dp=2 x tp=2 (semi_auto, Megatron) -> ZeRO-3 on
+   checkpoint, taking one step and saving: dp=2 x tp=2 (semi_auto, Megatron, planned at its
+   first step: the load waits for the plan) -> ZeRO-3 on
    dp=4 -> plain data parallel dp=4 -> dp=2 x tp=2 with ZeRO-1 -> ZeRO-2 on dp=4 with
    activations recomputed. Back here, one process loads the last checkpoint and takes the
    final step. Every step's loss and the final parameters equal 8 steps of single-device
@@ -18,7 +19,6 @@ One spawn of 4 workers (a spawn costs ~15 s) runs both checks:
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -77,7 +77,7 @@ def _local(job: plait.Job, batch):
     return tuple(x.chunk(dp)[coord] for x in batch)
 
 
-def _job(config: ParallelConfig, example) -> plait.Job:
+def _job(config: ParallelConfig, example=None) -> plait.Job:
     model = _model(megatron=config.mode == "semi_auto")
     return plait.parallelize(
         model, config, optimizer=_adamw, loss_fn=gpt_loss, example_batch=example
@@ -89,7 +89,8 @@ def _chain(root: str) -> list[float]:
     losses = []
     previous = Path(root) / "one"
     for i, config in enumerate(CHAIN):
-        job = _job(config, batches[0])
+        # The first leg plans at its first step (no example batch): its load waits for that.
+        job = _job(config, batches[0] if i else None)
         assert job.load(previous) == FIRST + i
         losses.append(job.step(_local(job, batches[FIRST + i])))
         previous = Path(root) / f"leg{i}"
@@ -99,7 +100,8 @@ def _chain(root: str) -> list[float]:
 
 def _exact_resume(root: str) -> dict:
     config = CHAIN[2]
-    dataset = list(zip(*[torch.cat(x) for x in zip(*_batches())], strict=True))
+    ids, targets = (torch.cat(x) for x in zip(*_batches(), strict=True))
+    dataset = list(zip(ids, targets, strict=True))
 
     def fresh():
         job = _job(config, _batches()[0])

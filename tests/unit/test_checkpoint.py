@@ -1,0 +1,236 @@
+"""Checkpoints on one process: exact resume, every bad checkpoint refused by name with nothing
+loaded, an interrupted save leaving the previous checkpoint, the Checkpoints manager."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import plait
+from plait import CheckpointError, ConfigError, ParallelConfig
+from plait.checkpoint import Checkpoints, files
+from plait.data import ShardedLoader
+from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.testing import simulate
+
+CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _dataset():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG.vocab, (48, CFG.seq), generator=gen)
+    return list(zip(ids, torch.roll(ids, -1, dims=1), strict=True))
+
+
+def _job(cfg: GPTConfig = CFG, optimizer=_adamw) -> plait.Job:
+    torch.manual_seed(0)
+    return plait.parallelize(
+        TinyGPT(cfg), ParallelConfig(mode="stand_alone"), optimizer=optimizer, loss_fn=gpt_loss
+    )
+
+
+def _state(job: plait.Job) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in job.full_state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A checkpoint after 2 steps, with a loader position and an LR scheduler."""
+    path = tmp_path_factory.mktemp("ck") / "step2"
+    job = _job()
+    loader = ShardedLoader(_dataset(), global_batch_size=8, seed=5)
+    sched = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=1, gamma=0.5)
+    batches = iter(loader)
+    for _ in range(2):
+        job.step(next(batches))
+        sched.step()
+    job.save(path, loader=loader, stateful={"sched": sched})
+    return path
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(saved, out)
+    return out
+
+
+def test_exact_resume_with_loader_and_scheduler(tmp_path: Path) -> None:
+    def run(stop: int | None):
+        job = _job()
+        loader = ShardedLoader(_dataset(), global_batch_size=8, seed=5)
+        sched = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=1, gamma=0.5)
+        losses = []
+        if stop is None:
+            steps = range(5)
+        else:
+            batches = iter(loader)
+            for _ in range(stop):
+                losses.append(job.step(next(batches)))
+                sched.step()
+            job.save(tmp_path / "mid", loader=loader, stateful={"sched": sched})
+            job = _job()
+            loader = ShardedLoader(_dataset(), global_batch_size=8, seed=5)
+            sched = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=1, gamma=0.5)
+            assert job.load(tmp_path / "mid", loader=loader, stateful={"sched": sched}) == stop
+            steps = range(stop, 5)
+        batches = iter(loader)
+        for _ in steps:
+            losses.append(job.step(next(batches)))
+            sched.step()
+        return losses, _state(job), job.optimizer.param_groups[0]["lr"], job.steps_taken
+
+    whole, resumed = run(None), run(3)
+    assert whole[0] == resumed[0]
+    assert _same(whole[1], resumed[1])
+    assert whole[2] == resumed[2] and whole[3] == resumed[3] == 5
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        ("flip", "CRC-32"),
+        ("truncate", "bytes, the manifest says"),
+        ("metadata", ".metadata' is missing"),
+        ("extra", "rank0.pt' is missing"),
+    ],
+)
+def test_damaged_checkpoint_is_refused_by_file_and_nothing_loads(
+    saved: Path, tmp_path: Path, damage: str, says: str
+) -> None:
+    path = _copy(saved, tmp_path)
+    shard = path / "__0_0.distcp"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "metadata":
+        (path / ".metadata").unlink()
+    else:
+        (path / "extra" / "rank0.pt").unlink()
+    job = _job()
+    before = _state(job)
+    with pytest.raises(CheckpointError, match="nothing was loaded") as err:
+        job.load(path)
+    assert says in str(err.value)
+    assert _same(before, _state(job)) and job.steps_taken == 0 and not job.optimizer.state
+
+
+def test_missing_manifest_names_an_unfinished_save(saved: Path, tmp_path: Path) -> None:
+    path = _copy(saved, tmp_path)
+    (path / files.MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=r"no plait\.json: the save that wrote it did not"):
+        _job().load(path)
+
+
+def test_other_format_is_refused(saved: Path, tmp_path: Path) -> None:
+    path = _copy(saved, tmp_path)
+    manifest = json.loads((path / files.MANIFEST).read_text())
+    (path / files.MANIFEST).write_text(json.dumps({**manifest, "format": "other/9"}))
+    with pytest.raises(CheckpointError, match="format 'other/9'"):
+        _job().load(path)
+
+
+def test_wrong_model_is_refused_with_names_and_shapes(saved: Path) -> None:
+    job = _job(GPTConfig(vocab=32, seq=8, width=32, heads=4, layers=1))
+    before = _state(job)
+    with pytest.raises(CheckpointError, match=r"shapes differ: .*saved \(32, 16\), this model"):
+        job.load(saved)
+    assert _same(before, _state(job))
+    deeper = _job(GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2))
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: blocks\.1"):
+        deeper.load(saved)
+
+
+def test_other_optimizer_is_refused_unless_model_only(saved: Path) -> None:
+    job = _job(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    before = _state(job)
+    with pytest.raises(CheckpointError, match="AdamW's; this job's optimizer is SGD"):
+        job.load(saved)
+    assert _same(before, _state(job))
+    assert job.load(saved, optimizer=False) == 2
+    assert not _same(before, _state(job)) and not job.optimizer.state
+
+
+def test_loader_or_object_not_saved_is_refused(saved: Path) -> None:
+    job = _job()
+    with pytest.raises(CheckpointError, match="holds no object 'ema'"):
+        job.load(saved, stateful={"ema": torch.optim.SGD([torch.zeros(1)], lr=1)})
+    assert job.steps_taken == 0
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(
+    saved: Path, tmp_path: Path, monkeypatch
+) -> None:
+    path = _copy(saved, tmp_path)
+    job = _job()
+    job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(files, "commit", crash)
+    with pytest.raises(OSError, match="disk full"):
+        job.save(path)
+    assert (tmp_path / "copy.partial").is_dir()  # what the crashed save wrote
+    fresh = _job()
+    assert fresh.load(path) == 2  # the previous checkpoint, whole
+
+
+def test_missing_and_empty_paths(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        _job().load(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="no complete step-\\* checkpoint"):
+        _job().load(tmp_path)
+
+
+def test_manager_saves_every_n_keeps_k_and_resumes(tmp_path: Path, monkeypatch) -> None:
+    ckpt = Checkpoints(tmp_path / "run", every=2, keep=2)
+    job = _job()
+    loader = ShardedLoader(_dataset(), global_batch_size=8)
+    assert ckpt.resume(job, loader=loader) == 0
+    for batch in loader:  # 6 batches
+        job.step(batch)
+        ckpt.maybe_save(job, loader=loader)
+    kept = [p.name for _, p in files.complete_checkpoints(ckpt.path)]
+    assert kept == ["step-00000004", "step-00000006"]
+    monkeypatch.setenv("PLAIT_CHECKPOINT_DIR", str(tmp_path / "run"))
+    again = Checkpoints(every=2)
+    fresh = _job()
+    assert again.resume(fresh, loader=ShardedLoader(_dataset(), global_batch_size=8)) == 6
+    assert _same(_state(job), _state(fresh))
+
+
+def test_manager_config_errors(monkeypatch) -> None:
+    monkeypatch.delenv("PLAIT_CHECKPOINT_DIR", raising=False)
+    with pytest.raises(ConfigError, match="PLAIT_CHECKPOINT_DIR is not set"):
+        Checkpoints()
+    with pytest.raises(ConfigError, match="every=0"):
+        Checkpoints("x", every=0)
+
+
+def test_simulated_world_refuses_by_name(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    with simulate(2):
+        job = plait.parallelize(
+            TinyGPT(CFG),
+            ParallelConfig(mode="data_parallel", mesh={"dp": 2}),
+            optimizer=_adamw,
+            loss_fn=gpt_loss,
+        )
+        with pytest.raises(CheckpointError, match="simulated world"):
+            job.save(tmp_path / "x")

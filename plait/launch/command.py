@@ -77,6 +77,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="restart the whole worker group up to this many times after a failure (default 0)",
     )
     add(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="checkpoint directory, exported to every worker as PLAIT_CHECKPOINT_DIR: a script"
+        " using plait.checkpoint.Checkpoints() saves there and, after a restart, resumes from"
+        " the newest complete checkpoint",
+    )
+    add(
         "--bind-core",
         action="store_true",
         help="pin each worker to its own slice of this node's CPUs (Linux)",
@@ -144,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         log_dir=args.log_dir, tail_ranks=_tail_ranks(args.tail_worker_log, worker_num),
         join=args.join, cluster_timeout=args.cluster_timeout, max_restarts=args.max_restarts,
         bind_core=args.bind_core, rank_table=args.rank_table, run_id=args.run_id,
+        checkpoint_dir=args.checkpoint_dir,
     )  # fmt: skip
 
 

@@ -52,6 +52,9 @@ class RunConfig:
     """Seconds for every node to join the rendezvous before the launch fails."""
     max_restarts: int = 0
     """Times the whole worker group is restarted after a failure before giving up."""
+    checkpoint_dir: str | None = None
+    """Directory of the job's checkpoints, given to every worker as ``PLAIT_CHECKPOINT_DIR``
+    (where ``plait.checkpoint.Checkpoints()`` saves and resumes after a restart)."""
     bind_core: bool = False
     """Pin each worker to its own slice of this node's CPUs (Linux only)."""
     rank_table: str | None = None

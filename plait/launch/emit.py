@@ -87,6 +87,8 @@ def plait_run_argv(config: RunConfig, *, node_rank: str, master_addr: str) -> li
         argv.append("--join")
     if config.bind_core:
         argv.append("--bind-core")
+    if config.checkpoint_dir:
+        argv += ["--checkpoint-dir", config.checkpoint_dir]
     if config.run_id != "plait":
         argv += ["--run-id", config.run_id]
     return [*argv, *config.program]

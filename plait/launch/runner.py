@@ -100,6 +100,8 @@ def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
     options += ["--env", f"PLAIT_LOG_DIR={config.log_dir or ''}"]
     if config.rank_table:
         options += ["--env", f"PLAIT_RANK_TABLE={os.path.abspath(config.rank_table)}"]
+    if config.checkpoint_dir:
+        options += ["--env", f"PLAIT_CHECKPOINT_DIR={os.path.abspath(config.checkpoint_dir)}"]
     if config.bind_core:
         options.append("--bind-core")
     else:

@@ -25,7 +25,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from plait.errors import LaunchError
 from plait.launch.environment import LauncherKind, ProcessEnv, detect_environment
@@ -173,6 +173,26 @@ def _select_device(backend: Backend, penv: ProcessEnv) -> str:
     return f"cuda:{penv.device_index}"
 
 
+def _attempt_store(penv: ProcessEnv, timeout: timedelta) -> Any:
+    """The elastic agent's store, with keys scoped to this restart attempt (None when the
+    workers do not use the agent's store).
+
+    torch's agent keeps one TCP store for every restart of the worker group, and
+    ``init_process_group("env://")`` uses it unprefixed: after a restart, a rank can read the
+    address a peer published in the previous attempt and fail to connect to it. Scoping the
+    keys by ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean namespace.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        penv.master_addr, penv.master_port, penv.world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"plait.attempt{attempt}/", store)
+
+
 def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) -> None:
     import torch.distributed as dist
 
@@ -185,6 +205,14 @@ def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) 
         return
     if penv.launcher is LauncherKind.TORCHRUN:
         init_method = "env://"
+        store = _attempt_store(penv, timeout)
+        if store is not None:
+            logger.debug("rank %d: init_process_group(%s, agent store)", penv.rank, backend)
+            dist.init_process_group(
+                backend, store=store, rank=penv.rank, world_size=penv.world_size,
+                timeout=timeout,
+            )  # fmt: skip
+            return
     else:
         init_method = f"tcp://{_bracket(penv.master_addr)}:{penv.master_port}"
     logger.debug("rank %d: init_process_group(%s, %s)", penv.rank, backend, init_method)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 import plait
+from plait.checkpoint import Checkpoints
 from plait.launch import detect_environment
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
@@ -64,6 +66,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="activation recompute of every block")  # fmt: skip
     p.add_argument("--offload", choices=("optimizer", "activations"), default=None,
                    help="keep the optimizer or saved activations in host memory")  # fmt: skip
+    p.add_argument("--checkpoint-dir", type=Path, metavar="DIR", default=None,
+                   help="where checkpoints go (default $PLAIT_CHECKPOINT_DIR, which plait run "
+                        "--checkpoint-dir sets)")  # fmt: skip
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps (0: never)")  # fmt: skip
+    p.add_argument("--keep", type=int, default=2, metavar="K",
+                   help="checkpoints kept (the newest K)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in the checkpoint dir",
+    )
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
     p.add_argument("--batch", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (characters)")
@@ -83,6 +97,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  "eval_every", "eval_batches"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.save_every < 0 or args.keep < 1:
+        p.error("--save-every must be >= 0 and --keep >= 1")
+    if args.checkpoint_dir is None and os.environ.get("PLAIT_CHECKPOINT_DIR"):
+        args.checkpoint_dir = Path(os.environ["PLAIT_CHECKPOINT_DIR"])
+    if (args.save_every or args.resume) and args.checkpoint_dir is None:
+        p.error("--save-every and --resume need --checkpoint-dir DIR (or plait run "
+                "--checkpoint-dir)")  # fmt: skip
     if args.width % args.heads:
         p.error(f"--width {args.width} is not divisible by --heads {args.heads}")
     if args.plan is not None and args.mode != "auto":
@@ -350,13 +371,19 @@ def train(args: argparse.Namespace) -> Summary:
     def run_eval() -> float:
         return evaluate(job, eval_batches, index, size)
 
-    eval_losses = [(0, run_eval())]
-    report(f"step {0:5d}  eval loss {eval_losses[-1][1]:.4f}")
+    ckpt, saved = checkpoints(args, world_size), {"batches": GeneratorState(gen)}
+    resumed = 0
+    if ckpt is not None and args.resume:
+        resumed = ckpt.resume(job, stateful=saved)
+        report(f"resumed from step {resumed} ({ckpt.path})")
+    eval_losses = [(resumed, run_eval())]
+    report(f"step {resumed:5d}  eval loss {eval_losses[-1][1]:.4f}")
     bar = progress_bar(args.steps, stream, enabled=rank == 0)
+    bar.update(resumed)
     losses: list[float] = []
     train_seconds = 0.0
     with bar:
-        for step in range(1, args.steps + 1):
+        for step in range(resumed + 1, args.steps + 1):
             batch = local_slice(sample_batch(corpus.train, args.seq, args.batch, gen), index, size)
             start = time.perf_counter()
             losses.append(job.step(batch))
@@ -365,6 +392,8 @@ def train(args: argparse.Namespace) -> Summary:
             logger.debug("step %d loss %.4f %.0f tokens/s", step, losses[-1], rate)
             bar.set_postfix_str(f"loss {losses[-1]:.4f}, {rate:,.0f} tok/s", refresh=False)
             bar.update(1)
+            if ckpt is not None:
+                ckpt.maybe_save(job, stateful=saved)
             if step % args.eval_every == 0 or step == args.steps:
                 if step == args.steps:
                     bar.close()  # the bar's last line comes before the final evaluation
@@ -372,12 +401,16 @@ def train(args: argparse.Namespace) -> Summary:
                 report(f"step {step:5d}  eval loss {eval_losses[-1][1]:.4f}  "
                        f"train loss {losses[-1]:.4f}")  # fmt: skip
 
+    if ckpt is not None:
+        job.wait_for_save()
+    if not losses:
+        raise SystemExit(f"nothing to train: the checkpoint is at step {resumed} of {args.steps}")
     tail = losses[-max(1, len(losses) // 10) :]
     return Summary(
         mode=args.mode,
         mesh=job.mesh.as_dict() if job.mesh else None,
         parameters=params,
-        steps=args.steps,
+        steps=args.steps - resumed,
         tokens_per_step=tokens,
         first_loss=losses[0],
         last_loss=sum(tail) / len(tail),
@@ -386,6 +419,32 @@ def train(args: argparse.Namespace) -> Summary:
         wall_seconds=time.perf_counter() - wall_start,
         plan=_plan_line(job, train_seconds / args.steps),
     )
+
+
+class GeneratorState:
+    """The batch generator as a checkpointable object (its position in the batch sequence)."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        self.gen = gen
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"state": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.gen.set_state(state["state"])
+
+
+def checkpoints(args: argparse.Namespace, world_size: int) -> Checkpoints | None:
+    """Periodic checkpoints as the flags say (None without --save-every or --resume)."""
+    if not (args.save_every or args.resume):
+        return None
+    if args.mode == "stand_alone" and detect_environment().world_size > 1:
+        raise SystemExit(
+            "--save-every/--resume with --mode stand_alone under several processes: every "
+            "process trains its own model and they would write one directory; run one process"
+        )
+    # A huge interval when only resuming: maybe_save never fires.
+    return Checkpoints(args.checkpoint_dir, every=args.save_every or 1 << 62, keep=args.keep)
 
 
 def _plan_line(job: plait.Job, measured_step_s: float) -> str:

@@ -113,3 +113,18 @@ def test_gpt_example_batches_are_deterministic() -> None:
     draw = [sample_batch(corpus.train, 16, 4, torch.Generator().manual_seed(1)) for _ in range(2)]
     assert torch.equal(draw[0][0], draw[1][0])
     assert torch.equal(draw[0][0][:, 1:], draw[0][1][:, :-1])  # targets: ids shifted by one
+
+
+def test_gpt_example_saves_and_resumes_to_the_same_result(tmp_path: Path) -> None:
+    """--save-every / --resume: 4 steps, then a resumed run to 8, ends where 8 straight steps
+    end (model, optimizer and the batch generator's position restored)."""
+    common = ["--mode", "stand_alone", *TINY, "--checkpoint-dir"]
+    whole = train(parse_args([*common, str(tmp_path / "a")]))
+    first = train(parse_args([*common, str(tmp_path / "b"), "--save-every", "4", "--steps", "4"]))
+    assert first.steps == 4 and (tmp_path / "b" / "step-00000004" / "plait.json").is_file()
+    resumed = train(parse_args([*common, str(tmp_path / "b"), "--resume", "--save-every", "4"]))
+    assert resumed.steps == 4
+    assert resumed.eval_losses[-1] == whole.eval_losses[-1]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
+        "step-00000004", "step-00000008"
+    ]  # fmt: skip

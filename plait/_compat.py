@@ -256,6 +256,37 @@ def load_dcp_keys(path: str, keys: set[str] | None) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     except ImportError as e:  # pragma: no cover
         raise _fail("_load_state_dict_from_keys", "plait checkpoint merge", e) from e
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    return _load_state_dict_from_keys(keys, storage_reader=dcp.FileSystemReader(path))
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message=".*in a single process")
+        return _load_state_dict_from_keys(keys, storage_reader=dcp.FileSystemReader(path))
+
+
+def local_shape_and_offset(
+    global_shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: list[int],
+    placements: tuple[object, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset of its first element) of the piece that the rank at
+    ``coordinate`` of a mesh of ``mesh_shape`` holds of a DTensor with ``placements``.
+
+    DTensor's own computation (``_compute_local_shape_and_global_offset``, private), given an
+    explicit coordinate so that a simulated world can ask for every rank from one process. It
+    follows strided shards: for plait's layouts (strided shards only on mesh axes before the
+    plain shard of the same dim) each piece is one block, starting at the offset returned.
+    """
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError as e:  # pragma: no cover
+        raise _fail("_compute_local_shape_and_global_offset", "loading pretrained slices", e) from e
+    # Plain ints in, plain ints out: outside a simulated world's mode, whose LocalTensors
+    # would otherwise stand in for the index tensors DTensor builds on the way.
+    with torch.distributed._local_tensor.maybe_disable_local_tensor_mode():
+        shape, offset = _compute_local_shape_and_global_offset(
+            tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
+        )
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)

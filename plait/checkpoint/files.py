@@ -33,6 +33,8 @@ from plait.errors import CheckpointError
 __all__ = [
     "FORMAT",
     "MANIFEST",
+    "MODEL",
+    "OPTIM",
     "checksum",
     "commit",
     "complete_checkpoints",
@@ -51,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "plait-checkpoint/1"
 MANIFEST = "plait.json"
+MODEL = "model."
+"""Key prefix of the model's tensors (``model.<state_dict name>``)."""
+OPTIM = "optim."
+"""Key prefix of the optimizer's states (``optim.<parameter name>.<state>``)."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 1 << 23  # bytes read at a time when checksumming
 

@@ -16,7 +16,6 @@ shape, and reading a tensor assembles it from all its saved pieces
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from plait.checkpoint import files
+from plait.checkpoint.files import MODEL, OPTIM
 from plait.comm import checkpoint_io as io
 from plait.errors import CheckpointError, PlaitError
 
@@ -40,8 +40,6 @@ __all__ = [
 
 # The key prefixes of a saved job (plait/runtime/checkpoint.py writes them). Spelled out here
 # rather than imported: the runtime imports this package, and the format is what matters.
-MODEL = "model."
-OPTIM = "optim."
 PLAN_FILE = "plan.json"
 
 DTYPES: dict[str, torch.dtype] = {
@@ -60,7 +58,6 @@ _MERGE_BATCH_BYTES = 1 << 30
 """Saved bytes read per DCP call while merging: the peak beyond the output is one batch."""
 
 # DCP warns on every single-process read that it assumes one process: that is the point here.
-_SINGLE_PROCESS_WARNING = r".*assuming the intent is to (load|save) in a single process.*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,11 +320,9 @@ def _read_model(
         )
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        for batch in _batches(keys, saved, _MERGE_BATCH_BYTES):
-            for key, value in io.read_full_tensors(path, batch).items():
-                out[key[len(MODEL) :]] = _standalone(value, dtype, seen)
+    for batch in _batches(keys, saved, _MERGE_BATCH_BYTES):
+        for key, value in io.read_full_tensors(path, batch).items():
+            out[key[len(MODEL) :]] = _standalone(value, dtype, seen)
     return out
 
 

@@ -62,8 +62,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MODEL = "model."
-OPTIM = "optim."
+MODEL, OPTIM = files.MODEL, files.OPTIM
 
 
 class Stateful(Protocol):

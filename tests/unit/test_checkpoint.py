@@ -234,3 +234,16 @@ def test_simulated_world_refuses_by_name(tmp_path: Path) -> None:
         )
         with pytest.raises(CheckpointError, match="simulated world"):
             job.save(tmp_path / "x")
+
+
+def test_async_save_writes_the_state_of_its_step(tmp_path: Path) -> None:
+    job = _job()
+    batches = list(ShardedLoader(_dataset(), global_batch_size=8, shuffle=False))
+    job.step(batches[0])
+    at_save = _state(job)
+    handle = job.save(tmp_path / "a", async_save=True)
+    job.step(batches[1])  # changes the live tensors while the copy is written
+    assert handle.wait() == tmp_path / "a" and handle.done()
+    fresh = _job()
+    assert fresh.load(tmp_path / "a") == 1
+    assert _same(at_save, _state(fresh))

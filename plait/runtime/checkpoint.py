@@ -237,9 +237,9 @@ def save_job(
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         (partial / "extra").mkdir(parents=True)
-        plan = getattr(job.loss_fn, "plan", None)
-        if plan is not None:
-            plan.save(partial / "plan.json")
+        plan_text = _plan_text(job)
+        if plan_text is not None:
+            (partial / "plan.json").write_text(plan_text)
     io.barrier(group)  # the directory exists before anyone writes into it
     manifest = _manifest(job, extras)
 
@@ -263,6 +263,19 @@ def save_job(
     handle._thread = thread
     thread.start()
     return handle
+
+
+def _plan_text(job: Job) -> str | None:
+    """The plan file's text, made once per job (a plan never changes after the job is built;
+    serialising a large one costs tens of milliseconds every save otherwise)."""
+    plan = getattr(job.loss_fn, "plan", None)
+    if plan is None:
+        return None
+    cached = getattr(job, "_plan_json", None)
+    if cached is None or cached[0] is not plan:
+        cached = (plan, plan.to_json())
+        job._plan_json = cached  # type: ignore[attr-defined]
+    return cached[1]
 
 
 def _staged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -418,6 +431,13 @@ def _destination(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(what the optimizer will hold, what DCP loads into) for one saved state."""
     p = slot.param
+    if _reusable(existing, meta, slot):
+        # Load in place (as DCP does for the model): no fresh memory to touch. Every check
+        # has passed by the time DCP writes into it.
+        if slot.placements is None or existing.ndim == 0:
+            return existing, existing
+        target = dtensor_from_local(existing, p.device_mesh, slot.placements, p.shape, p.stride())
+        return existing, target
     if len(meta.shape) == 0:
         device = existing.device if isinstance(existing, torch.Tensor) else torch.device("cpu")
         t = torch.zeros((), dtype=meta.dtype, device=device)
@@ -437,6 +457,17 @@ def _destination(
     local = torch.zeros(slot.key.shape, dtype=meta.dtype, device=slot.key.device)
     target = dtensor_from_local(local, p.device_mesh, slot.placements, p.shape, p.stride())
     return local, target
+
+
+def _reusable(existing: Any, meta: io.SavedTensor, slot: _Slot) -> bool:
+    """An optimizer state the job already holds with the saved dtype and this piece's shape."""
+    if not isinstance(existing, torch.Tensor) or existing.dtype != meta.dtype:
+        return False
+    if len(meta.shape) == 0:
+        return existing.ndim == 0
+    if slot.placements is None:
+        return tuple(existing.shape) == tuple(slot.param.shape)
+    return tuple(existing.shape) == tuple(slot.key.shape) and not is_dtensor(existing)
 
 
 def load_job(

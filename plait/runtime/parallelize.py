@@ -7,6 +7,11 @@ DTensors and build the optimizer. Errors therefore come before any process waits
 Pure data parallelism (mode ``data_parallel`` on a mesh whose only axis larger than one is the
 data-parallel one) skips DTensor: parameters stay plain tensors and gradients are summed in
 hook-driven buckets (:mod:`plait.runtime.data_parallel`), as DDP does.
+
+A model built under ``with torch.device("meta"):`` (meta init) is never made whole: placement
+gives each rank uninitialised pieces of its own (:mod:`plait.runtime.placement`), ranks that
+hold the whole model (stand-alone, plain data parallel) an uninitialised model on their device,
+and ``job.load_pretrained`` or ``job.load`` fills them (:mod:`plait.runtime.pretrained`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import DeferredJob, Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
+from plait.runtime.meta_init import capture_on_device, check_meta_buffers, materialize_meta
 from plait.runtime.placement import place_parameters
 
 __all__ = ["parallelize"]
@@ -187,8 +193,10 @@ def parallelize(
         )
     _refuse_unbuilt(config)
     config = _with_model_marks(model, config)
+    check_meta_buffers(model)  # meta init: refused before planning, not after
     world = current_world()
     if config.mode == "stand_alone":
+        materialize_meta(model, "cpu")  # stand-alone runs where the model is: the CPU for meta
         return Job(
             model,
             optimizer(model.parameters()),
@@ -260,7 +268,7 @@ def _planned_job(
     """The job of a plan: made now on ``example_batch`` (semi_auto from the annotations, auto by
     search), or a plan file or Plan checked against it; run as a compiled per-rank program."""
     from plait.planning import plan_graph
-    from plait.runtime.plan_exec import build_plan_job, capture_in_mode
+    from plait.runtime.plan_exec import build_plan_job
 
     if plan is not None:
         where = "the given plan"
@@ -275,7 +283,12 @@ def _planned_job(
         plan = Plan.load(config.plan)
     if plan is not None:
         _check_plan_batch(plan, config, micro, where)
-    captured = capture_in_mode(model, micro, loss_fn, training=True)  # what Job.step runs
+    world = current_world()
+    assert world is not None
+    # what Job.step runs; a meta model's on this rank's device (meta init)
+    captured = capture_on_device(
+        model, micro, loss_fn, training=True, device=_device_of(world.device_type)
+    )
     if plan is None:
         if config.mesh is None and config.devices is None:
             config = dataclasses.replace(config, devices=world_size)
@@ -422,6 +435,7 @@ def _plain_job(
     dp = cfg.dp_axis
     size = mesh.axis_size(dp)
     device = _device_of(world.device_type)
+    materialize_meta(model, device)  # meta init: each rank holds the whole model, empty
     if device.type != "cpu":
         model.to(device)
     fresh_parameters(model)  # drops old hooks; simulated ranks: one private copy each

@@ -6,7 +6,7 @@ and runs it on ``torch.distributed``. See README.md for a tour.
 """
 
 from plait import checkpoint, data, ops, testing
-from plait.annotate import recompute, shard
+from plait.annotate import pipeline_stage, recompute, shard
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import (
     CaptureError,
@@ -59,6 +59,7 @@ __all__ = [
     "init",
     "ops",
     "parallelize",
+    "pipeline_stage",
     "plan",
     "recompute",
     "shard",

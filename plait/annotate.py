@@ -20,7 +20,14 @@ from plait.errors import ConfigError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 
-__all__ = ["ShardSpec", "get_shard_spec", "parameter_layouts", "shard"]
+__all__ = [
+    "ShardSpec",
+    "get_shard_spec",
+    "parameter_layouts",
+    "pipeline_stage",
+    "pipeline_stage_marks",
+    "shard",
+]
 
 StrategyLike = tuple[int, ...] | TensorLayout
 M = TypeVar("M", bound=nn.Module)
@@ -201,4 +208,35 @@ def recompute_marks(model: nn.Module) -> tuple[tuple[str, str], ...]:
         (name, getattr(m, _RECOMPUTE_ATTR))
         for name, m in model.named_modules()
         if getattr(m, _RECOMPUTE_ATTR, "none") != "none"
+    )
+
+
+_STAGE_ATTR = "_plait_pipeline_stage"
+
+
+def pipeline_stage(module: nn.Module, stage: int) -> nn.Module:
+    """Put ``module`` (and everything inside it) in pipeline stage ``stage``.
+
+    MindSpore's ``cell.pipeline_stage = k``. Stages run in model order: every module marked
+    ``k`` must come after every module marked ``k - 1``, and each of the
+    ``ParallelConfig.pipeline_stages`` (times ``virtual_stages``) stages needs at least one
+    marked module; modules left unmarked go with the stage around them (the embeddings before
+    the first marked layer in stage 0, the head after the last in the last stage). Without
+    marks plait splits the model's longest list of layers evenly. Returns ``module``.
+    """
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+        raise ConfigError(
+            f"plait.pipeline_stage({type(module).__name__}, {stage!r}): the stage is an int >= 0"
+        )
+    object.__setattr__(module, _STAGE_ATTR, stage)
+    return module
+
+
+def pipeline_stage_marks(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """(module path, stage) of every sub-module marked by :func:`pipeline_stage`, in model
+    order."""
+    return tuple(
+        (name, getattr(m, _STAGE_ATTR))
+        for name, m in model.named_modules()
+        if getattr(m, _STAGE_ATTR, None) is not None
     )

@@ -22,7 +22,7 @@ __all__ = ["CommFusion", "ParallelConfig"]
 
 Mode = Literal["stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"]
 Search = Literal["sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"]
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_v"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v"]
 Recompute = Literal["none", "full", "selective", "auto"]
 Offload = Literal["optimizer", "parameters", "activations"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -134,7 +134,13 @@ class ParallelConfig:
     micro_batches: int = 1
     """Micro-batches per step for the pipeline."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule."""
+    """Pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (several stages a rank),
+    ``zero_bubble`` (interleaved, backward split into input and weight gradients) or
+    ``zero_bubble_v`` (two stages a rank in a V: rank r runs stages r and 2 pp - 1 - r)."""
+    virtual_stages: int | None = None
+    """Stages a rank runs (Megatron's virtual pipeline stages); None = 1 for ``gpipe`` and
+    ``1f1b``, 2 for the interleaved and zero-bubble schedules. The model is cut into
+    ``pipeline_stages * virtual_stages`` stages."""
     optimizer_shard: Literal[1, 2, 3] | None = None
     """Optimizer parallel level over ``dp_axis`` (MindSpore's ``optimizer_level``): 1 shards
     optimizer states, 2 also gradients (reduce-scatter), 3 also parameters (gathered before
@@ -187,6 +193,7 @@ class ParallelConfig:
         if pp > 1 and self.pipeline_stages == 1:
             # the mesh's pp axis holds the stages: no need to say it twice
             object.__setattr__(self, "pipeline_stages", pp)
+        self._check_virtual_stages()
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         self._check_recompute_modules()
@@ -245,6 +252,30 @@ class ParallelConfig:
         if self.plan is not None and not isinstance(self.plan, str | os.PathLike):
             raise ConfigError(
                 f"ParallelConfig.plan={self.plan!r} is not allowed; give a path to a plan file"
+            )
+
+    def _check_virtual_stages(self) -> None:
+        looped = self.schedule in ("gpipe", "1f1b")
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", 1 if looped else 2)
+            return
+        _check_positive_int("virtual_stages", self.virtual_stages)
+        if looped and self.virtual_stages != 1:
+            raise ConfigError(
+                f"ParallelConfig(schedule={self.schedule!r}, virtual_stages="
+                f"{self.virtual_stages}): {self.schedule} runs one stage a rank; use "
+                "schedule='interleaved_1f1b' for several, or leave virtual_stages out"
+            )
+        if not looped and self.virtual_stages < 2:
+            raise ConfigError(
+                f"ParallelConfig(schedule={self.schedule!r}, virtual_stages=1): this schedule "
+                "runs several stages a rank; give virtual_stages >= 2 or leave it out (2)"
+            )
+        if self.schedule == "zero_bubble_v" and self.virtual_stages != 2:
+            raise ConfigError(
+                f"ParallelConfig(schedule='zero_bubble_v', virtual_stages="
+                f"{self.virtual_stages}): the V schedule runs exactly 2 stages a rank; leave "
+                "virtual_stages out"
             )
 
     def _check_counts(self) -> None:

@@ -46,6 +46,7 @@ from plait.comm import checkpoint_io as io
 from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
 from plait.errors import CheckpointError
 from plait.runtime.local_optim import LocalShadows
+from plait.runtime.meta_init import mark_initialised
 from plait.runtime.zero import ZeroOptimizer
 
 if TYPE_CHECKING:
@@ -90,8 +91,21 @@ class _Slot:
 # ----------------------------------------------------------------------------- state of a job
 
 
-def _slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Slot]:
-    names = {id(p): n for n, p in model.named_parameters()}
+def _model_state(job: Job) -> dict[str, torch.Tensor]:
+    """What this process holds of ``model.state_dict()`` (a pipeline rank: its stages)."""
+    state: dict[str, torch.Tensor] = {}
+    for module in job.state_modules():
+        state.update(module.state_dict())
+    return state
+
+
+def _named_parameters(job: Job) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for m in job.state_modules() for n, p in m.named_parameters()]
+
+
+def _slots(job: Job) -> list[_Slot]:
+    optimizer = job.optimizer
+    names = {id(p): n for n, p in _named_parameters(job)}
     shadows = getattr(optimizer, "_plait_shadows", None)
     if isinstance(shadows, ZeroOptimizer):
         return [
@@ -106,7 +120,7 @@ def _slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[_Slot]:
     if isinstance(shadows, LocalShadows):
         return [_Slot(names[id(p)], p, s, p.placements) for p, s in shadows.pairs]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [_Slot(n, p, p, None) for n, p in model.named_parameters() if id(p) in in_optimizer]
+    return [_Slot(n, p, p, None) for n, p in _named_parameters(job) if id(p) in in_optimizer]
 
 
 def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
@@ -126,8 +140,8 @@ def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
 
 def tensor_state(job: Job) -> dict[str, torch.Tensor]:
     """The flat tensor dict a checkpoint of ``job`` stores (sharing storage with the job)."""
-    state: dict[str, torch.Tensor] = {MODEL + k: v for k, v in job.model.state_dict().items()}
-    for slot in _slots(job.model, job.optimizer):
+    state: dict[str, torch.Tensor] = {MODEL + k: v for k, v in _model_state(job).items()}
+    for slot in _slots(job):
         for k, v in job.optimizer.state.get(slot.key, {}).items():
             if isinstance(v, torch.Tensor):
                 where = f"optimizer state {k!r} of parameter {slot.name!r}"
@@ -363,11 +377,17 @@ def verify_collectively(path: Path, manifest: dict[str, Any]) -> None:
         )
 
 
-def check_model(path: Path, saved: Mapping[str, io.SavedTensor], model: Mapping[str, Any]) -> None:
-    """The checkpoint's model tensors are this model's: the same names and shapes."""
+def check_model(
+    path: Path,
+    saved: Mapping[str, io.SavedTensor],
+    model: Mapping[str, Any],
+    partial: bool = False,
+) -> None:
+    """The checkpoint's model tensors are this model's: the same names and shapes (``partial``:
+    this process holds part of the model, a pipeline stage; the rest is other ranks')."""
     have = {k[len(MODEL) :]: v for k, v in saved.items() if k.startswith(MODEL)}
     missing = [k for k in model if k not in have]
-    unexpected = [k for k in have if k not in model]
+    unexpected = [] if partial else [k for k in have if k not in model]
     wrong = [
         f"{k}: saved {have[k].shape}, this model {tuple(v.shape)}"
         for k, v in model.items()
@@ -394,11 +414,11 @@ def _few(items: list[str], n: int = 4) -> str:
 
 
 def _optimizer_destinations(
-    job: Job, saved: Mapping[str, io.SavedTensor], saved_class: str
+    job: Job, saved: Mapping[str, io.SavedTensor], saved_class: str, partial: bool = False
 ) -> tuple[dict[str, torch.Tensor], list[tuple[_Slot, str, torch.Tensor]]]:
     """Fresh tensors to load the saved optimizer states into, laid out as this job's optimizer
     pieces, and where each goes once loaded."""
-    slots = {s.name: s for s in _slots(job.model, job.optimizer)}
+    slots = {s.name: s for s in _slots(job)}
     ours = type(job.optimizer).__name__
     keys = [k for k in saved if k.startswith(OPTIM)]
     if keys and saved_class != ours:
@@ -412,6 +432,8 @@ def _optimizer_destinations(
     for key in keys:
         name, _, state_key = key[len(OPTIM) :].rpartition(".")
         slot = slots.get(name)
+        if slot is None and partial:
+            continue  # another stage's parameter: another rank loads it
         if slot is None:
             raise CheckpointError(
                 f"checkpoint has optimizer state {key!r} for parameter {name!r}, which this "
@@ -490,14 +512,17 @@ def load_job(
         raise CheckpointError(
             f"checkpoint {str(where)!r} has no DCP metadata file '.metadata'; it is incomplete"
         ) from None
-    model_state = {MODEL + k: v for k, v in job.model.state_dict().items()}
-    check_model(where, saved, {k[len(MODEL) :]: v for k, v in model_state.items()})
+    model_state = {MODEL + k: v for k, v in _model_state(job).items()}
+    partial = len(job.state_modules()) != 1 or job.state_modules()[0] is not job.model
+    check_model(where, saved, {k[len(MODEL) :]: v for k, v in model_state.items()}, partial)
     extras = read_extras(where)
     if not optimizer:
         saved = {k: v for k, v in saved.items() if not k.startswith(OPTIM)}
-    dest, install = _optimizer_destinations(job, saved, extras["optimizer"]["class"])
+    dest, install = _optimizer_destinations(job, saved, extras["optimizer"]["class"], partial)
     check_host_state(where, extras, loader, stateful)
     io.load_tensors({**model_state, **dest}, where)
+    for module in job.state_modules():
+        mark_initialised(module)  # meta init: the pieces hold the checkpoint's values now
     # Everything below only writes what was read and checked.
     for slot, state_key, local in install:
         job.optimizer.state[slot.key][state_key] = local

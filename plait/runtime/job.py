@@ -29,6 +29,7 @@ from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
+from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import LossScaler, autocast_for
 from plait.runtime.program import Program, check_loss
 from plait.runtime.zero import ZeroOptimizer, reduce_scatter_accumulated
@@ -98,6 +99,7 @@ class Job:
         after the last: the update equals one step on the whole batch (MindSpore's gradient
         accumulation).
         """
+        require_initialised(self.model)  # meta init: nothing loaded into the empty pieces yet
         loss = self._step(batch)
         self.steps_taken += 1
         return loss
@@ -158,6 +160,11 @@ class Job:
         from plait.runtime.pretrained import load_pretrained
 
         return load_pretrained(self, path)
+
+    def state_modules(self) -> list[nn.Module]:
+        """The modules whose state this process holds and saves (the model; a pipeline job's
+        own stages)."""
+        return [self.model]
 
     def wait_for_save(self) -> None:
         """Block until an ``async_save`` in progress is committed (re-raising its error)."""
@@ -346,6 +353,7 @@ class Job:
         the batch is cut into ``k`` micro-batches and the mean of their losses is returned, as
         ``step`` computes its loss.
         """
+        require_initialised(self.model, "job.evaluate")
         self.model.eval()
         if self.plain is not None:
             loss = self._plain_loss(batch, self.plain, training=False)

@@ -21,7 +21,6 @@ Two things a file cannot give and this module checks or works around:
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,11 +44,9 @@ __all__ = [
     "retarget_devices",
 ]
 
-_UNINITIALISED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""Models whose parameters were created empty from the meta device and not loaded since.
-
-Kept here rather than as an attribute of the model, so the user's module is not changed; weak,
-so a model the user drops is not kept alive."""
+_UNINITIALISED = "_plait_uninitialised"
+"""Attribute set on a model whose parameters were created empty from the meta device and not
+loaded since (on the model, as plait's annotations are: no process-wide registry)."""
 
 _META = torch.device("meta")
 
@@ -81,23 +78,24 @@ def check_meta_buffers(model: nn.Module) -> None:
 
 def mark_uninitialised(model: nn.Module) -> None:
     """``model``'s parameters were just created empty (from the meta device)."""
-    _UNINITIALISED.add(model)
+    object.__setattr__(model, _UNINITIALISED, True)
 
 
 def mark_initialised(model: nn.Module) -> None:
     """Every parameter and buffer of ``model`` now holds loaded values."""
-    _UNINITIALISED.discard(model)
+    if getattr(model, _UNINITIALISED, False):
+        object.__delattr__(model, _UNINITIALISED)
 
 
 def is_uninitialised(model: nn.Module) -> bool:
     """True while ``model``'s pieces are the empty ones created from the meta device."""
-    return model in _UNINITIALISED
+    return bool(getattr(model, _UNINITIALISED, False))
 
 
 def require_initialised(model: nn.Module, what: str = "job.step") -> None:
     """Refuse ``what`` on a model whose pieces were never filled: it would train on whatever
     memory ``torch.empty`` returned, different on every rank."""
-    if model in _UNINITIALISED:
+    if is_uninitialised(model):
         raise CheckpointError(
             f"{what}: the model was built on the meta device, so its parameters are "
             "uninitialised; call job.load_pretrained(path) (a .safetensors file or a Hugging "

@@ -90,9 +90,18 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             f"search={cfg.search!r}",
             "search outside mode 'auto'",
         ),
-        (cfg.pipeline_stages != 1, f"pipeline_stages={cfg.pipeline_stages}", "pipeline parallel"),
-        (cfg.micro_batches != 1, f"micro_batches={cfg.micro_batches}", "pipeline micro-batches"),
-        (cfg.schedule != "1f1b", f"schedule={cfg.schedule!r}", "pipeline schedules"),
+        (
+            cfg.pipeline_stages == 1 and cfg.micro_batches != 1,
+            f"micro_batches={cfg.micro_batches} without pipeline stages",
+            "micro-batches outside a pipeline (grad_accumulation=k cuts a step into k "
+            "micro-batches with one gradient reduction)",
+        ),
+        (
+            cfg.pipeline_stages > 1 and (planned or cfg.plan is not None),
+            f"pipeline_stages={cfg.pipeline_stages}, mode={cfg.mode!r}",
+            "pipeline stages running a plan (mode data_parallel with a mesh of 'pp' and 'dp' "
+            "runs pipeline parallel)",
+        ),
         (
             cfg.optimizer_shard is not None and cfg.mode == "hybrid",
             f"optimizer_shard={cfg.optimizer_shard}, mode='hybrid'",
@@ -195,18 +204,10 @@ def parallelize(
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     world = current_world()
+    if config.pipeline_stages > 1:
+        return _pipeline_job(model, config, optimizer, loss_fn, example_batch)
     if config.mode == "stand_alone":
-        materialize_meta(model, "cpu")  # stand-alone runs where the model is: the CPU for meta
-        return Job(
-            model,
-            optimizer(model.parameters()),
-            loss_fn,
-            config,
-            mesh=None,
-            device_mesh=None,
-            slice_inputs=False,
-            layouts={},
-        )
+        return _stand_alone_job(model, config, optimizer, loss_fn)
     if world is None:
         raise ConfigError(
             f"parallelize(mode={config.mode!r}) needs a process group: call plait.init() first "
@@ -225,12 +226,6 @@ def parallelize(
             device_mesh = build_device_mesh(mesh, world.device_type)
             return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
         if config.mode == "hybrid":
-            if config.compile:
-                raise NotBuiltError(
-                    "ParallelConfig(mode='hybrid', compile=True): hybrid runs the user's own "
-                    "code eagerly on DTensors; compile=True compiles a plan's per-rank program "
-                    "(modes semi_auto, auto, data_parallel): leave compile False or plan"
-                )
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
     elif plan is None and config.plan is None and config.mesh is not None:
         mesh = _job_mesh(config, world.world_size)
@@ -296,6 +291,74 @@ def _planned_job(
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
     return build_plan_job(
         model, plan, config, loss_fn, optimizer, micro, captured=captured, device_mesh=device_mesh
+    )
+
+
+def _stand_alone_job(
+    model: nn.Module, config: ParallelConfig, optimizer: OptimizerFactory, loss_fn: LossFn
+) -> Job:
+    """The model as it is, on one process."""
+    materialize_meta(model, "cpu")  # stand-alone runs where the model is: the CPU for meta
+    return Job(
+        model,
+        optimizer(model.parameters()),
+        loss_fn,
+        config,
+        mesh=None,
+        device_mesh=None,
+        slice_inputs=False,
+        layouts={},
+    )
+
+
+def _pipeline_job(
+    model: nn.Module,
+    config: ParallelConfig,
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+    example_batch: Any,
+) -> Job:
+    """Pipeline parallel (``runtime/pipeline.py``): stages built now on ``example_batch``, or
+    at the first step on its batch."""
+    from plait.runtime.pipeline import PipelineJob, check_pipeline_config
+
+    world = current_world()
+    if world is None or world.simulated:
+        raise ConfigError(
+            f"pipeline_stages={config.pipeline_stages} needs real processes (plait run, "
+            "torchrun, or plait.testing.run_workers): its stages send activations to each other "
+            "point to point, which a simulated world (plait.testing.simulate) cannot"
+        )
+    mesh = _job_mesh(config, world.world_size)
+    if "pp" not in mesh.axis_names:
+        raise ConfigError(
+            f"pipeline_stages={config.pipeline_stages} needs a mesh with a 'pp' axis, e.g. "
+            f"mesh={{'pp': {config.pipeline_stages}, 'dp': ...}}; got {dict(mesh.as_dict())}"
+        )
+    check_pipeline_config(config, mesh)  # before anything waits for the first batch
+    materialize_meta(model, _device_of(world.device_type))
+    device_mesh = build_device_mesh(mesh, world.device_type)
+
+    def build(batch: Any) -> Job:
+        return PipelineJob(
+            model,
+            config,
+            mesh=mesh,
+            device_mesh=device_mesh,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            example_batch=batch,
+        )
+
+    if example_batch is not None:
+        return build(example_batch)
+    return DeferredJob(
+        model,
+        config,
+        build,
+        mesh=mesh,
+        device_mesh=device_mesh,
+        to_global=_global_batch(config, mesh),
     )
 
 
@@ -495,6 +558,12 @@ def _hybrid_job(
     split over the data-parallel axis (MindSpore's ``layerwise_parallel``) are the user's and
     stay out of the data-parallel all-reduce; the others are reduced in fused buckets.
     """
+    if cfg.compile:
+        raise NotBuiltError(
+            "ParallelConfig(mode='hybrid', compile=True): hybrid runs the user's own "
+            "code eagerly on DTensors; compile=True compiles a plan's per-rank program "
+            "(modes semi_auto, auto, data_parallel): leave compile False or plan"
+        )
     world = current_world()
     assert world is not None
     device_mesh = build_device_mesh(mesh, world.device_type)

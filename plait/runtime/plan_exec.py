@@ -91,6 +91,7 @@ from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strate
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
+from plait.runtime.meta_init import capture_on_device
 from plait.runtime.placement import place_parameters, reshard_parameters
 from plait.runtime.precision import autocast_for
 from plait.runtime.program import Program, compile_program, strip_wrapper
@@ -290,7 +291,11 @@ class PlanExecutor:
         by the first evaluation, so training is not refused for it.
         """
         try:
-            captured = capture_in_mode(model, example_batch, loss_fn, training=False)
+            # a meta model (meta init) is exported all on meta, run on the mesh's device
+            device = torch.device(self.device_mesh.device_type)
+            captured = capture_on_device(
+                model, example_batch, loss_fn, training=False, device=device
+            )
             if captured.program.graph_module.code == self.captured.program.graph_module.code:
                 return None  # no mode-dependent op: evaluation runs the training program
             executor = PlanExecutor(

@@ -153,9 +153,7 @@ def test_error_no_process_group():
 @pytest.mark.parametrize(
     ("field", "value", "feature"),
     [
-        ("pipeline_stages", 2, "pipeline parallel"),
-        ("micro_batches", 4, "pipeline micro-batches"),
-        ("schedule", "gpipe", "pipeline schedules"),
+        ("micro_batches", 4, "micro-batches outside a pipeline"),
         ("offload", "parameters", "offloading parameters"),
         ("hardware", "h100", "a hardware profile outside mode 'auto'"),
         ("memory_limit", "80GiB", "a memory limit outside mode 'auto' and recompute='auto'"),
@@ -165,6 +163,13 @@ def test_error_no_process_group():
 def test_unbuilt_feature_is_refused_by_name(field, value, feature):
     with pytest.raises(NotBuiltError, match=rf"ParallelConfig\({field}=.*{feature}.* is not built"):
         _parallelize(MLP(), ParallelConfig(**{field: value}))
+
+
+def test_pipeline_needs_real_processes_and_refuses_what_is_not_built():
+    with pytest.raises(ConfigError, match="needs real processes"):
+        _parallelize(MLP(), ParallelConfig(mode="data_parallel", mesh={"pp": 2, "dp": 2}))
+    with pytest.raises(NotBuiltError, match="pipeline stages running a plan"):
+        _parallelize(MLP(), ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}))
 
 
 def test_an_unbuilt_mode_is_refused_naming_itself_and_the_built_ones():

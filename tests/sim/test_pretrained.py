@@ -313,3 +313,31 @@ def test_deferred_job_loads_whole_before_planning_and_refuses_meta(saved_gpt):
         state = job.full_state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+def test_step_and_evaluate_refuse_before_load_then_evaluate_runs(saved_gpt, caplog):
+    model, path = saved_gpt
+    batches = _batches(1)
+    with simulate(4):
+        job = plait.parallelize(
+            annotate_megatron(_meta_gpt(), 2),
+            ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+            optimizer=_sgd,
+            loss_fn=gpt_loss,
+            example_batch=batches[0],
+        )
+        with pytest.raises(plait.CheckpointError, match="job.load_pretrained"):
+            job.step(batches[0])
+        with pytest.raises(plait.CheckpointError, match="job.evaluate"):
+            job.evaluate(batches[0])
+        job.load_pretrained(path)
+        got = job.evaluate(batches[0])
+    assert "no evaluation program" not in caplog.text
+    with torch.no_grad():
+        want = gpt_loss(model, batches[0]).item()
+    assert got == pytest.approx(want, rel=1e-5)
+    for cfg in (ParallelConfig(mode="data_parallel"), ParallelConfig(mode="stand_alone")):
+        with simulate(2):
+            job = plait.parallelize(_meta_gpt(), cfg, optimizer=_sgd, loss_fn=gpt_loss)
+            with pytest.raises(plait.CheckpointError, match="uninitialised"):
+                job.step(batches[0])

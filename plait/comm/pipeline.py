@@ -1,0 +1,131 @@
+"""The door to ``torch.distributed.pipelining``: splitting a model into stages, building this
+rank's stages and running a schedule, and the data-parallel gradient mean of a stage.
+
+A model is split by tracing its forward once on one micro-batch (``pipeline``, torch.export
+underneath) and cutting the graph at the first module of every stage after the first
+(``SplitPoint.BEGINNING``); each stage keeps the original parameter names. Stage ``s`` runs on
+the pipeline group's rank ``s % pp`` (looped: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` with
+several stages a rank) or, for the V-shaped zero-bubble schedule, ranks ``s`` and
+``2 pp - 1 - s``. ``plait/runtime/pipeline.py`` holds the job that uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    SplitPoint,
+    pipeline,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "build_stages",
+    "make_schedule",
+    "mean_over_group",
+    "run_schedule",
+    "split_model",
+    "stage_indices",
+    "sum_over_world",
+]
+
+SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zero_bubble_v": ScheduleZBVZeroBubble,
+}
+"""plait's schedule names -> torch's schedule classes."""
+
+
+def split_model(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    starts: Sequence[str],
+) -> Any:
+    """The model split before each module of ``starts`` (one micro-batch's inputs traced)."""
+    return pipeline(
+        model,
+        mb_args=args,
+        mb_kwargs=kwargs or None,
+        split_spec={name: SplitPoint.BEGINNING for name in starts},
+    )
+
+
+def stage_indices(schedule: str, rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages the pipeline group's ``rank`` runs (V-shaped for ``zero_bubble_v``)."""
+    if schedule == "zero_bubble_v":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(virtual)]
+
+
+def build_stages(pipe: Any, indices: Sequence[int], device: torch.device, group: Any) -> list:
+    return [pipe.build_stage(i, device, group) for i in indices]
+
+
+def stage_module(stage: Any) -> nn.Module:
+    """The module a built stage runs (original parameter names)."""
+    return stage.submod
+
+
+def make_schedule(
+    name: str, stages: list[Any], micro_batches: int, loss_fn: Callable[..., torch.Tensor]
+) -> Any:
+    """A schedule over this rank's stages; gradients are scaled by 1/micro_batches (the loss
+    of a step is the mean of its micro-batches' losses)."""
+    cls = SCHEDULES[name]
+    if name in ("gpipe", "1f1b"):
+        return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, micro_batches, loss_fn=loss_fn, scale_grads=True)
+
+
+def run_schedule(
+    schedule: Any, stages: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    target: torch.Tensor,
+) -> list[torch.Tensor]:  # fmt: skip
+    """One step of the schedule: inputs where the first stage runs, targets where the last
+    does; returns the micro-batch losses this rank computed (none if not the last stage)."""
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    losses: list[torch.Tensor] = []
+    inputs = args if first else ()
+    schedule.step(
+        *inputs,
+        target=target if last else None,
+        losses=losses if last else None,
+        return_outputs=False,
+        **(kwargs if first else {}),
+    )
+    return losses
+
+
+def mean_over_group(tensors: Sequence[torch.Tensor], group: Any, size: int) -> None:
+    """Average ``tensors`` in place over ``group`` (one flat all-reduce)."""
+    if size == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def sum_over_world(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over every rank (the step's loss from the last stages)."""
+    out = value.clone()
+    dist.all_reduce(out)
+    return out

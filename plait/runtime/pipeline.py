@@ -1,0 +1,351 @@
+"""Pipeline parallel: the model cut into stages, run by a schedule over micro-batches.
+
+The mesh has a ``pp`` axis (stages) and optionally a ``dp`` axis (replicas of the whole
+pipeline). The model is cut into ``pipeline_stages * virtual_stages`` stages, where the user
+marked them (``plait.pipeline_stage(module, k)``, MindSpore's ``cell.pipeline_stage``) or
+evenly over the model's longest list of layers; torch's pipelining traces the forward once on
+one micro-batch and splits the graph there, each stage keeping the original parameter names.
+Every rank builds its stages (one, or several for the interleaved and zero-bubble schedules)
+and the optimizer over their parameters only.
+
+A step cuts this rank's batch into ``micro_batches`` pieces; the schedule runs forward and
+backward of every micro-batch through the stages (the gradients summed over micro-batches
+and scaled by 1/micro_batches: the pipeline's own gradient accumulation), then each stage's
+gradients are averaged over ``dp`` in one fused all-reduce, and the optimizer updates.
+
+The user's ``loss_fn(model, batch)`` is used as it is: the model's inputs are found by calling
+it with a stand-in model that records its arguments, and the last stage computes each
+micro-batch's loss by calling it with a stand-in that returns the pipeline's output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait._compat import tree_map
+from plait.annotate import pipeline_stage_marks
+from plait.comm import pipeline as pp_comm
+from plait.config import ParallelConfig
+from plait.data import split_micro_batches
+from plait.errors import ConfigError, NotBuiltError, ShardingError
+from plait.mesh import MeshSpec
+from plait.runtime.job import Job, LossFn, OptimizerFactory
+
+__all__ = ["PipelineJob", "model_inputs", "stage_starts"]
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------ stage assignment
+
+
+def stage_starts(model: nn.Module, stages: int) -> list[str]:
+    """The module each stage after the first begins with (``stages - 1`` names, model order).
+
+    From ``plait.pipeline_stage`` marks when there are any, else the longest list of layers
+    (an ``nn.ModuleList`` or ``nn.Sequential``) cut into ``stages`` runs as even as possible.
+    """
+    marks = pipeline_stage_marks(model)
+    return _starts_from_marks(model, marks, stages) if marks else _even_starts(model, stages)
+
+
+def _starts_from_marks(
+    model: nn.Module, marks: tuple[tuple[str, int], ...], stages: int
+) -> list[str]:
+    for name, k in marks:
+        if k >= stages:
+            raise ConfigError(
+                f"plait.pipeline_stage: module {name!r} is in stage {k}, but the job has "
+                f"{stages} stages (0..{stages - 1}: pipeline_stages x virtual_stages); mark it "
+                f"0..{stages - 1} or raise pipeline_stages"
+            )
+    for (outer, a), (inner, b) in itertools.pairwise(marks):
+        if inner.startswith(outer + ".") and a != b:
+            raise ConfigError(
+                f"plait.pipeline_stage: module {inner!r} is marked stage {b} inside {outer!r}, "
+                f"marked stage {a}: a module is in one stage; remove one of the marks"
+            )
+    # Marks nested in a marked module of the same stage add nothing: keep the outermost.
+    top = [(n, k) for n, k in marks if not any(n.startswith(o + ".") for o, _ in marks)]
+    empty = sorted(set(range(stages)) - {k for _, k in top})
+    if empty:
+        raise ConfigError(
+            f"plait.pipeline_stage: stage{'s' if len(empty) > 1 else ''} "
+            f"{', '.join(map(str, empty))} of {stages} ha{'ve' if len(empty) > 1 else 's'} no "
+            "module; every stage needs at least one marked module (or remove every mark to "
+            "let plait split the layers evenly)"
+        )
+    for (a_name, a), (b_name, b) in itertools.pairwise(top):
+        if b < a:
+            raise ConfigError(
+                f"plait.pipeline_stage: module {b_name!r} (stage {b}) comes after {a_name!r} "
+                f"(stage {a}) in the model; stages run in model order, so number them in "
+                "the order the modules are defined"
+            )
+    return [next(n for n, k in top if k == s) for s in range(1, stages)]
+
+
+def _even_starts(model: nn.Module, stages: int) -> list[str]:
+    lists = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList | nn.Sequential) and name
+    ]
+    if not lists:
+        raise ConfigError(
+            f"cannot cut {type(model).__name__} into {stages} pipeline stages automatically: "
+            "it has no nn.ModuleList or nn.Sequential of layers; mark the stages with "
+            "plait.pipeline_stage(module, k)"
+        )
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    n = len(layers)
+    if n < stages:
+        raise ConfigError(
+            f"cannot cut {type(model).__name__} into {stages} pipeline stages: its longest "
+            f"list of layers, {name!r}, has {n}; a stage would have no layer. Use at most "
+            f"{n} stages (pipeline_stages x virtual_stages), or mark the stages with "
+            "plait.pipeline_stage(module, k)"
+        )
+    sizes = _even_sizes(n, stages)
+    starts, at = [], 0
+    for size in sizes[:-1]:
+        at += size
+        starts.append(f"{name}.{at}")
+    return starts
+
+
+def _even_sizes(n: int, stages: int) -> list[int]:
+    """Layers per stage: as even as possible, the extra ones in the middle stages (the first
+    stage also runs the embeddings and the last the head and the loss)."""
+    sizes = [n // stages] * stages
+    middle = sorted(range(stages), key=lambda s: (abs(s - (stages - 1) / 2), s))
+    for s in middle[: n % stages]:
+        sizes[s] += 1
+    return sizes
+
+
+# ------------------------------------------------------------------------ the loss function
+
+
+class _Recorded(Exception):  # control flow, not an error
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.args, self.kwargs = args, kwargs
+
+
+class _Recorder:
+    """Stands in for the model: records the arguments of the call and stops the loss function."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Recorded(args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+class _Returns:
+    """Stands in for the model: a call returns the pipeline's output."""
+
+    def __init__(self, model: nn.Module, output: Any) -> None:
+        self._model, self._output = model, output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def model_inputs(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, dict]:
+    """The arguments ``loss_fn`` calls ``model`` with on ``batch``."""
+    try:
+        loss_fn(_Recorder(model), batch)  # type: ignore[arg-type]
+    except _Recorded as call:
+        return call.args, call.kwargs
+    raise ShardingError(
+        "pipeline parallel: loss_fn(model, batch) returned without calling the model; the "
+        "pipeline runs the model's forward, so the loss function must call model(...) once"
+    )
+
+
+# ------------------------------------------------------------------------------------ the job
+
+
+class PipelineJob(Job):
+    """A job whose model runs as pipeline stages (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ParallelConfig,
+        *,
+        mesh: MeshSpec,
+        device_mesh: Any,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        example_batch: Any,
+    ) -> None:
+        check_pipeline_config(config, mesh)
+        pp = mesh.axis_size("pp")
+        dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
+        virtual = config.virtual_stages or 1
+        count = pp * virtual
+        micro = config.micro_batches
+        coordinate = list(device_mesh.get_coordinate())
+        pp_rank = coordinate[mesh.axis_index("pp")]
+        starts = stage_starts(model, count)
+        local = _local_example(example_batch, dp * micro)
+        args, kwargs = model_inputs(model, loss_fn, local)
+        pipe = pp_comm.split_model(model, args, kwargs, starts)
+        indices = pp_comm.stage_indices(config.schedule, pp_rank, pp, virtual)
+        device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
+        stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
+        modules = [pp_comm.stage_module(s) for s in stages]
+        params = [p for m in modules for p in m.parameters()]
+        super().__init__(
+            model,
+            optimizer(params),
+            loss_fn,
+            config,
+            mesh=mesh,
+            device_mesh=device_mesh,
+            slice_inputs=False,
+            layouts={},
+        )
+        self.stages = stages
+        self.stage_modules = modules
+        self.stage_indices = indices
+        self.stage_starts = starts
+        self._dp = dp
+        self._dp_group = device_mesh.get_group(config.dp_axis) if dp > 1 else None
+        self._micro_batches: list[Any] = []
+        self._schedule = pp_comm.make_schedule(config.schedule, stages, micro, self._micro_loss)
+        logger.info(
+            "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
+            count,
+            ", ".join(["start", *starts]),
+            indices,
+            config.schedule,
+            micro,
+        )
+
+    def _micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        batch = self._micro_batches[int(index.reshape(-1)[0])]
+        return self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
+
+    def _step(self, batch: Any) -> float:
+        micro = self.config.micro_batches
+        self.optimizer.zero_grad(set_to_none=True)
+        for m in self.stage_modules:
+            m.train()
+        self._micro_batches = split_micro_batches(batch, micro)
+        args, kwargs = model_inputs(self.model, self.loss_fn, batch)
+        losses = pp_comm.run_schedule(
+            self._schedule, self.stages, args, kwargs, torch.arange(micro)
+        )
+        self._micro_batches = []
+        grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
+        pp_comm.mean_over_group(grads, self._dp_group, self._dp)
+        self.optimizer.step()
+        local = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
+        total = pp_comm.sum_over_world(local if local is not None else torch.zeros(()))
+        return float(total) / self._dp
+
+    def evaluate(self, batch: Any) -> float:
+        raise NotBuiltError(
+            "job.evaluate on a pipeline job: evaluation through the stages is not built yet; "
+            "evaluate a copy of the model loaded from job.full_state_dict()"
+        )
+
+    def state_modules(self) -> list[nn.Module]:
+        return list(self.stage_modules)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters and buffers, gathered on every rank (model names)."""
+        from plait.comm.checkpoint_io import all_gather_objects
+
+        mine = {k: v.detach().cpu() for m in self.stage_modules for k, v in m.state_dict().items()}
+        merged: dict[str, torch.Tensor] = {}
+        for part in all_gather_objects(mine):
+            merged.update(part)
+        order = [k for k in self.model.state_dict() if k in merged]
+        return {k: merged[k] for k in order}
+
+    def shard_batch(self, batch: Any) -> Any:
+        return batch
+
+
+def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
+    """What the pipeline runs with today, refused by name otherwise (before anything waits)."""
+    other = [a for a in mesh.axis_names if a not in ("pp", config.dp_axis)]
+    refusals = [
+        (
+            bool(other) and any(mesh.axis_size(a) > 1 for a in other),
+            f"mesh {dict(mesh.as_dict())}",
+            f"axes {other} inside pipeline stages (tensor parallel in a stage)",
+        ),
+        (
+            config.mode != "data_parallel",
+            f"mode={config.mode!r}",
+            "pipeline stages running a plan (semi_auto, auto); use mode='data_parallel' with "
+            "a mesh of 'pp' and 'dp'",
+        ),
+        (config.optimizer_shard is not None, f"optimizer_shard={config.optimizer_shard}", "ZeRO"),
+        (config.recompute != "none", f"recompute={config.recompute!r}", "recompute"),
+        (config.offload is not None, f"offload={config.offload!r}", "offload"),
+        (config.precision != "fp32", f"precision={config.precision!r}", "mixed precision"),
+        (
+            config.grad_accumulation != 1,
+            f"grad_accumulation={config.grad_accumulation}",
+            "gradient accumulation (the pipeline's micro_batches accumulate already)",
+        ),
+    ]
+    for refused, given, what in refusals:
+        if refused:
+            raise NotBuiltError(
+                f"ParallelConfig({given}) with pipeline_stages={config.pipeline_stages}: {what} "
+                "with pipeline parallel is not built yet; pipeline runs data parallel x pipeline "
+                "on fp32 today"
+            )
+    if mesh.axis_size("pp") != config.pipeline_stages:
+        raise ConfigError(
+            f"ParallelConfig(pipeline_stages={config.pipeline_stages}) but the mesh's 'pp' axis "
+            f"has {mesh.axis_size('pp')} devices; give the stages as the mesh's pp axis"
+        )
+    count = config.pipeline_stages * (config.virtual_stages or 1)
+    minimum = config.pipeline_stages if config.schedule != "gpipe" else 1
+    if config.micro_batches < minimum:
+        raise ConfigError(
+            f"ParallelConfig(schedule={config.schedule!r}, micro_batches="
+            f"{config.micro_batches}): this schedule needs at least {minimum} micro-batches on "
+            f"{config.pipeline_stages} stages ranks ({count} stages); raise micro_batches"
+        )
+
+
+def _local_example(batch: Any, parts: int) -> Any:
+    """One micro-batch of one data-parallel rank from a global example batch, as real tensors
+    (the stages are traced on it)."""
+
+    def piece(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return x
+        if x.shape[0] % parts:
+            raise ShardingError(
+                f"pipeline parallel: batch tensor of shape {tuple(x.shape)}: dim 0 does not "
+                f"divide into {parts} pieces (data-parallel ranks x micro_batches); use a "
+                f"global batch size divisible by {parts}"
+            )
+        shape = (x.shape[0] // parts, *x.shape[1:])
+        if x.device.type == "meta":
+            return torch.zeros(shape, dtype=x.dtype)
+        return x[: shape[0]].clone()
+
+    return tree_map(piece, batch)

@@ -93,10 +93,13 @@ class _Slot:
 
 def _model_state(job: Job) -> dict[str, torch.Tensor]:
     """What this process holds of ``model.state_dict()`` (a pipeline rank: its stages)."""
-    state: dict[str, torch.Tensor] = {}
-    for module in job.state_modules():
-        state.update(module.state_dict())
-    return state
+    modules = job.state_modules()
+    if modules == [job.model]:
+        return job.model.state_dict()
+    # A stage module may register as persistent what the model does not save (a traced
+    # stage keeps every buffer): the model's own state_dict names decide.
+    names = set(job.model.state_dict())
+    return {k: v for m in modules for k, v in m.state_dict().items() if k in names}
 
 
 def _named_parameters(job: Job) -> list[tuple[str, nn.Parameter]]:

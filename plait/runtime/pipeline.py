@@ -194,6 +194,13 @@ class PipelineJob(Job):
         example_batch: Any,
     ) -> None:
         check_pipeline_config(config, mesh)
+        if config.schedule == "zero_bubble_v" and device_mesh.device_type == "cpu":
+            raise NotBuiltError(
+                "ParallelConfig(schedule='zero_bubble_v') on CPU processes: the V schedule "
+                "hands activations between a rank's own two stages through the process group, "
+                "which gloo cannot do (a rank cannot send to itself); use "
+                "schedule='zero_bubble' (interleaved zero bubble) on CPU, or NCCL on GPUs"
+            )
         pp = mesh.axis_size("pp")
         dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
         virtual = config.virtual_stages or 1

@@ -4,7 +4,8 @@ One spawn (a spawn costs ~15 s) trains a 4-layer TinyGPT for 2 SGD steps under e
 schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each from the
 same weights and batches: every step's loss and the final parameters equal single-device
 training. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly.
-Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
+The collectives of a step are counted (point-to-point sends and receives, the data-parallel
+gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
 
 SGD, not Adam: a wrong gradient scale (micro-batches summed instead of averaged, a missing
@@ -13,6 +14,7 @@ data-parallel mean) shows in the parameters.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 
 import plait
 from plait import ParallelConfig
+from plait._compat import TorchDispatchMode
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.testing import run_workers
 from plait.testing.equivalence import reference_run
@@ -30,6 +33,19 @@ CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=4)
 STEPS = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PIPE = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 4}
+
+
+class ProcessGroupLog(TorchDispatchMode):
+    """Counts the process-group ops (send, recv, all-reduce...) dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.counts[func._opname] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _sgd(params):
@@ -77,6 +93,10 @@ def _workers(root: str) -> dict:
         out[schedule] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), marked=True)
     out["marked"] = (losses, job.full_state_dict(), job.stage_starts)
+    with ProcessGroupLog() as log:  # a third step, on the first batch again
+        job.step(_local(job, _batches()[0]))
+    out["collectives"] = dict(log.counts)
+    job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
     # a pipeline checkpoint -> plain data parallel -> back into the pipeline
     batches = _batches(STEPS + 2)
     job.save(Path(root) / "pipe")
@@ -107,6 +127,10 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         for key, value in short.state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
     assert results[0]["marked"][2] == ["blocks.1"]
+    # Each rank, per step of 4 micro-batches over 2 stages: 4 activations or gradients sent
+    # and 4 received, one all-reduce of the stage's gradients over dp and one of the loss.
+    for r in results:
+        assert r["collectives"] == {"send": 4, "recv_": 4, "allreduce_": 2}
     losses, state = results[0]["reshard"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses[STEPS:]))
     for key, value in reference.state.items():

@@ -1,0 +1,90 @@
+"""Pipeline stage assignment and settings, refused by name before any process waits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait import ConfigError, NotBuiltError, ParallelConfig
+from plait.mesh import MeshSpec
+from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.runtime.pipeline import check_pipeline_config, model_inputs, stage_starts
+
+CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=6)
+
+
+def test_even_split_puts_extra_layers_in_the_middle() -> None:
+    assert stage_starts(TinyGPT(CFG), 2) == ["blocks.3"]
+    assert stage_starts(TinyGPT(CFG), 4) == ["blocks.1", "blocks.3", "blocks.5"]
+    assert stage_starts(TinyGPT(CFG), 6) == [f"blocks.{i}" for i in range(1, 6)]
+
+
+def test_marks_decide_the_stages() -> None:
+    model = TinyGPT(CFG)
+    for i, block in enumerate(model.blocks):
+        plait.pipeline_stage(block, 0 if i < 2 else 1)
+    assert stage_starts(model, 2) == ["blocks.2"]
+
+
+@pytest.mark.parametrize(
+    ("marks", "says"),
+    [
+        ({0: 0, 1: 0}, "stage 1 of 2 has no module"),
+        ({0: 1, 1: 0}, "'blocks.1' (stage 0) comes after 'blocks.0' (stage 1)"),
+        ({0: 0, 1: 2}, "'blocks.1' is in stage 2, but the job has 2 stages"),
+    ],
+)
+def test_bad_marks_are_refused_by_name(marks: dict[int, int], says: str) -> None:
+    model = TinyGPT(CFG)
+    for i, k in marks.items():
+        plait.pipeline_stage(model.blocks[i], k)
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        stage_starts(model, 2)
+
+
+def test_a_module_in_two_stages_is_refused() -> None:
+    model = TinyGPT(CFG)
+    plait.pipeline_stage(model.blocks[0], 0)
+    plait.pipeline_stage(model.blocks[0].attn, 1)
+    plait.pipeline_stage(model.blocks[1], 1)
+    with pytest.raises(ConfigError, match="'blocks.0.attn' is marked stage 1 inside 'blocks.0'"):
+        stage_starts(model, 2)
+
+
+def test_too_few_layers_and_no_layer_list() -> None:
+    with pytest.raises(ConfigError, match="'blocks', has 6; a stage would have no layer"):
+        stage_starts(TinyGPT(CFG), 8)
+    with pytest.raises(ConfigError, match="no nn.ModuleList or nn.Sequential"):
+        stage_starts(nn.Linear(4, 4), 2)
+    with pytest.raises(ConfigError, match="the stage is an int >= 0"):
+        plait.pipeline_stage(nn.Linear(4, 4), -1)
+
+
+def test_settings_refused_by_name() -> None:
+    mesh = MeshSpec.from_dict({"pp": 2, "dp": 2})
+    pipe = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}}
+    with pytest.raises(ConfigError, match="needs at least 2 micro-batches"):
+        check_pipeline_config(ParallelConfig(**pipe), mesh)
+    check_pipeline_config(ParallelConfig(**pipe, schedule="gpipe"), mesh)  # 1 is fine there
+    with pytest.raises(NotBuiltError, match="ZeRO with pipeline parallel is not built"):
+        check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, optimizer_shard=1), mesh)
+    tp = MeshSpec.from_dict({"pp": 2, "tp": 2})
+    with pytest.raises(NotBuiltError, match=r"axes \['tp'\] inside pipeline stages"):
+        check_pipeline_config(
+            ParallelConfig(mode="data_parallel", mesh={"pp": 2, "tp": 2}, micro_batches=2), tp
+        )
+    with pytest.raises(ConfigError, match="1f1b runs one stage a rank"):
+        ParallelConfig(**pipe, virtual_stages=2)
+    with pytest.raises(ConfigError, match="V schedule runs exactly 2 stages"):
+        ParallelConfig(**pipe, schedule="zero_bubble_v", virtual_stages=3)
+    assert ParallelConfig(**pipe, schedule="interleaved_1f1b").virtual_stages == 2
+
+
+def test_model_inputs_are_what_the_loss_function_passes() -> None:
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    args, kwargs = model_inputs(TinyGPT(CFG), gpt_loss, (ids, ids))
+    assert args[0] is ids and kwargs == {}
+    with pytest.raises(plait.ShardingError, match="must call model"):
+        model_inputs(TinyGPT(CFG), lambda m, b: b[0].sum(), (ids, ids))

@@ -326,9 +326,9 @@ def test_step_and_evaluate_refuse_before_load_then_evaluate_runs(saved_gpt, capl
             loss_fn=gpt_loss,
             example_batch=batches[0],
         )
-        with pytest.raises(plait.CheckpointError, match="job.load_pretrained"):
+        with pytest.raises(plait.CheckpointError, match=r"job\.load_pretrained"):
             job.step(batches[0])
-        with pytest.raises(plait.CheckpointError, match="job.evaluate"):
+        with pytest.raises(plait.CheckpointError, match=r"job\.evaluate"):
             job.evaluate(batches[0])
         job.load_pretrained(path)
         got = job.evaluate(batches[0])

@@ -49,14 +49,16 @@ def test_a_module_in_two_stages_is_refused() -> None:
     plait.pipeline_stage(model.blocks[0], 0)
     plait.pipeline_stage(model.blocks[0].attn, 1)
     plait.pipeline_stage(model.blocks[1], 1)
-    with pytest.raises(ConfigError, match="'blocks.0.attn' is marked stage 1 inside 'blocks.0'"):
+    with pytest.raises(
+        ConfigError, match=r"'blocks\.0\.attn' is marked stage 1 inside 'blocks\.0'"
+    ):
         stage_starts(model, 2)
 
 
 def test_too_few_layers_and_no_layer_list() -> None:
     with pytest.raises(ConfigError, match="'blocks', has 6; a stage would have no layer"):
         stage_starts(TinyGPT(CFG), 8)
-    with pytest.raises(ConfigError, match="no nn.ModuleList or nn.Sequential"):
+    with pytest.raises(ConfigError, match=r"no nn\.ModuleList or nn\.Sequential"):
         stage_starts(nn.Linear(4, 4), 2)
     with pytest.raises(ConfigError, match="the stage is an int >= 0"):
         plait.pipeline_stage(nn.Linear(4, 4), -1)

@@ -92,19 +92,22 @@ def make_schedule(
 
 def run_schedule(
     schedule: Any, stages: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-    target: torch.Tensor,
+    target: torch.Tensor, *, forward_only: bool = False,
 ) -> list[torch.Tensor]:  # fmt: skip
-    """One step of the schedule: inputs where the first stage runs, targets where the last
-    does; returns the micro-batch losses this rank computed (none if not the last stage)."""
+    """One step of the schedule (``forward_only``: its forwards alone, for evaluation):
+    inputs where the first stage runs, targets where the last does; returns the micro-batch
+    losses this rank computed (none if not the last stage)."""
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)
     losses: list[torch.Tensor] = []
     inputs = args if first else ()
-    schedule.step(
+    run = schedule.eval if forward_only else schedule.step
+    extra = {} if forward_only else {"return_outputs": False}
+    run(
         *inputs,
         target=target if last else None,
         losses=losses if last else None,
-        return_outputs=False,
+        **extra,
         **(kwargs if first else {}),
     )
     return losses

@@ -249,28 +249,44 @@ class PipelineJob(Job):
         return self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
 
     def _step(self, batch: Any) -> float:
-        micro = self.config.micro_batches
         self.optimizer.zero_grad(set_to_none=True)
-        for m in self.stage_modules:
-            m.train()
-        self._micro_batches = split_micro_batches(batch, micro)
-        args, kwargs = model_inputs(self.model, self.loss_fn, batch)
-        losses = pp_comm.run_schedule(
-            self._schedule, self.stages, args, kwargs, torch.arange(micro)
-        )
-        self._micro_batches = []
+        losses = self._run(batch, training=True)
         grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
         pp_comm.mean_over_group(grads, self._dp_group, self._dp)
         self.optimizer.step()
+        return self._mean_loss(losses)
+
+    def evaluate(self, batch: Any) -> float:
+        """The global loss on ``batch`` without training: the stages' forwards alone, in
+        eval mode, micro-batch by micro-batch (the mean of their losses, as ``step``)."""
+        with torch.no_grad():
+            return self._mean_loss(self._run(batch, training=False))
+
+    def _run(self, batch: Any, *, training: bool) -> list[torch.Tensor]:
+        """The schedule over ``batch`` cut into micro-batches; this rank's micro losses."""
+        micro = self.config.micro_batches
+        for m in self.stage_modules:
+            m.train(training)
+        self._micro_batches = split_micro_batches(batch, micro)
+        args, kwargs = model_inputs(self.model, self.loss_fn, batch)
+        try:
+            return pp_comm.run_schedule(
+                self._schedule,
+                self.stages,
+                args,
+                kwargs,
+                torch.arange(micro),
+                forward_only=not training,
+            )
+        finally:
+            self._micro_batches = []
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """The step's loss on every rank: the last stages' micro losses, averaged over
+        micro-batches and data-parallel replicas (one all-reduce)."""
         local = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
         total = pp_comm.sum_over_world(local if local is not None else torch.zeros(()))
         return float(total) / self._dp
-
-    def evaluate(self, batch: Any) -> float:
-        raise NotBuiltError(
-            "job.evaluate on a pipeline job: evaluation through the stages is not built yet; "
-            "evaluate a copy of the model loaded from job.full_state_dict()"
-        )
 
     def state_modules(self) -> list[nn.Module]:
         return list(self.stage_modules)

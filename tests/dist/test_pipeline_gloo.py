@@ -4,7 +4,7 @@ One spawn (a spawn costs ~15 s) trains a 4-layer TinyGPT for 2 SGD steps under e
 schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each from the
 same weights and batches: every step's loss and the final parameters equal single-device
 training. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly.
-The collectives of a step are counted (point-to-point sends and receives, the data-parallel
+Evaluation runs the stages' forwards alone. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
 
@@ -97,6 +97,7 @@ def _workers(root: str) -> dict:
         job.step(_local(job, _batches()[0]))
     out["collectives"] = dict(log.counts)
     job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
+    out["evaluate"] = job.evaluate(_local(job, _batches()[0]))
     # a pipeline checkpoint -> plain data parallel -> back into the pipeline
     batches = _batches(STEPS + 2)
     job.save(Path(root) / "pipe")
@@ -127,6 +128,11 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         for key, value in short.state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
     assert results[0]["marked"][2] == ["blocks.1"]
+    trained = _model()
+    trained.load_state_dict(short.state)
+    with torch.no_grad():
+        expected = gpt_loss(trained.eval(), _batches()[0]).item()
+    assert results[0]["evaluate"] == pytest.approx(expected, rel=1e-5)
     # Each rank, per step of 4 micro-batches over 2 stages: 4 activations or gradients sent
     # and 4 received, one all-reduce of the stage's gradients over dp and one of the loss.
     for r in results:

@@ -78,6 +78,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="continue from the newest complete checkpoint in the checkpoint dir",
     )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline stages (mode data_parallel: a mesh of pp=P x dp=world/P)",
+    )
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="pipeline micro-batches a step (default 2 x --pp)")  # fmt: skip
+    p.add_argument("--schedule", default="1f1b",
+                   choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v"),
+                   help="pipeline schedule")  # fmt: skip
     p.add_argument("--steps", type=int, default=250, help="optimizer steps")
     p.add_argument("--batch", type=int, default=16, help="global batch size (sequences)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (characters)")
@@ -92,9 +104,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
+    if args.pp > 1 and args.mode not in ("data_parallel", None):
+        p.error(f"--pp runs pipeline stages in mode data_parallel; drop --mode {args.mode}")
+    if args.pp > 1:
+        args.mode = "data_parallel"
     args.mode = args.mode or ("auto" if args.plan is not None else "semi_auto")
-    for name in ("tp", "grad_accumulation", "steps", "batch", "seq", "width", "layers", "heads",
-                 "eval_every", "eval_batches"):  # fmt: skip
+    args.micro_batches = args.micro_batches or (2 * args.pp if args.pp > 1 else 1)
+    for name in ("tp", "pp", "micro_batches", "grad_accumulation", "steps", "batch", "seq",
+                 "width", "layers", "heads", "eval_every", "eval_batches"):  # fmt: skip
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.save_every < 0 or args.keep < 1:
@@ -117,6 +134,13 @@ def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None
     """The mesh of ``--mode`` on ``world_size`` ranks (None for stand_alone)."""
     if args.mode in ("stand_alone", "auto"):  # auto: the planner chooses the mesh
         return None
+    if args.mode == "data_parallel" and args.pp > 1:
+        if world_size % args.pp:
+            raise SystemExit(
+                f"--pp {args.pp} needs a world size divisible by {args.pp} (world size "
+                f"{world_size}); run under `plait run --worker-num {2 * args.pp}`"
+            )
+        return {"pp": args.pp, "dp": world_size // args.pp}
     if args.mode == "data_parallel":
         return {"dp": world_size}
     tp = args.tp
@@ -130,11 +154,13 @@ def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None
 
 
 def check_batch(args: argparse.Namespace, dp: int) -> None:
-    """The global batch must split into ``dp`` slices of ``grad_accumulation`` micro-batches."""
-    if args.batch % (dp * args.grad_accumulation):
+    """The global batch must split into ``dp`` slices of ``grad_accumulation`` (or pipeline)
+    micro-batches."""
+    micro = args.grad_accumulation * args.micro_batches
+    if args.batch % (dp * micro):
         raise SystemExit(
-            f"--batch {args.batch} does not split into {dp} data-parallel slices of "
-            f"{args.grad_accumulation} micro-batches; use a multiple of {dp * args.grad_accumulation}"
+            f"--batch {args.batch} does not split into {dp} data-parallel slices of {micro} "
+            f"micro-batches; use a multiple of {dp * micro}"
         )
 
 
@@ -308,6 +334,8 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
         optimizer_shard_threshold=0 if args.optimizer_shard else 64 * 1024,  # a small model
         recompute=args.recompute,
         offload=args.offload,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
     )
     if args.plan is not None:
         config = plait.Plan.load(args.plan)
@@ -315,7 +343,9 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
     # auto and semi_auto plan on the shapes of one global batch (meta tensors: no memory);
     # given now, the plan (and its errors) come before training starts
     memory = args.optimizer_shard is not None or args.recompute != "none" or args.offload
-    planned = auto or args.mode == "semi_auto" or args.plan is not None or bool(memory)
+    planned = (
+        auto or args.mode == "semi_auto" or args.plan is not None or bool(memory) or args.pp > 1
+    )
     example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     job = plait.parallelize(
         model,

@@ -58,7 +58,7 @@ def test_gpt_example_semi_auto_on_two_workers(tmp_path: Path) -> None:
 def _run_example(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "plait", "run", "--worker-num", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
-           str(EXAMPLE), *args, *TINY]  # fmt: skip
+           str(EXAMPLE), *TINY, *args]  # fmt: skip
     env = clean_env()
     env["PLAIT_HOME"] = str(tmp_path / "home")  # no calibrated profile: the built-in defaults
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -128,3 +128,12 @@ def test_gpt_example_saves_and_resumes_to_the_same_result(tmp_path: Path) -> Non
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
         "step-00000004", "step-00000008"
     ]  # fmt: skip
+
+
+def test_gpt_example_pipeline_on_two_workers(tmp_path: Path) -> None:
+    """--pp 2: two pipeline stages (mode data_parallel, mesh pp=2 x dp=1), 1F1B over 4
+    micro-batches, one block a stage; the loss falls and evaluation runs through the
+    stages."""
+    run = _run_example(tmp_path, "--pp", "2", "--micro-batches", "4", "--layers", "2")
+    assert "mode        data_parallel, mesh {'pp': 2, 'dp': 1}" in run.stdout
+    assert "step     8  eval loss" in run.stdout

@@ -35,6 +35,7 @@ __all__ = [
     "run_schedule",
     "split_model",
     "stage_indices",
+    "sum_over_group",
     "sum_over_world",
 ]
 
@@ -125,6 +126,13 @@ def mean_over_group(tensors: Sequence[torch.Tensor], group: Any, size: int) -> N
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+def sum_over_group(value: torch.Tensor, group: Any) -> torch.Tensor:
+    """``value`` summed over ``group`` (a new tensor)."""
+    out = value.clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def sum_over_world(value: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -235,6 +236,9 @@ class PipelineJob(Job):
         self._dp_group = device_mesh.get_group(config.dp_axis) if dp > 1 else None
         self._micro_batches: list[Any] = []
         self._schedule = pp_comm.make_schedule(config.schedule, stages, micro, self._micro_loss)
+        self._ties = tied_copies(model, modules)
+        self._device = device
+        self._pp_group = device_mesh.get_group("pp")
         logger.info(
             "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
             count,
@@ -251,10 +255,25 @@ class PipelineJob(Job):
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         losses = self._run(batch, training=True)
+        self._sync_ties()
         grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
         pp_comm.mean_over_group(grads, self._dp_group, self._dp)
         self.optimizer.step()
         return self._mean_loss(losses)
+
+    def _sync_ties(self) -> None:
+        """Parameters the model ties (an embedding and its LM head) are one tensor split into
+        copies, one in each stage that reads it: every copy gets the sum of all copies'
+        gradients (one all-reduce over the pipeline per tie), so the copies, equal at the
+        start and updated alike, stay equal (Megatron's embedding group)."""
+        for tie in self._ties:
+            total = torch.zeros(tie.shape, dtype=tie.dtype, device=self._device)
+            for p in tie.copies:
+                if p.grad is not None:
+                    total += p.grad
+            total = pp_comm.sum_over_group(total, self._pp_group)
+            for p in tie.copies:
+                p.grad = total.clone()
 
     def evaluate(self, batch: Any) -> float:
         """The global loss on ``batch`` without training: the stages' forwards alone, in
@@ -304,6 +323,39 @@ class PipelineJob(Job):
 
     def shard_batch(self, batch: Any) -> Any:
         return batch
+
+
+@dataclass(frozen=True)
+class _Tie:
+    """One tensor the model ties under several names, and this rank's stage copies of it."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    copies: tuple[nn.Parameter, ...]
+
+
+def tied_copies(model: nn.Module, stage_modules: list[nn.Module]) -> list[_Tie]:
+    """Every tie of ``model`` (the same order on every rank, whether or not this rank holds a
+    copy), with the copies this rank's stages hold under any of its names."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    ties = []
+    for key, group in sorted(names.items(), key=lambda item: item[1][0]):
+        if len(group) < 2:
+            continue
+        copies = {
+            id(q): q
+            for m in stage_modules
+            for n, q in m.named_parameters(remove_duplicate=False)
+            if n in group
+        }
+        p = tensors[key]
+        ties.append(_Tie(tuple(group), tuple(p.shape), p.dtype, tuple(copies.values())))
+    return ties
 
 
 def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:

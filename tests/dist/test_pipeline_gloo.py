@@ -3,7 +3,8 @@
 One spawn (a spawn costs ~15 s) trains a 4-layer TinyGPT for 2 SGD steps under every CPU
 schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each from the
 same weights and batches: every step's loss and the final parameters equal single-device
-training. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly.
+training. A model whose LM head is its token embedding (one tensor read by the first and the
+last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly.
 Evaluation runs the stages' forwards alone. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
@@ -52,9 +53,11 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def _model(marked: bool = False) -> TinyGPT:
+def _model(marked: bool = False, tied: bool = False) -> TinyGPT:
     torch.manual_seed(0)
     model = TinyGPT(CFG)
+    if tied:  # the LM head is the token embedding: stage 0 and the last stage share it
+        model.head.weight = model.tok.weight
     if marked:  # stage 0: embeddings and block 0; stage 1: blocks 1-3 and the head
         plait.pipeline_stage(model.blocks[0], 0)
         for block in model.blocks[1:]:
@@ -77,10 +80,10 @@ def _local(job, batch):
     return tuple(x.chunk(size)[dp] for x in batch)
 
 
-def _train(config: ParallelConfig, marked: bool = False):
+def _train(config: ParallelConfig, marked: bool = False, tied: bool = False):
     batches = _batches()
     job = plait.parallelize(
-        _model(marked), config, optimizer=_sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        _model(marked, tied), config, optimizer=_sgd, loss_fn=gpt_loss, example_batch=batches[0]
     )
     losses = [job.step(_local(job, b)) for b in batches]
     return job, losses
@@ -91,6 +94,8 @@ def _workers(root: str) -> dict:
     for schedule in SCHEDULES:
         job, losses = _train(ParallelConfig(**PIPE, schedule=schedule))
         out[schedule] = (losses, job.full_state_dict())
+    job, losses = _train(ParallelConfig(**PIPE), tied=True)
+    out["tied"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), marked=True)
     out["marked"] = (losses, job.full_state_dict(), job.stage_starts)
     with ProcessGroupLog() as log:  # a third step, on the first batch again
@@ -128,6 +133,11 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         for key, value in short.state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
     assert results[0]["marked"][2] == ["blocks.1"]
+    tied = reference_run(_model(tied=True), gpt_loss, _sgd, _batches())
+    losses, state = results[0]["tied"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(tied.losses))
+    for key, value in tied.state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="tied " + key)
     trained = _model()
     trained.load_state_dict(short.state)
     with torch.no_grad():

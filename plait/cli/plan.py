@@ -5,6 +5,8 @@
 
 Models are built on the meta device: no parameter memory, no process group. Every
 ``ParallelConfig`` field is a flag (``--mode``, ``--mesh``, ``--optimizer-shard``, ...).
+With pipeline stages, ``--timeline FILE.png`` draws the predicted schedule and ``--trace
+FILE.json`` writes it as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from plait.config import (
     Schedule,
     Search,
 )
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError, PlaitError, PlanError
 
 __all__ = ["add_plan_arguments", "config_from_args", "plan_command", "run_plan"]
 
@@ -115,6 +117,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument("--pipeline-stages", type=int, default=1)
     cfg.add_argument("--micro-batches", type=int, default=1)
     cfg.add_argument("--schedule", choices=get_args(Schedule), default="1f1b")
+    cfg.add_argument(
+        "--virtual-stages",
+        type=int,
+        help="model chunks a pipeline rank runs (default 1 for gpipe and 1f1b, else 2)",
+    )
     cfg.add_argument("--optimizer-shard", type=_optimizer_shard, help="1, 2, 3 or none")
     cfg.add_argument(
         "--optimizer-shard-threshold",
@@ -153,6 +160,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="explain an op, parameter or module",
     )
     out.add_argument("--hardware-file", help="a `plait calibrate` profile to use for 'local'")
+    out.add_argument(
+        "--timeline",
+        metavar="FILE.png",
+        help="draw the predicted pipeline schedule (stages x time) as a PNG; needs pipeline stages",
+    )
+    out.add_argument(
+        "--trace",
+        metavar="FILE.json",
+        help="write the predicted pipeline schedule as a Chrome trace (Perfetto, chrome://tracing)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
@@ -167,6 +184,7 @@ def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
         pipeline_stages=args.pipeline_stages,
         micro_batches=args.micro_batches,
         schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
         optimizer_shard=args.optimizer_shard,
         optimizer_shard_threshold=_bytes_or_int(args.optimizer_shard_threshold),
         optimizer_shard_exclude=args.optimizer_shard_exclude,
@@ -236,7 +254,27 @@ def run_plan(args: argparse.Namespace) -> str:
     if args.json:
         plan.save(args.json)
         parts.append(f"plan written to {args.json}")
+    parts += _timeline_files(plan, args)
     return "\n\n".join(parts)
+
+
+def _timeline_files(plan: Any, args: argparse.Namespace) -> list[str]:
+    """``--timeline`` and ``--trace``: the predicted pipeline schedule as a PNG and a trace."""
+    if not (args.timeline or args.trace):
+        return []
+    try:
+        timeline = plan.timeline()
+    except PlaitError as e:
+        flag = "--timeline" if args.timeline else "--trace"
+        raise PlanError(f"{flag}: {e}") from None
+    out = []
+    if args.timeline:
+        width, height = timeline.to_png(args.timeline)
+        out.append(f"pipeline timeline drawn to {args.timeline} ({width} x {height} pixels)")
+    if args.trace:
+        timeline.to_chrome_trace(args.trace)
+        out.append(f"pipeline trace written to {args.trace} (open in Perfetto or chrome://tracing)")
+    return out
 
 
 def _plan(args: argparse.Namespace) -> int:

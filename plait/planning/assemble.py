@@ -14,8 +14,10 @@ Given one strategy per op, this module writes down what a training step does and
   boundaries when the model has them) and the activations and gradients sent between stages
   once per micro-batch;
 - the predicted step: the busiest stage's compute and communication, plus the pipeline bubble
-  ``(stages - 1) / micro_batches`` of it (1F1B and GPipe); memory per device by kind at the
-  busiest stage, with activations of the micro-batches in flight.
+  of the schedule (:func:`~plait.planning.timeline.bubble_seconds`: ``(stages - 1) /
+  micro_batches`` of it for GPipe and 1F1B, divided by the virtual stages when interleaved,
+  less the weight-gradient passes that fill it under zero bubble); memory per device by kind
+  at the busiest stage, with activations of the micro-batches the schedule keeps in flight.
 
 Communication is not assumed to overlap compute: the prediction is an upper bound, stated so.
 """
@@ -33,7 +35,6 @@ from plait.cost.comm import Topology
 from plait.cost.memory import (
     MemoryBreakdown,
     graph_activation_bytes,
-    in_flight_micro_batches,
     model_state_memory,
     training_memory,
 )
@@ -50,6 +51,7 @@ from plait.planning.records import (
     PlannedParameter,
     Prediction,
 )
+from plait.planning.timeline import BACKWARD_FLOPS_FACTOR, bubble_seconds, in_flight_micro_batches
 from plait.rules import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
@@ -57,10 +59,9 @@ from plait.search.problem import SearchProblem, gradient_layout, settled
 from plait.search.propagation import Decision
 from plait.search.stages import assign_stages
 
-__all__ = ["assemble_plan"]
+__all__ = ["BACKWARD_FLOPS_FACTOR", "assemble_plan"]
 
 PP_AXIS = "pp"
-BACKWARD_FLOPS_FACTOR = 2  # backward costs about twice the forward (dX and dW)
 LOW_PRECISION_ACTIVATIONS = {"bf16": 0.5, "fp16": 0.5, "fp32": 1.0}
 
 
@@ -107,9 +108,12 @@ class _Step:
         self.items.append(PlannedCollective(kind, axes, nbytes, seconds, count, phase, op, reason))
         self.stage.append(stage)
 
-    def seconds_of_stage(self, stage: int) -> float:
+    def seconds_of_stage(self, stage: int, phase: str | None = None) -> float:
+        """Seconds of the collectives ``stage`` issues per step (of one ``phase``, or all)."""
         return sum(
-            c.seconds * c.count for c, s in zip(self.items, self.stage, strict=True) if s == stage
+            c.seconds * c.count
+            for c, s in zip(self.items, self.stage, strict=True)
+            if s == stage and phase in (None, c.phase)
         )
 
 
@@ -152,7 +156,7 @@ def assemble_plan(
     _loss_collective(ctx, step)
     if stages > 1:
         _pipeline_transfers(ctx, step)
-    predicted = _predict(ctx, op_time, step, param_layouts)
+    predicted, stage_compute = _predict(ctx, op_time, step, param_layouts)
     return Plan(
         mesh=mesh,
         mode=cfg.mode,
@@ -161,6 +165,9 @@ def assemble_plan(
         precision=cfg.precision,
         micro_batches=cfg.micro_batches,
         pipeline_stages=stages,
+        schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages or 1,
+        stage_compute_s=tuple(stage_compute) if stages > 1 else (),
         optimizer_shard=cfg.optimizer_shard,
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
@@ -593,17 +600,18 @@ def _predict(
     op_time: Mapping[str, float],
     step: _Step,
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
-) -> Prediction:
-    stages, m = ctx.cfg.pipeline_stages, ctx.cfg.micro_batches
+) -> tuple[Prediction, list[float]]:
+    """The step's prediction, and each pipeline stage's compute seconds per step."""
+    stages = ctx.cfg.pipeline_stages
     compute = [0.0] * stages
     for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
         compute[ctx.stage_of[op.name]] += op_time[op.name] * ctx.cfg.grad_accumulation
     busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s))
     compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
-    bubble_s = (compute_s + comm_s) * (stages - 1) / m
+    bubble_s = _bubble(ctx.cfg, compute_s, step.seconds_of_stage(busiest, "forward"), comm_s)
     memories = [_stage_memory(ctx, s, param_layouts) for s in range(stages)]
     peak = max(memories, key=lambda mem: mem.total)
-    return Prediction(
+    prediction = Prediction(
         step_time_s=compute_s + comm_s + bubble_s,
         compute_s=compute_s,
         communication_s=comm_s,
@@ -618,6 +626,25 @@ def _predict(
         flops_per_step=int(
             ctx.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * ctx.cfg.grad_accumulation
         ),
+    )
+    return prediction, compute
+
+
+def _bubble(cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s: float) -> float:
+    """The schedule's bubble (timeline.bubble_seconds) on the busiest stage's times per
+    micro-batch: compute split into forward, input- and weight-gradient passes of about one
+    forward each (BACKWARD_FLOPS_FACTOR), communication counted in the pass of its phase and
+    never overlapped (so GPipe and 1F1B idle ``(stages - 1) / micro_batches`` of the stage)."""
+    m = cfg.micro_batches
+    forward = compute_s / (1 + BACKWARD_FLOPS_FACTOR)
+    weight = forward * BACKWARD_FLOPS_FACTOR / 2
+    return bubble_seconds(
+        cfg.schedule,
+        cfg.pipeline_stages,
+        (forward + forward_comm_s) / m,
+        (compute_s - forward + comm_s - forward_comm_s) / m,
+        weight / m,
+        cfg.virtual_stages or 1,
     )
 
 
@@ -669,8 +696,12 @@ def _stage_memory(
         # device at a time (a rough bound; small values stay, see plait/runtime/offload.py)
         per_step //= max(1, len({op.layer for op in graph.ops if op.layer}))
     m = cfg.micro_batches
+    # The schedule decides how many micro-batches' activations wait for their backward:
+    # all m under GPipe, the stages still ahead under 1F1B (timeline.in_flight_micro_batches).
     in_flight = (
-        in_flight_micro_batches(stage, cfg.pipeline_stages, m, cfg.schedule)
+        in_flight_micro_batches(
+            cfg.schedule, stage, cfg.pipeline_stages, m, cfg.virtual_stages or 1
+        )
         if cfg.pipeline_stages > 1
         else m
     )

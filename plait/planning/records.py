@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, get_args
 
-from plait.config import CommFusion, DatasetStrategy, Mode, Precision
+from plait.config import CommFusion, DatasetStrategy, Mode, Precision, Schedule
 from plait.errors import PlaitError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -52,6 +52,7 @@ from plait.planning.checks import (
     fail,
     few,
 )
+from plait.planning.timeline import Timeline, plan_timeline
 
 __all__ = [
     "Alternative",
@@ -347,14 +348,24 @@ class Plan:
     recompute_regions: tuple[tuple[str, ...], ...] = ()
     """(module path, "full" | "selective") of each region whose forward backward recomputes:
     every repeated layer under ``recompute``, and the modules ``plait.recompute`` marks."""
+    schedule: str = "1f1b"
+    """The pipeline schedule planned for (``ParallelConfig.schedule``): the predicted bubble and
+    the activations in flight depend on it (files without it: "1f1b")."""
+    virtual_stages: int = 1
+    """Model chunks a pipeline rank runs (``ParallelConfig.virtual_stages``): 1 for ``gpipe``
+    and ``1f1b``, 2 or more interleaved, exactly 2 for ``zero_bubble_v``."""
+    stage_compute_s: tuple[float, ...] = ()
+    """Predicted compute seconds of each pipeline stage per step (forward and backward of every
+    micro-batch): what :meth:`timeline` draws. Empty without pipeline stages."""
     schema_version: ClassVar[int] = 1
     # The file reads top-down: what was planned (model, batch, mesh, settings), what it costs,
     # then the long per-op and per-parameter lists.
     file_order: ClassVar[tuple[str, ...]] = (
         "model", "batch", "mesh", "mode", "search", "hardware", "precision", "micro_batches",
-        "pipeline_stages", "optimizer_shard", "recompute", "memory_limit", "grad_accumulation",
-        "dp_axis", "dataset_strategy", "comm_fusion", "offload", "recompute_regions", "predicted", "stages", "ops", "parameters",
-        "collectives", "options", "notes",
+        "pipeline_stages", "schedule", "virtual_stages", "optimizer_shard", "recompute",
+        "memory_limit", "grad_accumulation", "dp_axis", "dataset_strategy", "comm_fusion",
+        "offload", "recompute_regions", "predicted", "stages", "stage_compute_s", "ops",
+        "parameters", "collectives", "options", "notes",
     )  # fmt: skip
     _ops: dict[str, PlannedOp] = field(init=False, repr=False, compare=False, hash=False)
     _params: dict[str, PlannedParameter] = field(init=False, repr=False, compare=False, hash=False)
@@ -388,6 +399,7 @@ class Plan:
             raise fail("Plan.comm_fusion", self.comm_fusion, "must be a CommFusion or None",
                         "give plait.config.CommFusion(...)")  # fmt: skip
         check_int("Plan.pipeline_stages", self.pipeline_stages, 1)
+        self._check_schedule()
         check_choice("Plan.optimizer_shard", self.optimizer_shard, (None, 1, 2, 3))
         object.__setattr__(self, "recompute", check_recompute("Plan", self.recompute))
         check_choice("Plan.offload", self.offload, (None, "optimizer", "parameters", "activations"))
@@ -400,6 +412,26 @@ class Plan:
         check_str("Plan.model", self.model)
         if self.memory_limit is not None:
             check_int("Plan.memory_limit", self.memory_limit, 1)
+
+    def _check_schedule(self) -> None:
+        check_choice("Plan.schedule", self.schedule, get_args(Schedule))
+        check_int("Plan.virtual_stages", self.virtual_stages, 1)
+        v, looped = self.virtual_stages, self.schedule in ("gpipe", "1f1b")
+        if (looped and v != 1) or (self.schedule == "zero_bubble_v" and v != 2):
+            raise PlanError(
+                f"Plan.virtual_stages={v} with schedule {self.schedule!r}, which runs "
+                f"{1 if looped else 2} chunk{'' if looped else 's'} a rank; fix virtual_stages"
+            )
+        computes = tuple(
+            check_seconds(f"Plan.stage_compute_s[{i}]", t)
+            for i, t in enumerate(self.stage_compute_s)
+        )
+        object.__setattr__(self, "stage_compute_s", computes)
+        if computes and len(computes) != self.pipeline_stages:
+            raise PlanError(
+                f"Plan.stage_compute_s lists {len(computes)} stages but pipeline_stages="
+                f"{self.pipeline_stages}; give one entry per stage (or none)"
+            )
 
     def _check_items(self) -> None:
         kinds: list[tuple[str, type, tuple[object, ...]]] = [
@@ -514,6 +546,14 @@ class Plan:
     def summary(self) -> str:
         """A readable report: settings, prediction, ops (repeated layers grouped), collectives."""
         return report.summary(self)
+
+    def timeline(self) -> Timeline:
+        """The predicted pipeline schedule: passes per stage over time (PlanError with one stage).
+
+        ``plan.timeline().to_png("step.png")`` draws it; ``.to_chrome_trace("step.json")``
+        writes it for Perfetto (:mod:`plait.planning.timeline`).
+        """
+        return plan_timeline(self)
 
     def explain(self, name: str) -> str:
         """Why an op, a parameter (FQN) or a module path is laid out as it is, and what it costs.

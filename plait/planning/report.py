@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from plait.errors import PlaitError, PlanError
 from plait.planning.checks import PHASES, Strategy, close_matches, few
+from plait.planning.timeline import in_flight_micro_batches
 
 if TYPE_CHECKING:  # the records call this module; it only reads them
     from plait.planning.records import Plan, PlannedOp, PlannedParameter
@@ -202,8 +203,29 @@ def _prediction_lines(plan: Plan) -> list[str]:
         "predicted",
         f"  step time {fmt_seconds(p.step_time_s)}: compute {fmt_seconds(p.compute_s)}, "
         f"communication {fmt_seconds(p.communication_s)}, bubble {fmt_seconds(p.bubble_s)}",
+        *_pipeline_lines(plan),
         mem + (f": {kinds}" if kinds else ""),
         f"  FLOPs per step {fmt_flops(p.flops_per_step)}",
+    ]
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The schedule, its chunks a rank, its bubble and the activations it keeps in flight."""
+    if plan.pipeline_stages < 2:
+        return []
+    p, v = plan.pipeline_stages, plan.virtual_stages
+    share = (
+        100 * plan.predicted.bubble_s / plan.predicted.step_time_s
+        if plan.predicted.step_time_s
+        else 0
+    )
+    held = in_flight_micro_batches(plan.schedule, 0, p, plan.micro_batches, v)
+    shown = str(held) if held.denominator == 1 else f"{float(held):.3g}"
+    return [
+        f"  pipeline schedule {plan.schedule}, {v} chunk{'s' if v > 1 else ''} a rank "
+        f"({p * v} model chunks on {p} stages), {plan.micro_batches} micro-batches: bubble "
+        f"{fmt_seconds(plan.predicted.bubble_s)} ({share:.0f}% of the step); stage 0 holds "
+        f"activations of {shown} micro-batches"
     ]
 
 

@@ -1,0 +1,1140 @@
+"""Pipeline schedules as timelines: the order each schedule runs, its times, a picture.
+
+A pipeline step runs every micro-batch's forward and backward through the stages in an order
+the schedule fixes. This module writes that order down per rank (:func:`schedule_order`: the
+orders ``torch.distributed.pipelining``'s schedules run), times it on per-rank durations
+(:func:`simulate`: each pass starts when its rank is free and its input has arrived) and
+draws the result (:meth:`Timeline.to_png`: one row per rank, time across, a colour per kind
+of work, the idle bubble hatched) or writes it as a Chrome trace
+(:meth:`Timeline.to_chrome_trace`, for chrome://tracing and Perfetto). A measured step is
+the same :class:`Timeline`: :class:`StageTimer` times the passes of a real run's stages and
+:func:`timeline_from_records` puts the ranks' records together.
+
+The closed forms the planner predicts with (:func:`bubble_seconds`,
+:func:`in_flight_micro_batches`) live here too, next to the schedules they describe
+(docs/planner.md, "Pipeline timeline", cites them).
+
+No process group and no plotting library: the PNG is written with zlib and struct, its
+labels in a 5x7 bitmap font of capitals, digits and a little punctuation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import struct
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from plait.cost.memory import in_flight_micro_batches as _held_micro_batches
+from plait.errors import PlanError
+
+if TYPE_CHECKING:  # plan_timeline reads a Plan; the records import this module
+    from plait.planning.records import Plan
+
+__all__ = [
+    "BACKWARD_FLOPS_FACTOR",
+    "KINDS",
+    "SCHEDULES",
+    "Action",
+    "StageTimer",
+    "StageTimes",
+    "Timeline",
+    "TimelineEvent",
+    "bubble_seconds",
+    "in_flight_micro_batches",
+    "plan_timeline",
+    "schedule_order",
+    "simulate",
+    "stage_rank",
+    "timeline_from_records",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v")
+"""plait's schedule names (``ParallelConfig.schedule``)."""
+COMPUTE_KINDS = ("forward", "backward", "weight")
+KINDS = (*COMPUTE_KINDS, "communication")
+"""What a timeline event is: a forward pass, a backward pass (the whole backward, or only the
+input gradient where the schedule runs the weight gradient apart), a weight-gradient pass, or
+communication (an activation or gradient sent between ranks, the step's gradient reduction)."""
+BACKWARD_FLOPS_FACTOR = 2
+"""Backward costs about twice the forward: an input-gradient and a weight-gradient pass of
+about one forward each (the planner's split of a stage's compute)."""
+SPLIT_BACKWARD = frozenset({"zero_bubble", "zero_bubble_v"})
+"""Schedules that run the weight gradient as a pass of its own (Qi et al. 2023)."""
+PP_AXIS = "pp"
+
+
+# --------------------------------------------------------------------------- closed forms
+
+
+def bubble_seconds(
+    schedule: str,
+    stages: int,
+    forward_s: float,
+    backward_s: float,
+    weight_s: float = 0.0,
+    virtual_stages: int = 1,
+) -> float:
+    """Predicted idle time of one step on a pipeline rank (docs/planner.md cites each form).
+
+    ``forward_s`` and ``backward_s`` are one micro-batch's passes through one rank's share of
+    the model (communication included), ``weight_s`` the weight-gradient part of the backward;
+    ``F``, ``B = backward_s - weight_s`` (input gradient) and ``W`` below. ``p`` ranks:
+
+    - ``gpipe``, ``1f1b``: ``(p - 1)(F + B + W)``, a fraction ``(p - 1) / (m + p - 1)`` of
+      the step (Huang et al. 2019; Narayanan et al. 2021);
+    - ``interleaved_1f1b`` with ``v`` chunks a rank: that divided by ``v`` (Narayanan et al.
+      2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM");
+    - ``zero_bubble``: ZB-H1's ``(p - 1)(F + B - W)`` (Qi et al. 2023, "Zero Bubble Pipeline
+      Parallelism": the weight passes fill the ramps), divided by ``v`` when interleaved, and
+      never less than a forward or an input-gradient pass per ramp step;
+    - ``zero_bubble_v``: ``(p - 1) max(F, B, F + B - 2W) / 2``: ZB-V's two half-size chunks,
+      whose ramps take a weight pass more; with ``F = B = W`` the ranks only start one
+      forward apart (the paper's "zero" counts a steady state where steps overlap).
+    """
+    p, v = stages, virtual_stages
+    f, b, w = forward_s, backward_s - weight_s, weight_s
+    if p <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) * (f + b + w)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) * (f + b + w) / v
+    if schedule == "zero_bubble":
+        return (p - 1) * max(f, b, f + b - w) / v
+    if schedule == "zero_bubble_v":
+        return (p - 1) * max(f, b, f + b - 2 * w) / 2
+    raise _bad_schedule(schedule)
+
+
+def in_flight_micro_batches(
+    schedule: str, stage: int, stages: int, micro_batches: int, virtual_stages: int = 1
+) -> Fraction:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak (in units of
+    the rank's whole share of the model for one micro-batch).
+
+    GPipe holds all ``m``, 1F1B ``p - stage`` (Narayanan et al. 2021), interleaving a little
+    more (its warm-up runs ahead by chunks); the zero-bubble schedules keep 1F1B's peak (Qi
+    et al. 2023: ZB-H1 and ZB-V "1x"), counted here as interleaved 1F1B's and 1F1B's.
+    """
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        return _held_micro_batches(
+            stage, stages, micro_batches, "interleaved_1f1b", chunks=virtual_stages
+        )
+    if schedule in ("gpipe", "1f1b", "zero_bubble_v"):
+        return _held_micro_batches(stage, stages, micro_batches, schedule)
+    raise _bad_schedule(schedule)
+
+
+def _bad_schedule(schedule: object) -> PlanError:
+    return PlanError(
+        f"schedule={schedule!r} is not a pipeline schedule; use one of "
+        + ", ".join(map(repr, SCHEDULES))
+    )
+
+
+# --------------------------------------------------------------------------- schedule orders
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One pass of a schedule: ``kind`` ("forward", "backward" or "weight") of micro-batch
+    ``micro_batch`` through model chunk ``stage`` (0 .. stages x virtual stages - 1)."""
+
+    kind: str
+    stage: int
+    micro_batch: int
+
+    @property
+    def short(self) -> str:
+        """``F3``, ``B3``, ``W3``: the pass and its micro-batch, as pipeline diagrams write it."""
+        return f"{self.kind[0].upper()}{self.micro_batch}"
+
+
+def stage_rank(schedule: str, stage: int, stages: int) -> int:
+    """The pipeline rank that runs model chunk ``stage``: looped (``stage % stages``), or the
+    V of ``zero_bubble_v`` (rank r runs chunks r and 2 stages - 1 - r)."""
+    if schedule == "zero_bubble_v":
+        return stage if stage < stages else 2 * stages - 1 - stage
+    return stage % stages
+
+
+def schedule_order(
+    schedule: str, stages: int, micro_batches: int, virtual_stages: int = 1
+) -> tuple[tuple[Action, ...], ...]:
+    """The passes each pipeline rank runs, in order (one tuple per rank).
+
+    ``gpipe``: every forward, then every backward. ``1f1b``: rank r runs ``p - r`` forwards,
+    then alternates backward and forward, then the remaining backwards. ``interleaved_1f1b``
+    and ``zero_bubble``: the same over ``v`` chunks a rank, forwards by chunk in rounds of
+    micro-batches (Megatron's depth-first order; zero bubble warms up half as far and runs each
+    weight gradient as a pass of its own, deferred by the rank's index). ``zero_bubble_v``:
+    two chunks a rank in a V, each backward split into input and weight passes (ZB-V).
+    """
+    _check_pipeline(schedule, stages, micro_batches, virtual_stages)
+    build: Callable[[int, int, int, int], list[Action]] = {
+        "gpipe": _gpipe_order,
+        "1f1b": _one_f_one_b_order,
+        "interleaved_1f1b": functools.partial(_interleaved_order, zero_bubble=False),
+        "zero_bubble": functools.partial(_interleaved_order, zero_bubble=True),
+        "zero_bubble_v": _v_order,
+    }[schedule]
+    return tuple(tuple(build(r, stages, micro_batches, virtual_stages)) for r in range(stages))
+
+
+def _check_pipeline(schedule: str, stages: int, micro_batches: int, virtual_stages: int) -> None:
+    if schedule not in SCHEDULES:
+        raise _bad_schedule(schedule)
+    for name, value in (
+        ("stages", stages),
+        ("micro_batches", micro_batches),
+        ("virtual_stages", virtual_stages),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"pipeline timeline: {name}={value!r}; give an integer >= 1")
+    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
+        raise PlanError(
+            f"pipeline timeline: schedule {schedule!r} runs one chunk a rank, not "
+            f"virtual_stages={virtual_stages}; use 'interleaved_1f1b' for several"
+        )
+    if schedule == "zero_bubble_v" and virtual_stages != 2:
+        raise PlanError(
+            f"pipeline timeline: schedule 'zero_bubble_v' runs exactly 2 chunks a rank, not "
+            f"virtual_stages={virtual_stages}"
+        )
+
+
+def _gpipe_order(rank: int, stages: int, m: int, v: int) -> list[Action]:
+    return [Action("forward", rank, i) for i in range(m)] + [
+        Action("backward", rank, i) for i in range(m)
+    ]
+
+
+def _one_f_one_b_order(rank: int, stages: int, m: int, v: int) -> list[Action]:
+    # The warm-up fills the pipeline up to this rank: p - rank forwards before the first
+    # backward returns (the last rank runs forward then backward at once).
+    warm = min(m, stages - rank)
+    out = [Action("forward", rank, i) for i in range(warm)]
+    for i in range(m):
+        out.append(Action("backward", rank, i))
+        if warm + i < m:
+            out.append(Action("forward", rank, warm + i))
+    return out
+
+
+def _rounds(stages: int, m: int) -> int:
+    """Micro-batches per round of the interleaved schedules (torch: rounds of about ``p``)."""
+    rounds = max(1, m // stages)
+    if m % rounds:
+        raise PlanError(
+            f"pipeline timeline: interleaved schedules run micro-batches in {rounds} rounds, "
+            f"and micro_batches={m} does not divide into them; use a multiple of {rounds}"
+        )
+    return m // rounds
+
+
+def _interleaved_order(
+    rank: int, stages: int, m: int, v: int, *, zero_bubble: bool
+) -> list[Action]:
+    p, per_round, total = stages, _rounds(stages, m), m * v
+    # Forwards go chunk by chunk in rounds; the warm-up runs the other chunks' first round
+    # ahead, plus two passes (one for zero bubble) for each rank after this one.
+    warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - rank), total)
+    next_forward, next_backward = [0] * v, [0] * v
+
+    def forward(k: int) -> Action:
+        chunk = (k // per_round) % v
+        next_forward[chunk] += 1
+        return Action("forward", chunk * p + rank, next_forward[chunk] - 1)
+
+    def backward(k: int) -> Action:
+        chunk = v - 1 - (k // per_round) % v  # backwards return through the chunks in reverse
+        next_backward[chunk] += 1
+        return Action("backward", chunk * p + rank, next_backward[chunk] - 1)
+
+    out = [forward(k) for k in range(warm)]
+    weights: deque[Action] = deque()
+    for k in range(total):
+        if warm + k < total:
+            out.append(forward(warm + k))
+        done = backward(k)
+        out.append(done)
+        if zero_bubble:
+            # Weight passes wait `rank` backwards, then trail one behind each: the last ranks'
+            # deferred weight passes fill the tail where 1F1B idles (ZB-H1).
+            weights.append(Action("weight", done.stage, done.micro_batch))
+            if k >= rank:
+                out.append(weights.popleft())
+    return out + list(weights)
+
+
+def _v_order(rank: int, stages: int, m: int, v: int) -> list[Action]:
+    """ZB-V (Qi et al. 2023, section 6; torch's ScheduleZBVZeroBubble): chunk 0 goes down the
+    ranks, chunk 1 comes back up, so the last rank turns a micro-batch around at once."""
+    p = stages
+    n = max(2 * p - 1, m)  # planned as if the pipeline were full, extra passes dropped below
+    order = _VOrder((rank, 2 * p - 1 - rank))
+    f = order.counts["forward"]
+    for _ in range(2 * (p - rank) - 1):
+        order.run("forward", 0)
+    for _ in range(rank):
+        order.run("forward", 1)
+        order.run("forward", 0)
+    for _ in range(p - rank):
+        order.run_all(1)
+    while f[1] < f[0] or f[0] < n:  # steady: each chunk's forward, input and weight passes
+        if f[0] < n:
+            order.run("forward", 0)
+        order.run("backward", 0)
+        order.run("weight", 0)
+        order.run_all(1)
+    order.cool_down(rank, p)
+    return [a for a in order.out if a.micro_batch < m]
+
+
+class _VOrder:
+    """The passes of one rank's two V chunks, counted per kind and chunk as they are added."""
+
+    def __init__(self, chunk_stage: tuple[int, int]) -> None:
+        self.chunk_stage = chunk_stage
+        self.counts = {kind: [0, 0] for kind in COMPUTE_KINDS}
+        self.out: list[Action] = []
+
+    def run(self, kind: str, chunk: int) -> None:
+        self.out.append(Action(kind, self.chunk_stage[chunk], self.counts[kind][chunk]))
+        self.counts[kind][chunk] += 1
+
+    def run_all(self, chunk: int) -> None:
+        for kind in COMPUTE_KINDS:
+            self.run(kind, chunk)
+
+    def cool_down(self, rank: int, p: int) -> None:
+        """The input gradients left, then the weight passes they deferred."""
+        b, w = self.counts["backward"], self.counts["weight"]
+        for _ in range(rank):
+            self.run("backward", 0)
+            self.run("backward", 1)
+        for _ in range(p - rank):
+            self.run("backward", 0)
+            self.run("weight", 0)
+        for chunk in (1, 0):
+            while w[chunk] < b[chunk]:
+                self.run("weight", chunk)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True, slots=True)
+class StageTimes:
+    """What one pipeline rank's passes take for one micro-batch, over its whole share of the
+    model (with ``v`` chunks a rank, each chunk's pass takes ``1/v`` of it).
+
+    ``backward_s`` is the whole backward; ``weight_s`` its weight-gradient part, which the
+    zero-bubble schedules run as a pass of its own. ``send_s`` is one activation sent to the
+    next rank (its gradient coming back is taken to take as long); ``sync_s`` runs once a step
+    after the rank's last pass (the gradient reduction over data parallel).
+    """
+
+    forward_s: float
+    backward_s: float
+    weight_s: float = 0.0
+    send_s: float = 0.0
+    sync_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "weight_s", "send_s", "sync_s"):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value < 0:
+                raise PlanError(f"StageTimes.{name}={value!r}; give seconds >= 0")
+        if self.weight_s > self.backward_s:
+            raise PlanError(
+                f"StageTimes.weight_s={self.weight_s} exceeds backward_s={self.backward_s}; "
+                "the weight gradient is part of the backward"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    """One timed piece of a step on pipeline rank ``rank`` (``kind`` from :data:`KINDS`)."""
+
+    rank: int
+    kind: str
+    start_s: float
+    end_s: float
+    stage: int = -1
+    micro_batch: int = -1
+    name: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.kind in COMPUTE_KINDS and self.micro_batch >= 0:
+            return f"{self.kind[0].upper()}{self.micro_batch}"
+        return self.kind
+
+
+def simulate(
+    schedule: str,
+    stages: int,
+    micro_batches: int,
+    times: StageTimes | Sequence[StageTimes],
+    virtual_stages: int = 1,
+    *,
+    labels: Sequence[str] | None = None,
+    title: str = "",
+) -> Timeline:
+    """The timeline of one step: each rank runs :func:`schedule_order`'s passes in order, each
+    pass starting when its rank is free and its input is there (the previous chunk's pass
+    done, plus ``send_s`` when that chunk is on another rank). Sends do not hold up the sender.
+
+    ``times`` is one :class:`StageTimes` for every rank, or one per rank.
+    """
+    orders = schedule_order(schedule, stages, micro_batches, virtual_stages)
+    per_rank = _per_rank(times, stages)
+    chunks = stages * virtual_stages
+    rank_of = [stage_rank(schedule, s, stages) for s in range(chunks)]
+    split = schedule in SPLIT_BACKWARD
+
+    def seconds(a: Action) -> float:
+        t = per_rank[rank_of[a.stage]]
+        if a.kind == "forward":
+            return t.forward_s / virtual_stages
+        if a.kind == "weight":
+            return t.weight_s / virtual_stages
+        return (t.backward_s - (t.weight_s if split else 0.0)) / virtual_stages
+
+    ends: dict[tuple[str, int, int], float] = {}
+    events: list[TimelineEvent] = []
+    clock, at = [0.0] * stages, [0] * stages
+    while any(at[r] < len(orders[r]) for r in range(stages)):
+        moved = False
+        for r in range(stages):
+            while at[r] < len(orders[r]):
+                action = orders[r][at[r]]
+                ready = _ready(action, ends, rank_of, per_rank, chunks)
+                if ready is None:
+                    break
+                start = max(clock[r], ready)
+                clock[r] = start + seconds(action)
+                ends[(action.kind, action.stage, action.micro_batch)] = clock[r]
+                events.append(
+                    TimelineEvent(r, action.kind, start, clock[r], action.stage, action.micro_batch)
+                )
+                events += _sends(action, r, clock[r], rank_of, per_rank[r], chunks)
+                at[r] += 1
+                moved = True
+        if not moved:  # an order that waits on itself: a bug in an order above, not the user's
+            stuck = {r: orders[r][at[r]].short for r in range(stages) if at[r] < len(orders[r])}
+            raise PlanError(f"pipeline timeline: {schedule} waits forever at {stuck}")
+    for r, t in enumerate(per_rank):
+        if t.sync_s > 0:
+            events.append(
+                TimelineEvent(
+                    r, "communication", clock[r], clock[r] + t.sync_s, name="gradient sync"
+                )
+            )
+    rows = tuple(labels) if labels is not None else tuple(f"pp {r}" for r in range(stages))
+    return Timeline(tuple(events), rows, title)
+
+
+def _per_rank(times: StageTimes | Sequence[StageTimes], stages: int) -> list[StageTimes]:
+    if isinstance(times, StageTimes):
+        return [times] * stages
+    given = list(times)
+    if len(given) != stages or not all(isinstance(t, StageTimes) for t in given):
+        raise PlanError(
+            f"pipeline timeline: give one StageTimes, or one per rank ({stages}); got "
+            f"{len(given)} values"
+        )
+    return given
+
+
+def _ready(
+    a: Action,
+    ends: Mapping[tuple[str, int, int], float],
+    rank_of: Sequence[int],
+    per_rank: Sequence[StageTimes],
+    chunks: int,
+) -> float | None:
+    """When ``a``'s inputs are there, or None while a pass it needs has not run."""
+    if a.kind == "forward":
+        needs = [("forward", a.stage - 1)] if a.stage > 0 else []
+    elif a.kind == "backward":
+        later = [("backward", a.stage + 1)] if a.stage < chunks - 1 else []
+        needs = [("forward", a.stage), *later]
+    else:
+        needs = [("backward", a.stage)]
+    ready = 0.0
+    for kind, stage in needs:
+        end = ends.get((kind, stage, a.micro_batch))
+        if end is None:
+            return None
+        if rank_of[stage] != rank_of[a.stage]:
+            end += per_rank[rank_of[stage]].send_s
+        ready = max(ready, end)
+    return ready
+
+
+def _sends(
+    a: Action, rank: int, end: float, rank_of: Sequence[int], times: StageTimes, chunks: int
+) -> list[TimelineEvent]:
+    """The transfer a finished pass starts: its activation forward, its gradient back."""
+    if times.send_s <= 0 or a.kind == "weight":
+        return []
+    to = a.stage + 1 if a.kind == "forward" else a.stage - 1
+    if not 0 <= to < chunks or rank_of[to] == rank:
+        return []
+    what = "activation" if a.kind == "forward" else "gradient"
+    return [
+        TimelineEvent(
+            rank, "communication", end, end + times.send_s, a.stage, a.micro_batch,
+            f"send {what} {a.micro_batch}",
+        )
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the timeline
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A pipeline step as timed events, one row per pipeline rank (``labels``).
+
+    Predicted (:func:`simulate`, :func:`plan_timeline`) or measured
+    (:func:`timeline_from_records`). A rank's bubble is the time before the last pass of the
+    step ends that it runs no pass: waiting for a neighbour's activation or gradient.
+    """
+
+    events: tuple[TimelineEvent, ...]
+    labels: tuple[str, ...]
+    title: str = ""
+    measured: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "events", tuple(self.events))
+        object.__setattr__(self, "labels", tuple(self.labels))
+        for e in self.events:
+            if e.kind not in KINDS:
+                raise PlanError(f"timeline event kind {e.kind!r}; use one of {KINDS}")
+            if not 0 <= e.rank < len(self.labels):
+                raise PlanError(
+                    f"timeline event on rank {e.rank}, but the timeline has {len(self.labels)} "
+                    "rows; give a label per rank"
+                )
+
+    @property
+    def ranks(self) -> int:
+        return len(self.labels)
+
+    def compute(self, rank: int) -> list[TimelineEvent]:
+        """The passes ``rank`` ran, in time order."""
+        return sorted(
+            (e for e in self.events if e.rank == rank and e.kind in COMPUTE_KINDS),
+            key=lambda e: (e.start_s, e.end_s),
+        )
+
+    def order(self, rank: int) -> list[str]:
+        """``["F0", "F1", "B0", ...]``: the passes of ``rank`` in the order they ran."""
+        return [e.label for e in self.compute(rank)]
+
+    @property
+    def span_s(self) -> float:
+        """From the step's start to its last event's end (gradient reduction included)."""
+        return max((e.end_s for e in self.events), default=0.0)
+
+    @property
+    def pipeline_s(self) -> float:
+        """From the step's start to the end of its last pass."""
+        return max((e.end_s for e in self.events if e.kind in COMPUTE_KINDS), default=0.0)
+
+    def busy_s(self, rank: int) -> float:
+        return sum(e.seconds for e in self.compute(rank))
+
+    def idle(self, rank: int) -> list[tuple[float, float]]:
+        """The gaps of ``rank`` before the pipeline's last pass ends: its bubble."""
+        gaps, at = [], 0.0
+        for e in self.compute(rank):
+            if e.start_s > at:
+                gaps.append((at, e.start_s))
+            at = max(at, e.end_s)
+        if self.pipeline_s > at:
+            gaps.append((at, self.pipeline_s))
+        return gaps
+
+    @property
+    def bubble_s(self) -> float:
+        """The step's bubble: the pipeline's time less the busiest rank's passes."""
+        return self.pipeline_s - max((self.busy_s(r) for r in range(self.ranks)), default=0.0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.pipeline_s if self.pipeline_s > 0 else 0.0
+
+    def peak_in_flight(self, rank: int) -> Fraction:
+        """The most micro-batches whose activations ``rank`` held at once: a chunk's activation
+        is kept from its forward's end to its last backward pass's end, in units of the rank's
+        whole share (a chunk of ``v`` counts ``1/v``)."""
+        passes = self.compute(rank)
+        chunks = len({e.stage for e in passes}) or 1
+        last: dict[tuple[int, int], TimelineEvent] = {}
+        for e in passes:
+            if e.kind != "forward":
+                last[(e.stage, e.micro_batch)] = e  # the later of backward and weight wins
+        changes = [(e.end_s, 1) for e in passes if e.kind == "forward"]
+        changes += [(e.end_s, -1) for e in last.values()]
+        held = peak = 0
+        for _, change in sorted(changes, key=lambda c: (c[0], c[1])):
+            held += change
+            peak = max(peak, held)
+        return Fraction(peak, chunks)
+
+    # ------------------------------------------------------------------- files
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The Trace Event Format (chrome://tracing, Perfetto): one process per pipeline rank,
+        thread 0 its passes, thread 1 its communication; complete ("X") events in us."""
+        events: list[dict[str, Any]] = []
+        for r, label in enumerate(self.labels):
+            events += [
+                {"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": label}},
+                {"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0,
+                 "args": {"sort_index": r}},
+                {"name": "thread_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": "passes"}},
+                {"name": "thread_name", "ph": "M", "pid": r, "tid": 1,
+                 "args": {"name": "communication"}},
+            ]  # fmt: skip
+        for e in sorted(self.events, key=lambda e: (e.start_s, e.rank, e.kind)):
+            events.append(
+                {
+                    "name": e.label,
+                    "cat": e.kind,
+                    "ph": "X",
+                    "ts": round(e.start_s * 1e6, 3),
+                    "dur": round(e.seconds * 1e6, 3),
+                    "pid": e.rank,
+                    "tid": 1 if e.kind == "communication" else 0,
+                    "args": {"stage": e.stage, "micro_batch": e.micro_batch},
+                }
+            )
+        other = {
+            "title": self.title,
+            "measured": self.measured,
+            "bubble_s": self.bubble_s,
+            "bubble_fraction": self.bubble_fraction,
+        }
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+    def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`chrome_trace` as JSON to ``path`` (open it in Perfetto or chrome://tracing)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.chrome_trace(), f, indent=1)
+            f.write("\n")
+
+    def png(self, width: int = 1200) -> bytes:
+        """The picture (module docstring) as PNG bytes, ``width`` pixels wide."""
+        return _draw(self, width).png()
+
+    def to_png(self, path: str | os.PathLike[str], width: int = 1200) -> tuple[int, int]:
+        """Write the picture to ``path``; returns its (width, height) in pixels."""
+        canvas = _draw(self, width)
+        with open(path, "wb") as f:
+            f.write(canvas.png())
+        return canvas.width, canvas.height
+
+
+# --------------------------------------------------------------------------- from a plan
+
+
+def plan_timeline(plan: Plan) -> Timeline:
+    """The predicted schedule of ``plan``'s pipeline, simulated on its per-stage times.
+
+    A stage's compute per micro-batch is split by :data:`BACKWARD_FLOPS_FACTOR` (forward a
+    third, the input and weight gradients a third each); its collectives inside the stage are
+    spread over the passes of their phase, the activations it sends to the next stage are the
+    sends, its gradient reductions and optimizer collectives the sync after its last pass.
+    """
+    p, m, v = plan.pipeline_stages, plan.micro_batches, plan.virtual_stages
+    if p < 2:
+        raise PlanError(
+            f"plan for {plan.model or 'the model'} has 1 pipeline stage: there is no pipeline "
+            "schedule to draw; plan with --pipeline-stages N (N > 1) or a mesh with a 'pp' axis"
+        )
+    times = _plan_stage_times(plan)
+    title = (
+        f"predicted {plan.schedule}: {p} stages"
+        + (f" x {v} chunks" if v > 1 else "")
+        + f", {m} micro-batches"
+        + (f" ({plan.model})" if plan.model else "")
+    )
+    return simulate(plan.schedule, p, m, times, v, title=title)
+
+
+def _plan_stage_times(plan: Plan) -> list[StageTimes]:
+    p, m = plan.pipeline_stages, plan.micro_batches
+    # Files written before per-stage compute was recorded: every stage as the busiest.
+    compute = list(plan.stage_compute_s) or [plan.predicted.compute_s] * p
+    stage_of = {name: s for s, names in enumerate(plan.stages) for name in names}
+    for param in plan.parameters:
+        if param.op in stage_of:
+            stage_of.setdefault(param.name, stage_of[param.op])
+    parameters = {param.name for param in plan.parameters}
+    forward, backward, send, sync = ([0.0] * p for _ in range(4))
+    for c in plan.collectives:
+        s = min(stage_of.get(c.op, 0), p - 1)
+        if c.kind == "send_recv" and PP_AXIS in c.axes:
+            if c.phase == "forward" and s > 0:
+                send[s - 1] += c.seconds  # the activation entering stage s, per micro-batch
+            continue
+        if c.phase == "optimizer" or c.op in parameters:
+            sync[s] += c.total_seconds
+        elif c.phase == "forward":
+            forward[s] += c.total_seconds
+        else:
+            backward[s] += c.total_seconds
+    share = 1 / (1 + BACKWARD_FLOPS_FACTOR)
+    return [
+        StageTimes(
+            forward_s=(compute[s] * share + forward[s]) / m,
+            backward_s=(compute[s] * (1 - share) + backward[s]) / m,
+            weight_s=compute[s] * share / m,
+            send_s=send[s],
+            sync_s=sync[s],
+        )
+        for s in range(p)
+    ]
+
+
+# --------------------------------------------------------------------------- a measured step
+
+Record = tuple[int, str, int, int, float, float]
+"""One timed pass of a real run: (pipeline rank, kind, stage index, micro-batch, start s, end s),
+times from the rank's :meth:`StageTimer.begin_step`."""
+
+
+class StageTimer:
+    """Times the passes of a real run's pipeline stages, for :func:`timeline_from_records`.
+
+    torch's schedules call ``forward_one_chunk``, ``backward_one_chunk`` and
+    ``backward_weight_one_chunk`` on each stage object (``_PipelineStageBase``), with the
+    micro-batch index first; :meth:`wrap` replaces those on the object with timed calls
+    (the class is left alone). :meth:`begin_step` starts a step's record and :meth:`stop`
+    ends it (an evaluation's forwards after it are not recorded); :meth:`records` is what a
+    rank hands to the gather. ``sync`` (e.g. ``torch.cuda.synchronize``) runs before and after
+    each timed pass, so that a GPU's asynchronous work is timed and not its launch.
+    """
+
+    _METHODS = (
+        ("forward_one_chunk", "forward", "fwd_chunk_id"),
+        ("backward_one_chunk", "backward", "bwd_chunk_id"),
+        ("backward_weight_one_chunk", "weight", "bwd_chunk_id"),
+    )
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        sync: Callable[[], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self._clock, self._sync = clock, sync
+        self._records: list[Record] = []
+        self._t0 = clock()
+        self._recording = False  # passes outside a step (none yet) are not timed
+
+    def wrap(self, stage: Any) -> None:
+        """Time ``stage``'s passes from now on (once per stage object; again does nothing)."""
+        if getattr(stage, "_plait_stage_timer", None) is self:
+            return
+        for method, kind, key in self._METHODS:
+            original = getattr(stage, method, None)
+            if original is not None:
+                setattr(stage, method, self._timed(original, kind, key, stage))
+        stage._plait_stage_timer = self
+
+    def unwrap(self, stage: Any) -> None:
+        """Undo :meth:`wrap`: the stage's own methods again."""
+        for method, _, _ in self._METHODS:
+            vars(stage).pop(method, None)
+        vars(stage).pop("_plait_stage_timer", None)
+
+    def begin_step(self) -> None:
+        """Forget the last step and record this one; its times are from this instant."""
+        self._records = []
+        self._t0 = self._clock()
+        self._recording = True
+
+    def stop(self) -> None:
+        """Record nothing more until the next :meth:`begin_step` (the step's records stay)."""
+        self._recording = False
+
+    def records(self) -> list[Record]:
+        """This rank's passes since :meth:`begin_step` (plain tuples: they pickle)."""
+        return list(self._records)
+
+    def _timed(
+        self, method: Callable[..., Any], kind: str, key: str, stage: Any
+    ) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self._recording:
+                return method(*args, **kwargs)
+            micro_batch = args[0] if args else kwargs.get(key, -1)
+            if self._sync is not None:
+                self._sync()
+            start = self._clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if self._sync is not None:
+                    self._sync()
+                end = self._clock()
+                stage_index = int(getattr(stage, "stage_index", -1))
+                self._records.append(
+                    (self.rank, kind, stage_index, int(micro_batch), start - self._t0,
+                     end - self._t0)
+                )  # fmt: skip
+
+        return timed
+
+
+def timeline_from_records(
+    records: Iterable[Sequence[Any]],
+    *,
+    labels: Sequence[str] | None = None,
+    title: str = "",
+) -> Timeline:
+    """A measured :class:`Timeline` from every rank's :meth:`StageTimer.records` (flattened).
+
+    Each rank's times are from its own step start; the previous step ended in an all-reduce
+    over every rank, so the starts agree to that collective's skew. Rows are pipeline ranks
+    0 .. the largest rank seen (or ``len(labels)``).
+    """
+    events = []
+    for record in records:
+        rank, kind, stage, micro_batch, start, end = record
+        events.append(
+            TimelineEvent(int(rank), str(kind), float(start), float(end), int(stage),
+                          int(micro_batch))
+        )  # fmt: skip
+    rows = max((e.rank for e in events), default=0) + 1
+    names = tuple(labels) if labels is not None else tuple(f"pp {r}" for r in range(rows))
+    return Timeline(tuple(events), names, title, measured=True)
+
+
+# --------------------------------------------------------------------------- the picture
+
+_WHITE = (255, 255, 255)
+_INK = (34, 34, 34)
+_GRID = (120, 120, 120)
+_HATCH = (190, 190, 190)
+_COLOURS = {
+    "forward": (66, 133, 244),
+    "backward": (234, 117, 33),
+    "weight": (52, 168, 83),
+    "communication": (142, 104, 196),
+}
+_NAMES = {
+    "forward": "forward",
+    "backward": "backward",
+    "weight": "weight gradient",
+    "communication": "communication",
+}
+_PAD = 12
+_LANE = 30  # a rank's passes
+_COMM_LANE = 8  # its communication, under them
+_ROW_GAP = 12
+_TEXT = 2  # label font scale: 5x7 glyphs drawn 10x14
+
+
+def _draw(timeline: Timeline, width: int) -> _Canvas:
+    if not isinstance(width, int) or width < 480:
+        raise PlanError(f"timeline picture width={width!r}; give at least 480 pixels")
+    label_w = max((_text_width(s, _TEXT) for s in timeline.labels), default=0) + 2 * _PAD
+    x0, x1 = label_w, width - 2 * _PAD
+    legend = _legend_items(timeline)
+    legend_lines = _layout_legend(legend, width - 2 * _PAD)
+    top = _PAD + 7 * _TEXT + _PAD
+    pitch = _LANE + _COMM_LANE + _ROW_GAP
+    axis_y = top + timeline.ranks * pitch
+    legend_y = axis_y + 2 * (7 * _TEXT) + 3 * _PAD
+    height = legend_y + len(legend_lines) * (7 * _TEXT + _PAD) + _PAD
+    canvas = _Canvas(width, height)
+    span = timeline.span_s or 1e-9
+    scale = (x1 - x0) / span
+
+    def x_of(t: float) -> int:
+        return x0 + round(t * scale)
+
+    canvas.text_fitted(_PAD, _PAD, _title(timeline), _INK, width - 2 * _PAD)
+    for r, label in enumerate(timeline.labels):
+        y = top + r * pitch
+        canvas.text(_PAD, y + (_LANE - 7 * _TEXT) // 2, label, _INK, _TEXT)
+        for start, end in timeline.idle(r):
+            canvas.hatch(x_of(start), y, x_of(end), y + _LANE, _HATCH)
+        _draw_events(canvas, timeline, r, y, x_of)
+    _draw_axis(canvas, x0, x1, axis_y, span)
+    _draw_legend(canvas, legend_lines, legend_y)
+    return canvas
+
+
+def _title(timeline: Timeline) -> str:
+    what = "measured" if timeline.measured else "predicted"
+    head = timeline.title or f"{what} pipeline step"
+    bubble = f"bubble {_fmt_time(timeline.bubble_s)} ({100 * timeline.bubble_fraction:.0f}%)"
+    return f"{head}: {bubble}"
+
+
+def _draw_events(
+    canvas: _Canvas, timeline: Timeline, rank: int, y: int, x_of: Callable[[float], int]
+) -> None:
+    chunks = sorted({e.stage for e in timeline.compute(rank)})
+    for e in timeline.events:
+        if e.rank != rank:
+            continue
+        a, b = x_of(e.start_s), x_of(e.end_s)
+        b = max(b - 1, a + 1) if b - a >= 3 else max(b, a + 1)  # a 1px seam between passes
+        if e.kind == "communication":
+            canvas.fill(a, y + _LANE + 2, b, y + _LANE + 2 + _COMM_LANE, _COLOURS[e.kind])
+            continue
+        # Later chunks of a rank (virtual stages) are drawn darker, as Megatron's figures do.
+        k = chunks.index(e.stage) if e.stage in chunks else 0
+        colour = _shade(_COLOURS[e.kind], 0.35 * k / max(1, len(chunks) - 1))
+        canvas.fill(a, y, b, y + _LANE, colour)
+        text = str(e.micro_batch) if e.micro_batch >= 0 else ""
+        for size in (_TEXT, 1):
+            if text and _text_width(text, size) + 4 <= b - a:
+                tx = a + (b - a - _text_width(text, size)) // 2
+                canvas.text(tx, y + (_LANE - 7 * size) // 2, text, _WHITE, size)
+                break
+
+
+def _draw_axis(canvas: _Canvas, x0: int, x1: int, y: int, span: float) -> None:
+    canvas.fill(x0, y, x1 + 1, y + 1, _GRID)
+    unit, per = _time_unit(span)
+    step = _nice_step(span / 8)
+    n = int(span / step + 1e-9)
+    for i in range(n + 1):
+        x = x0 + round(i * step * (x1 - x0) / span)
+        canvas.fill(x, y, x + 1, y + 6, _GRID)
+        text = f"{round(i * step / per, 6):g}"
+        w = _text_width(text, _TEXT)
+        canvas.text(min(max(x - w // 2, x0), x1 - w), y + 9, text, _INK, _TEXT)
+    title = f"time ({unit})"
+    canvas.text(
+        x0 + (x1 - x0 - _text_width(title, _TEXT)) // 2, y + 9 + 7 * _TEXT + 6, title, _INK, _TEXT
+    )
+
+
+def _legend_items(timeline: Timeline) -> list[tuple[str, tuple[int, int, int] | None]]:
+    kinds = {e.kind for e in timeline.events}
+    split = "weight" in kinds
+    items: list[tuple[str, tuple[int, int, int] | None]] = []
+    for kind in KINDS:
+        if kind in kinds:
+            name = "backward (input gradient)" if kind == "backward" and split else _NAMES[kind]
+            items.append((name, _COLOURS[kind]))
+    items.append(("idle: bubble", None))
+    if any(len({e.stage for e in timeline.compute(r)}) > 1 for r in range(timeline.ranks)):
+        items.append(("darker: later chunk", (90, 90, 90)))
+    return items
+
+
+def _layout_legend(
+    items: list[tuple[str, tuple[int, int, int] | None]], room: int
+) -> list[list[tuple[int, str, tuple[int, int, int] | None]]]:
+    lines: list[list[tuple[int, str, tuple[int, int, int] | None]]] = [[]]
+    x = _PAD
+    for name, colour in items:
+        w = 7 * _TEXT + 6 + _text_width(name, _TEXT) + 3 * _PAD
+        if lines[-1] and x + w > room:
+            lines.append([])
+            x = _PAD
+        lines[-1].append((x, name, colour))
+        x += w
+    return lines
+
+
+def _draw_legend(
+    canvas: _Canvas,
+    lines: list[list[tuple[int, str, tuple[int, int, int] | None]]],
+    y: int,
+) -> None:
+    box = 7 * _TEXT
+    for line in lines:
+        for x, name, colour in line:
+            if colour is None:
+                canvas.fill(x, y, x + box, y + box, _WHITE)
+                canvas.hatch(x, y, x + box, y + box, _HATCH)
+                canvas.outline(x, y, x + box, y + box, _HATCH)
+            else:
+                canvas.fill(x, y, x + box, y + box, colour)
+            canvas.text(x + box + 6, y, name, _INK, _TEXT)
+        y += box + _PAD
+
+
+def _shade(colour: tuple[int, int, int], darker: float) -> tuple[int, int, int]:
+    r, g, b = (round(c * (1 - darker)) for c in colour)
+    return r, g, b
+
+
+def _time_unit(span: float) -> tuple[str, float]:
+    for unit, per in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if span >= per:
+            return unit, per
+    return "ns", 1e-9
+
+
+def _nice_step(raw: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten at least ``raw`` (axis ticks)."""
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1e-9
+    return next(k * power for k in (1, 2, 5, 10) if k * power >= raw * (1 - 1e-9))
+
+
+def _fmt_time(s: float) -> str:
+    unit, per = _time_unit(s) if s > 0 else ("s", 1.0)
+    return f"{s / per:.3g} {unit}"
+
+
+def _text_width(text: str, scale: int) -> int:
+    return max(0, len(text) * 6 * scale - scale)
+
+
+class _Canvas:
+    """An RGB image in memory: filled rectangles, hatching, bitmap text, PNG bytes."""
+
+    def __init__(self, width: int, height: int) -> None:
+        self.width, self.height = width, height
+        self.pixels = bytearray(bytes(_WHITE) * (width * height))
+
+    def fill(self, x0: int, y0: int, x1: int, y1: int, colour: tuple[int, int, int]) -> None:
+        x0, x1 = max(0, x0), min(self.width, x1)
+        y0, y1 = max(0, y0), min(self.height, y1)
+        if x1 <= x0 or y1 <= y0:
+            return
+        row = bytes(colour) * (x1 - x0)
+        for y in range(y0, y1):
+            at = (y * self.width + x0) * 3
+            self.pixels[at : at + len(row)] = row
+
+    def outline(self, x0: int, y0: int, x1: int, y1: int, colour: tuple[int, int, int]) -> None:
+        self.fill(x0, y0, x1, y0 + 1, colour)
+        self.fill(x0, y1 - 1, x1, y1, colour)
+        self.fill(x0, y0, x0 + 1, y1, colour)
+        self.fill(x1 - 1, y0, x1, y1, colour)
+
+    def hatch(self, x0: int, y0: int, x1: int, y1: int, colour: tuple[int, int, int]) -> None:
+        """Diagonal lines every 6 pixels: the bubble is empty, and reads as empty on purpose."""
+        x0, x1 = max(0, x0), min(self.width, x1)
+        y0, y1 = max(0, y0), min(self.height, y1)
+        dot = bytes(colour)
+        for y in range(y0, y1):
+            for x in range(x0 + (-(x0 + y)) % 6, x1, 6):
+                at = (y * self.width + x) * 3
+                self.pixels[at : at + 3] = dot
+
+    def text(self, x: int, y: int, text: str, colour: tuple[int, int, int], scale: int) -> None:
+        for ch in text:
+            glyph = _FONT.get(ch.upper(), _FONT["?"])
+            for row, bits in enumerate(glyph.split("|")):
+                for col, bit in enumerate(bits):
+                    if bit == "#":
+                        px, py = x + col * scale, y + row * scale
+                        self.fill(px, py, px + scale, py + scale, colour)
+            x += 6 * scale
+
+    def text_fitted(
+        self, x: int, y: int, text: str, colour: tuple[int, int, int], room: int
+    ) -> None:
+        """``text`` at the label size, smaller if it does not fit ``room``, cut if still not."""
+        scale = _TEXT if _text_width(text, _TEXT) <= room else 1
+        keep = max(1, (room + scale) // (6 * scale))
+        self.text(x, y, text if len(text) <= keep else text[: keep - 2] + "..", colour, scale)
+
+    def png(self) -> bytes:
+        stride = self.width * 3
+        raw = b"".join(
+            b"\x00" + bytes(self.pixels[y * stride : (y + 1) * stride]) for y in range(self.height)
+        )
+        head = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + _chunk(b"IHDR", head)
+            + _chunk(b"IDAT", zlib.compress(raw, 9))
+            + _chunk(b"IEND", b"")
+        )
+
+
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+
+# 5x7 glyphs, rows top to bottom separated by "|": capitals (lower case is drawn as them),
+# digits and the punctuation the labels use; anything else is drawn as "?".
+_FONT = {
+    " ": ".....|.....|.....|.....|.....|.....|.....",
+    "A": ".###.|#...#|#...#|#####|#...#|#...#|#...#",
+    "B": "####.|#...#|#...#|####.|#...#|#...#|####.",
+    "C": ".###.|#...#|#....|#....|#....|#...#|.###.",
+    "D": "####.|#...#|#...#|#...#|#...#|#...#|####.",
+    "E": "#####|#....|#....|####.|#....|#....|#####",
+    "F": "#####|#....|#....|####.|#....|#....|#....",
+    "G": ".###.|#...#|#....|#.###|#...#|#...#|.####",
+    "H": "#...#|#...#|#...#|#####|#...#|#...#|#...#",
+    "I": ".###.|..#..|..#..|..#..|..#..|..#..|.###.",
+    "J": "..###|...#.|...#.|...#.|...#.|#..#.|.##..",
+    "K": "#...#|#..#.|#.#..|##...|#.#..|#..#.|#...#",
+    "L": "#....|#....|#....|#....|#....|#....|#####",
+    "M": "#...#|##.##|#.#.#|#.#.#|#...#|#...#|#...#",
+    "N": "#...#|#...#|##..#|#.#.#|#..##|#...#|#...#",
+    "O": ".###.|#...#|#...#|#...#|#...#|#...#|.###.",
+    "P": "####.|#...#|#...#|####.|#....|#....|#....",
+    "Q": ".###.|#...#|#...#|#...#|#.#.#|#..#.|.##.#",
+    "R": "####.|#...#|#...#|####.|#.#..|#..#.|#...#",
+    "S": ".####|#....|#....|.###.|....#|....#|####.",
+    "T": "#####|..#..|..#..|..#..|..#..|..#..|..#..",
+    "U": "#...#|#...#|#...#|#...#|#...#|#...#|.###.",
+    "V": "#...#|#...#|#...#|#...#|#...#|.#.#.|..#..",
+    "W": "#...#|#...#|#...#|#.#.#|#.#.#|#.#.#|.#.#.",
+    "X": "#...#|#...#|.#.#.|..#..|.#.#.|#...#|#...#",
+    "Y": "#...#|#...#|.#.#.|..#..|..#..|..#..|..#..",
+    "Z": "#####|....#|...#.|..#..|.#...|#....|#####",
+    "0": ".###.|#...#|#..##|#.#.#|##..#|#...#|.###.",
+    "1": "..#..|.##..|..#..|..#..|..#..|..#..|.###.",
+    "2": ".###.|#...#|....#|...#.|..#..|.#...|#####",
+    "3": "#####|...#.|..#..|...#.|....#|#...#|.###.",
+    "4": "...#.|..##.|.#.#.|#..#.|#####|...#.|...#.",
+    "5": "#####|#....|####.|....#|....#|#...#|.###.",
+    "6": "..##.|.#...|#....|####.|#...#|#...#|.###.",
+    "7": "#####|....#|...#.|..#..|.#...|.#...|.#...",
+    "8": ".###.|#...#|#...#|.###.|#...#|#...#|.###.",
+    "9": ".###.|#...#|#...#|.####|....#|...#.|.##..",
+    ".": ".....|.....|.....|.....|.....|.##..|.##..",
+    ",": ".....|.....|.....|.....|.##..|..#..|.#...",
+    ":": ".....|.##..|.##..|.....|.##..|.##..|.....",
+    "-": ".....|.....|.....|#####|.....|.....|.....",
+    "+": ".....|..#..|..#..|#####|..#..|..#..|.....",
+    "=": ".....|.....|#####|.....|#####|.....|.....",
+    "/": ".....|....#|...#.|..#..|.#...|#....|.....",
+    "(": "...#.|..#..|.#...|.#...|.#...|..#..|...#.",
+    ")": ".#...|..#..|...#.|...#.|...#.|..#..|.#...",
+    "%": "##...|##..#|...#.|..#..|.#...|#..##|...##",
+    "_": ".....|.....|.....|.....|.....|.....|#####",
+    "'": "..#..|..#..|.#...|.....|.....|.....|.....",
+    "?": ".###.|#...#|....#|...#.|..#..|.....|..#..",
+}

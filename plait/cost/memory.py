@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 Recompute = Literal["none", "full", "selective"]
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_v"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v"]
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -234,17 +234,18 @@ def in_flight_micro_batches(
     p, i, m = stages, stage, micro_batches
     if schedule == "gpipe":
         return Fraction(m)
-    if schedule == "1f1b" or (schedule == "interleaved_1f1b" and chunks == 1):
+    if schedule == "1f1b" or (schedule in ("interleaved_1f1b", "zero_bubble") and chunks == 1):
         return Fraction(min(p - i, m))
-    if schedule == "interleaved_1f1b":
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
+        # zero bubble runs the interleaved order, its weight passes deferred within it
         held = Fraction((p - i - 1) * 2 + (chunks - 1) * p + 1, chunks)
         return min(held, Fraction(m))
     if schedule == "zero_bubble_v":
         # ZB-V's peak equals 1F1B's first stage on every device (the authors' table: "1x").
         return Fraction(min(p, m))
     raise CostError(
-        f"schedule={schedule!r} is not allowed; use 'gpipe', '1f1b', 'interleaved_1f1b' or "
-        "'zero_bubble_v'"
+        f"schedule={schedule!r} is not allowed; use 'gpipe', '1f1b', 'interleaved_1f1b', "
+        "'zero_bubble' or 'zero_bubble_v'"
     )
 
 

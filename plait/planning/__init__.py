@@ -8,6 +8,7 @@ The rooms, each importing only the ones below it:
 - ``assemble`` the searcher's choices -> collectives, stages, predictions: a Plan
 - ``records``  the Plan and its records (ops, parameters, collectives, prediction, options)
 - ``report``   summary and explain, human units; ``codec`` the plan file, from the fields
+- ``timeline`` a pipeline schedule's passes in time: bubble, picture (PNG), Chrome trace
 - ``checks``   value checks and vocabulary
 
 Planning never imports ``plait.runtime``, ``plait.comm`` or ``torch.distributed`` (an

@@ -35,6 +35,7 @@ from plait.config import ParallelConfig
 from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, ShardingError
 from plait.mesh import MeshSpec
+from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 
 __all__ = ["PipelineJob", "model_inputs", "stage_starts"]
@@ -239,6 +240,12 @@ class PipelineJob(Job):
         self._ties = tied_copies(model, modules)
         self._device = device
         self._pp_group = device_mesh.get_group("pp")
+        self._timer = StageTimer(
+            pp_rank, sync=torch.cuda.synchronize if device.type == "cuda" else None
+        )
+        for stage in stages:
+            self._timer.wrap(stage)
+        self._first = all(c == 0 for c in coordinate)
         logger.info(
             "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
             count,
@@ -288,6 +295,10 @@ class PipelineJob(Job):
             m.train(training)
         self._micro_batches = split_micro_batches(batch, micro)
         args, kwargs = model_inputs(self.model, self.loss_fn, batch)
+        if training:
+            self._timer.begin_step()
+        else:
+            self._timer.stop()  # job.timeline() shows the last training step
         try:
             return pp_comm.run_schedule(
                 self._schedule,
@@ -309,6 +320,26 @@ class PipelineJob(Job):
 
     def state_modules(self) -> list[nn.Module]:
         return list(self.stage_modules)
+
+    def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
+        """The last training step's measured schedule: each stage's forward, backward and
+        weight-gradient passes in time, per pipeline rank. Every rank calls it (it gathers the
+        pipeline group's records); the first rank writes the picture to ``path`` (PNG) and a
+        Chrome trace to ``trace`` (JSON, for chrome://tracing or Perfetto)."""
+        from plait.comm.checkpoint_io import all_gather_objects
+
+        parts = all_gather_objects(self._timer.records(), group=self._pp_group)
+        pp, cfg = self.mesh.axis_size("pp"), self.config
+        timeline = timeline_from_records(
+            [record for part in parts for record in part],
+            labels=[f"pp {r}" for r in range(pp)],
+            title=f"measured {cfg.schedule}: {pp} stages, {cfg.micro_batches} micro-batches",
+        )
+        if self._first and path is not None:
+            timeline.to_png(path)
+        if self._first and trace is not None:
+            timeline.to_chrome_trace(trace)
+        return timeline
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters and buffers, gathered on every rank (model names)."""

@@ -15,6 +15,7 @@ data-parallel mean) shows in the parameters.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -103,6 +104,9 @@ def _workers(root: str) -> dict:
     out["collectives"] = dict(log.counts)
     job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
     out["evaluate"] = job.evaluate(_local(job, _batches()[0]))
+    png = Path(root) / "measured.png"
+    timeline = job.timeline(png, trace=Path(root) / "measured.json")
+    out["timeline"] = sorted({(e.rank, e.kind) for e in timeline.events})
     # a pipeline checkpoint -> plain data parallel -> back into the pipeline
     batches = _batches(STEPS + 2)
     job.save(Path(root) / "pipe")
@@ -143,6 +147,14 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     with torch.no_grad():
         expected = gpt_loss(trained.eval(), _batches()[0]).item()
     assert results[0]["evaluate"] == pytest.approx(expected, rel=1e-5)
+    # the last training step's measured schedule: both pipeline ranks ran forwards and
+    # backwards; the picture is a PNG (its size in the header) and the trace is JSON
+    assert results[0]["timeline"] == [
+        (0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")
+    ]  # fmt: skip
+    png = (tmp_path / "measured.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > 100
+    assert json.loads((tmp_path / "measured.json").read_text())["traceEvents"]
     # Each rank, per step of 4 micro-batches over 2 stages: 4 activations or gradients sent
     # and 4 received, one all-reduce of the stage's gradients over dp and one of the loss.
     for r in results:

@@ -1,0 +1,656 @@
+"""Pipeline parallel: plait's ``job.step`` against a hand-written torch.distributed.pipelining
+script of the same split, and the measured pipeline bubble against the predicted one.
+
+One TinyGPT (by default vocab 512, seq 64, width 128, 8 heads, 8 layers: 1.72 M parameters),
+AdamW, 4 gloo processes (one torch thread each), global batch ``--batch``, ``--micro`` (8)
+micro-batches a step. Meshes: ``pp4`` (4 stages, dp=1) and ``pp2xdp2`` (2 stages, each
+replicated twice); schedules ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and ``zero_bubble``
+(both with 2 stages a rank). For each mesh and schedule, in the same processes:
+
+* ``plait``: ``plait.parallelize(model, ParallelConfig(mode="data_parallel", mesh=...,
+  micro_batches=8, schedule=...), optimizer=AdamW, loss_fn=gpt_loss, example_batch=...)``,
+  then ``job.step(local batch)``;
+* ``baseline``: what a user writes with ``torch.distributed.pipelining`` directly:
+  ``init_device_mesh`` with the same ``pp`` / ``dp`` layout, ``pipeline(model, mb_args=(one
+  micro-batch,), split_spec={name: SplitPoint.BEGINNING for the modules plait cut before
+  (job.stage_starts)})``, ``pipe.build_stage`` for the same stage indices (rank + k pp), the
+  same torch schedule class with a cross-entropy ``loss_fn(output, target)`` (``scale_grads``
+  left at its default, True: the gradient of the mean micro-batch loss, as plait), AdamW over
+  the stages' parameters, and for dp=2 one flat all-reduce of the stage's gradients over the
+  dp group, divided by 2 (hand-written, the same for every schedule; DDP on the stage modules
+  was not tried: torch's stage drives a DDP module through ``no_sync`` and
+  ``prepare_for_backward``, and the zero-bubble schedule's split backward computes gradients
+  with ``autograd.grad``, which DDP's gradient hooks do not see). ``schedule.step`` is
+  called with ``return_outputs=False`` as plait calls it (else the last stage concatenates
+  every micro-batch's logits, work plait does not do). The baseline's step returns the last
+  stage's mean loss with no collective; plait's returns the global loss (one scalar
+  all-reduce over the 4 ranks).
+
+Both start from the same weights and take the same batches, so their losses must agree (to
+``--rtol``; checked). After ``--warmup`` untimed steps each, ``--steps`` timed steps each,
+interleaved (which side goes first alternates). Every step starts after a barrier and is timed
+on every rank; a step's time is the slowest rank's; the table gives the median over steps and
+the ratio plait / baseline (the issue's target: <= 1.05).
+
+Measured bubble: the stage objects' ``forward_one_chunk``, ``backward_one_chunk`` and
+``backward_weight_one_chunk`` and the schedule's ``_compute_loss`` are wrapped (bound methods
+on these instances, in this script only) with timers; a rank's busy time is their sum, its
+bubble ``1 - busy / (wall time of schedule.step)``; the table gives, per step, the mean over
+ranks, median over steps. The window is the schedule's step, not the whole step, so the
+data-parallel all-reduce and the optimizer (outside any pipeline formula) are not counted as
+bubble. Predicted bubble: ``plait.planning.timeline.bubble_seconds`` (the planner's
+per-schedule closed forms; this script's own copy of them where plait has none) on the busiest
+rank's measured passes per micro-batch (F: forward and loss, B: input gradient, W: weight
+gradient), as a fraction of ``m (F + B + W) + bubble``. For gpipe and 1f1b that is
+``(p - 1) / (m + p - 1)`` whatever the times (Huang et al. 2019; Narayanan et al. 2021), for
+interleaved 1f1b ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021: the bubble divided by
+``v``); for zero bubble ZB-H1's ``(p - 1) max(F, B, F + B - W) / v`` (Qi et al. 2023), which
+depends on the measured F:B:W (shown, with the figure for F = B = W beside it).
+
+Where plait's step spends its time: the functions ``PipelineJob._step`` calls (finding the
+model's inputs, cutting micro-batches, the schedule, the tied-parameter sync, the gradient
+mean, the optimizer and its zero_grad, the loss all-reduce) are wrapped the same way; per
+phase, the time on the rank that set the step's time (the slowest), median over steps (the
+baseline's phases likewise). "CPU share" is the process CPU time of the 4 ranks inside
+``schedule.step`` over (CPU cores x its wall time): how much of the machine the pipeline got
+(4 processes share 2 cores here, so a rank that waits lends its core to another; other
+tenants' load lowers it too). "CPU s/step" is the 4 ranks' process CPU time of a whole step.
+
+Run from the repository root: ``.venv/bin/python bench/pipeline.py`` (CPU, 4 gloo processes;
+about 3 minutes on 2 shared cores). ``--meshes pp4 --schedules 1f1b --steps 4`` for a short
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    SplitPoint,
+    pipeline,
+)
+
+import plait
+from plait import ParallelConfig
+from plait.comm import pipeline as pp_comm
+from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.runtime import pipeline as pp_job
+from plait.testing import run_workers
+
+WORLD = 4
+LR = 1e-3
+TARGET = 1.05
+CORES = os.cpu_count() or 1
+
+MESHES: dict[str, dict[str, int]] = {"pp4": {"pp": 4}, "pp2xdp2": {"pp": 2, "dp": 2}}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+TORCH_SCHEDULES: dict[str, Any] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+LOOPED = ("gpipe", "1f1b")  # one stage a rank
+VIRTUAL = 2  # stages a rank for the interleaved and zero-bubble schedules
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+BUSY = ("forward", "backward", "weight", "loss")
+PLAIT_PHASES = (
+    "zero_grad",
+    "inputs",
+    "split",
+    "schedule",
+    "ties",
+    "grad mean",
+    "optimizer",
+    "loss all-reduce",
+)
+BASE_PHASES = ("zero_grad", "schedule", "grad mean", "optimizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timers: wrapped callables add their wall time (and CPU time) to one clock per process.
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        """the calling thread's CPU time"""
+        self.process_cpu: dict[str, float] = {}
+        """the process's CPU time (gloo's threads included)"""
+
+    def reset(self) -> None:
+        self.wall, self.cpu, self.process_cpu = {}, {}, {}
+
+    def add(self, label: str, wall: float, cpu: float = 0.0, process_cpu: float = 0.0) -> None:
+        self.wall[label] = self.wall.get(label, 0.0) + wall
+        self.cpu[label] = self.cpu.get(label, 0.0) + cpu
+        self.process_cpu[label] = self.process_cpu.get(label, 0.0) + process_cpu
+
+    def timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(
+                    label,
+                    time.perf_counter() - t0,
+                    time.thread_time() - c0,
+                    time.process_time() - p0,
+                )
+
+        wrapper._bench_label = label  # type: ignore[attr-defined]
+        return wrapper
+
+    def wrap(self, obj: Any, name: str, label: str) -> None:
+        """Replace ``obj.name`` (a module function or an instance's bound method) by a timed
+        one, once."""
+        fn = getattr(obj, name)
+        if getattr(fn, "_bench_label", None) is None:
+            setattr(obj, name, self.timed(fn, label))
+
+
+CLOCK = Clock()
+
+
+def wrap_pipeline(stages: list[Any], schedule: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Time the stages' compute, the schedule's loss and step, and the optimizer's step."""
+    for stage in stages:
+        CLOCK.wrap(stage, "forward_one_chunk", "forward")
+        CLOCK.wrap(stage, "backward_one_chunk", "backward")
+        CLOCK.wrap(stage, "backward_weight_one_chunk", "weight")
+    CLOCK.wrap(schedule, "_compute_loss", "loss")
+    CLOCK.wrap(schedule, "step", "schedule")
+    CLOCK.wrap(optimizer, "step", "optimizer")
+    CLOCK.wrap(optimizer, "zero_grad", "zero_grad")
+
+
+def wrap_plait_phases() -> None:
+    """The functions PipelineJob._step calls, looked up at call time (so patchable here)."""
+    CLOCK.wrap(pp_job, "model_inputs", "inputs")
+    CLOCK.wrap(pp_job, "split_micro_batches", "split")
+    CLOCK.wrap(pp_comm, "mean_over_group", "grad mean")
+    CLOCK.wrap(pp_comm, "sum_over_world", "loss all-reduce")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, data, optimizer (identical in every process).
+
+
+def initial_model(cfg: GPTConfig) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(cfg)
+
+
+def global_batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def local_slice(batch: Batch, dp: int, dp_rank: int) -> Batch:
+    ids, targets = batch
+    return ids.chunk(dp)[dp_rank], targets.chunk(dp)[dp_rank]
+
+
+def _closed_form_bubble_seconds(
+    schedule: str, p: int, forward: float, backward: float, weight: float, v: int
+) -> float:
+    """The closed forms, for when plait.planning has none: (p - 1)(F + B + W) for gpipe and
+    1f1b (Huang et al. 2019; Narayanan et al. 2021), divided by v for interleaved 1f1b
+    (Narayanan et al. 2021), ZB-H1's (p - 1) max(F, B, F + B - W) / v for zero bubble (Qi et
+    al. 2023); B here is the input-gradient pass, ``backward - weight``."""
+    f, b, w = forward, backward - weight, weight
+    if schedule in LOOPED:
+        return (p - 1) * (f + b + w)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) * (f + b + w) / v
+    return (p - 1) * max(f, b, f + b - w) / v
+
+
+try:  # the planner's per-schedule bubble (plait/planning/timeline.py), where there is one
+    from plait.planning.timeline import bubble_seconds as _bubble_seconds
+
+    PREDICTOR = "plait.planning.timeline.bubble_seconds"
+except ImportError:  # pragma: no cover - older plait
+    _bubble_seconds = None
+    PREDICTOR = "the closed forms in bench/pipeline.py (plait.planning has no bubble function)"
+
+
+def predicted_bubble(
+    schedule: str, p: int, m: int, v: int, forward: float, backward: float, weight: float
+) -> float:
+    """The predicted bubble as a fraction of the schedule's time on a rank whose passes of one
+    micro-batch through its share of the model take ``forward``, ``backward`` (whole, weight
+    gradient included) and ``weight`` seconds: bubble / (m (F + B) + bubble). For gpipe and
+    1f1b that is (p - 1) / (m + p - 1) whatever the times, (p - 1) / (v m + p - 1) for
+    interleaved 1f1b."""
+    v = 1 if schedule in LOOPED else v
+    if _bubble_seconds is not None:
+        bubble = _bubble_seconds(schedule, p, forward, backward, weight, v)
+    else:
+        bubble = _closed_form_bubble_seconds(schedule, p, forward, backward, weight, v)
+    return bubble / (m * (forward + backward) + bubble)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two sides: each builds a step function on this rank.
+
+StepFn = Callable[[Batch], float | None]
+
+
+def build_plait(
+    cfg: GPTConfig, mesh: dict[str, int], schedule: str, micro: int, example: Batch
+) -> tuple[StepFn, Any]:
+    config = ParallelConfig(mode="data_parallel", mesh=mesh, micro_batches=micro, schedule=schedule)
+    job = plait.parallelize(
+        initial_model(cfg), config, optimizer=adamw, loss_fn=gpt_loss, example_batch=example
+    )
+    wrap_pipeline(job.stages, job._schedule, job.optimizer)
+    if hasattr(job, "_sync_ties"):  # tied parameters across stages (none in TinyGPT)
+        CLOCK.wrap(job, "_sync_ties", "ties")
+    return job.step, job
+
+
+def build_baseline(
+    cfg: GPTConfig,
+    device_mesh: DeviceMesh,
+    schedule: str,
+    micro: int,
+    starts: list[str],
+    local_example: Batch,
+) -> tuple[StepFn, list[int]]:
+    """The hand-written torch.distributed.pipelining script (see the module docstring)."""
+    pp = device_mesh.size(0)
+    dp = device_mesh.size(1)
+    pp_rank = device_mesh.get_local_rank("pp")
+    dp_group = device_mesh.get_group("dp")
+    virtual = 1 if schedule in LOOPED else VIRTUAL
+
+    model = initial_model(cfg)
+    ids, _ = local_example
+    micro_ids = ids[: ids.shape[0] // micro]
+    pipe = pipeline(
+        model,
+        mb_args=(micro_ids,),
+        split_spec={name: SplitPoint.BEGINNING for name in starts},
+    )
+    indices = [pp_rank + k * pp for k in range(virtual)]
+    stages = [
+        pipe.build_stage(i, torch.device("cpu"), device_mesh.get_group("pp")) for i in indices
+    ]
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = adamw(params)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    cls = TORCH_SCHEDULES[schedule]
+    sched = cls(stages[0] if schedule in LOOPED else stages, micro, loss_fn=loss_fn)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    wrap_pipeline(stages, sched, opt)
+
+    def mean_over_dp() -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=dp_group)
+        flat /= dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    grad_mean = CLOCK.timed(mean_over_dp, "grad mean")
+
+    def step(batch: Batch) -> float | None:
+        ids, targets = batch
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        sched.step(
+            *((ids,) if first else ()),
+            target=targets if last else None,
+            losses=losses if last else None,
+            return_outputs=False,
+        )
+        if dp > 1:
+            grad_mean()
+        opt.step()
+        return float(torch.stack(losses).detach().mean()) if losses else None
+
+    return step, indices
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: every mesh and schedule in the same 4 processes.
+
+
+def timed_step(step: StepFn, batch: Batch) -> dict[str, Any]:
+    dist.barrier()
+    CLOCK.reset()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+    loss = step(batch)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "step": wall,
+        "step_cpu": cpu,
+        "step_thread_cpu": time.thread_time() - m0,
+        "loss": loss,
+        "wall": dict(CLOCK.wall),
+        "cpu": dict(CLOCK.cpu),
+        "process_cpu": dict(CLOCK.process_cpu),
+    }
+
+
+def run_case(
+    cfg: GPTConfig,
+    mesh_key: str,
+    schedule: str,
+    args: argparse.Namespace,
+    meshes: dict[str, DeviceMesh],
+) -> dict[str, Any]:
+    mesh = MESHES[mesh_key]
+    dp = mesh.get("dp", 1)
+    batches = global_batches(cfg, args.batch, args.warmup + args.steps)
+    t0 = time.perf_counter()
+    plait_step, job = build_plait(cfg, mesh, schedule, args.micro, batches[0])
+    plait_setup = time.perf_counter() - t0
+    dp_rank = int(job.device_mesh.get_coordinate()[job.mesh.axis_index("dp")]) if dp > 1 else 0
+    if mesh_key not in meshes:
+        meshes[mesh_key] = init_device_mesh("cpu", (mesh["pp"], dp), mesh_dim_names=("pp", "dp"))
+    device_mesh = meshes[mesh_key]
+    assert device_mesh.get_local_rank("dp") == dp_rank, "baseline mesh layout differs from plait's"
+    local = [local_slice(b, dp, dp_rank) for b in batches]
+    dist.barrier()
+    t0 = time.perf_counter()
+    base_step, indices = build_baseline(
+        cfg, device_mesh, schedule, args.micro, job.stage_starts, local[0]
+    )
+    base_setup = time.perf_counter() - t0
+    assert indices == job.stage_indices, (indices, job.stage_indices)
+    out: dict[str, Any] = {
+        "plait": [],
+        "baseline": [],
+        "setup": {"plait": plait_setup, "baseline": base_setup},
+        "starts": job.stage_starts,
+        "indices": indices,
+    }
+    sides = {"plait": plait_step, "baseline": base_step}
+    for i in range(args.warmup + args.steps):
+        order = ("plait", "baseline") if i % 2 == 0 else ("baseline", "plait")
+        for side in order:
+            out[side].append(timed_step(sides[side], local[i]))
+    del job, plait_step, base_step, sides
+    gc.collect()
+    dist.barrier()
+    return out
+
+
+def bench_worker(cfg: GPTConfig, cases: list[tuple[str, str]], args: argparse.Namespace) -> Any:
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+    logging.getLogger("torch.distributed.pipelining").setLevel(logging.ERROR)
+    wrap_plait_phases()
+    meshes: dict[str, DeviceMesh] = {}
+    return {f"{m}/{s}": run_case(cfg, m, s, args, meshes) for m, s in cases}
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: tables and the loss check.
+
+
+def measured(per_rank: list[dict[str, Any]], side: str, warmup: int) -> dict[str, Any]:
+    """Per measured step: the slowest rank's step time and phases (the rank that sets the
+    step's time), the bubble of every rank and their mean; medians over steps."""
+    n = len(per_rank[0][side])
+    steps, bubbles, step_bubbles, utilisation, before_loss = [], [], [], [], []
+    step_cpu, bookkeeping = [], []
+    rank_bubbles: list[list[float]] = [[] for _ in per_rank]
+    phases: dict[str, list[float]] = {}
+    passes: list[dict[str, list[float]]] = [{} for _ in per_rank]
+    labels = {k for r in per_rank for s in r[side] for k in s["wall"]} - set(BUSY)
+    for i in range(warmup, n):
+        records = [r[side][i] for r in per_rank]
+        busy = [sum(r["wall"].get(k, 0.0) for k in BUSY) for r in records]
+        window = [r["wall"]["schedule"] for r in records]
+        per_rank_bubble = [1 - b / w for b, w in zip(busy, window, strict=True)]
+        for mine, value in zip(rank_bubbles, per_rank_bubble, strict=True):
+            mine.append(value)
+        for mine, r in zip(passes, records, strict=True):
+            for kind in BUSY:
+                mine.setdefault(kind, []).append(r["wall"].get(kind, 0.0))
+        bubbles.append(statistics.mean(per_rank_bubble))
+        # the schedule's own work between the passes (Python, posting sends and receives):
+        # the main thread's CPU time in schedule.step outside the passes, share of the window
+        bookkeeping.append(
+            statistics.mean(
+                (r["cpu"]["schedule"] - sum(r["cpu"].get(k, 0.0) for k in BUSY)) / w
+                for r, w in zip(records, window, strict=True)
+            )
+        )
+        step_bubbles.append(
+            statistics.mean(1 - b / r["step"] for b, r in zip(busy, records, strict=True))
+        )
+        step_cpu.append(sum(r["step_cpu"] for r in records))
+        cpu = sum(r["process_cpu"]["schedule"] for r in records)
+        utilisation.append(cpu / (min(CORES, WORLD) * max(window)))
+        # when the last rank reached plait's loss all-reduce (the step without it)
+        before_loss.append(max(r["step"] - r["wall"].get("loss all-reduce", 0.0) for r in records))
+        slowest = max(range(len(records)), key=lambda k: records[k]["step"])
+        record = records[slowest]
+        steps.append(record["step"])
+        for label in labels:
+            phases.setdefault(label, []).append(record["wall"].get(label, 0.0))
+        phases.setdefault("busy", []).append(busy[slowest])
+        outside = sum(v for k, v in record["wall"].items() if k not in BUSY)
+        phases.setdefault("other", []).append(record["step"] - outside)
+        # the main thread's CPU time outside the phases, mean over ranks (not preemption)
+        other_cpu = [
+            r["step_thread_cpu"] - sum(v for k, v in r["cpu"].items() if k not in BUSY)
+            for r in records
+        ]
+        phases.setdefault("other CPU", []).append(statistics.mean(other_cpu))
+    busiest = max(passes, key=lambda d: sum(statistics.median(v) for v in d.values()))
+    per_pass = {k: statistics.median(v) for k, v in busiest.items()}
+    return {
+        "passes": per_pass,
+        "steps": steps,
+        "loss_all_reduce_cost": statistics.median(
+            a - b for a, b in zip(steps, before_loss, strict=True)
+        ),
+        "step": statistics.median(steps),
+        "cpu": statistics.median(step_cpu),
+        "bubble": statistics.median(bubbles),
+        "bookkeeping": statistics.median(bookkeeping),
+        "rank_bubbles": [statistics.median(b) for b in rank_bubbles],
+        "step_bubble": statistics.median(step_bubbles),
+        "utilisation": statistics.median(utilisation),
+        "phases": {k: statistics.median(v) for k, v in phases.items()},
+    }
+
+
+def losses(per_rank: list[dict[str, Any]], side: str) -> list[float]:
+    """Per step, the global loss: plait's return value; the mean of the baseline's last
+    stages' (one per dp replica)."""
+    n = len(per_rank[0][side])
+    out = []
+    for i in range(n):
+        values = [r[side][i]["loss"] for r in per_rank if r[side][i]["loss"] is not None]
+        out.append(statistics.mean(values))
+    return out
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str, float]:
+    lines = [
+        "| config | schedule | plait ms | baseline ms | plait / baseline | median of paired "
+        f"ratios | target <= {TARGET:.2f} | CPU s/step plait / baseline (ratio) | measured bubble plait / baseline | predicted bubble "
+        "| bubble of whole step plait / baseline | CPU share in schedule plait / baseline |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    detail = []
+    worst = 0.0
+    ratios: list[float] = []
+    paired_ratios: list[float] = []
+    cpu_ratios: list[float] = []
+    for key in results[0]:
+        mesh_key, schedule = key.split("/")
+        per_rank = [r[key] for r in results]
+        p = measured(per_rank, "plait", args.warmup)
+        b = measured(per_rank, "baseline", args.warmup)
+        pp = MESHES[mesh_key]["pp"]
+        m = args.micro
+        t = p["passes"]  # the busiest rank's passes in a step (its whole share of the model)
+        forward, weight = (t["forward"] + t["loss"]) / m, t["weight"] / m
+        backward = t["backward"] / m + weight
+        pred = predicted_bubble(schedule, pp, m, VIRTUAL, forward, backward, weight)
+        predicted = f"{pred:.3f}"
+        if schedule == "zero_bubble":  # also with F = B = W (the planner's split)
+            even = predicted_bubble(schedule, pp, m, VIRTUAL, 1.0, 2.0, 1.0)
+            fbw = f"1:{(backward - weight) / forward:.1f}:{weight / forward:.1f}"
+            predicted += f" (measured F:B:W {fbw}; F=B=W: {even:.3f})"
+        ratio = p["step"] / b["step"]
+        paired = statistics.median(x / y for x, y in zip(p["steps"], b["steps"], strict=True))
+        met = "met" if ratio <= TARGET else "missed"
+        mesh = " x ".join(f"{k}={v}" for k, v in MESHES[mesh_key].items())
+        lines.append(
+            f"| {mesh} | {schedule} | {p['step'] * 1e3:.1f} | {b['step'] * 1e3:.1f} "
+            f"| {ratio:.3f} | {paired:.3f} | {met} "
+            f"| {p['cpu']:.2f} / {b['cpu']:.2f} ({p['cpu'] / b['cpu']:.3f}) | {p['bubble']:.3f} / {b['bubble']:.3f} | {predicted} "
+            f"| {p['step_bubble']:.3f} / {b['step_bubble']:.3f} "
+            f"| {p['utilisation']:.2f} / {b['utilisation']:.2f} |"
+        )
+        plait_l, base_l = losses(per_rank, "plait"), losses(per_rank, "baseline")
+        diff = max(abs(x - y) / abs(y) for x, y in zip(plait_l, base_l, strict=True))
+        worst = max(worst, diff)
+        ratios.append(ratio)
+        paired_ratios.append(paired)
+        cpu_ratios.append(p["cpu"] / b["cpu"])
+
+        def fmt(phases: dict[str, float], order: tuple[str, ...]) -> str:
+            parts = [f"{k} {phases.get(k, 0.0) * 1e3:.1f}" for k in order]
+            other = f"other {phases['other'] * 1e3:.1f} (CPU {phases['other CPU'] * 1e3:.1f})"
+            return ", ".join([*parts, other])
+
+        setup = per_rank[0]["setup"]
+        detail.append(
+            f"{mesh} {schedule} (stages start at {', '.join(per_rank[0]['starts'])}; setup "
+            f"plait {setup['plait']:.1f} s, baseline {setup['baseline']:.1f} s; max rel. loss "
+            f"diff {diff:.1e}):\n"
+            f"  plait    {p['step'] * 1e3:.1f} ms: {fmt(p['phases'], PLAIT_PHASES)}; "
+            f"busy {p['phases']['busy'] * 1e3:.1f}; bubble by rank "
+            f"{' '.join(f'{x:.2f}' for x in p['rank_bubbles'])} (of which the schedule's own CPU "
+            f"work between passes {p['bookkeeping']:.2f}); the loss all-reduce adds "
+            f"{p['loss_all_reduce_cost'] * 1e3:.1f} to the slowest rank's step\n"
+            f"  baseline {b['step'] * 1e3:.1f} ms: {fmt(b['phases'], BASE_PHASES)}; "
+            f"busy {b['phases']['busy'] * 1e3:.1f}; bubble by rank "
+            f"{' '.join(f'{x:.2f}' for x in b['rank_bubbles'])} (schedule's own CPU "
+            f"{b['bookkeeping']:.2f})"
+        )
+    if len(ratios) > 1:
+        detail.append(
+            f"over the {len(ratios)} configurations, geometric mean of plait / baseline "
+            f"{statistics.geometric_mean(ratios):.3f}, of the medians of paired ratios "
+            f"{statistics.geometric_mean(paired_ratios):.3f}, of the CPU ratios "
+            f"{statistics.geometric_mean(cpu_ratios):.3f}"
+        )
+    return "\n".join(lines), "\n".join(detail), worst
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--meshes", default=",".join(MESHES), help=f"of {list(MESHES)}")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"of {SCHEDULES}")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batches a step")
+    parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--rtol", type=float, default=1e-4, help="loss agreement")
+    parser.add_argument("--raw", help="also write every rank's records to this JSON file")
+    parser.add_argument("--from-raw", help="report from a JSON file of --raw instead of running")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    meshes = [m for m in args.meshes.split(",") if m]
+    schedules = [s for s in args.schedules.split(",") if s]
+    bad = [m for m in meshes if m not in MESHES] + [s for s in schedules if s not in SCHEDULES]
+    if bad:
+        raise SystemExit(f"unknown mesh or schedule {bad}; known: {list(MESHES)}, {SCHEDULES}")
+    if args.batch % (2 * args.micro):
+        raise SystemExit(f"--batch must divide by dp x micro-batches = {2 * args.micro}")
+    cfg = GPTConfig(args.vocab, args.seq, args.width, args.heads, args.layers)
+    params = sum(p.numel() for p in TinyGPT(cfg).parameters())
+    cases = [(m, s) for m in meshes for s in schedules]
+    print(
+        f"torch {torch.__version__}, {WORLD} gloo processes ({args.threads} thread(s) each), "
+        f"{cfg} ({params / 1e6:.2f} M parameters), global batch {args.batch}, {args.micro} "
+        f"micro-batches, AdamW lr {LR}, {args.warmup} warm-up + {args.steps} timed steps per "
+        f"side; {CORES} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    start = time.perf_counter()
+    if args.from_raw:
+        with open(args.from_raw) as f:
+            results = json.load(f)
+    else:
+        results = run_workers(bench_worker, WORLD, cfg, cases, args, timeout_s=900.0)
+    if args.raw:
+        with open(args.raw, "w") as f:
+            json.dump(results, f)
+    text, detail, worst = report(results, args)
+    print()
+    print(text)
+    print()
+    print(
+        "Per phase on the rank that set each step's time, median over steps, ms (busy: forward "
+        "+ backward + weight + loss chunks, inside the schedule; other: the step outside the "
+        "phases named, with the main thread's CPU time in it, mean over ranks), and each "
+        "rank's bubble (median over steps):"
+    )
+    print(detail)
+    print()
+    print(f"predicted bubble by {PREDICTOR}, on the busiest rank's measured passes")
+    print()
+    print(f"largest relative loss difference plait vs baseline over all steps {worst:.2e}")
+    print(
+        f"load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}; total wall time "
+        f"{time.perf_counter() - start:.1f} s"
+    )
+    if worst > args.rtol:
+        raise SystemExit(f"plait's losses differ from the baseline's beyond rtol {args.rtol:g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -35,8 +35,8 @@ __all__ = [
     "run_schedule",
     "split_model",
     "stage_indices",
+    "start_sum_over_world",
     "sum_over_group",
-    "sum_over_world",
 ]
 
 SCHEDULES: dict[str, Any] = {
@@ -135,8 +135,15 @@ def sum_over_group(value: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def sum_over_world(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over every rank (the step's loss from the last stages)."""
+def start_sum_over_world(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start summing ``value`` over every rank (the step's loss from the last stages); the
+    returned function waits and gives the sum. Started early, its latency hides behind the
+    gradient reduction and the optimizer step every rank runs anyway."""
     out = value.clone()
-    dist.all_reduce(out)
-    return out
+    work = dist.all_reduce(out, async_op=True)
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return wait

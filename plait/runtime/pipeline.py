@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,12 +262,12 @@ class PipelineJob(Job):
 
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        losses = self._run(batch, training=True)
+        loss = self._start_mean_loss(self._run(batch, training=True))
         self._sync_ties()
         grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
         pp_comm.mean_over_group(grads, self._dp_group, self._dp)
         self.optimizer.step()
-        return self._mean_loss(losses)
+        return loss()
 
     def _sync_ties(self) -> None:
         """Parameters the model ties (an embedding and its LM head) are one tensor split into
@@ -286,7 +287,7 @@ class PipelineJob(Job):
         """The global loss on ``batch`` without training: the stages' forwards alone, in
         eval mode, micro-batch by micro-batch (the mean of their losses, as ``step``)."""
         with torch.no_grad():
-            return self._mean_loss(self._run(batch, training=False))
+            return self._start_mean_loss(self._run(batch, training=False))()
 
     def _run(self, batch: Any, *, training: bool) -> list[torch.Tensor]:
         """The schedule over ``batch`` cut into micro-batches; this rank's micro losses."""
@@ -311,12 +312,13 @@ class PipelineJob(Job):
         finally:
             self._micro_batches = []
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+    def _start_mean_loss(self, losses: list[torch.Tensor]) -> Callable[[], float]:
         """The step's loss on every rank: the last stages' micro losses, averaged over
-        micro-batches and data-parallel replicas (one all-reduce)."""
+        micro-batches and data-parallel replicas (one all-reduce, started now; call the
+        result for the value)."""
         local = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
-        total = pp_comm.sum_over_world(local if local is not None else torch.zeros(()))
-        return float(total) / self._dp
+        total = pp_comm.start_sum_over_world(local if local is not None else torch.zeros(()))
+        return lambda: float(total()) / self._dp
 
     def state_modules(self) -> list[nn.Module]:
         return list(self.stage_modules)

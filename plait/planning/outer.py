@@ -18,6 +18,8 @@ notes why the winner won.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -27,10 +29,12 @@ from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
 from plait.planning.assemble import assemble_plan
+from plait.planning.estimate import GraphFacts, MeshEstimate
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
-from plait.planning.setup import hardware_of, mesh_of, prepare
-from plait.search import get_searcher
+from plait.planning.setup import SearchSetup, hardware_of, mesh_of, prepare
+from plait.planning.timing import PlanTiming
+from plait.search import Decision, get_searcher
 
 __all__ = ["auto_plan", "mesh_candidates"]
 
@@ -38,6 +42,8 @@ MAX_TP = 8  # tensor parallel beyond one node's NVLink domain rarely pays (Megat
 LEVELS: tuple[int | None, ...] = (None, 1, 2, 3)
 RECOMPUTES = ("none", "selective", "full")
 KEPT_OPTIONS = 12
+
+_log = logging.getLogger("plait.planning")
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,27 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Var
             yield _Variant(level, recompute, m)
 
 
+@dataclass
+class _Trial:
+    """One option weighed: its record, the config it was weighed under, its mesh's search."""
+
+    option: PlanOption
+    cfg: ParallelConfig | None = None  # None: the mesh was skipped (no search)
+    search: int = -1  # index into the searched meshes
+    plan: Plan | None = None  # when assembled
+
+
+@dataclass
+class _Searched:
+    """One mesh's search, and its settings in escalation order."""
+
+    mesh: dict[str, int]
+    setup: SearchSetup
+    decisions: dict[str, Decision]
+    variants: list[tuple[_Variant, ParallelConfig]]
+    estimate: MeshEstimate | None = None
+
+
 def auto_plan(
     graph: OpGraph,
     cfg: ParallelConfig,
@@ -111,76 +138,164 @@ def auto_plan(
     model: nn.Module | None = None,
     hardware_file: str | None = None,
     runnable_only: bool = False,
+    timing: PlanTiming | None = None,
+    exhaustive: bool = False,
 ) -> Plan:
     """The fastest plan that fits, over meshes and settings (module doc).
 
-    ``runnable_only``: no pipeline stages (what ``parallelize`` runs today).
+    ``runnable_only``: no pipeline stages (what ``parallelize`` runs today). ``timing``, when
+    given, receives the seconds per phase and the option counts. ``exhaustive`` assembles
+    every option in full instead of predicting it from its mesh's shared work (the same
+    choice, slower; for tests and benchmarks).
     """
+    timing = timing if timing is not None else PlanTiming()
     searcher = get_searcher(cfg.search or "sharding_propagation")
     hardware = hardware_of(cfg, hardware_file)
     limit = cfg.memory_limit or hardware.memory_bytes
-    if cfg.mesh is not None:
-        meshes = [mesh_of(cfg).as_dict()]
-    else:
-        if cfg.devices is None:
-            mesh_of(cfg)  # raises the clear "needs the number of devices" error
-        meshes = mesh_candidates(cfg.devices, cfg, graph, hardware.devices_per_node)
-        if runnable_only:
-            meshes = [m for m in meshes if m.get("pp", 1) == 1]
+    meshes = _meshes(cfg, graph, hardware.devices_per_node, runnable_only)
     model_name = type(model).__name__ if model is not None else ""
-    trials: list[tuple[Plan | None, PlanOption]] = []
+    facts = GraphFacts(graph)
+    searched: list[_Searched] = []
+    trials: list[_Trial] = []
     errors: list[PlaitError] = []
+    timing.meshes += len(meshes)
     for mesh in meshes:
         pp = mesh.get("pp", 1)
         base = _with(cfg, mesh=mesh, pipeline_stages=pp, devices=None)
         try:
-            setup = prepare(graph, base, model=model, hardware_file=hardware_file)
+            with timing.phase("candidates"):
+                setup = prepare(graph, base, model=model, hardware=hardware)
         except PlaitError as e:  # e.g. an annotation that does not fit this mesh
             errors.append(e)
-            trials.append((None, PlanOption(mesh, 1, None, "none", 0.0, 0, False, f"skipped: {e}")))
+            option = PlanOption(mesh, 1, None, "none", 0.0, 0, False, f"skipped: {e}")
+            trials.append(_Trial(option))
             continue
-        decisions = searcher(setup.problem, setup.allowed, setup.configured)
+        with timing.phase("search"):
+            decisions = searcher(setup.problem, setup.allowed, setup.configured)
+        timing.searched += 1
         replica_batch = _global_batch(graph) // mesh.get(cfg.dp_axis, 1)
-        variants = list(_variants(cfg, pp, replica_batch))
-        for variant in variants:
-            vcfg = _with(
-                base,
-                optimizer_shard=variant.optimizer_shard,
-                recompute=variant.recompute,
-                micro_batches=variant.micro_batches,
-            )
-            plan = assemble_plan(
-                graph,
-                vcfg,
-                setup.mesh,
-                setup.problem,
-                decisions,
-                setup.topology,
-                setup.hardware,
-                model_name,
-            )
-            fits = plan.predicted.memory_bytes <= limit
-            note = (
-                ""
-                if fits
-                else f"needs {fmt_bytes(plan.predicted.memory_bytes)} > {fmt_bytes(limit)}"
-            )
-            option = PlanOption(
-                mesh,
-                variant.micro_batches,
-                variant.optimizer_shard,
-                variant.recompute,
-                plan.predicted.step_time_s,
-                plan.predicted.memory_bytes,
-                fits,
-                note,
-            )
-            trials.append((plan, option))
-            if fits:
-                break
+        variants = [
+            (v, _with(base, optimizer_shard=v.optimizer_shard, recompute=v.recompute,
+                      micro_batches=v.micro_batches))
+            for v in _variants(cfg, pp, replica_batch)
+        ]  # fmt: skip
+        searched.append(_Searched(mesh, setup, decisions, variants))
+        if exhaustive:
+            trials += _escalate(len(searched) - 1, searched, limit, timing, graph, model_name)
+            continue
+        done = searched[-1]
+        with timing.phase("estimate"):
+            done.estimate = MeshEstimate(facts, base, setup, decisions)
+            trials += _escalate(len(searched) - 1, searched, limit, timing)
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
-    return _winner(trials, limit, cfg)
+    best, ranked, real, feasible = _rank(trials)
+    if best.plan is None:
+        assert best.cfg is not None
+        with timing.phase("assemble"):
+            best.plan = _assemble(graph, best.cfg, searched[best.search], model_name)
+        timing.assembled += 1
+        if not _agrees(best.plan, best.option):
+            _log.warning(
+                "plait.planning.estimate predicted %s s and %s B for %s but the assembled plan "
+                "says %s s and %s B: assembling every option instead (estimate.py no longer "
+                "matches assemble.py)",
+                best.option.step_time_s,
+                best.option.memory_bytes,
+                _describe(best.option),
+                best.plan.predicted.step_time_s,
+                best.plan.predicted.memory_bytes,
+            )
+            trials = [t for t in trials if t.cfg is None]
+            for k in range(len(searched)):
+                trials += _escalate(k, searched, limit, timing, graph, model_name)
+            best, ranked, real, feasible = _rank(trials)
+    return _winner(best, ranked, real, feasible, limit, cfg)
+
+
+def _meshes(
+    cfg: ParallelConfig, graph: OpGraph, devices_per_node: int, runnable_only: bool
+) -> list[dict[str, int]]:
+    if cfg.mesh is not None:
+        return [mesh_of(cfg).as_dict()]
+    if cfg.devices is None:
+        mesh_of(cfg)  # raises the clear "needs the number of devices" error
+    meshes = mesh_candidates(cfg.devices, cfg, graph, devices_per_node)  # type: ignore[arg-type]
+    if runnable_only:
+        meshes = [m for m in meshes if m.get("pp", 1) == 1]
+    return meshes
+
+
+def _escalate(
+    k: int,
+    searched: Sequence[_Searched],
+    limit: int,
+    timing: PlanTiming,
+    graph: OpGraph | None = None,
+    model_name: str = "",
+) -> list[_Trial]:
+    """Mesh ``k``'s settings in escalation order, up to the first that fits.
+
+    With ``graph`` every option is assembled in full; without, predicted by the mesh's
+    :class:`MeshEstimate`.
+    """
+    done = searched[k]
+    out: list[_Trial] = []
+    for variant, vcfg in done.variants:
+        plan = None
+        if graph is not None:
+            with timing.phase("assemble"):
+                plan = _assemble(graph, vcfg, done, model_name)
+            timing.assembled += 1
+            step, memory = plan.predicted.step_time_s, plan.predicted.memory_bytes
+        else:
+            assert done.estimate is not None
+            found = done.estimate.predict(vcfg)
+            timing.reused += 1
+            step, memory = found.step_time_s, found.memory_bytes
+        timing.options += 1
+        out.append(_Trial(_option(done.mesh, variant, step, memory, limit), vcfg, k, plan))
+        if out[-1].option.feasible:
+            break
+    return out
+
+
+def _assemble(graph: OpGraph, cfg: ParallelConfig, done: _Searched, model_name: str) -> Plan:
+    setup = done.setup
+    return assemble_plan(
+        graph,
+        cfg,
+        setup.mesh,
+        setup.problem,
+        done.decisions,
+        setup.topology,
+        setup.hardware,
+        model_name,
+    )
+
+
+def _option(
+    mesh: dict[str, int], variant: _Variant, step: float, memory: int, limit: int
+) -> PlanOption:
+    fits = memory <= limit
+    note = "" if fits else f"needs {fmt_bytes(memory)} > {fmt_bytes(limit)}"
+    return PlanOption(
+        mesh,
+        variant.micro_batches,
+        variant.optimizer_shard,
+        variant.recompute,
+        step,
+        memory,
+        fits,
+        note,
+    )
+
+
+def _agrees(plan: Plan, option: PlanOption) -> bool:
+    """Does the assembled plan predict what the estimate said (up to float rounding)?"""
+    return plan.predicted.memory_bytes == option.memory_bytes and math.isclose(
+        plan.predicted.step_time_s, option.step_time_s, rel_tol=1e-9, abs_tol=1e-15
+    )
 
 
 def _with(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
@@ -189,30 +304,47 @@ def _with(cfg: ParallelConfig, **changes: object) -> ParallelConfig:
     return ParallelConfig(**fields)
 
 
-def _winner(
-    trials: Sequence[tuple[Plan | None, PlanOption]], limit: int, cfg: ParallelConfig
-) -> Plan:
-    real = [(p, o) for p, o in trials if p is not None]
+def _rank(
+    trials: Sequence[_Trial],
+) -> tuple[_Trial, list[_Trial], list[_Trial], bool]:
+    """(the winner, the pool ranked, every option weighed, whether any fits)."""
+    real = [t for t in trials if t.cfg is not None]
     if not real:
-        raise ConfigError("no mesh could be planned: " + "; ".join(o.note for _, o in trials[:4]))
-    feasible = [(p, o) for p, o in real if o.feasible]
+        raise ConfigError(
+            "no mesh could be planned: " + "; ".join(t.option.note for t in trials[:4])
+        )
+    feasible = [t for t in real if t.option.feasible]
     pool = feasible or real
     key = (
-        (lambda t: (t[1].step_time_s, t[1].memory_bytes))
+        (lambda t: (t.option.step_time_s, t.option.memory_bytes))
         if feasible
-        else (lambda t: (t[1].memory_bytes, t[1].step_time_s))
+        else (lambda t: (t.option.memory_bytes, t.option.step_time_s))
     )
     ranked = sorted(pool, key=key)
-    best_plan, best = ranked[0]
+    return ranked[0], ranked, real, bool(feasible)
+
+
+def _winner(
+    best: _Trial,
+    ranked: Sequence[_Trial],
+    real: Sequence[_Trial],
+    feasible: bool,
+    limit: int,
+    cfg: ParallelConfig,
+) -> Plan:
+    """The winner's plan, with the options weighed and why it won."""
+    plan = best.plan
+    assert plan is not None
+    option = best.option
     others = sorted(
-        (o for _, o in real if o is not best), key=lambda o: (not o.feasible, o.step_time_s)
+        (t.option for t in real if t is not best), key=lambda o: (not o.feasible, o.step_time_s)
     )
-    options = (best, *others[: KEPT_OPTIONS - 1])
+    options = (option, *others[: KEPT_OPTIONS - 1])
+    runner_up = ranked[1].option if len(ranked) > 1 else None
     notes = [
-        _why(best, ranked[1][1] if len(ranked) > 1 else None, limit, bool(feasible), len(real))
-        + ("" if feasible else _advice(cfg))
+        _why(option, runner_up, limit, feasible, len(real)) + ("" if feasible else _advice(cfg))
     ]
-    return dataclasses.replace(best_plan, options=options, notes=(*best_plan.notes, *notes))
+    return dataclasses.replace(plan, options=options, notes=(*plan.notes, *notes))
 
 
 def _advice(cfg: ParallelConfig) -> str:

@@ -13,6 +13,8 @@ profile (``plait.cost``).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +30,14 @@ from plait.planning.assemble import assemble_plan
 from plait.planning.outer import auto_plan
 from plait.planning.records import Plan
 from plait.planning.setup import check_config, mesh_of, prepare
+from plait.planning.timing import PlanTiming
 from plait.search import get_searcher
 
-__all__ = ["LossFn", "plan", "plan_graph"]
+__all__ = ["LossFn", "PlanTiming", "plan", "plan_graph"]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+_log = logging.getLogger("plait.planning")
 
 
 def plan(
@@ -42,6 +47,7 @@ def plan(
     example_batch: Any = None,
     loss_fn: LossFn | None = None,
     hardware_file: str | None = None,
+    timing: PlanTiming | None = None,
 ) -> Plan:
     """Plan how to train ``model`` under ``config`` (no process group, no parameter memory).
 
@@ -50,13 +56,17 @@ def plan(
     are read); with ``grad_accumulation=k`` the plan is for its micro-batches of 1/k, and
     ``plan.batch`` records one micro-batch's shapes. ``loss_fn(model, batch)`` returns the
     scalar loss (None: the model's output is the loss). The older order
-    ``plan(model, example_batch, config[, loss_fn])`` is still read.
+    ``plan(model, example_batch, config[, loss_fn])`` is still read. ``timing``, a
+    :class:`~plait.planning.timing.PlanTiming`, receives where the time went (capture,
+    candidates, search, estimate, assemble, and what the outer planner did with its meshes).
 
     Example:
         >>> cfg = ParallelConfig(mode="auto", devices=8)
         >>> plan = plait.plan(model, cfg, example_batch=batch, loss_fn=loss)  # doctest: +SKIP
         >>> print(plan.summary())  # doctest: +SKIP
     """
+    start = time.perf_counter()
+    timing = timing if timing is not None else PlanTiming()
     config, example_batch, loss_fn = _arguments(config, legacy, example_batch, loss_fn)
     check_config(config)
     if config.mode != "auto":
@@ -64,9 +74,12 @@ def plan(
     # A plan is for training steps; with gradient accumulation each micro-step runs on 1/k of
     # the step's batch, so the graph is traced on one micro-batch (as parallelize does).
     micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
-    with in_mode(model, training=True):
+    with timing.phase("capture"), in_mode(model, training=True):
         graph = capture(model, micro, loss_fn)
-    return plan_graph(graph, config, model=model, hardware_file=hardware_file)
+    result = _plan_graph(graph, config, None, model, hardware_file, False, timing)
+    timing.total_s = time.perf_counter() - start
+    _log.info("%s", timing.line())
+    return result
 
 
 def _arguments(
@@ -106,33 +119,60 @@ def plan_graph(
     model: nn.Module | None = None,
     hardware_file: str | None = None,
     runnable_only: bool = False,
+    timing: PlanTiming | None = None,
 ) -> Plan:
     """Plan an already captured graph (annotations are read from ``model`` when given).
 
     ``runnable_only`` keeps mode auto to what the operator executor runs today: no pipeline
-    stages, ZeRO or recompute.
+    stages, ZeRO or recompute. ``timing`` receives where the time went (as in :func:`plan`).
     """
+    start = time.perf_counter()
+    timing = timing if timing is not None else PlanTiming()
+    result = _plan_graph(graph, cfg, mesh, model, hardware_file, runnable_only, timing)
+    timing.total_s += time.perf_counter() - start
+    _log.info("%s", timing.line())
+    return result
+
+
+def _plan_graph(
+    graph: OpGraph,
+    cfg: ParallelConfig,
+    mesh: MeshSpec | None,
+    model: nn.Module | None,
+    hardware_file: str | None,
+    runnable_only: bool,
+    timing: PlanTiming,
+) -> Plan:
     check_config(cfg)
     if cfg.mode == "auto" and mesh is None:
         return auto_plan(
-            graph, cfg, model=model, hardware_file=hardware_file, runnable_only=runnable_only
+            graph,
+            cfg,
+            model=model,
+            hardware_file=hardware_file,
+            runnable_only=runnable_only,
+            timing=timing,
         )
-    setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
+    with timing.phase("candidates"):
+        setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
     searcher = get_searcher(cfg.search or "sharding_propagation")
-    decisions = searcher(setup.problem, setup.allowed, setup.configured)
+    with timing.phase("search"):
+        decisions = searcher(setup.problem, setup.allowed, setup.configured)
     model_name = type(model).__name__ if model is not None else ""
 
     def assemble(c: ParallelConfig) -> Plan:
-        return assemble_plan(
-            graph,
-            c,
-            setup.mesh,
-            setup.problem,
-            decisions,
-            setup.topology,
-            setup.hardware,
-            model_name,
-        )
+        with timing.phase("assemble"):
+            timing.assembled += 1
+            return assemble_plan(
+                graph,
+                c,
+                setup.mesh,
+                setup.problem,
+                decisions,
+                setup.topology,
+                setup.hardware,
+                model_name,
+            )
 
     if cfg.recompute != "auto":
         return assemble(cfg)

@@ -19,6 +19,7 @@ from plait.cost.comm import Topology
 from plait.cost.compute import op_seconds
 from plait.errors import ConfigError
 from plait.graph import OpGraph, OpNode
+from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning.assemble import BACKWARD_FLOPS_FACTOR, PP_AXIS
 from plait.rules import default_catalogue
@@ -99,16 +100,25 @@ def prepare(
     mesh: MeshSpec | None = None,
     model: nn.Module | None = None,
     hardware_file: str | None = None,
+    hardware: HardwareProfile | None = None,
 ) -> SearchSetup:
-    """Candidates, costs and constraints for ``graph`` under ``cfg`` (annotations from ``model``)."""
+    """Candidates, costs and constraints for ``graph`` under ``cfg`` (annotations from ``model``).
+
+    ``hardware``: the profile, when the caller has it already (else read from ``cfg``).
+    """
     mesh = mesh or mesh_of(cfg)
-    hardware = hardware_of(cfg, hardware_file)
+    hardware = hardware or hardware_of(cfg, hardware_file)
     dtype = _DTYPES[cfg.precision]
     topology = Topology(mesh, hardware)
+    seconds = _compute_memo(hardware, dtype)
 
     def op_compute(op: OpNode, pieces: int) -> float:
-        forward = op_seconds(op.flops / pieces, op.bytes / pieces, dtype, hardware)
-        return forward * (1 + BACKWARD_FLOPS_FACTOR)
+        key = (op.flops, op.bytes, pieces)
+        found = seconds.get(key)
+        if found is None:
+            forward = op_seconds(op.flops / pieces, op.bytes / pieces, dtype, hardware)
+            found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
+        return found
 
     cost = CostModel(topology.axis_seconds, op_compute)
     candidates = _candidates(graph, mesh)
@@ -120,13 +130,45 @@ def prepare(
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
 
 
+_COMPUTE: list[tuple[HardwareProfile, str, dict[tuple[float, float, int], float]]] = []
+
+
+def _compute_memo(hardware: HardwareProfile, dtype: str) -> dict[tuple[float, float, int], float]:
+    """Seconds of an op's compute by (FLOPs, bytes, pieces), shared by every mesh planned on
+    the same profile and dtype (the last ones asked about)."""
+    if not _COMPUTE or _COMPUTE[0][0] is not hardware or _COMPUTE[0][1] != dtype:
+        _COMPUTE[:] = [(hardware, dtype, {})]
+    return _COMPUTE[0][2]
+
+
 def _op_key(op: OpNode) -> tuple[object, ...]:
     return (op.target, op.input_metas, op.outputs, op.args, op.kwargs)
 
 
 def _candidates(graph: OpGraph, mesh: MeshSpec) -> dict[str, list[OpStrategy]]:
-    """Every op's candidate strategies; ops with equal signatures share one list."""
+    """Every op's candidate strategies; ops with equal signatures share one list.
+
+    The pipeline axis holds stages: no op splits over it. On a mesh with one, the catalogue
+    lists the strategies of the mesh without it (the same strategies in the same order as
+    those of the whole mesh that leave it unused, in a fraction of the time: each axis
+    multiplies the choices) and their layouts are placed on the whole mesh.
+    """
     catalogue = default_catalogue()
+    staged = PP_AXIS in mesh.axis_names and mesh.axis_size(PP_AXIS) > 1
+    inner = (
+        MeshSpec.from_dict({a: n for a, n in mesh.as_dict().items() if a != PP_AXIS})
+        if staged
+        else mesh
+    )
+    layouts: dict[tuple[object, ...], TensorLayout] = {}
+
+    def on_mesh(layout: TensorLayout) -> TensorLayout:
+        key = (layout.dims, layout.partial, layout.reduce_op)
+        found = layouts.get(key)
+        if found is None:
+            found = layouts[key] = TensorLayout(mesh, *key)
+        return found
+
     memo: dict[tuple[object, ...], list[OpStrategy]] = {}
     out: dict[str, list[OpStrategy]] = {}
     for op in graph.ops:
@@ -136,8 +178,15 @@ def _candidates(graph: OpGraph, mesh: MeshSpec) -> dict[str, list[OpStrategy]]:
         except TypeError:  # unhashable args: no sharing
             key, found = (op.name,), None
         if found is None:
-            # the pipeline axis holds stages: no op splits over it
-            found = [c for c in catalogue.strategies(op, mesh) if PP_AXIS not in c.used_axes()]
+            if staged:
+                found = [
+                    OpStrategy(
+                        tuple(map(on_mesh, c.inputs)), tuple(map(on_mesh, c.outputs)), c.label
+                    )
+                    for c in catalogue.strategies(op, inner)
+                ]
+            else:
+                found = [c for c in catalogue.strategies(op, mesh) if PP_AXIS not in c.used_axes()]
             memo[key] = found
         out[op.name] = found
     return out

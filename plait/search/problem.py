@@ -70,6 +70,57 @@ def gradient_values(graph: OpGraph) -> frozenset[str]:
     return frozenset(found)
 
 
+@dataclass
+class _GraphFacts:
+    """What every problem on one graph shares (the outer planner builds one per mesh)."""
+
+    graph: OpGraph
+    grad_refs: frozenset[str]
+    signatures: dict[str, int] | None = None
+
+
+_LAST_GRAPH: list[_GraphFacts] = []
+
+
+def _facts(graph: OpGraph) -> _GraphFacts:
+    """The facts of ``graph``, remembered for the last graph asked about."""
+    if not _LAST_GRAPH or _LAST_GRAPH[0].graph is not graph:
+        _LAST_GRAPH[:] = [_GraphFacts(graph, gradient_values(graph))]
+    return _LAST_GRAPH[0]
+
+
+def _gradient_values_of(graph: OpGraph) -> frozenset[str]:
+    return _facts(graph).grad_refs
+
+
+def _signatures_of(graph: OpGraph) -> dict[str, int]:
+    """Per op, the number of its pricing signature (:meth:`SearchProblem.signature`)."""
+    facts = _facts(graph)
+    if facts.signatures is None:
+        numbers: dict[tuple[object, ...], int] = {}
+        found: dict[str, int] = {}
+        for op in graph.ops:
+            # a frozen parameter pays no gradient reduction: it prices differently
+            params = tuple(
+                (i, graph.meta(ref), ref in facts.grad_refs)
+                for i, ref in enumerate(op.inputs)
+                if (g := graph.graph_input(ref)) is not None and g.kind == "parameter"
+            )
+            full = (
+                op.target,
+                op.input_metas,
+                op.outputs,
+                repr(op.args),
+                repr(op.kwargs),
+                op.flops,
+                op.bytes,
+                params,
+            )
+            found[op.name] = numbers.setdefault(full, len(numbers))
+        facts.signatures = found
+    return facts.signatures
+
+
 @lru_cache(maxsize=1 << 16)
 def gradient_layout(strategy: OpStrategy, input_index: int) -> TensorLayout:
     """Layout of the gradient an op hands back for its input ``input_index``.
@@ -143,42 +194,29 @@ class SearchProblem:
     def needs_grad(self, ref: str) -> bool:
         """Does a gradient flow back into value ``ref`` (it depends on a trainable parameter)?"""
         if self._grad_refs is None:
-            self._grad_refs = gradient_values(self.graph)
+            self._grad_refs = _gradient_values_of(self.graph)
         return ref in self._grad_refs
 
-    _op_keys: dict[str, object] = field(default_factory=dict, repr=False)
+    _op_keys: dict[str, int] = field(default_factory=dict, repr=False)
 
     def op_seconds(self, op: OpNode, index: int) -> float:
         """Compute plus parameter-gradient reduction of one candidate of ``op``.
 
         Ops with equal signatures (the same op in every repeated layer) share one price.
         """
-        key = (self._signature(op), index)
+        key = (self.signature(op), index)
         found = self._op_cost.get(key)
         if found is None:
             found = self._op_cost[key] = self._price_op(op, self.candidates[op.name][index])
         return found
 
-    def _signature(self, op: OpNode) -> object:
+    def signature(self, op: OpNode) -> int:
+        """A number shared by the ops that price alike (equal target, shapes, arguments,
+        FLOPs and bytes, and parameters read at the same positions, trainable alike)."""
         key = self._op_keys.get(op.name)
         if key is None:
-            # a frozen parameter pays no gradient reduction: it prices differently
-            params = tuple(
-                (i, self.graph.meta(ref), self.needs_grad(ref))
-                for i, ref in enumerate(op.inputs)
-                if self._is_param(ref)
-            )
-            key = (
-                op.target,
-                op.input_metas,
-                op.outputs,
-                repr(op.args),
-                repr(op.kwargs),
-                op.flops,
-                op.bytes,
-                params,
-            )
-            self._op_keys[op.name] = key
+            self._op_keys = _signatures_of(self.graph)
+            key = self._op_keys[op.name]
         return key
 
     def _is_param(self, ref: str) -> bool:

@@ -22,9 +22,9 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from plait.graph import OpNode
+from plait.graph import OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout
-from plait.search.problem import SearchProblem, gradient_layout, settled
+from plait.search.problem import CostModel, SearchProblem, gradient_layout, settled
 
 __all__ = ["Decision", "sharding_propagation"]
 
@@ -42,112 +42,177 @@ class Decision:
 
 
 class _Walk:
-    """State of one propagation: decided ops and the layouts of decided values."""
+    """State of one propagation: decided ops and the layouts of decided values.
+
+    Costs are weighed as vectors over an op's candidates, cached by what they depend on
+    (the candidate list, which input or output, the layout on the other side, the value's
+    shape, whether a gradient flows back): the ops of repeated layers share candidate lists,
+    so a 96-layer GPT computes each vector once, not once per layer. Sums run in the order
+    the scalar definition adds them (inputs, then outputs' consumers), so every candidate's
+    cost is the same float.
+    """
 
     def __init__(self, problem: SearchProblem, allowed: Mapping[str, Sequence[int]]) -> None:
         self.problem = problem
-        self.graph = problem.graph
+        self.graph = graph = problem.graph
         self.allowed = allowed
         self.decided: dict[str, Decision] = {}
         self.param_layout: dict[str, tuple[TensorLayout, str]] = {}
+        self.producers, self.consumers = _structure(graph)
+        # cost vectors, each with the objects whose identities key it (kept alive)
+        self._vectors: dict[tuple[object, ...], tuple[object, list[float]]] = {}
+        self._ranked: dict[tuple[int, ...], list[tuple[float, float, int]]] = {}
 
     def strategy(self, name: str):  # -> OpStrategy
         return self.problem.candidates[name][self.decided[name].index]
 
-    def source_layout(self, ref: str) -> tuple[TensorLayout, str] | None:
-        """Layout of value ``ref`` if already known, with the op (or input) that fixed it."""
-        source = self.graph.graph_input(ref)
-        if source is not None:
-            if source.kind == "parameter":
+    def source_layout(self, op: OpNode, i: int) -> tuple[TensorLayout, str] | None:
+        """Layout of input ``i`` of ``op`` if already known, with the op (or input) that
+        fixed it."""
+        node, index = self.producers[op.name][i]
+        if node is None:
+            ref = op.inputs[i]
+            source = self.graph.graph_input(ref)
+            if source is not None and source.kind == "parameter":
                 return self.param_layout.get(ref)
             fixed = self.problem.input_layouts.get(ref)
             return (fixed, ref) if fixed is not None else None
-        node, index = self.graph.producer(ref)
-        assert isinstance(node, OpNode)
-        if node.name not in self.decided:
+        decided = self.decided.get(node.name)
+        if decided is None:
             return None
-        return self.strategy(node.name).outputs[index], node.name
+        return self.problem.candidates[node.name][decided.index].outputs[index], node.name
 
-    def candidate_cost(self, op: OpNode, index: int) -> tuple[float, float, str]:
-        """(redistribution seconds over decided edges, own seconds, the op most weighed)."""
-        strategy = self.problem.candidates[op.name][index]
-        redist = 0.0
-        heaviest, heaviest_cost = "", -1.0
+    def terms(
+        self, op: OpNode, indices: Sequence[int]
+    ) -> tuple[list[tuple[str | None, list[float]]], list[float]]:
+        """(redistribution terms in the order they are added, each named by the op it is
+        weighed against or None; own costs), as vectors over ``indices``.
+
+        Vectors are cached by what they depend on; objects enter keys by identity (candidate
+        lists, strategies, layouts and metas are shared by the ops of repeated layers and
+        live as long as the problem).
+        """
+        problem, cands, vectors = self.problem, self.problem.candidates[op.name], self._vectors
+        at = indices if isinstance(indices, range) else tuple(indices)
+        base = id(cands), len(at) if isinstance(at, range) else at
+        out: list[tuple[str | None, list[float]]] = []
         for i, ref in enumerate(op.inputs):
-            known = self.source_layout(ref)
+            known = self.source_layout(op, i)
             if known is None:
                 continue
-            c = self.problem.input_edge_seconds(op, i, strategy, known[0])
-            redist += c
-            if c > heaviest_cost:
-                heaviest, heaviest_cost = known[1], c
-        for k in range(len(op.outputs)):
-            ref = op.name if k == 0 else f"{op.name}:{k}"
-            out = strategy.outputs[k]
-            for consumer, i in self.graph.consumers(ref):
-                if consumer.name not in self.decided:
-                    if out.partial:  # a pending sum is priced as if reduced for the consumer
-                        whole = settled(out)
-                        redist += self.problem.cost.edge_seconds(out, whole, None, op.outputs[k])
+            layout, meta, grad = known[0], op.input_metas[i], problem.needs_grad(ref)
+            key = (base, 0, i, id(layout), id(meta), grad)
+            found = vectors.get(key)
+            if found is None:
+                vector = [problem.input_edge_seconds(op, i, cands[j], layout) for j in at]
+                found = vectors[key] = ((cands, layout, meta), vector)
+            out.append((known[1], found[1]))
+        cost = problem.cost
+        for k, readers in enumerate(self.consumers[op.name]):
+            meta = op.outputs[k]
+            grad = problem.needs_grad(op.name if k == 0 else f"{op.name}:{k}")
+            for consumer, i in readers:
+                decided = self.decided.get(consumer.name)
+                if decided is None:  # a pending sum is priced as if reduced for the consumer
+                    key = (base, 1, k, id(meta))
+                    found = vectors.get(key)
+                    if found is None:
+                        vector = [_pending(cost, cands[j].outputs[k], meta) for j in at]
+                        found = vectors[key] = ((cands, meta), vector)
+                    out.append((None, found[1]))
                     continue
-                target = self.strategy(consumer.name)
-                c = self.problem.cost.edge_seconds(
-                    strategy.outputs[k],
-                    target.inputs[i],
-                    gradient_layout(target, i) if self.problem.needs_grad(ref) else None,
-                    op.outputs[k],
-                )
-                redist += c
-                if c > heaviest_cost:
-                    heaviest, heaviest_cost = consumer.name, c
-        return redist, self.problem.op_seconds(op, index), heaviest
+                target = problem.candidates[consumer.name][decided.index]
+                key = (base, 2, k, id(target), i, id(meta), grad)
+                found = vectors.get(key)
+                if found is None:
+                    want, back = target.inputs[i], gradient_layout(target, i) if grad else None
+                    vector = [cost.edge_seconds(cands[j].outputs[k], want, back, meta) for j in at]
+                    found = vectors[key] = ((cands, target, meta), vector)
+                out.append((consumer.name, found[1]))
+        key = (base, 3, problem.signature(op))
+        found = vectors.get(key)
+        if found is None:
+            found = vectors[key] = (cands, [problem.op_seconds(op, j) for j in at])
+        return out, found[1]
 
     def decide(self, op: OpNode, via: str) -> None:
         indices = self.allowed.get(op.name) or range(len(self.problem.candidates[op.name]))
-        scored = []
-        for index in indices:
-            redist, own, heaviest = self.candidate_cost(op, index)
-            scored.append(((redist, own, index), heaviest))
-        scored.sort(key=lambda s: s[0])
-        (redist, own, index), heaviest = scored[0]
+        terms, own = self.terms(op, indices)
+        key = (id(own), *(id(v) for _, v in terms))
+        ranked = self._ranked.get(key)
+        if ranked is None:
+            redist = [0.0] * len(own)
+            for _, vector in terms:
+                redist = [a + b for a, b in zip(redist, vector, strict=True)]
+            ranked = sorted(zip(redist, own, indices, strict=True))[: 1 + ALTERNATIVES_KEPT]
+            self._ranked[key] = ranked
+        redist, own_s, index = ranked[0]
+        position = list(indices).index(index) if not isinstance(indices, range) else index
+        heaviest, heaviest_cost = "", -1.0
+        for name, vector in terms:
+            if name is not None and vector[position] > heaviest_cost:
+                heaviest, heaviest_cost = name, vector[position]
         reached = heaviest or via
+        count = len(indices)
         reason = (
             f"propagated from {reached}: least redistribution ({redist:.3g} s), then least own "
-            f"cost ({own:.3g} s) among {len(scored)} candidates"
+            f"cost ({own_s:.3g} s) among {count} candidates"
         )
         if op.name in self.allowed:
-            reason = f"annotated ({len(scored)} strategies fit the annotation); " + reason
-        alternatives = tuple(
-            (s[0][2], s[0][0] + s[0][1]) for s in scored[1 : 1 + ALTERNATIVES_KEPT]
-        )
-        self.set(op, Decision(index, reason, redist + own, alternatives))
+            reason = f"annotated ({count} strategies fit the annotation); " + reason
+        alternatives = tuple((s[2], s[0] + s[1]) for s in ranked[1 : 1 + ALTERNATIVES_KEPT])
+        self.set(op, Decision(index, reason, redist + own_s, alternatives))
 
     def set(self, op: OpNode, decision: Decision) -> None:
         self.decided[op.name] = decision
         strategy = self.problem.candidates[op.name][decision.index]
         for i, ref in enumerate(op.inputs):
+            if ref in self.param_layout or self.producers[op.name][i][0] is not None:
+                continue
             source = self.graph.graph_input(ref)
-            if source is not None and source.kind == "parameter" and ref not in self.param_layout:
+            if source is not None and source.kind == "parameter":
                 self.param_layout[ref] = (strategy.inputs[i], op.name)
 
     def inputs_ready(self, op: OpNode) -> bool:
         """MindSpore's waiting list: an op is decided once every op feeding it is."""
-        for ref in op.inputs:
-            node, _ = self.graph.producer(ref)
-            if isinstance(node, OpNode) and node.name not in self.decided:
-                return False
-        return True
+        decided = self.decided
+        return all(node is None or node.name in decided for node, _ in self.producers[op.name])
 
     def neighbours(self, op: OpNode) -> list[OpNode]:
-        found: list[OpNode] = []
-        for ref in op.inputs:
-            node, _ = self.graph.producer(ref)
-            if isinstance(node, OpNode):
-                found.append(node)
-        for k in range(len(op.outputs)):
-            ref = op.name if k == 0 else f"{op.name}:{k}"
-            found.extend(c for c, _ in self.graph.consumers(ref))
+        found = [node for node, _ in self.producers[op.name] if node is not None]
+        for readers in self.consumers[op.name]:
+            found.extend(c for c, _ in readers)
         return found
+
+
+_Producers = dict[str, list[tuple[OpNode | None, int]]]
+_Consumers = dict[str, list[list[tuple[OpNode, int]]]]
+_LAST_GRAPH: list[tuple[OpGraph, _Producers, _Consumers]] = []
+
+
+def _structure(graph: OpGraph) -> tuple[_Producers, _Consumers]:
+    """Per op, the producer of each input (None: a graph input) and the consumers of each
+    output; remembered for the last graph (the outer planner searches it once per mesh)."""
+    if _LAST_GRAPH and _LAST_GRAPH[0][0] is graph:
+        return _LAST_GRAPH[0][1], _LAST_GRAPH[0][2]
+    producers: _Producers = {}
+    consumers: _Consumers = {}
+    for op in graph.ops:
+        found: list[tuple[OpNode | None, int]] = []
+        for ref in op.inputs:
+            node, k = graph.producer(ref)
+            found.append((node, k) if isinstance(node, OpNode) else (None, 0))
+        producers[op.name] = found
+        consumers[op.name] = [
+            graph.consumers(op.name if k == 0 else f"{op.name}:{k}") for k in range(len(op.outputs))
+        ]
+    _LAST_GRAPH[:] = [(graph, producers, consumers)]
+    return producers, consumers
+
+
+def _pending(cost: CostModel, out: TensorLayout, meta: TensorMeta) -> float:
+    """Reducing a pending sum for one consumer (0 when the output is whole)."""
+    return cost.edge_seconds(out, settled(out), None, meta) if out.partial else 0.0
 
 
 def _seed(

@@ -1,0 +1,590 @@
+"""Predicted step time and memory of an outer-planner option, without building its Plan.
+
+The outer planner (:mod:`plait.planning.outer`) weighs, for every mesh, the searcher's
+strategies under several settings: ZeRO level, recompute policy, micro-batches. Building a
+whole :class:`~plait.planning.records.Plan` for each (``assemble_plan``: every op, parameter
+and collective as a record, with its reason) costs about a second for a 96-layer GPT; the
+choice only needs two numbers per option, ``predicted.step_time_s`` and
+``predicted.memory_bytes``. :class:`MeshEstimate` computes them from the same terms
+``assemble_plan`` adds, in the same order (so the sums are the same floats), and shares what
+the settings do not change:
+
+- per mesh, once: the chosen strategies, compute per op, pipeline stages, every
+  redistribution on every edge (forward and backward), the gradient all-reduces outside the
+  data-parallel buckets, the loss reduction, the activations each stage keeps per recompute
+  policy;
+- per ZeRO level (and, at level 3, per recompute policy): the bucketed data-parallel
+  reductions and which parameters' optimizer states are split;
+- per micro-batch count: the pipeline transfers.
+
+An option then costs a few additions per pipeline stage. Values no recompute policy changes
+(which outputs are kept for backward) are read once per graph (:class:`GraphFacts`).
+
+This mirrors :func:`~plait.planning.assemble.assemble_plan`'s prediction term for term; the
+outer planner assembles the option it chooses and checks that both agree (and falls back to
+assembling every option when they do not), and ``tests/unit/test_plan_speed.py`` compares
+both on every option of several graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from plait.config import CommFusion, ParallelConfig
+from plait.cost.memory import graph_activation_bytes, model_state_memory, training_memory
+from plait.fusion import plan_buckets
+from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
+from plait.layout import TensorLayout, optimizer_shard_dim
+from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
+from plait.planning.assemble import (
+    LOW_PRECISION_ACTIVATIONS,
+    PP_AXIS,
+    _bubble,
+    _read_by_backward,
+)
+from plait.planning.timeline import in_flight_micro_batches
+from plait.rules.loss import divides_by_target_count
+from plait.rules.registry import OpStrategy, grad_reduce_axes
+from plait.search.problem import gradient_layout, settled
+from plait.search.propagation import Decision
+from plait.search.stages import assign_stages
+
+if TYPE_CHECKING:
+    from plait.planning.setup import SearchSetup
+
+__all__ = ["Estimate", "GraphFacts", "MeshEstimate"]
+
+_Item = tuple[float, bool]  # a collective's seconds x count per step; is it in forward?
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What the outer planner compares: predicted seconds per step and peak bytes per device."""
+
+    step_time_s: float
+    memory_bytes: int
+
+
+class GraphFacts:
+    """What every mesh of one graph shares: parameters, layers, values kept for backward."""
+
+    def __init__(self, graph: OpGraph) -> None:
+        self.graph = graph
+        self.parameters: tuple[GraphInput, ...] = tuple(
+            g for g in graph.inputs if g.kind == "parameter"
+        )
+        self.by_target = {g.target: g for g in self.parameters}
+        self.layer_count = len({op.layer for op in graph.ops if op.layer})
+        self._kept: dict[str, tuple[_Kept, ...]] = {}
+        self._read_again: dict[tuple[object, ...], frozenset[str]] = {}
+        self._read_sets: dict[frozenset[str], frozenset[str]] = {}
+
+    def kept(self, recompute: str) -> tuple[_Kept, ...]:
+        """Values whose forward output backward keeps under ``recompute`` (the memory model's
+        :func:`~plait.cost.memory.graph_activation_bytes` asks for their sizes)."""
+        found = self._kept.get(recompute)
+        if found is None:
+            refs: list[str] = []
+
+            def record(ref: str) -> int:
+                refs.append(ref)
+                return 0
+
+            graph_activation_bytes(self.graph, recompute=recompute, local_bytes=record)
+            found = self._kept[recompute] = tuple(map(self._kept_value, refs))
+        return found
+
+    def _kept_value(self, ref: str) -> _Kept:
+        node, k = self.graph.producer(ref)
+        if isinstance(node, OpNode):
+            meta = node.outputs[k]
+            return _Kept(ref, node.name, k, meta.nbytes, meta.dtype == "float32")
+        return _Kept(ref, None, 0, self.graph.meta(ref).nbytes, False)
+
+    def read_again(self, cfg: ParallelConfig) -> frozenset[str]:
+        """Values the backward reads (ZeRO-3 gathers such a parameter again); equal sets are
+        one object, so options that agree on it share their ZeRO-3 collectives."""
+        key = (cfg.recompute, cfg.recompute_modules)
+        found = self._read_again.get(key)
+        if found is None:
+            found = frozenset(_read_by_backward(self.graph, cfg))
+            found = self._read_again[key] = self._read_sets.setdefault(found, found)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A value kept for backward: its producer op (None: a graph input) and output, bytes."""
+
+    ref: str
+    op: str | None
+    output: int
+    nbytes: int
+    float32: bool
+
+
+@dataclass
+class _Param:
+    """One parameter as assemble_plan places it: layout, first reader, gradient axes, stage."""
+
+    g: GraphInput
+    layout: TensorLayout
+    strategy: OpStrategy | None
+    axes: tuple[str, ...]  # gradient reduction axes (empty: frozen or not read)
+    stage: int
+    numel: int  # elements of this device's piece
+    nbytes: int  # bytes of this device's piece
+
+
+@dataclass
+class _Level:
+    """What one ZeRO level decides: bucketed reductions and split optimizer states per stage."""
+
+    items: list[list[_Item]]  # per stage: each collective's seconds x count, in plan order
+    sharded_numel: list[int] = field(default_factory=list)
+    whole_numel: list[int] = field(default_factory=list)
+
+
+class MeshEstimate:
+    """Predictions for one mesh's search result under any setting the outer planner varies.
+
+    ``base`` is the config the search ran under (its mesh, pipeline stages, dp axis, gradient
+    accumulation, fusion, precision, offload); :meth:`predict` takes a config that differs
+    from it only in ``optimizer_shard``, ``recompute`` and ``micro_batches``.
+    """
+
+    def __init__(
+        self,
+        facts: GraphFacts,
+        base: ParallelConfig,
+        setup: SearchSetup,
+        decisions: Mapping[str, Decision],
+    ) -> None:
+        self.facts = facts
+        self.graph = graph = facts.graph
+        self.base = base
+        self.mesh = mesh = setup.mesh
+        self.problem = problem = setup.problem
+        self.topology = setup.topology
+        self.stages = stages = base.pipeline_stages
+        candidates = problem.candidates
+        self.chosen = {op.name: candidates[op.name][decisions[op.name].index] for op in graph.ops}
+        # per object (kept alive here, so ids stay unique): pieces of a strategy's work or of
+        # a layout's tensor, a layout's number among equal layouts, its settled form
+        self._work: dict[int, tuple[object, int]] = {}
+        self._pieces_of: dict[int, tuple[object, int]] = {}
+        self._canon_of: dict[int, tuple[object, int]] = {}
+        self._numbers: dict[TensorLayout, int] = {}
+        self._settled: dict[int, tuple[object, TensorLayout]] = {}
+        self._secs: dict[tuple[str, str, int], float] = {}
+        op_compute = problem.cost.op_compute
+        op_time = {
+            op.name: op_compute(op, self._work_pieces(self.chosen[op.name])) for op in graph.ops
+        }
+        stage_list = assign_stages(graph, op_time, stages) if stages > 1 else [0] * len(graph.ops)
+        self.stage_of = dict(zip((op.name for op in graph.ops), stage_list, strict=True))
+        ga = base.grad_accumulation
+        self.compute = [0.0] * stages
+        for op, s in zip(graph.ops, stage_list, strict=True):
+            self.compute[s] += op_time[op.name] * ga
+        self.dp = base.dp_axis
+        self.dp_size = mesh.axis_size(self.dp) if self.dp in mesh.axis_names else 1
+        self.fused = self.dp in mesh.axis_names and mesh.axis_size(self.dp) > 1
+        self._redistributions: dict[tuple[object, ...], tuple[float, ...]] = {}
+        # the step's collectives in assemble_plan's order: ops' redistributions (repeated per
+        # micro-step), parameters' own reductions, the buckets (per level), the loss, the
+        # pipeline transfers (per micro-batch count)
+        self.op_sums = self._op_collectives(ga)
+        self.param_items = self._parameters()
+        self.loss_items = self._loss()
+        self._levels: dict[tuple[object, ...], _Level] = {}
+        self._dims: list[int | None] | None = None
+        self._buckets: list[tuple[int, list[int]]] | None = None
+        self._pipes: dict[int, list[list[_Item]]] = {}
+        self._activations: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ shared per mesh
+
+    def _seconds(self, kind: str, axis: str, nbytes: int) -> float:
+        key = (kind, axis, nbytes)
+        found = self._secs.get(key)
+        if found is None:
+            found = self._secs[key] = float(self.topology.axis_seconds(kind, axis, nbytes))
+        return found
+
+    def _work_pieces(self, strategy: OpStrategy) -> int:
+        """Pieces ``strategy`` cuts its op's work into (assemble's _op_compute)."""
+        found = self._work.get(id(strategy))
+        if found is None:
+            pieces = math.prod(self.mesh.axis_size(a) for a in strategy.used_axes())
+            found = self._work[id(strategy)] = (strategy, pieces)
+        return found[1]
+
+    def _pieces(self, layout: TensorLayout) -> int:
+        """Pieces a tensor laid out as ``layout`` is cut into (the product of its splits)."""
+        found = self._pieces_of.get(id(layout))
+        if found is None:
+            found = self._pieces_of[id(layout)] = (layout, math.prod(layout.splits()))
+        return found[1]
+
+    def _canon(self, layout: TensorLayout) -> int:
+        """The same number for equal layouts (cheaper to hash than the layout)."""
+        found = self._canon_of.get(id(layout))
+        if found is None:
+            number = self._numbers.setdefault(layout, len(self._numbers))
+            found = self._canon_of[id(layout)] = (layout, number)
+        return found[1]
+
+    def _settle(self, layout: TensorLayout) -> TensorLayout:
+        found = self._settled.get(id(layout))
+        if found is None:
+            found = self._settled[id(layout)] = (layout, settled(layout))
+        return found[1]
+
+    def _redistribute(
+        self, src: TensorLayout, dst: TensorLayout, meta: TensorMeta
+    ) -> tuple[float, ...]:
+        """Seconds of each collective moving ``src`` to ``dst`` (the plan's steps, local ones
+        dropped)."""
+        a, b = self._canon(src), self._canon(dst)
+        if a == b:
+            return ()
+        key = (a, b, meta.shape, meta.itemsize)
+        found = self._redistributions.get(key)
+        if found is None:
+            steps = plan_redistribution(src, dst, tuple(meta.shape), meta.itemsize).steps
+            found = tuple(
+                self._seconds(s.kind, s.axis, s.nbytes) for s in steps if s.kind not in LOCAL_KINDS
+            )
+            self._redistributions[key] = found
+        return found
+
+    def _op_collectives(self, repeat: int) -> list[tuple[float, float]]:
+        """Per stage, the sums (all, forward only) of the ops' redistributions, in order."""
+        graph, chosen = self.graph, self.chosen
+        sums = [(0.0, 0.0)] * self.stages
+        self.param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]] = {}
+        moved: set[tuple[str, int]] = set()
+        reduced: set[tuple[str, int]] = set()
+        for op in graph.ops:
+            strategy, stage = chosen[op.name], self.stage_of[op.name]
+            acc, forward = sums[stage]
+            for i, ref in enumerate(op.inputs):
+                have = self._have(op, i, ref, strategy, reduced)
+                if have is None:
+                    continue
+                meta, need = op.input_metas[i], strategy.inputs[i]
+                if (ref, self._canon(need)) not in moved:
+                    moved.add((ref, self._canon(need)))
+                    for seconds in self._redistribute(have, need, meta):
+                        acc += seconds * repeat
+                        forward += seconds * repeat
+                if self.problem.needs_grad(ref):
+                    grad = gradient_layout(strategy, i)
+                    if (ref, self._canon(grad)) in reduced:
+                        continue
+                    reduced.add((ref, self._canon(grad)))
+                    for seconds in self._redistribute(grad, self._settle(have), meta):
+                        acc += seconds * repeat
+            if divides_by_target_count(op.target, strategy.outputs[0]):
+                for axis in sorted({a for d in strategy.inputs[0].dims for a in d}):
+                    seconds = self._seconds("all_reduce", axis, 8) * repeat
+                    acc += seconds
+                    forward += seconds
+            sums[stage] = (acc, forward)
+        return sums
+
+    def _have(
+        self,
+        op: OpNode,
+        i: int,
+        ref: str,
+        strategy: OpStrategy,
+        reduced: set[tuple[str, int]],
+    ) -> TensorLayout | None:
+        """The layout value ``ref`` has when ``op`` reads it as input ``i`` (None: nothing
+        to move: a buffer, or a parameter's first reader, which lays it out)."""
+        source = self.graph.graph_input(ref)
+        if source is None:
+            node, k = self.graph.producer(ref)
+            return self.chosen[node.name].outputs[k]
+        if source.kind == "input":
+            return self.problem.input_layouts[ref]
+        if source.kind != "parameter":
+            return None
+        placed = self.param_layouts.get(ref)
+        if placed is None:
+            self.param_layouts[ref] = (strategy.inputs[i], op.name, strategy, i)
+            reduced.add((ref, self._canon(gradient_layout(strategy, i))))
+            return None
+        return placed[0]
+
+    def _parameters(self) -> list[list[_Item]]:
+        """Parameters as placed, and the gradient all-reduces outside the dp buckets."""
+        items: list[list[_Item]] = [[] for _ in range(self.stages)]
+        self.params: list[_Param] = []
+        for g in self.facts.parameters:
+            placed = self.param_layouts.get(g.name)
+            if placed is None:  # read by no op: whole, no gradient, stage 0
+                layout = TensorLayout.replicated(self.mesh, g.meta.ndim)
+                pieces = math.prod(layout.splits())
+                numel, nbytes = g.meta.numel // pieces, g.meta.nbytes // pieces
+                self.params.append(_Param(g, layout, None, (), 0, numel, nbytes))
+                continue
+            layout, op, strategy, i = placed
+            stage = self.stage_of[op]
+            pieces = self._pieces(layout)
+            numel, nbytes = g.meta.numel // pieces, g.meta.nbytes // pieces
+            axes = grad_reduce_axes(strategy, i) if g.requires_grad else ()
+            self.params.append(_Param(g, layout, strategy, axes, stage, numel, nbytes))
+            for axis in axes:
+                if self.fused and axes == (self.dp,):
+                    continue  # in a bucket
+                items[stage].append((self._seconds("all_reduce", axis, nbytes), False))
+        return items
+
+    def _loss(self) -> list[list[_Item]]:
+        items: list[list[_Item]] = [[] for _ in range(self.stages)]
+        graph = self.graph
+        if not graph.outputs:
+            return items
+        node, k = graph.producer(graph.outputs[0])
+        if not isinstance(node, OpNode):
+            return items
+        for axis in self.chosen[node.name].outputs[k].partial:
+            seconds = self._seconds("all_reduce", axis, node.outputs[k].nbytes)
+            items[self.stage_of[node.name]].append((seconds, True))
+        return items
+
+    # ------------------------------------------------------------------ per setting
+
+    def _shard_dims(self, cfg: ParallelConfig) -> list[int | None]:
+        """Per parameter, the dim of its piece optimizer parallel splits under any ZeRO level
+        (assemble's _optimizer_shard; None: kept whole). The same for levels 1 to 3."""
+        if self._dims is None:
+            threshold = int(cfg.optimizer_shard_threshold)
+            self._dims = [
+                None
+                if p.strategy is None
+                or not p.g.requires_grad
+                or p.g.target in cfg.optimizer_shard_exclude
+                or p.axes != (self.dp,)
+                else optimizer_shard_dim(
+                    p.layout,
+                    p.g.meta.shape,
+                    self.dp,
+                    itemsize=p.g.meta.itemsize,
+                    threshold=threshold,
+                )
+                for p in self.params
+            ]
+        return self._dims
+
+    def _level(self, cfg: ParallelConfig) -> _Level:
+        level = cfg.optimizer_shard
+        key: tuple[object, ...] = (level,)
+        if level == 3 and self.fused:
+            key = (level, id(self.facts.read_again(cfg)))
+        found = self._levels.get(key)
+        if found is None:
+            found = self._levels[key] = self._build_level(cfg)
+        return found
+
+    def _build_level(self, cfg: ParallelConfig) -> _Level:
+        stages, level = self.stages, cfg.optimizer_shard
+        dims = self._shard_dims(cfg) if level is not None else [None] * len(self.params)
+        sharded, whole = [0] * stages, [0] * stages
+        for p, dim in zip(self.params, dims, strict=True):
+            if p.g.requires_grad:
+                if dim is not None:
+                    sharded[p.stage] += p.numel
+                else:
+                    whole[p.stage] += p.numel
+        items: list[list[_Item]] = [[] for _ in range(stages)]
+        if self.fused:
+            read_again = self.facts.read_again(cfg) if level == 3 else frozenset()
+            for stage, bucket in self._bucket_list(cfg):
+                self._bucket(level, bucket, dims, read_again, items[stage])
+        return _Level(items, sharded, whole)
+
+    def _bucket_list(self, cfg: ParallelConfig) -> list[tuple[int, list[int]]]:
+        """(stage, members) of every dp bucket in plan order (assemble's _fused_reductions):
+        the trainable parameters not split over dp, bucketed per stage by their local bytes;
+        members are those whose gradient is pending over dp alone (indices into params)."""
+        if self._buckets is None:
+            dp = self.dp
+            fusion = cfg.comm_fusion or CommFusion()
+            per_stage: dict[int, list[int]] = {}
+            for n, p in enumerate(self.params):
+                if p.g.requires_grad and not any(dp in axes for axes in p.layout.dims):
+                    per_stage.setdefault(p.stage, []).append(n)
+            self._buckets = []
+            for stage, entries in sorted(per_stage.items()):
+                sizes = [self.params[n].nbytes for n in entries]
+                for bucket in plan_buckets(sizes, fusion):
+                    members = [entries[i] for i in sorted(bucket)]
+                    members = [n for n in members if self.params[n].axes == (dp,)]
+                    self._buckets.append((stage, members))
+        return self._buckets
+
+    def _bucket(
+        self,
+        level: int | None,
+        members: Sequence[int],
+        dims: Sequence[int | None],
+        read_again: frozenset[str],
+        out: list[_Item],
+    ) -> None:
+        """One bucket's collectives: an all-reduce of its whole members (all of them at
+        level 1); the split members reduce-scattered (levels 2, 3) and gathered after the
+        update (levels 1, 2) or before forward, and before backward when it reads them (3)."""
+        dp, params = self.dp, self.params
+        split = [n for n in members if dims[n] is not None]
+        summed = members if level == 1 else [n for n in members if dims[n] is None]
+        if summed:
+            out.append(
+                (self._seconds("all_reduce", dp, sum(params[n].nbytes for n in summed)), False)
+            )
+        if not split:
+            return
+        full = sum(params[n].nbytes for n in split)
+        if level != 1:
+            out.append((self._seconds("reduce_scatter", dp, full), False))
+        gather = self._seconds("all_gather", dp, full // self.dp_size)
+        if level != 3:
+            out.append((gather, False))  # after the update (the optimizer phase)
+            return
+        out.append((gather, True))  # before forward
+        if any(params[n].g.name in read_again for n in split):
+            out.append((gather, False))  # and again before backward
+
+    def _pipeline(self, m: int) -> list[list[_Item]]:
+        """Values crossing a stage boundary, once per micro-batch each way."""
+        found = self._pipes.get(m)
+        if found is not None:
+            return found
+        items: list[list[_Item]] = [[] for _ in range(self.stages)]
+        if self.stages > 1:
+            graph, stage_of = self.graph, self.stage_of
+            sent: set[tuple[str, int]] = set()
+            for op in graph.ops:
+                dst = stage_of[op.name]
+                for ref in op.inputs:
+                    node, k = graph.producer(ref)
+                    if not isinstance(node, OpNode):
+                        continue
+                    src = stage_of[node.name]
+                    if src == dst or (ref, dst) in sent:
+                        continue
+                    sent.add((ref, dst))
+                    # the value sent is settled (pending sums reduced): its splits are the same
+                    local = (
+                        node.outputs[k].nbytes
+                        // self._pieces(self.chosen[node.name].outputs[k])
+                        // m
+                    )
+                    seconds = self._seconds("send_recv", PP_AXIS, local) * m
+                    items[dst].append((seconds, True))
+                    if self.problem.needs_grad(ref):
+                        items[src].append((seconds, False))
+        self._pipes[m] = items
+        return items
+
+    def _activation_bytes(self, recompute: str) -> list[int]:
+        """Per stage, bytes of one micro-batch's values kept for backward on one device."""
+        found = self._activations.get(recompute)
+        if found is not None:
+            return found
+        scale = LOW_PRECISION_ACTIVATIONS[self.base.precision]
+        per = [0] * self.stages
+        chosen, stage_of = self.chosen, self.stage_of
+        for kept in self.facts.kept(recompute):
+            if kept.op is None:  # a batch tensor: held by the first stage
+                layout = self.problem.input_layouts.get(kept.ref)
+                if layout is not None:
+                    per[0] += kept.nbytes // self._pieces(layout)
+                continue
+            nbytes = kept.nbytes // self._pieces(chosen[kept.op].outputs[kept.output])
+            if kept.float32:
+                nbytes = int(nbytes * scale)
+            per[stage_of[kept.op]] += nbytes
+        self._activations[recompute] = per
+        return per
+
+    def _frozen_numel(self) -> list[int]:
+        out = [0] * self.stages
+        for p in self.params:
+            if not p.g.requires_grad:
+                out[p.stage] += p.numel
+        return out
+
+    def predict(self, cfg: ParallelConfig) -> Estimate:
+        """Step time and peak memory of the plan ``assemble_plan`` would build for ``cfg``."""
+        stages, m = self.stages, cfg.micro_batches
+        level = self._level(cfg)
+        pipe = self._pipeline(m) if stages > 1 else None
+        comm, forward = [], []
+        for s in range(stages):
+            acc, fwd = self.op_sums[s]
+            parts = [self.param_items[s], level.items[s], self.loss_items[s]]
+            if pipe is not None:
+                parts.append(pipe[s])
+            for part in parts:
+                for seconds, in_forward in part:
+                    acc += seconds
+                    if in_forward:
+                        fwd += seconds
+            comm.append(acc)
+            forward.append(fwd)
+        compute = self.compute
+        busiest = max(range(stages), key=lambda s: compute[s] + comm[s])
+        compute_s, comm_s = compute[busiest], comm[busiest]
+        bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)
+        step = compute_s + comm_s + bubble_s
+        return Estimate(step, self._memory(cfg, level))
+
+    def _memory(self, cfg: ParallelConfig, level: _Level) -> int:
+        stages, m = self.stages, cfg.micro_batches
+        activations = self._activation_bytes(cfg.recompute)
+        frozen_numel = self._frozen_numel()
+        layers = self.facts.layer_count
+        peak = 0
+        for s in range(stages):
+            per_step = activations[s]
+            if cfg.offload == "activations":
+                per_step //= max(1, layers)
+            in_flight = (
+                in_flight_micro_batches(cfg.schedule, s, stages, m, cfg.virtual_stages or 1)
+                if stages > 1
+                else m
+            )
+            trained = training_memory(
+                level.sharded_numel[s],
+                shard_group=self.dp_size,
+                optimizer_shard=cfg.optimizer_shard,
+                precision=cfg.precision,
+                activation_bytes=per_step // m,
+                in_flight=in_flight,
+            )
+            whole = model_state_memory(level.whole_numel[s], precision=cfg.precision)
+            shadow = (
+                math.ceil(level.sharded_numel[s] / self.dp_size) * 4
+                if cfg.optimizer_shard in (1, 2)
+                else 0
+            )
+            frozen = model_state_memory(frozen_numel[s], precision=cfg.precision)
+            optimizer = trained.optimizer + whole.optimizer + shadow
+            total = (
+                trained.parameters
+                + whole.parameters
+                + frozen.parameters
+                + trained.gradients
+                + whole.gradients
+                + (optimizer if cfg.offload != "optimizer" else 0)
+                + trained.activations
+            )
+            peak = max(peak, total)
+        return peak

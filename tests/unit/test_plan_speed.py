@@ -1,0 +1,213 @@
+"""Planning at scale: the shortcuts that make mode auto fast choose what the long way chooses.
+
+- The outer planner predicts every (mesh, ZeRO, recompute, micro-batches) option from its
+  mesh's shared work (plait.planning.estimate) and assembles only the winner; assembling
+  every option in full (``exhaustive=True``, the planner before the shortcut) gives the same
+  plan file, byte for byte.
+- The prediction equals assemble_plan's for every option, schedules and settings included.
+- Sharding propagation weighs cost vectors cached across repeated layers; it decides exactly
+  what the scalar walk (each candidate priced on its own, as before) decides.
+- On a mesh with pipeline stages, candidates come from the mesh without the pipeline axis,
+  placed on the whole mesh: the same list as filtering the whole mesh's.
+
+No timings are asserted (bench/plan_scale.py measures them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+
+import pytest
+import torch
+
+from plait.config import ParallelConfig
+from plait.graph import OpNode, capture
+from plait.mesh import MeshSpec
+from plait.models import ModelSpec, build
+from plait.planning import estimate
+from plait.planning.assemble import assemble_plan
+from plait.planning.outer import _with, auto_plan
+from plait.planning.setup import _candidates, prepare
+from plait.planning.timing import PlanTiming
+from plait.rules import default_catalogue
+from plait.search import propagation
+from plait.search.problem import gradient_layout, settled
+from plait.search.propagation import Decision, sharding_propagation
+
+
+@functools.cache
+def _graph(spec: ModelSpec):
+    with torch.device("meta"):
+        model, batch, loss = build(spec)
+    return model, capture(model, batch, loss)
+
+
+GPT = ModelSpec(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=16)
+LLAMA = ModelSpec(
+    kind="llama", layers=2, hidden=64, heads=4, kv_heads=2, seq=32, vocab=128, batch=16, tied=True
+)
+BERT = ModelSpec(kind="bert", layers=2, hidden=64, heads=4, seq=32, vocab=128, batch=16)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_predicting_options_chooses_the_plan_assembling_every_option_chooses(fraction) -> None:
+    """A 4-layer GPT on 8 devices, free mesh (11 meshes with pipelines): with memory to spare
+    and with half the winner's memory (ZeRO and recompute escalate), the plan file of the
+    fast planner equals the one of the planner that assembles every option."""
+    model, graph = _graph(GPT)
+    cfg = ParallelConfig(mode="auto", devices=8, hardware="a100-80g")
+    slow = auto_plan(graph, cfg, model=model, exhaustive=True)
+    if fraction is not None:
+        cfg = dataclasses.replace(cfg, memory_limit=int(slow.predicted.memory_bytes * fraction))
+        slow = auto_plan(graph, cfg, model=model, exhaustive=True)
+    timing = PlanTiming()
+    fast = auto_plan(graph, cfg, model=model, timing=timing)
+    assert fast.to_json() == slow.to_json()
+    assert timing.searched == timing.meshes > 1 and timing.pruned == 0
+    assert timing.reused == timing.options >= timing.meshes and timing.assembled == 1
+    assert timing.search_s > 0 and timing.estimate_s > 0 and timing.assemble_s > 0
+    assert "searched" in timing.line()
+
+
+def _variants(pp: int):
+    schedules = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble") if pp > 1 else ("1f1b",)
+    micro = (4,) if pp > 1 else (1,)
+    return itertools.product((None, 1, 2, 3), ("none", "selective", "full"), micro, schedules)
+
+
+@pytest.mark.parametrize(
+    ("spec", "mesh", "extra"),
+    [
+        (GPT, {"pp": 2, "dp": 2, "tp": 2}, {"grad_accumulation": 2}),
+        (LLAMA, {"pp": 2, "dp": 4}, {"precision": "bf16", "offload": "optimizer"}),
+        (BERT, {"dp": 4, "tp": 2}, {"offload": "activations", "optimizer_shard_threshold": 0}),
+    ],
+)
+def test_prediction_equals_the_assembled_plans(spec, mesh, extra) -> None:
+    """Every ZeRO level, recompute policy, micro-batch count and schedule: the predicted step
+    time and peak memory are the assembled plan's, to the last bit."""
+    model, graph = _graph(spec)
+    pp = mesh.get("pp", 1)
+    base = ParallelConfig(mode="auto", mesh=mesh, pipeline_stages=pp, hardware="a100-80g", **extra)
+    setup = prepare(graph, base, model=model)
+    decisions = sharding_propagation(setup.problem, setup.allowed, setup.configured)
+    mesh_estimate = estimate.MeshEstimate(estimate.GraphFacts(graph), base, setup, decisions)
+    for level, recompute, m, schedule in _variants(pp):
+        cfg = _with(
+            base,
+            optimizer_shard=level,
+            recompute=recompute,
+            micro_batches=m,
+            schedule=schedule,
+            virtual_stages=None,
+        )
+        plan = assemble_plan(
+            graph,
+            cfg,
+            setup.mesh,
+            setup.problem,
+            decisions,
+            setup.topology,
+            setup.hardware,
+        )
+        found = mesh_estimate.predict(cfg)
+        assert found.step_time_s == plan.predicted.step_time_s, (level, recompute, m, schedule)
+        assert found.memory_bytes == plan.predicted.memory_bytes, (level, recompute, m, schedule)
+
+
+def test_a_prediction_assemble_disagrees_with_falls_back_to_assembling_every_option(
+    monkeypatch, caplog
+) -> None:
+    """If estimate.py ever drifts from assemble.py, the chosen option's assembled plan says
+    so: the planner warns and weighs every option by its assembled plan instead."""
+    model, graph = _graph(GPT)
+    cfg = ParallelConfig(mode="auto", devices=8, hardware="a100-80g")
+    slow = auto_plan(graph, cfg, model=model, exhaustive=True)
+    right = estimate.MeshEstimate.predict
+
+    def wrong(self, cfg):
+        found = right(self, cfg)
+        return estimate.Estimate(found.step_time_s * (1 + cfg.pipeline_stages / 10), 1)
+
+    monkeypatch.setattr(estimate.MeshEstimate, "predict", wrong)
+    with caplog.at_level(logging.WARNING, logger="plait.planning"):
+        fast = auto_plan(graph, cfg, model=model)
+    assert "assembling every option instead" in caplog.text
+    assert fast.to_json() == slow.to_json()
+
+
+class _ScalarWalk(propagation._Walk):
+    """Sharding propagation as it was: each candidate priced on its own, term by term."""
+
+    def candidate_cost(self, op: OpNode, index: int) -> tuple[float, float, str]:
+        problem, graph = self.problem, self.graph
+        strategy = problem.candidates[op.name][index]
+        redist, heaviest, heaviest_cost = 0.0, "", -1.0
+        for i, _ref in enumerate(op.inputs):
+            known = self.source_layout(op, i)
+            if known is None:
+                continue
+            c = problem.input_edge_seconds(op, i, strategy, known[0])
+            redist += c
+            if c > heaviest_cost:
+                heaviest, heaviest_cost = known[1], c
+        for k in range(len(op.outputs)):
+            ref = op.name if k == 0 else f"{op.name}:{k}"
+            out = strategy.outputs[k]
+            for consumer, i in graph.consumers(ref):
+                if consumer.name not in self.decided:
+                    if out.partial:
+                        redist += problem.cost.edge_seconds(out, settled(out), None, op.outputs[k])
+                    continue
+                target = self.strategy(consumer.name)
+                grad = gradient_layout(target, i) if problem.needs_grad(ref) else None
+                c = problem.cost.edge_seconds(out, target.inputs[i], grad, op.outputs[k])
+                redist += c
+                if c > heaviest_cost:
+                    heaviest, heaviest_cost = consumer.name, c
+        return redist, problem.op_seconds(op, index), heaviest
+
+    def decide(self, op: OpNode, via: str) -> None:
+        indices = self.allowed.get(op.name) or range(len(self.problem.candidates[op.name]))
+        scored = []
+        for index in indices:
+            redist, own, heaviest = self.candidate_cost(op, index)
+            scored.append(((redist, own, index), heaviest))
+        scored.sort(key=lambda s: s[0])
+        (redist, own, index), heaviest = scored[0]
+        reason = (
+            f"propagated from {heaviest or via}: least redistribution ({redist:.3g} s), then "
+            f"least own cost ({own:.3g} s) among {len(scored)} candidates"
+        )
+        if op.name in self.allowed:
+            reason = f"annotated ({len(scored)} strategies fit the annotation); " + reason
+        alternatives = tuple((s[0][2], s[0][0] + s[0][1]) for s in scored[1:4])
+        self.set(op, Decision(index, reason, redist + own, alternatives))
+
+
+@pytest.mark.parametrize(("spec", "mode"), [(GPT, "auto"), (LLAMA, "semi_auto"), (BERT, "auto")])
+def test_propagation_decides_what_the_scalar_walk_decides(spec, mode, monkeypatch) -> None:
+    """Index, reason, cost and alternatives of every op, on a mesh with three axes."""
+    model, graph = _graph(spec)
+    cfg = ParallelConfig(mode=mode, mesh={"pp": 2, "dp": 2, "tp": 2}, pipeline_stages=2)
+    setup = prepare(graph, cfg, model=model)
+    fast = sharding_propagation(setup.problem, setup.allowed, setup.configured)
+    setup = prepare(graph, cfg, model=model)
+    monkeypatch.setattr(propagation, "_Walk", _ScalarWalk)
+    slow = sharding_propagation(setup.problem, setup.allowed, setup.configured)
+    assert fast == slow
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA, BERT, ModelSpec(kind="cnn", layers=2, hidden=8)])
+def test_staged_mesh_candidates_are_the_whole_mesh_ones_that_leave_pp_unused(spec) -> None:
+    _, graph = _graph(spec)
+    catalogue = default_catalogue()
+    for axes in ({"pp": 2, "dp": 4, "tp": 2}, {"dp": 2, "pp": 2, "tp": 4}):
+        mesh = MeshSpec.from_dict(axes)
+        found = _candidates(graph, mesh)
+        for op in graph.ops:
+            whole = [c for c in catalogue.strategies(op, mesh) if "pp" not in c.used_axes()]
+            assert found[op.name] == whole, op.name

@@ -70,7 +70,7 @@ except ImportError as e:  # pragma: no cover
 
 try:  # watching every op a step dispatches (plait.testing.comm.CollectiveLog)
     from torch._ops import HigherOrderOperator
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 except ImportError as e:  # pragma: no cover
     raise _fail("TorchDispatchMode, HigherOrderOperator", "collective logs", e) from e
 
@@ -126,6 +126,8 @@ def simulation_suspended() -> Iterator[None]:
 
     torch.export of some models (Hugging Face's: constant lifting) fails while a
     ``LocalTensorMode`` is active; capture runs on fake tensors and needs no simulated rank.
+    The mode also leaves the dispatch-mode stack for the block: a disabled mode still there
+    refuses higher-order ops (``torch.cond`` under export).
     """
     from torch.distributed._local_tensor import local_tensor_mode
 
@@ -133,7 +135,7 @@ def simulation_suspended() -> Iterator[None]:
     if mode is None:
         yield
         return
-    with mode.disable():
+    with mode.disable(), _disable_current_modes():
         yield
 
 

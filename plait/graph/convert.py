@@ -30,6 +30,12 @@ from torch.export.graph_signature import InputKind, OutputKind
 from plait.cost.flops import op_bytes, op_flops
 from plait.errors import CaptureError
 from plait.graph.opgraph import GraphInput, OpNode, Ref, TensorMeta, value_ref
+from plait.graph.sites import (
+    VALUE_DEPENDENT_FIX,
+    is_value_dependent,
+    site_of_node,
+    value_dependent_error,
+)
 
 __all__ = [
     "WRAPPED",
@@ -136,6 +142,7 @@ class _Converter:
             self.canonical.setdefault(id(p), name)
         self.model = model
         self.batch_targets = [path for path, _ in batch_paths(batch)]
+        self.node: torch.fx.Node | None = None  # the node being converted, for errors
 
     def _fqn(self, target: str) -> str:
         fqn = _strip(target)
@@ -203,6 +210,7 @@ class _Converter:
         params = {g.name: g.target for g in inputs if g.kind == "parameter"}
         ops: list[OpNode] = []
         for node in self.program.graph.nodes:
+            self.node = node
             if node.op != "call_function":
                 if node.op in ("placeholder", "output"):
                     continue
@@ -251,10 +259,15 @@ class _Converter:
                 return str(a)
             if a is None or isinstance(a, bool | int | float | str):
                 return a
+            if isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
+                raise CaptureError(
+                    f"capture of {type(self.model).__name__}: a tensor's size depends on "
+                    f"tensor values in {site_of_node(node)} (op {target} has the symbolic "
+                    f"argument {a!r}); {VALUE_DEPENDENT_FIX}"
+                )
             raise CaptureError(
-                f"capture: op {node.name!r} ({target}) has an argument {a!r} of type "
-                f"{type(a).__name__}, which an OpGraph cannot hold; shapes must be static "
-                "(no SymInts): capture with concrete example sizes"
+                f"capture: op {node.name!r} ({target}) in {site_of_node(node)} has an argument "
+                f"{a!r} of type {type(a).__name__}, which an OpGraph cannot hold"
             )
 
         args = tuple(arg(a) for a in node.args)
@@ -299,22 +312,18 @@ class _Converter:
 def convert_program(
     program: torch.export.ExportedProgram, model: nn.Module, batch: Any
 ) -> Captured:
+    conv = _Converter(program, model, batch)
     try:
-        conv = _Converter(program, model, batch)
         inputs = conv.inputs()
         ops = conv.ops(inputs)
         return Captured(inputs, ops, conv.outputs())
     except Exception as e:
-        if "GuardOnDataDependent" not in type(e).__name__ and "data-dependent" not in str(e):
+        if isinstance(e, CaptureError) or not is_value_dependent(e):
             raise
         # export traced it, but a tensor's size depends on values (boolean-mask indexing,
-        # nonzero, unique): plans need every size up front
-        raise CaptureError(
-            f"capture of {type(model).__name__}: a tensor's size depends on tensor values "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); plans need static "
-            "sizes: replace boolean-mask indexing, nonzero or unique with masking (torch.where, "
-            "multiplying by the mask) that keeps the shape"
-        ) from e
+        # nonzero, unique, routing tokens to experts): plans need every size up front
+        site = "an input" if conv.node is None else site_of_node(conv.node)
+        raise value_dependent_error(type(model).__name__, site, e) from e
 
 
 def canonical_names(cap: Captured) -> dict[str, str]:

@@ -34,6 +34,9 @@ from torch import nn
 from plait._compat import simulation_suspended
 from plait.errors import CaptureError
 from plait.graph.convert import Captured, batch_leaves, canonical_names, convert_program
+from plait.graph.functional import functional_views
+from plait.graph.higher_order import checkpoints_inlined, inline_higher_order, refuse_higher_order
+from plait.graph.literals import plain_literals
 from plait.graph.opgraph import OpGraph
 from plait.graph.repeat import (
     LayerRun,
@@ -44,6 +47,7 @@ from plait.graph.repeat import (
     tag_layers,
     verified_groups,
 )
+from plait.graph.sites import is_value_dependent, site_of_exception, value_dependent_error
 
 __all__ = [
     "AUTOCAST_META",
@@ -173,30 +177,39 @@ def _inline_regions(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _exported(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
+    """``loss_fn(model, batch)`` exported, its higher-order ops and regions inlined
+    (:mod:`plait.graph.higher_order`); export's own errors pass through."""
+    # outside a simulated world: some models do not export under LocalTensorMode
+    with simulation_suspended(), checkpoints_inlined():
+        program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
+        program = functional_views(program)  # writes into views would miss their base
+    _inline_regions(program.graph_module)
+    inline_higher_order(program.graph_module)
+    _inline_regions(program.graph_module)  # regions that were inside an inlined subgraph
+    plain_literals(program)
+    refuse_higher_order(program.graph_module, type(model).__name__)
+    return program
+
+
 def _export(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
     try:
-        # outside a simulated world: some models do not export under LocalTensorMode
-        with simulation_suspended():
-            program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
-        _inline_regions(program.graph_module)
-        return program
+        return _exported(model, batch, loss_fn)
     except CaptureError:
         raise
     except Exception as e:
+        name = type(model).__name__
+        if is_value_dependent(e):
+            site = site_of_exception(e, model) or "the forward or the loss"
+            raise value_dependent_error(name, site, e) from e
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
-            fix = (
-                "the forward or loss branches on tensor values (if x.sum() > 0, .item(), "
-                "nonzero); make the branch depend on shapes or config only, or use torch.cond"
-            )
-        else:
-            fix = (
-                "check that loss_fn(model, batch) runs under `with torch.device('meta'):` on "
-                "meta tensors and that the batch matches what the model expects"
-            )
+        site = site_of_exception(e, model)
+        where = f" in {site}" if site else ""
         raise CaptureError(
-            f"capture of {type(model).__name__} failed: torch.export raised "
-            f"{type(e).__name__}: {text[:500]}; {fix}"
+            f"capture of {name} failed{where}: torch.export raised {type(e).__name__}: "
+            f"{text[:500]}; check that loss_fn(model, batch) runs under `with "
+            "torch.device('meta'):` on meta tensors and that the batch matches what the model "
+            "expects"
         ) from e
 
 
@@ -286,8 +299,7 @@ def _capture_shortened(
 ) -> OpGraph | None:
     short = shortened(model, long_runs)
     try:
-        program = torch.export.export(_Traced(short, loss_fn), (batch,), strict=False)
-        _inline_regions(program.graph_module)
+        program = _exported(short, batch, loss_fn)
     except Exception:
         return None  # e.g. the forward indexes members 2..N-1: the full trace reports errors
     cap = convert_program(program, model, batch)

@@ -1,0 +1,56 @@
+"""In-place updates of views, made functional before planning.
+
+``x[:, 0] = 3`` or ``x[..., 1:] = y`` in a forward is exported (training IR) as a view op
+(``select``, ``slice``) followed by an in-place op on the view (``fill_``, ``copy_``): the
+write reaches ``x`` only because the view shares its memory. A plan runs op by op and may
+move a value to another layout between the two (a new tensor): the write would then miss
+``x``. When a program writes into a view, :func:`functional_views` runs torch's
+functionalization over it (``run_decompositions`` with an empty table: ops are kept, only
+mutations become out-of-place ops and scatters such as ``select_scatter``), so every value
+is written once and no op relies on aliasing. Programs without such writes are left as
+exported (batch norm's running statistics, an in-place ``add_`` on a fresh tensor).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["functional_views", "writes_into_a_view"]
+
+
+def _is_view(node: Any) -> bool:
+    """Whether ``node`` is the output of a view op (its result aliases an input, read-only)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def writes_into_a_view(graph: torch.fx.Graph) -> bool:
+    """Whether an op of ``graph`` updates in place a tensor that is a view of another."""
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for argument, value in zip(schema.arguments, node.args, strict=False):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and _is_view(value):
+                return True
+    return False
+
+
+def functional_views(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program`` functionalized if it writes into a view, else ``program`` itself."""
+    if not writes_into_a_view(program.graph):
+        return program
+    with warnings.catch_warnings():
+        # torch 2.13's own pytree deprecation, raised inside run_decompositions
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return program.run_decompositions({})

@@ -6,7 +6,8 @@ Splitting the *first* dim of a group on both sides by ``s`` gives every device t
 contiguous ``1/s`` of the group, so those two dims share a letter whose split must divide both
 sizes; the other dims of a group stay whole (MindSpore: Reshape has no strategy, its layouts
 are derived). Transposes permute letters. ``expand`` keeps broadcast dims whole. Slicing,
-splitting and concatenating along a dim keep that dim whole and split the others alike.
+splitting, concatenating and scattering into (``select_scatter``, ``slice_scatter``) along a dim
+keep that dim whole and split the others alike; so does constant padding, for the dims it pads.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from collections.abc import Sequence
 
 from plait.graph import OpNode
-from plait.rules.args import arg, ref_indices, wrap_dim
+from plait.rules.args import arg, ref_index, ref_indices, wrap_dim
 from plait.rules.einsum import (
     FIXED,
     Einsum,
@@ -169,6 +170,56 @@ def cat_rule(op: OpNode) -> Einsum | None:
     return einsum_for(op, letters, [ys], names=dim_names(nd))
 
 
+def scatter_rule(op: OpNode) -> Einsum | None:
+    """``select_scatter``/``slice_scatter(base, src, dim, ...)``: ``src`` written into ``base``
+    along ``dim`` (functionalized ``x[:, 0] = v``): that dim stays whole, the others split
+    alike on base, src and output."""
+    base, src = ref_index(op, 0, "self"), ref_index(op, 1, "src")
+    if base is None or src is None or len(op.inputs) != 2 or len(op.outputs) != 1:
+        return None
+    nd = op.input_metas[base].ndim
+    dim = _dim_arg(op, nd, 2)
+    if dim is None:
+        return None
+    xs = tuple(FIXED if d == dim else x for d, x in enumerate(dim_letters(nd)))
+    selected = op.target.startswith("aten.select_scatter")
+    ys = xs[:dim] + xs[dim + 1 :] if selected else xs
+    if op.input_metas[src].ndim != len(ys):
+        return None
+    letters: list[tuple[str, ...]] = [()] * 2
+    letters[base], letters[src] = xs, ys
+    return einsum_for(op, letters, [xs], names=dim_names(nd))
+
+
+def padded_dims(pad: object, ndim: int) -> frozenset[int] | None:
+    """Dims a ``pad`` list changes: pairs from the last dim backwards, a pair of zeros changing
+    nothing; None when ``pad`` is not such a list."""
+    if not isinstance(pad, Sequence) or len(pad) % 2 or len(pad) // 2 > ndim:
+        return None
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in pad):
+        return None
+    return frozenset(ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1])
+
+
+def pad_rule(op: OpNode) -> Einsum | None:
+    """``pad``/``constant_pad_nd`` with a constant: padded (or cropped) dims stay whole, the
+    others split alike on input and output (each piece is padded as the whole would be).
+
+    Reflect, replicate and circular padding read the input near the border of the padded dims
+    only, so they could split alike; DTensor has no strategy for them, so they run replicated.
+    """
+    if len(op.inputs) != 1 or len(op.outputs) != 1:
+        return None
+    if op.target == "aten.pad.default" and arg(op, 2, "mode", "constant") != "constant":
+        return None
+    nd = op.input_metas[0].ndim
+    fixed = padded_dims(arg(op, 1, "pad"), nd)
+    if fixed is None:
+        return None
+    xs = tuple(FIXED if d in fixed else x for d, x in enumerate(dim_letters(nd)))
+    return einsum_for(op, [xs], [xs], names=dim_names(nd))
+
+
 def repeat_interleave_rule(op: OpNode) -> Einsum | None:
     """``repeat_interleave(x, repeats: int, dim)``: piece ``j`` of ``dim`` repeats into piece ``j``."""
     if len(op.inputs) != 1 or not isinstance(arg(op, 1, "repeats"), int):
@@ -234,6 +285,18 @@ def view_rules() -> tuple[EinsumRule, ...]:
         EinsumRule("view", slices, slice_rule, saved=saved_nothing),
         EinsumRule(
             "view", ("aten.cat.default", "aten.stack.default"), cat_rule, saved=saved_nothing
+        ),
+        EinsumRule(
+            "view",
+            ("aten.pad.default", "aten.constant_pad_nd.default"),
+            pad_rule,
+            saved=saved_nothing,
+        ),
+        EinsumRule(
+            "view",
+            ("aten.select_scatter.default", "aten.slice_scatter.default"),
+            scatter_rule,
+            saved=saved_nothing,
         ),
         EinsumRule(
             "view",

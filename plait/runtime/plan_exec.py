@@ -863,7 +863,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
         def local(x: Any) -> Any:
             if is_dtensor(x):
-                if layout_of(x) != TensorLayout.replicated(self.executor.plan.mesh, x.ndim):
+                # a split over an axis of size 1 is the whole tensor (a batch on dp=1)
+                whole = TensorLayout.replicated(self.executor.plan.mesh, x.ndim)
+                if _without_unit_axes(layout_of(x)) != _without_unit_axes(whole):
                     raise PlanError(
                         f"op {self._current.name!r} has no rule but its planned inputs are not "
                         f"replicated ({layout_of(x).describe()}); the plan is inconsistent"

@@ -23,6 +23,7 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "funcol",
+    "functorch_levels_restored",
     "load_dcp_keys",
     "local_tensor_mode_active",
     "own_per_rank",
@@ -228,6 +229,20 @@ def group_ranks(group_name: str) -> list[int]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+
+@contextlib.contextmanager
+def functorch_levels_restored() -> Iterator[None]:
+    """After the block, functorch's transform levels (vmap, grad) are what they were before:
+    code that fails inside a vmap (capture retracing one) leaves no level open behind it."""
+    from torch._C import _functorch
+
+    before = _functorch.maybe_current_level() or 0
+    try:
+        yield
+    finally:
+        while (_functorch.maybe_current_level() or 0) > before:
+            _functorch._vmap_decrement_nesting()
 
 
 def node_meta_preserved():  # type: ignore[no-untyped-def]

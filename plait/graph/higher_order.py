@@ -41,7 +41,7 @@ import torch.fx
 import torch.utils.checkpoint
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plait._compat import HigherOrderOperator
+from plait._compat import HigherOrderOperator, functorch_levels_restored
 from plait.errors import CaptureError
 
 __all__ = ["checkpoints_inlined", "inline_higher_order", "refuse_higher_order"]
@@ -140,6 +140,11 @@ def _module_of(node: torch.fx.Node) -> str:
 
 
 def _drop_unused_attributes(gm: torch.fx.GraphModule) -> None:
+    """Attribute reads nothing uses any more (subgraphs and specs of inlined ops), and the
+    subgraph modules nothing reads."""
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for name, _ in list(gm.named_children()):
         if name not in used and isinstance(getattr(gm, name), torch.fx.GraphModule):
@@ -184,9 +189,14 @@ def _region_module(
 ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node]]:
     """The region as a module of its own: (module, outer nodes it reads, nodes read after it)."""
     inside = set(nodes)
-    reads = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    outer = dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside)
+    # attributes (a pytree spec, a function holder) are read as they are; values are inputs
+    reads = [a for a in outer if a.op != "get_attr"]
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {a: sub.placeholder(a.name) for a in reads}
+    for a in outer:
+        if a.op == "get_attr":
+            env[a] = sub.get_attr(a.target)
     for n in nodes:
         env[n] = sub.node_copy(n, env.__getitem__)
     results = [n for n in nodes if any(u not in inside for u in n.users)]
@@ -205,7 +215,7 @@ def _fake_mode(graph: torch.fx.Graph) -> Any:
 
 def _retraced(region: torch.fx.GraphModule, values: list[Any], fake: Any) -> torch.fx.Graph:
     """The region traced by make_fx: functorch's batching rules run, plain aten ops remain."""
-    with fake:
+    with fake, functorch_levels_restored():
         traced = make_fx(region)(*values)
     traced.graph.eliminate_dead_code()
     if any(n.op == "get_attr" for n in traced.graph.nodes):

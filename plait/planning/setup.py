@@ -120,7 +120,16 @@ def prepare(
             found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
         return found
 
-    cost = CostModel(topology.axis_seconds, op_compute)
+    collectives: dict[tuple[str, str, int], float] = {}
+
+    def axis_seconds(kind: str, axis: str, nbytes: int) -> float:
+        key = (kind, axis, nbytes)
+        found = collectives.get(key)
+        if found is None:
+            found = collectives[key] = topology.axis_seconds(kind, axis, nbytes)
+        return found
+
+    cost = CostModel(axis_seconds, op_compute)
     candidates = _candidates(graph, mesh)
     inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
     fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
@@ -151,7 +160,8 @@ def _candidates(graph: OpGraph, mesh: MeshSpec) -> dict[str, list[OpStrategy]]:
     The pipeline axis holds stages: no op splits over it. On a mesh with one, the catalogue
     lists the strategies of the mesh without it (the same strategies in the same order as
     those of the whole mesh that leave it unused, in a fraction of the time: each axis
-    multiplies the choices) and their layouts are placed on the whole mesh.
+    multiplies the choices) and their layouts are placed on the whole mesh. Equal layouts are
+    one object (searches and predictions cache prices by identity).
     """
     catalogue = default_catalogue()
     staged = PP_AXIS in mesh.axis_names and mesh.axis_size(PP_AXIS) > 1
@@ -162,11 +172,11 @@ def _candidates(graph: OpGraph, mesh: MeshSpec) -> dict[str, list[OpStrategy]]:
     )
     layouts: dict[tuple[object, ...], TensorLayout] = {}
 
-    def on_mesh(layout: TensorLayout) -> TensorLayout:
+    def one(layout: TensorLayout) -> TensorLayout:
         key = (layout.dims, layout.partial, layout.reduce_op)
         found = layouts.get(key)
         if found is None:
-            found = layouts[key] = TensorLayout(mesh, *key)
+            found = layouts[key] = layout if layout.mesh == mesh else TensorLayout(mesh, *key)
         return found
 
     memo: dict[tuple[object, ...], list[OpStrategy]] = {}
@@ -178,15 +188,13 @@ def _candidates(graph: OpGraph, mesh: MeshSpec) -> dict[str, list[OpStrategy]]:
         except TypeError:  # unhashable args: no sharing
             key, found = (op.name,), None
         if found is None:
-            if staged:
-                found = [
-                    OpStrategy(
-                        tuple(map(on_mesh, c.inputs)), tuple(map(on_mesh, c.outputs)), c.label
-                    )
-                    for c in catalogue.strategies(op, inner)
-                ]
-            else:
-                found = [c for c in catalogue.strategies(op, mesh) if PP_AXIS not in c.used_axes()]
+            listed = catalogue.strategies(op, inner)
+            if not staged:
+                listed = [c for c in listed if PP_AXIS not in c.used_axes()]
+            found = [
+                OpStrategy(tuple(map(one, c.inputs)), tuple(map(one, c.outputs)), c.label)
+                for c in listed
+            ]
             memo[key] = found
         out[op.name] = found
     return out

@@ -221,16 +221,35 @@ class _Builder:
 
 
 def _tabulate(rows: list, cols: list, price) -> np.ndarray:
-    """``price(row, col)`` for every pair, computed once per distinct (row, col) value."""
-    row_keys = {r: k for k, r in enumerate(dict.fromkeys(rows))}
-    col_keys = {c: k for k, c in enumerate(dict.fromkeys(cols))}
-    small = np.empty((len(row_keys), len(col_keys)))
-    for r, a in row_keys.items():
-        for c, b in col_keys.items():
+    """``price(row, col)`` for every pair, computed once per distinct (row, col) object.
+
+    Rows and columns are layouts (or tuples of them) that the candidates of an op share, so
+    they are told apart by identity (``price`` is a function of their values: equal objects
+    priced twice give the same number).
+    """
+    row_at, row_first = _firsts(rows)
+    col_at, col_first = _firsts(cols)
+    small = np.empty((len(row_first), len(col_first)))
+    for a, r in enumerate(row_first):
+        for b, c in enumerate(col_first):
             small[a, b] = price(r, c)
-    ri = np.fromiter((row_keys[r] for r in rows), dtype=np.intp, count=len(rows))
-    ci = np.fromiter((col_keys[c] for c in cols), dtype=np.intp, count=len(cols))
-    return small[np.ix_(ri, ci)]
+    return small[np.ix_(np.array(row_at, dtype=np.intp), np.array(col_at, dtype=np.intp))]
+
+
+def _firsts(items: list) -> tuple[list[int], list]:
+    """(for each item the position of its first occurrence among the distinct ones, the
+    distinct items), items being told apart by identity (a tuple by its members')."""
+    at: list[int] = []
+    first: list = []
+    seen: dict[object, int] = {}
+    for item in items:
+        key = tuple(map(id, item)) if isinstance(item, tuple) else id(item)
+        k = seen.get(key)
+        if k is None:
+            k = seen[key] = len(first)
+            first.append(item)
+        at.append(k)
+    return at, first
 
 
 def cost_graph(
@@ -249,10 +268,7 @@ def cost_graph(
     graph = problem.graph
     choices = tuple(_allowed(problem, allowed, op.name) for op in graph.ops)
     position = {op.name: k for k, op in enumerate(graph.ops)}
-    unary = [
-        np.array([problem.op_seconds(op, i) + problem.source_cost(op, i) for i in idx], float)
-        for op, idx in zip(graph.ops, choices, strict=True)
-    ]
+    unary = _unary(problem, choices)
     builder = _Builder(problem, choices, position, unary)
     for edge in problem.edges():
         builder.add_pair(
@@ -276,6 +292,24 @@ def cost_graph(
     return CostGraph(
         tuple(op.name for op in graph.ops), choices, tuple(builder.unary), pairs, memory
     )
+
+
+def _unary(problem: SearchProblem, choices: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
+    """Own cost plus batch edges of every allowed candidate of every op; ops that price alike
+    and read no batch tensor (the same op in every repeated layer) share one vector."""
+    shared: dict[tuple[object, ...], np.ndarray] = {}
+    out = []
+    for op, idx in zip(problem.graph.ops, choices, strict=True):
+        if any(ref in problem.input_layouts for ref in op.inputs):
+            vector = [problem.op_seconds(op, i) + problem.source_cost(op, i) for i in idx]
+            out.append(np.array(vector, float))
+            continue
+        key = (problem.signature(op), id(problem.candidates[op.name]), idx)
+        found = shared.get(key)
+        if found is None:  # source_cost is 0.0 here: x + 0.0 is x
+            found = shared[key] = np.array([problem.op_seconds(op, i) for i in idx], float)
+        out.append(found)
+    return out
 
 
 def _memory(

@@ -395,10 +395,35 @@ class _Prices:
             for n in self.fold.nodes
         }
         self._base: dict[tuple[str, int, frozenset[str] | None], float] = {}
+        self._short: dict[str, bool] = {}
         self.passing = frozenset(
             n
             for n in self.fold.nodes
             if self.graph.op(n).flops == 0 and len(self.neighbours[n]) <= 2
+        )
+
+    def short_lookahead(self, root: str) -> bool:
+        """Does every lookahead from ``root`` stop before MAX_HOPS, whatever is decided?"""
+        found = self._short.get(root)
+        if found is None:
+            found = self._short[root] = all(
+                self._hops(other, root, LOOKAHEAD_DEPTH, 1, root) < MAX_HOPS
+                for other in self.neighbours[root]
+            )
+        return found
+
+    def _hops(self, node: str, parent: str, depth: int, hops: int, root: str) -> int:
+        """The most hops a lookahead entering ``node`` from ``parent`` can reach."""
+        ahead = depth if node in self.passing else depth - 1
+        if hops >= MAX_HOPS or ahead < 1:
+            return hops
+        return max(
+            (
+                self._hops(other, node, ahead, hops + 1, root)
+                for other in self.neighbours[node]
+                if other != parent and other != root
+            ),
+            default=hops,
         )
 
     def roles(self, node: str, axes: tuple[str, ...]) -> _Roles:
@@ -552,10 +577,18 @@ class _Rounds:
         for node in self.prices.order:
             if node in decided:
                 continue
+            # While one node is scored nothing is decided, so what its roles' lookaheads ask
+            # of the same neighbours at the same candidates has one answer: shared, unless a
+            # lookahead from this node could reach MAX_HOPS (then its answers depend on the
+            # path, and each role keeps its own memo as the search is defined)
+            shared: dict[tuple[str, str, int, int], float] | None = (
+                {} if self.prices.short_lookahead(node) else None
+            )
             scored: list[tuple[float, tuple[object, ...], Role]] = []
             for role in round_options[node]:
                 index = self.roles[node].completion[(*self.prefix[node], role)]
-                cost = self._score(node, index, decided, axis_set, round_options)
+                memo = shared if shared is not None else {}
+                cost = self._score(node, index, decided, axis_set, round_options, memo)
                 scored.append((cost, _role_key(role), role))
             scored.sort(key=lambda s: (s[0], s[1]))
             cost, _, role = scored[0]
@@ -572,9 +605,9 @@ class _Rounds:
         decided: set[str],
         axes: frozenset[str],
         round_options: Mapping[str, list[Role]],
+        memo: dict[tuple[str, str, int, int], float],
     ) -> float:
         """Price of ``node`` at candidate ``index`` this round, with a lookahead."""
-        memo: dict[tuple[str, str, int, int], float] = {}
         prices = self.prices
         seconds = prices.base(node, index, axes)
         for lid, other, as_src in prices.ends[node]:

@@ -33,9 +33,10 @@ from plait.planning.outer import _with, auto_plan
 from plait.planning.setup import _candidates, prepare
 from plait.planning.timing import PlanTiming
 from plait.rules import default_catalogue
-from plait.search import propagation
+from plait.search import propagation, recursive
 from plait.search.problem import gradient_layout, settled
 from plait.search.propagation import Decision, sharding_propagation
+from plait.search.recursive import recursive_programming
 
 
 @functools.cache
@@ -211,3 +212,18 @@ def test_staged_mesh_candidates_are_the_whole_mesh_ones_that_leave_pp_unused(spe
         for op in graph.ops:
             whole = [c for c in catalogue.strategies(op, mesh) if "pp" not in c.used_axes()]
             assert found[op.name] == whole, op.name
+
+
+@pytest.mark.parametrize("spec", [GPT, BERT])
+def test_recursive_lookaheads_shared_across_roles_decide_as_per_role_ones(spec, monkeypatch):
+    """While one op's roles are scored nothing is decided, so their lookaheads share answers
+    (when no lookahead from the op can reach MAX_HOPS); each role with its own memo, as the
+    search was written, gives the same decisions."""
+    model, graph = _graph(spec)
+    cfg = ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 4})
+    setup = prepare(graph, cfg, model=model)
+    shared = recursive_programming(setup.problem, setup.allowed, setup.configured)
+    monkeypatch.setattr(recursive._Prices, "short_lookahead", lambda self, root: False)
+    setup = prepare(graph, cfg, model=model)
+    alone = recursive_programming(setup.problem, setup.allowed, setup.configured)
+    assert shared == alone

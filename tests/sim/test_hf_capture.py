@@ -282,6 +282,35 @@ def test_hf_padding_mask_trains_like_one_device(arch: str) -> None:
 # --------------------------------------------------------------------------- plain models
 
 
+def _cnn() -> nn.Module:
+    """A small image classifier without torchvision: conv, batch norm, pooling, linear."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+def _classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+@pytest.mark.nightly
+@pytest.mark.parametrize("mesh", [DP_TP, DP], ids=["dp2xtp2", "dp4"])
+def test_small_cnn_trains_like_one_device(mesh: dict) -> None:
+    """SGD: the first convolution's bias feeds batch norm (an exactly zero gradient)."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(BATCH, 3, 16, 16), torch.randint(0, 10, (BATCH,))) for _ in range(2)]
+    assert_trains_like_one_device(_cnn(), _classify, sgd, batches, mesh)
+
+
 def _regression(n: int = STEPS, width: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(1)
     return [(torch.randn(8, width), torch.randn(8, width)) for _ in range(n)]

@@ -29,7 +29,7 @@ both on every option of several graphs.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,6 +139,20 @@ class _Param:
     nbytes: int  # bytes of this device's piece
 
 
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """One dp gradient bucket: its members (pending over dp alone), those ZeRO keeps whole,
+    the bytes of each kind, and the names of those it splits (at levels 1 to 3)."""
+
+    stage: int
+    members: int
+    all_bytes: int
+    whole: int
+    whole_bytes: int
+    split_bytes: int
+    split_names: frozenset[str]
+
+
 @dataclass
 class _Level:
     """What one ZeRO level decides: bucketed reductions and split optimizer states per stage."""
@@ -179,6 +193,8 @@ class MeshEstimate:
         self._canon_of: dict[int, tuple[object, int]] = {}
         self._numbers: dict[TensorLayout, int] = {}
         self._settled: dict[int, tuple[object, TensorLayout]] = {}
+        self._grads: dict[tuple[int, int], tuple[object, TensorLayout]] = {}
+        self._axes: dict[tuple[int, int], tuple[object, tuple[str, ...]]] = {}
         self._secs: dict[tuple[str, str, int], float] = {}
         op_compute = problem.cost.op_compute
         op_time = {
@@ -202,7 +218,7 @@ class MeshEstimate:
         self.loss_items = self._loss()
         self._levels: dict[tuple[object, ...], _Level] = {}
         self._dims: list[int | None] | None = None
-        self._buckets: list[tuple[int, list[int]]] | None = None
+        self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
         self._activations: dict[str, list[int]] = {}
 
@@ -236,6 +252,21 @@ class MeshEstimate:
         if found is None:
             number = self._numbers.setdefault(layout, len(self._numbers))
             found = self._canon_of[id(layout)] = (layout, number)
+        return found[1]
+
+    def _gradient(self, strategy: OpStrategy, i: int) -> TensorLayout:
+        """The gradient ``strategy`` hands back for input ``i`` (by the strategy's identity:
+        hashing a strategy hashes all its layouts)."""
+        found = self._grads.get((id(strategy), i))
+        if found is None:
+            found = self._grads[(id(strategy), i)] = (strategy, gradient_layout(strategy, i))
+        return found[1]
+
+    def _reduce_axes(self, strategy: OpStrategy, i: int) -> tuple[str, ...]:
+        """Axes the gradient of a parameter read as input ``i`` of ``strategy`` is summed over."""
+        found = self._axes.get((id(strategy), i))
+        if found is None:
+            found = self._axes[(id(strategy), i)] = (strategy, grad_reduce_axes(strategy, i))
         return found[1]
 
     def _settle(self, layout: TensorLayout) -> TensorLayout:
@@ -283,7 +314,7 @@ class MeshEstimate:
                         acc += seconds * repeat
                         forward += seconds * repeat
                 if self.problem.needs_grad(ref):
-                    grad = gradient_layout(strategy, i)
+                    grad = self._gradient(strategy, i)
                     if (ref, self._canon(grad)) in reduced:
                         continue
                     reduced.add((ref, self._canon(grad)))
@@ -318,7 +349,7 @@ class MeshEstimate:
         placed = self.param_layouts.get(ref)
         if placed is None:
             self.param_layouts[ref] = (strategy.inputs[i], op.name, strategy, i)
-            reduced.add((ref, self._canon(gradient_layout(strategy, i))))
+            reduced.add((ref, self._canon(self._gradient(strategy, i))))
             return None
         return placed[0]
 
@@ -338,7 +369,7 @@ class MeshEstimate:
             stage = self.stage_of[op]
             pieces = self._pieces(layout)
             numel, nbytes = g.meta.numel // pieces, g.meta.nbytes // pieces
-            axes = grad_reduce_axes(strategy, i) if g.requires_grad else ()
+            axes = self._reduce_axes(strategy, i) if g.requires_grad else ()
             self.params.append(_Param(g, layout, strategy, axes, stage, numel, nbytes))
             for axis in axes:
                 if self.fused and axes == (self.dp,):
@@ -406,17 +437,19 @@ class MeshEstimate:
         items: list[list[_Item]] = [[] for _ in range(stages)]
         if self.fused:
             read_again = self.facts.read_again(cfg) if level == 3 else frozenset()
-            for stage, bucket in self._bucket_list(cfg):
-                self._bucket(level, bucket, dims, read_again, items[stage])
+            for bucket in self._bucket_list(cfg):
+                self._bucket(level, bucket, read_again, items[bucket.stage])
         return _Level(items, sharded, whole)
 
-    def _bucket_list(self, cfg: ParallelConfig) -> list[tuple[int, list[int]]]:
-        """(stage, members) of every dp bucket in plan order (assemble's _fused_reductions):
-        the trainable parameters not split over dp, bucketed per stage by their local bytes;
-        members are those whose gradient is pending over dp alone (indices into params)."""
+    def _bucket_list(self, cfg: ParallelConfig) -> list[_Bucket]:
+        """Every dp bucket in plan order (assemble's _fused_reductions): the trainable
+        parameters not split over dp, bucketed per stage by their local bytes; its members
+        are those whose gradient is pending over dp alone, split by ZeRO (at levels 1 to 3,
+        :meth:`_shard_dims`) or whole."""
         if self._buckets is None:
             dp = self.dp
             fusion = cfg.comm_fusion or CommFusion()
+            dims = self._shard_dims(cfg)
             per_stage: dict[int, list[int]] = {}
             for n, p in enumerate(self.params):
                 if p.g.requires_grad and not any(dp in axes for axes in p.layout.dims):
@@ -427,30 +460,36 @@ class MeshEstimate:
                 for bucket in plan_buckets(sizes, fusion):
                     members = [entries[i] for i in sorted(bucket)]
                     members = [n for n in members if self.params[n].axes == (dp,)]
-                    self._buckets.append((stage, members))
+                    whole = [n for n in members if dims[n] is None]
+                    split = [n for n in members if dims[n] is not None]
+                    self._buckets.append(
+                        _Bucket(
+                            stage,
+                            len(members),
+                            sum(self.params[n].nbytes for n in members),
+                            len(whole),
+                            sum(self.params[n].nbytes for n in whole),
+                            sum(self.params[n].nbytes for n in split),
+                            frozenset(self.params[n].g.name for n in split),
+                        )
+                    )
         return self._buckets
 
     def _bucket(
-        self,
-        level: int | None,
-        members: Sequence[int],
-        dims: Sequence[int | None],
-        read_again: frozenset[str],
-        out: list[_Item],
+        self, level: int | None, bucket: _Bucket, read_again: frozenset[str], out: list[_Item]
     ) -> None:
-        """One bucket's collectives: an all-reduce of its whole members (all of them at
-        level 1); the split members reduce-scattered (levels 2, 3) and gathered after the
-        update (levels 1, 2) or before forward, and before backward when it reads them (3)."""
-        dp, params = self.dp, self.params
-        split = [n for n in members if dims[n] is not None]
-        summed = members if level == 1 else [n for n in members if dims[n] is None]
-        if summed:
-            out.append(
-                (self._seconds("all_reduce", dp, sum(params[n].nbytes for n in summed)), False)
-            )
-        if not split:
+        """One bucket's collectives: an all-reduce of its whole members (all of them without
+        ZeRO and at level 1); the split members reduce-scattered (levels 2, 3) and gathered
+        after the update (levels 1, 2) or before forward, and before backward when backward
+        reads them (3)."""
+        dp = self.dp
+        if level in (None, 1) and bucket.members:  # no member is split without ZeRO
+            out.append((self._seconds("all_reduce", dp, bucket.all_bytes), False))
+        elif level in (2, 3) and bucket.whole:
+            out.append((self._seconds("all_reduce", dp, bucket.whole_bytes), False))
+        if level is None or not bucket.split_names:
             return
-        full = sum(params[n].nbytes for n in split)
+        full = bucket.split_bytes
         if level != 1:
             out.append((self._seconds("reduce_scatter", dp, full), False))
         gather = self._seconds("all_gather", dp, full // self.dp_size)
@@ -458,7 +497,7 @@ class MeshEstimate:
             out.append((gather, False))  # after the update (the optimizer phase)
             return
         out.append((gather, True))  # before forward
-        if any(params[n].g.name in read_again for n in split):
+        if not bucket.split_names.isdisjoint(read_again):
             out.append((gather, False))  # and again before backward
 
     def _pipeline(self, m: int) -> list[list[_Item]]:

@@ -40,9 +40,11 @@ from plait.search.recursive import recursive_programming
 
 
 @functools.cache
-def _graph(spec: ModelSpec):
+def _graph(spec: ModelSpec, frozen: tuple[str, ...] = ()):
     with torch.device("meta"):
         model, batch, loss = build(spec)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
     return model, capture(model, batch, loss)
 
 
@@ -83,14 +85,17 @@ def _variants(pp: int):
     ("spec", "mesh", "extra"),
     [
         (GPT, {"pp": 2, "dp": 2, "tp": 2}, {"grad_accumulation": 2}),
+        (GPT, {"dp": 8}, {"optimizer_shard_exclude": ("tok.weight",), "frozen": ("pos.weight",)}),
         (LLAMA, {"pp": 2, "dp": 4}, {"precision": "bf16", "offload": "optimizer"}),
         (BERT, {"dp": 4, "tp": 2}, {"offload": "activations", "optimizer_shard_threshold": 0}),
     ],
 )
 def test_prediction_equals_the_assembled_plans(spec, mesh, extra) -> None:
     """Every ZeRO level, recompute policy, micro-batch count and schedule: the predicted step
-    time and peak memory are the assembled plan's, to the last bit."""
-    model, graph = _graph(spec)
+    time and peak memory are the assembled plan's, to the last bit (gradient accumulation,
+    bf16, offload, parameters kept whole by ZeRO and frozen ones included)."""
+    extra = dict(extra)
+    model, graph = _graph(spec, extra.pop("frozen", ()))
     pp = mesh.get("pp", 1)
     base = ParallelConfig(mode="auto", mesh=mesh, pipeline_stages=pp, hardware="a100-80g", **extra)
     setup = prepare(graph, base, model=model)

@@ -217,6 +217,8 @@ class MeshEstimate:
         self.param_items = self._parameters()
         self.loss_items = self._loss()
         self._levels: dict[tuple[object, ...], _Level] = {}
+        self._frozen: list[int] | None = None
+        self._stage_bytes: dict[tuple[object, ...], int] = {}
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
@@ -554,11 +556,12 @@ class MeshEstimate:
         return per
 
     def _frozen_numel(self) -> list[int]:
-        out = [0] * self.stages
-        for p in self.params:
-            if not p.g.requires_grad:
-                out[p.stage] += p.numel
-        return out
+        if self._frozen is None:
+            self._frozen = [0] * self.stages
+            for p in self.params:
+                if not p.g.requires_grad:
+                    self._frozen[p.stage] += p.numel
+        return self._frozen
 
     def predict(self, cfg: ParallelConfig) -> Estimate:
         """Step time and peak memory of the plan ``assemble_plan`` would build for ``cfg``."""
@@ -586,6 +589,7 @@ class MeshEstimate:
         return Estimate(step, self._memory(cfg, level))
 
     def _memory(self, cfg: ParallelConfig, level: _Level) -> int:
+        """Peak bytes per device over the stages (assemble's _stage_memory, per stage)."""
         stages, m = self.stages, cfg.micro_batches
         activations = self._activation_bytes(cfg.recompute)
         frozen_numel = self._frozen_numel()
@@ -595,35 +599,60 @@ class MeshEstimate:
             per_step = activations[s]
             if cfg.offload == "activations":
                 per_step //= max(1, layers)
-            in_flight = (
-                in_flight_micro_batches(cfg.schedule, s, stages, m, cfg.virtual_stages or 1)
-                if stages > 1
-                else m
-            )
-            trained = training_memory(
+            key = (
                 level.sharded_numel[s],
-                shard_group=self.dp_size,
-                optimizer_shard=cfg.optimizer_shard,
-                precision=cfg.precision,
-                activation_bytes=per_step // m,
-                in_flight=in_flight,
+                level.whole_numel[s],
+                frozen_numel[s],
+                per_step // m,
+                s if stages > 1 else 0,
+                m,
+                cfg.optimizer_shard,
+                cfg.precision,
+                cfg.offload,
+                cfg.schedule,
+                cfg.virtual_stages,
             )
-            whole = model_state_memory(level.whole_numel[s], precision=cfg.precision)
-            shadow = (
-                math.ceil(level.sharded_numel[s] / self.dp_size) * 4
-                if cfg.optimizer_shard in (1, 2)
-                else 0
-            )
-            frozen = model_state_memory(frozen_numel[s], precision=cfg.precision)
-            optimizer = trained.optimizer + whole.optimizer + shadow
-            total = (
-                trained.parameters
-                + whole.parameters
-                + frozen.parameters
-                + trained.gradients
-                + whole.gradients
-                + (optimizer if cfg.offload != "optimizer" else 0)
-                + trained.activations
-            )
+            total = self._stage_bytes.get(key)
+            if total is None:
+                total = self._stage_bytes[key] = self._stage_total(cfg, s, *key[:4])
             peak = max(peak, total)
         return peak
+
+    def _stage_total(
+        self,
+        cfg: ParallelConfig,
+        s: int,
+        sharded: int,
+        whole_numel: int,
+        frozen_numel: int,
+        act: int,
+    ) -> int:
+        """One stage's bytes: model states by ZeRO level, activations of the micro-batches
+        the schedule keeps in flight."""
+        stages, m = self.stages, cfg.micro_batches
+        in_flight = (
+            in_flight_micro_batches(cfg.schedule, s, stages, m, cfg.virtual_stages or 1)
+            if stages > 1
+            else m
+        )
+        trained = training_memory(
+            sharded,
+            shard_group=self.dp_size,
+            optimizer_shard=cfg.optimizer_shard,
+            precision=cfg.precision,
+            activation_bytes=act,
+            in_flight=in_flight,
+        )
+        whole = model_state_memory(whole_numel, precision=cfg.precision)
+        shadow = math.ceil(sharded / self.dp_size) * 4 if cfg.optimizer_shard in (1, 2) else 0
+        frozen = model_state_memory(frozen_numel, precision=cfg.precision)
+        optimizer = trained.optimizer + whole.optimizer + shadow
+        return (
+            trained.parameters
+            + whole.parameters
+            + frozen.parameters
+            + trained.gradients
+            + whole.gradients
+            + (optimizer if cfg.offload != "optimizer" else 0)
+            + trained.activations
+        )

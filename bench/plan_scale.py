@@ -1,94 +1,323 @@
-"""Planning time for GPTs from 2 to 96 layers, hidden sizes up to 12288, 8 to 1024 devices.
+"""Planning at scale: `plait.plan` times over model sizes and device counts, and search alone.
 
-    .venv/bin/python bench/plan_scale.py            # the full table
-    .venv/bin/python bench/plan_scale.py --quick    # the three smallest rows
+    .venv/bin/python bench/plan_scale.py                    # both tables (about a minute)
+    .venv/bin/python bench/plan_scale.py --quick            # 1.3B and 13B, small network
+    .venv/bin/python bench/plan_scale.py --rows 175b --runs 3
+    .venv/bin/python bench/plan_scale.py --before /tmp/old  # also time another checkout's plait
+    .venv/bin/python bench/plan_scale.py --issue5           # the fixed-mesh table of issue 5
 
-Each row builds a GPT on the meta device (no parameter memory), captures it, and runs
-sharding propagation from Megatron annotations (tp = 8 or fewer) and the batch, then builds
-the Plan (every collective with its cost) and writes its JSON. Target (issue 5): the 96-layer
-GPT-3-size model at 1024 devices planned end to end in under 10 s on a 2-core CPU.
+Table 1, model sizes: GPTs of Megatron-LM's scaling study (Narayanan et al., SC21: 1.3B on
+32 GPUs with batch 512, 13B/256/1024, 175B/1024/1536, 1T/3072/3072; sequence 2048, vocab
+50304), built on the meta device, planned on the a100-80g profile with sharding_propagation,
+mode auto:
+
+- fixed mesh: ``mesh={dp: N/8, tp: 8}``, Megatron-annotated (the settings ZeRO, recompute and
+  micro-batches still weighed);
+- free mesh: ``devices=N``, the outer planner weighs every mesh ``pp x dp x tp`` too.
+
+Each cell runs in a fresh process (cold caches, as ``plait plan`` runs) and is the best of
+``--runs``: total seconds from model to Plan (capture included), with, where the code
+reports it (``PlanTiming``), capture / candidates / search / estimate / assemble and the
+mesh options searched, pruned and reused. ``--before DIR`` runs the same cells against the
+``plait`` package under DIR (e.g. ``git archive <commit> plait | tar -x -C DIR``) and checks
+that both choose the same plan (the plan file's SHA-256).
+
+Table 2, small network: an 8-layer GPT of width 256 (8 heads, sequence 256, vocab 8192,
+batch 16) on 8 devices. Search alone on ``dp=2 x tp=4`` for each searcher: cold (the first
+search of a fresh process: every redistribution priced for the first time) and warm (the
+same search again on a new problem of the same graph: the layout module's redistribution
+plans cached). End to end: ``plait.plan`` with capture, fixed mesh and free mesh.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
 import platform
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import torch
-
-import plait
-from plait.graph import capture
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
-from plait.planning import plan_graph
-
-# layers, hidden, heads, devices, tp
-ROWS = [
-    (2, 768, 12, 8, 2),
-    (12, 768, 12, 8, 8),
-    (24, 2048, 16, 64, 8),
-    (48, 4096, 32, 256, 8),
-    (96, 12288, 96, 1024, 8),
-]
-SEQ, VOCAB, BATCH_PER_DP = 2048, 50304, 1
+ROWS = {
+    # name: layers, hidden, heads, devices, batch
+    "1.3b": (24, 2048, 16, 32, 512),
+    "13b": (40, 5120, 40, 256, 1024),
+    "175b": (96, 12288, 96, 1024, 1536),
+    "1t": (128, 25600, 160, 3072, 3072),
+}
+SEQ, VOCAB, TP = 2048, 50304, 8
+SMALL = {"layers": 8, "width": 256, "heads": 8, "seq": 256, "vocab": 8192, "batch": 16}
+SEARCHERS = ("sharding_propagation", "recursive_programming", "dynamic_programming")
+HERE = Path(__file__).resolve().parent.parent
 
 
-def plan_row(layers: int, hidden: int, heads: int, devices: int, tp: int) -> dict[str, object]:
-    dp = devices // tp
-    t0 = time.perf_counter()
+# --------------------------------------------------------------------------- one cell
+
+
+def _timing_kw():
+    """``{"timing": PlanTiming()}`` where the plait imported reports where time goes."""
+    try:
+        from plait.planning.timing import PlanTiming
+    except ImportError:
+        return {}
+    return {"timing": PlanTiming()}
+
+
+def cell_scale(row: str, mode: str) -> dict[str, object]:
+    import torch
+
+    import plait
+    from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+
+    layers, hidden, heads, devices, batch = ROWS[row]
     with torch.device("meta"):
         model = TinyGPT(GPTConfig(vocab=VOCAB, seq=SEQ, width=hidden, heads=heads, layers=layers))
-        ids = torch.zeros(dp * BATCH_PER_DP, SEQ, dtype=torch.long)
-    annotate_megatron(model, tp=tp)
-    t1 = time.perf_counter()
-    graph = capture(model, (ids, ids), gpt_loss)
-    t2 = time.perf_counter()
-    cfg = plait.ParallelConfig(mode="auto", mesh={"dp": dp, "tp": tp}, hardware="a100-80g")
-    plan = plan_graph(graph, cfg, model=model)
-    t3 = time.perf_counter()
-    text = plan.to_json()
-    t4 = time.perf_counter()
-    return {
-        "layers": layers,
-        "hidden": hidden,
-        "devices": devices,
-        "mesh": f"dp={dp},tp={tp}",
-        "ops": len(graph.ops),
-        "params_B": sum(p.meta.numel for p in graph.parameters().values()) / 1e9,
-        "build_s": t1 - t0,
-        "capture_s": t2 - t1,
-        "search_s": t3 - t2,
-        "json_s": t4 - t3,
-        "json_MB": len(text) / 1e6,
-        "total_s": t4 - t0,
+        ids = torch.zeros(batch, SEQ, dtype=torch.long)
+    if mode == "fixed":
+        annotate_megatron(model, tp=TP)
+        cfg = plait.ParallelConfig(
+            mode="auto", mesh={"dp": devices // TP, "tp": TP}, hardware="a100-80g"
+        )
+    else:
+        cfg = plait.ParallelConfig(mode="auto", devices=devices, hardware="a100-80g")
+    kw = _timing_kw()
+    start = time.perf_counter()
+    plan = plait.plan(model, cfg, example_batch=(ids, ids), loss_fn=gpt_loss, **kw)
+    total = time.perf_counter() - start
+    out: dict[str, object] = {
+        "total_s": total,
+        "mesh": "x".join(f"{k}={v}" for k, v in plan.mesh.as_dict().items()),
+        "settings": f"m={plan.micro_batches} zero={plan.optimizer_shard} rc={plan.recompute}",
         "step_s": plan.predicted.step_time_s,
-        "mem_GiB": plan.predicted.memory_bytes / 2**30,
+        "plan_sha": hashlib.sha256(plan.to_json().encode()).hexdigest()[:12],
+        "options": sum(1 for _ in plan.options),
     }
+    if kw:
+        out["timing"] = kw["timing"].as_dict()
+    return out
+
+
+def cell_small(searcher: str, mode: str) -> dict[str, object]:
+    import torch
+
+    import plait
+    from plait.graph import capture
+    from plait.models import GPTConfig, TinyGPT, gpt_loss
+
+    with torch.device("meta"):
+        model = TinyGPT(
+            GPTConfig(
+                vocab=SMALL["vocab"],
+                seq=SMALL["seq"],
+                width=SMALL["width"],
+                heads=SMALL["heads"],
+                layers=SMALL["layers"],
+            )
+        )
+        ids = torch.zeros(SMALL["batch"], SMALL["seq"], dtype=torch.long)
+    if mode == "search":
+        from plait.planning.setup import prepare
+        from plait.search import get_searcher
+
+        graph = capture(model, (ids, ids), gpt_loss)
+        cfg = plait.ParallelConfig(
+            mode="auto", mesh={"dp": 2, "tp": 4}, search=searcher, hardware="a100-80g"
+        )
+        search = get_searcher(searcher)
+        times = []
+        for _ in range(4):  # the first cold, the others warm
+            setup = prepare(graph, cfg, model=model)
+            start = time.perf_counter()
+            search(setup.problem, setup.allowed, setup.configured)
+            times.append(time.perf_counter() - start)
+        return {"cold_s": times[0], "warm_s": min(times[1:]), "ops": len(graph.ops)}
+    mesh = {"mesh": {"dp": 2, "tp": 4}} if mode == "fixed" else {"devices": 8}
+    cfg = plait.ParallelConfig(mode="auto", search=searcher, hardware="a100-80g", **mesh)
+    start = time.perf_counter()
+    plan = plait.plan(model, cfg, example_batch=(ids, ids), loss_fn=gpt_loss)
+    return {
+        "total_s": time.perf_counter() - start,
+        "mesh": "x".join(f"{k}={v}" for k, v in plan.mesh.as_dict().items()),
+        "plan_sha": hashlib.sha256(plan.to_json().encode()).hexdigest()[:12],
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_cell(kind: str, a: str, b: str, pythonpath: str | None) -> dict[str, object]:
+    """One cell in a fresh process (``pythonpath``: another checkout's plait first)."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--cell", kind, a, b]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/", check=False)
+    if done.returncode:
+        raise RuntimeError(f"cell {kind} {a} {b} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def best_of(runs: int, kind: str, a: str, b: str, pythonpath: str | None) -> dict[str, object]:
+    found = [run_cell(kind, a, b, pythonpath) for _ in range(runs)]
+    key = "total_s" if "total_s" in found[0] else "warm_s"
+    return min(found, key=lambda r: r[key])  # type: ignore[arg-type, return-value]
+
+
+def _phases(r: dict[str, object]) -> str:
+    t = r.get("timing")
+    if not isinstance(t, dict):
+        return "-"
+    return " / ".join(
+        f"{t[f'{p}_s']:.2f}" for p in ("capture", "candidates", "search", "estimate", "assemble")
+    )
+
+
+def _counts(r: dict[str, object]) -> str:
+    t = r.get("timing")
+    if not isinstance(t, dict):
+        return "-"
+    return f"{t['meshes']} / {t['searched']} / {t['pruned']} / {t['reused']}"
+
+
+def scale_table(rows: list[str], runs: int, before: str | None) -> None:
+    print(f"\nPlanning at scale (seconds, best of {runs}; each cell a fresh process)")
+    head = ["model", "devices", "batch", "mesh", "before", "after", "speed-up"]
+    head += [
+        "capture / cand. / search / estimate / assemble",
+        "meshes / searched / pruned / reused",
+    ]
+    head += ["chosen", "same plan"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        _, _, _, devices, batch = ROWS[row]
+        for mode in ("fixed", "free"):
+            after = best_of(runs, "scale", row, mode, None)
+            old = best_of(1, "scale", row, mode, before) if before else None
+            mesh = f"dp={devices // TP} x tp={TP}, Megatron" if mode == "fixed" else "free"
+            cells = [row.upper(), str(devices), str(batch), mesh]
+            cells.append(f"{old['total_s']:.1f} s" if old else "-")
+            cells.append(f"**{after['total_s']:.2f} s**")
+            cells.append(f"{old['total_s'] / after['total_s']:.0f}x" if old else "-")
+            cells += [_phases(after), _counts(after)]
+            cells.append(f"{after['mesh']}, {after['settings']}, {after['step_s']:.1f} s/step")
+            cells.append(
+                "-" if not old else "yes" if old["plan_sha"] == after["plan_sha"] else "NO"
+            )
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def small_table(runs: int, before: str | None) -> None:
+    s = SMALL
+    print(
+        f"\nSmall network: GPT {s['layers']} layers, width {s['width']}, {s['heads']} heads, "
+        f"seq {s['seq']}, vocab {s['vocab']}, batch {s['batch']}, 8 devices (ms / s)"
+    )
+    head = ["searcher", "search cold", "search warm", "plan fixed mesh", "plan free mesh"]
+    if before:
+        head += ["before: cold / warm / fixed / free", "same plans"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for name in SEARCHERS:
+        after = [best_of(runs, "small", name, m, None) for m in ("search", "fixed", "free")]
+        cells = [
+            name,
+            f"{after[0]['cold_s'] * 1e3:.0f} ms",
+            f"**{after[0]['warm_s'] * 1e3:.0f} ms**",
+            f"**{after[1]['total_s']:.2f} s**",
+            f"**{after[2]['total_s']:.2f} s** ({after[2]['mesh']})",
+        ]
+        if before:
+            old = [best_of(runs, "small", name, m, before) for m in ("search", "fixed", "free")]
+            cells.append(
+                f"{old[0]['cold_s'] * 1e3:.0f} ms / {old[0]['warm_s'] * 1e3:.0f} ms / "
+                f"{old[1]['total_s']:.2f} s / {old[2]['total_s']:.2f} s"
+            )
+            same = all(
+                o["plan_sha"] == a["plan_sha"] for o, a in zip(old[1:], after[1:], strict=True)
+            )
+            cells.append("yes" if same else "NO")
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+# --------------------------------------------------------------------------- issue 5's table
+
+ISSUE5 = [(2, 768, 12, 8, 2), (12, 768, 12, 8, 8), (24, 2048, 16, 64, 8), (48, 4096, 32, 256, 8)]
+ISSUE5.append((96, 12288, 96, 1024, 8))
+
+
+def issue5_table(quick: bool) -> None:
+    """GPTs planned on a fixed Megatron mesh (one sequence per dp rank): build, capture,
+    search + plan, JSON (the table of the "Planning time" section of docs/benchmarks.md)."""
+    import torch
+
+    import plait
+    from plait.graph import capture
+    from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+    from plait.planning import plan_graph
+
+    print(f"{'layers':>6} {'hidden':>6} {'devices':>7} {'mesh':>13} {'ops':>6} {'params':>8} "
+          f"{'build':>7} {'capture':>8} {'search':>7} {'json':>6} {'total':>7}")  # fmt: skip
+    for layers, hidden, heads, devices, tp in ISSUE5[:3] if quick else ISSUE5:
+        dp = devices // tp
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = TinyGPT(
+                GPTConfig(vocab=VOCAB, seq=SEQ, width=hidden, heads=heads, layers=layers)
+            )
+            ids = torch.zeros(dp, SEQ, dtype=torch.long)
+        annotate_megatron(model, tp=tp)
+        t1 = time.perf_counter()
+        graph = capture(model, (ids, ids), gpt_loss)
+        t2 = time.perf_counter()
+        cfg = plait.ParallelConfig(mode="auto", mesh={"dp": dp, "tp": tp}, hardware="a100-80g")
+        plan = plan_graph(graph, cfg, model=model)
+        t3 = time.perf_counter()
+        plan.to_json()
+        t4 = time.perf_counter()
+        params = sum(p.meta.numel for p in graph.parameters().values()) / 1e9
+        print(f"{layers:>6} {hidden:>6} {devices:>7} {f'dp={dp},tp={tp}':>13} {len(graph.ops):>6} "
+              f"{params:>7.2f}B {t1 - t0:>6.2f}s {t2 - t1:>7.2f}s {t3 - t2:>6.2f}s "
+              f"{t4 - t3:>5.2f}s {t4 - t0:>6.2f}s")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="only the three smallest rows")
+    parser.add_argument("--quick", action="store_true", help="1.3B and 13B, small network")
+    parser.add_argument("--rows", nargs="*", choices=sorted(ROWS), help="model sizes to plan")
+    parser.add_argument("--runs", type=int, default=1, help="fresh processes per cell (best)")
+    parser.add_argument("--before", metavar="DIR", help="also time the plait package in DIR")
+    parser.add_argument("--no-small", action="store_true", help="skip the small-network table")
+    parser.add_argument("--no-scale", action="store_true", help="skip the model-size table")
+    parser.add_argument("--issue5", action="store_true", help="issue 5's fixed-mesh table")
+    parser.add_argument("--cell", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rows = ROWS[:3] if args.quick else ROWS
+    if args.cell:
+        kind, a, b = args.cell
+        out = cell_scale(a, b) if kind == "scale" else cell_small(a, b)
+        print(json.dumps(out))
+        return
+    if args.issue5:
+        issue5_table(args.quick)
+        return
+    import torch
+
+    rev = subprocess.run(
+        ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     print(
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; hardware profile a100-80g, seq {SEQ}, vocab {VOCAB}"
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}, commit {rev or '?'}; hardware profile a100-80g, "
+        f"sharding_propagation unless named"
     )
-    header = (
-        f"{'layers':>6} {'hidden':>6} {'devices':>7} {'mesh':>13} {'ops':>6} {'params':>8} "
-        f"{'build':>7} {'capture':>8} {'search':>7} {'json':>6} {'total':>7} {'pred step':>10} {'mem/dev':>8}"
-    )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        r = plan_row(*row)
-        print(
-            f"{r['layers']:>6} {r['hidden']:>6} {r['devices']:>7} {r['mesh']:>13} {r['ops']:>6} "
-            f"{r['params_B']:>7.2f}B {r['build_s']:>6.2f}s {r['capture_s']:>7.2f}s "
-            f"{r['search_s']:>6.2f}s {r['json_s']:>5.2f}s {r['total_s']:>6.2f}s "
-            f"{r['step_s']:>9.3f}s {r['mem_GiB']:>6.1f}GiB"
-        )
+    rows = args.rows or (["1.3b", "13b"] if args.quick else list(ROWS))
+    if not args.no_scale:
+        scale_table(rows, args.runs, args.before)
+    if not args.no_small:
+        small_table(args.runs, args.before)
 
 
 if __name__ == "__main__":

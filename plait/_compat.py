@@ -22,6 +22,7 @@ __all__ = [
     "LocalTensorMode",
     "StridedShard",
     "TorchDispatchMode",
+    "dispatch_modes_suspended",
     "funcol",
     "functorch_levels_restored",
     "load_dcp_keys",
@@ -71,7 +72,7 @@ except ImportError as e:  # pragma: no cover
 
 try:  # watching every op a step dispatches (plait.testing.comm.CollectiveLog)
     from torch._ops import HigherOrderOperator
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError as e:  # pragma: no cover
     raise _fail("TorchDispatchMode, HigherOrderOperator", "collective logs", e) from e
 
@@ -127,8 +128,6 @@ def simulation_suspended() -> Iterator[None]:
 
     torch.export of some models (Hugging Face's: constant lifting) fails while a
     ``LocalTensorMode`` is active; capture runs on fake tensors and needs no simulated rank.
-    The mode also leaves the dispatch-mode stack for the block: a disabled mode still there
-    refuses higher-order ops (``torch.cond`` under export).
     """
     from torch.distributed._local_tensor import local_tensor_mode
 
@@ -136,7 +135,7 @@ def simulation_suspended() -> Iterator[None]:
     if mode is None:
         yield
         return
-    with mode.disable(), _disable_current_modes():
+    with mode.disable():
         yield
 
 
@@ -229,6 +228,17 @@ def group_ranks(group_name: str) -> list[int]:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+
+
+@contextlib.contextmanager
+def dispatch_modes_suspended() -> Iterator[None]:
+    """No torch dispatch mode is active inside the block (a simulated world's suspended
+    ``LocalTensorMode`` included): torch's functionalization of an exported program refuses
+    to run under one."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
 
 
 @contextlib.contextmanager

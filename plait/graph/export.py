@@ -35,7 +35,11 @@ from plait._compat import simulation_suspended
 from plait.errors import CaptureError
 from plait.graph.convert import Captured, batch_leaves, canonical_names, convert_program
 from plait.graph.functional import functional_views
-from plait.graph.higher_order import checkpoints_inlined, inline_higher_order, refuse_higher_order
+from plait.graph.higher_order import (
+    inline_higher_order,
+    inlined_while_exporting,
+    refuse_higher_order,
+)
 from plait.graph.literals import plain_literals
 from plait.graph.opgraph import OpGraph
 from plait.graph.repeat import (
@@ -181,7 +185,7 @@ def _exported(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.exp
     """``loss_fn(model, batch)`` exported, its higher-order ops and regions inlined
     (:mod:`plait.graph.higher_order`); export's own errors pass through."""
     # outside a simulated world: some models do not export under LocalTensorMode
-    with simulation_suspended(), checkpoints_inlined():
+    with simulation_suspended(), inlined_while_exporting():
         program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)
         program = functional_views(program)  # writes into views would miss their base
     _inline_regions(program.graph_module)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from plait._compat import dispatch_modes_suspended
+
 __all__ = ["functional_views", "writes_into_a_view"]
 
 
@@ -50,7 +52,7 @@ def functional_views(program: torch.export.ExportedProgram) -> torch.export.Expo
     """``program`` functionalized if it writes into a view, else ``program`` itself."""
     if not writes_into_a_view(program.graph):
         return program
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), dispatch_modes_suspended():
         # torch 2.13's own pytree deprecation, raised inside run_decompositions
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         return program.run_decompositions({})

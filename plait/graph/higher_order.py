@@ -3,9 +3,9 @@
 ``torch.export`` (non-strict, training IR) keeps some of what a forward does as calls that
 are not aten ops: a ``torch.vmap`` (Hugging Face's causal-mask builder in transformers 4.x)
 becomes functorch's own bookkeeping calls around batched aten ops, ``torch.cond`` a
-``higher_order.cond`` node over two subgraphs, a tagged activation-checkpoint region a
-``higher_order.tag_activation_checkpoint`` node. plait's op catalogue and executor read aten
-ops, so capture rewrites these into aten ops of the same graph, in place:
+``higher_order.cond`` node over two subgraphs, a reentrant activation checkpoint a ``no_grad``
+region. plait's op catalogue and executor read aten ops, so capture rewrites these into aten
+ops of the same graph, in place:
 
 - **vmap**: each outermost vmap region (from functorch's first ``_vmap_increment_nesting`` to
   its matching decrement) is traced again by ``make_fx`` on the export's fake tensors, where
@@ -14,17 +14,19 @@ ops, so capture rewrites these into aten ops of the same graph, in place:
 - **cond**: both branches are inlined and each output chosen with ``aten.where`` on the
   predicate (cond guarantees both branches give the same shapes and dtypes; the gradient of
   the branch not taken is zero, as with cond). A predicate that is a Python bool picks its
-  branch.
-- **subgraph calls** (``tag_activation_checkpoint``, ``invoke_subgraph``): the subgraph is
-  inlined; what to recompute is plait's ``recompute`` setting, not the model's.
+  branch. While capture exports, ``torch.cond`` itself does this (:func:`conds_inlined`),
+  so no cond node is traced; a cond node that still reaches the graph is rewritten alike.
 - **reentrant activation checkpointing** (``torch.utils.checkpoint.checkpoint(...,
   use_reentrant=True)``, Hugging Face's default for ``gradient_checkpointing_enable()``) runs
   its function under ``no_grad`` and recomputes it in an autograd Function's backward, which
   export cannot see: traced as it is, the checkpointed layers would have no gradient. While
   capture exports, :func:`checkpoints_inlined` makes the checkpoint call its function
-  directly (non-reentrant checkpointing needs nothing: export traces through it).
+  directly, under ``no_grad`` only where the checkpoint gives no gradient either (no input
+  needs one).
 
-Any other higher-order op (``while_loop``, ``map``, ``scan``...) is refused by
+Non-strict export already inlines non-reentrant checkpoints and
+``torch.compiler.nested_compile_region`` functions. Any other higher-order op (``while_loop``,
+``map``, ``scan``, a ``torch.func`` transform other than vmap...) is refused by
 :func:`refuse_higher_order` with a :class:`~plait.errors.CaptureError` naming the op, the
 module that calls it and what to write instead.
 """
@@ -41,13 +43,18 @@ import torch.fx
 import torch.utils.checkpoint
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plait._compat import HigherOrderOperator, functorch_levels_restored
+from plait._compat import HigherOrderOperator, functorch_levels_restored, tree_map
 from plait.errors import CaptureError
 
-__all__ = ["checkpoints_inlined", "inline_higher_order", "refuse_higher_order"]
+__all__ = [
+    "checkpoints_inlined",
+    "conds_inlined",
+    "inline_higher_order",
+    "inlined_while_exporting",
+    "refuse_higher_order",
+]
 
 _FUNCTORCH = "torch._functorch.predispatch"  # module of vmap's bookkeeping calls in a graph
-_SUBGRAPH_CALLS = frozenset({"tag_activation_checkpoint", "invoke_subgraph"})
 # node meta copied from a replaced node to the ops that replace it (plait's region tags
 # included: a vmap inside a no_grad block stays there)
 _KEPT_META = ("nn_module_stack", "stack_trace", "plait_grad_enabled", "plait_autocast")
@@ -90,14 +97,51 @@ def checkpoints_inlined() -> Iterator[None]:
             holder.apply = own  # type: ignore[method-assign]
 
 
+def _chosen(pred: torch.Tensor, yes: Any, no: Any) -> Any:
+    """One output of ``torch.cond``: ``where(pred, yes, no)`` for tensors."""
+    return torch.where(pred, yes, no) if isinstance(yes, torch.Tensor) else yes
+
+
+def _cond_as_where(pred: Any, true_fn: Any, false_fn: Any, operands: Any = ()) -> Any:
+    """``torch.cond`` while capture exports: both branches, each output chosen by ``where``
+    (what :func:`_inline_conds` makes of a cond node), no higher-order op traced."""
+    operands = tuple(operands)
+    if not isinstance(pred, torch.Tensor):
+        return (true_fn if pred else false_fn)(*operands)
+    return tree_map(lambda y, n: _chosen(pred, y, n), true_fn(*operands), false_fn(*operands))
+
+
+@contextlib.contextmanager
+def conds_inlined() -> Iterator[None]:
+    """``torch.cond`` is :func:`_cond_as_where` inside the block.
+
+    Export would record a ``higher_order.cond`` node, which :func:`_inline_conds` rewrites
+    the same way; tracing it inline also works in a simulated world, whose (suspended) mode
+    refuses higher-order ops. Code holding ``cond`` from before (``from torch import cond``)
+    still gets the node.
+    """
+    original = torch.cond
+    torch.cond = _cond_as_where  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cond = original
+
+
+@contextlib.contextmanager
+def inlined_while_exporting() -> Iterator[None]:
+    """Reentrant checkpoints and ``torch.cond`` traced inline (see the two above)."""
+    with checkpoints_inlined(), conds_inlined():
+        yield
+
+
 # --------------------------------------------------------------------------- entry point
 
 
 def inline_higher_order(gm: torch.fx.GraphModule) -> None:
-    """Rewrite vmap regions, conds and subgraph calls of ``gm`` into aten ops, in place."""
+    """Rewrite vmap regions and conds of ``gm`` into aten ops, in place."""
     changed = _inline_vmaps(gm)
     changed |= _inline_conds(gm)
-    changed |= _inline_subgraph_calls(gm)
     if changed:
         _drop_unused_attributes(gm)
         gm.graph.lint()
@@ -335,16 +379,3 @@ def _inline_conds(gm: torch.fx.GraphModule) -> bool:
             if not attr.users:
                 graph.erase_node(attr)
     return bool(conds)
-
-
-def _inline_subgraph_calls(gm: torch.fx.GraphModule) -> bool:
-    graph = gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_function" and _hop_name(n) in _SUBGRAPH_CALLS]
-    for node in calls:
-        holder = node.args[0]
-        skip = 2 if _hop_name(node) == "invoke_subgraph" else 1  # (subgraph, identifier, ...)
-        results = _inline_graph(graph, getattr(gm, holder.target), node.args[skip:], node)
-        _replace_results(graph, node, results)
-        if not holder.users:
-            graph.erase_node(holder)
-    return bool(calls)

@@ -346,6 +346,36 @@ class _Conditional(nn.Module):
         return self.fc2(h)
 
 
+_COND = torch.cond  # bound before capture, as ``from torch import cond`` would be
+
+
+class _BoundCond(nn.Module):
+    """A cond the capture cannot swap: export records a ``higher_order.cond`` node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return _COND(h.mean() > 0, lambda t: torch.tanh(t), lambda t: 2 * t, (h,))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_cond_node_becomes_where(sign: float) -> None:
+    """The node's branches are inlined and the output chosen by ``where``: the captured
+    program computes what the model does, whichever branch the value takes."""
+    torch.manual_seed(0)
+    model = _BoundCond()
+    with torch.no_grad():
+        model.fc.bias.fill_(10.0 * sign)  # the mean's sign picks the branch
+    x = torch.randn(4, 8)
+    captured = capture_program(model, x)
+    targets = {str(n.target) for n in captured.program.graph.nodes}
+    assert "aten.where.self" in targets and not any("cond" in t for t in targets)
+    torch.testing.assert_close(captured.program.module()(x), model(x))
+
+
 class _Checkpointed(nn.Module):
     """One block checkpointed the non-reentrant way, one the reentrant way (Hugging Face's
     default); with ``frozen_first`` both are reentrant and the first reads the batch, which

@@ -145,9 +145,11 @@ _COMPUTE: list[tuple[HardwareProfile, str, dict[tuple[float, float, int], float]
 def _compute_memo(hardware: HardwareProfile, dtype: str) -> dict[tuple[float, float, int], float]:
     """Seconds of an op's compute by (FLOPs, bytes, pieces), shared by every mesh planned on
     the same profile and dtype (the last ones asked about)."""
-    if not _COMPUTE or _COMPUTE[0][0] is not hardware or _COMPUTE[0][1] != dtype:
-        _COMPUTE[:] = [(hardware, dtype, {})]
-    return _COMPUTE[0][2]
+    last = _COMPUTE[0] if _COMPUTE else None  # one read: another thread may replace it
+    if last is None or last[0] is not hardware or last[1] != dtype:
+        last = (hardware, dtype, {})
+        _COMPUTE[:] = [last]
+    return last[2]
 
 
 def _op_key(op: OpNode) -> tuple[object, ...]:

@@ -84,9 +84,11 @@ _LAST_GRAPH: list[_GraphFacts] = []
 
 def _facts(graph: OpGraph) -> _GraphFacts:
     """The facts of ``graph``, remembered for the last graph asked about."""
-    if not _LAST_GRAPH or _LAST_GRAPH[0].graph is not graph:
-        _LAST_GRAPH[:] = [_GraphFacts(graph, gradient_values(graph))]
-    return _LAST_GRAPH[0]
+    last = _LAST_GRAPH[0] if _LAST_GRAPH else None  # one read: another thread may replace it
+    if last is None or last.graph is not graph:
+        last = _GraphFacts(graph, gradient_values(graph))
+        _LAST_GRAPH[:] = [last]
+    return last
 
 
 def _gradient_values_of(graph: OpGraph) -> frozenset[str]:

@@ -193,8 +193,9 @@ _LAST_GRAPH: list[tuple[OpGraph, _Producers, _Consumers]] = []
 def _structure(graph: OpGraph) -> tuple[_Producers, _Consumers]:
     """Per op, the producer of each input (None: a graph input) and the consumers of each
     output; remembered for the last graph (the outer planner searches it once per mesh)."""
-    if _LAST_GRAPH and _LAST_GRAPH[0][0] is graph:
-        return _LAST_GRAPH[0][1], _LAST_GRAPH[0][2]
+    last = _LAST_GRAPH[0] if _LAST_GRAPH else None  # one read: another thread may replace it
+    if last is not None and last[0] is graph:
+        return last[1], last[2]
     producers: _Producers = {}
     consumers: _Consumers = {}
     for op in graph.ops:

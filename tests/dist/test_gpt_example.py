@@ -115,6 +115,7 @@ def test_gpt_example_batches_are_deterministic() -> None:
     assert torch.equal(draw[0][0][:, 1:], draw[0][1][:, :-1])  # targets: ids shifted by one
 
 
+@pytest.mark.nightly  # make test keeps the exact-resume checks of tests/unit/test_checkpoint.py
 def test_gpt_example_saves_and_resumes_to_the_same_result(tmp_path: Path) -> None:
     """--save-every / --resume: 4 steps, then a resumed run to 8, ends where 8 straight steps
     end (model, optimizer and the batch generator's position restored)."""

@@ -5,6 +5,10 @@
 - :mod:`plait.graph.export`: :func:`capture` and :func:`capture_program` (``torch.export``).
 - :mod:`plait.graph.convert`: an ``ExportedProgram`` -> graph inputs, ops and outputs.
 - :mod:`plait.graph.repeat`: repeated layers: finding them, tracing two, cloning the rest.
+- :mod:`plait.graph.higher_order`, :mod:`plait.graph.literals`, :mod:`plait.graph.functional`:
+  what export leaves that is not a plain aten op (vmap, cond, reentrant checkpoints, tensor
+  literals, writes into views), rewritten before conversion.
+- :mod:`plait.graph.sites`: where in the user's model a capture failed (module and line).
 
 FLOP and byte counts of one op live in :mod:`plait.cost.flops`.
 """

@@ -215,9 +215,10 @@ class _Converter:
                 if node.op in ("placeholder", "output"):
                     continue
                 raise CaptureError(
-                    f"capture of {type(self.model).__name__}: node {node.name!r} is a "
-                    f"{node.op!r} node, which plait cannot plan; remove higher-order ops "
-                    "(torch.cond, checkpoint wrappers) from the forward"
+                    f"capture of {type(self.model).__name__}: node {node.name!r} in "
+                    f"{site_of_node(node)} is a {node.op!r} node (a higher-order op's "
+                    "subgraph or a module call left in the graph), which plait cannot plan; "
+                    "write that part of the forward as plain tensor ops"
                 )
             if node.target is operator.getitem:
                 source, index = node.args

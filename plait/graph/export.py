@@ -14,6 +14,11 @@ later members differently from member 1 without showing it in the first two (``f
 blocks[:k]`` with a ``k`` from elsewhere, per-layer inputs computed before the loop): pass
 ``repeat=False`` for such models.
 
+What export leaves that is not a plain aten op (``torch.vmap``, ``torch.cond``, reentrant
+activation checkpoints, tensor literals, writes into views) is rewritten before conversion;
+other higher-order ops and value-dependent sizes or branches are refused with the module and
+line (:mod:`plait.graph.higher_order`, :mod:`plait.graph.sites`; docs/models.md).
+
 Names and dropped nodes: see :mod:`plait.graph.convert`. Frozen parameters: each parameter
 input records the model's ``requires_grad`` (:attr:`GraphInput.requires_grad`), so planning
 lists no gradient work for frozen ones.
@@ -182,8 +187,10 @@ def _inline_regions(gm: torch.fx.GraphModule) -> None:
 
 
 def _exported(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
-    """``loss_fn(model, batch)`` exported, its higher-order ops and regions inlined
-    (:mod:`plait.graph.higher_order`); export's own errors pass through."""
+    """``loss_fn(model, batch)`` exported as plain aten ops: writes into views functionalized
+    (:mod:`~plait.graph.functional`), no_grad/autocast regions, vmap and cond inlined
+    (:mod:`~plait.graph.higher_order`), tensor literals made plain
+    (:mod:`~plait.graph.literals`); export's own errors pass through."""
     # outside a simulated world: some models do not export under LocalTensorMode
     with simulation_suspended(), inlined_while_exporting():
         program = torch.export.export(_Traced(model, loss_fn), (batch,), strict=False)

@@ -13,6 +13,14 @@ What the user fixes stays fixed: ``mesh`` (only strategies inside it are searche
 ``pipeline_stages`` other than 1, ``micro_batches`` other than 1, ``optimizer_shard``, and
 ``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
 notes why the winner won.
+
+What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
+options are predicted (step time and memory) from the mesh's shared work by
+:class:`~plait.planning.estimate.MeshEstimate`, term for term what ``assemble_plan`` would
+predict, and only the winner is assembled (and checked against its prediction: on any
+difference every option is assembled instead). A mesh whose lower bound (:func:`_lower_bound`)
+is slower than the runner-up found so far is not searched (a note names it). Where the time
+went: :class:`~plait.planning.timing.PlanTiming`.
 """
 
 from __future__ import annotations
@@ -28,13 +36,14 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
-from plait.planning.assemble import assemble_plan
+from plait.planning.assemble import PP_AXIS, _bubble, assemble_plan
 from plait.planning.estimate import GraphFacts, MeshEstimate
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
-from plait.planning.setup import SearchSetup, hardware_of, mesh_of, prepare
+from plait.planning.setup import SearchSetup, compute_model, hardware_of, mesh_of, prepare
 from plait.planning.timing import PlanTiming
 from plait.search import Decision, get_searcher
+from plait.search.problem import OpCompute
 
 __all__ = ["auto_plan", "mesh_candidates"]
 
@@ -140,13 +149,17 @@ def auto_plan(
     runnable_only: bool = False,
     timing: PlanTiming | None = None,
     exhaustive: bool = False,
+    prune: bool = True,
 ) -> Plan:
     """The fastest plan that fits, over meshes and settings (module doc).
 
     ``runnable_only``: no pipeline stages (what ``parallelize`` runs today). ``timing``, when
     given, receives the seconds per phase and the option counts. ``exhaustive`` assembles
     every option in full instead of predicting it from its mesh's shared work (the same
-    choice, slower; for tests and benchmarks).
+    choice, slower; for tests and benchmarks). ``prune``: a mesh whose lower bound
+    (:func:`_lower_bound`) is slower than the runner-up found so far is not searched; the
+    winner and the runner-up stay the same, ``Plan.options`` lists only meshes searched and a
+    note names the others.
     """
     timing = timing if timing is not None else PlanTiming()
     searcher = get_searcher(cfg.search or "sharding_propagation")
@@ -155,13 +168,28 @@ def auto_plan(
     meshes = _meshes(cfg, graph, hardware.devices_per_node, runnable_only)
     model_name = type(model).__name__ if model is not None else ""
     facts = GraphFacts(graph)
+    op_compute = compute_model(hardware, cfg.precision)
     searched: list[_Searched] = []
     trials: list[_Trial] = []
     errors: list[PlaitError] = []
+    pruned: list[tuple[dict[str, int], float, float]] = []  # mesh, its bound, the runner-up
+    fits: list[float] = []  # step times of the options that fit, fastest first
     timing.meshes += len(meshes)
     for mesh in meshes:
         pp = mesh.get("pp", 1)
         base = _with(cfg, mesh=mesh, pipeline_stages=pp, devices=None)
+        replica_batch = _global_batch(graph) // mesh.get(cfg.dp_axis, 1)
+        variants = [
+            (v, _with(base, optimizer_shard=v.optimizer_shard, recompute=v.recompute,
+                      micro_batches=v.micro_batches))
+            for v in _variants(cfg, pp, replica_batch)
+        ]  # fmt: skip
+        if prune and len(fits) >= 2:
+            bound = _lower_bound(graph, variants[0][1], op_compute)
+            if bound > fits[1] * (1 + 1e-9):
+                pruned.append((mesh, bound, fits[1]))
+                timing.pruned += 1
+                continue
         try:
             with timing.phase("candidates"):
                 setup = prepare(graph, base, model=model, hardware=hardware)
@@ -173,20 +201,16 @@ def auto_plan(
         with timing.phase("search"):
             decisions = searcher(setup.problem, setup.allowed, setup.configured)
         timing.searched += 1
-        replica_batch = _global_batch(graph) // mesh.get(cfg.dp_axis, 1)
-        variants = [
-            (v, _with(base, optimizer_shard=v.optimizer_shard, recompute=v.recompute,
-                      micro_batches=v.micro_batches))
-            for v in _variants(cfg, pp, replica_batch)
-        ]  # fmt: skip
         searched.append(_Searched(mesh, setup, decisions, variants))
         if exhaustive:
-            trials += _escalate(len(searched) - 1, searched, limit, timing, graph, model_name)
-            continue
-        done = searched[-1]
-        with timing.phase("estimate"):
-            done.estimate = MeshEstimate(facts, base, setup, decisions)
-            trials += _escalate(len(searched) - 1, searched, limit, timing)
+            found = _escalate(len(searched) - 1, searched, limit, timing, graph, model_name)
+        else:
+            done = searched[-1]
+            with timing.phase("estimate"):
+                done.estimate = MeshEstimate(facts, base, setup, decisions)
+                found = _escalate(len(searched) - 1, searched, limit, timing)
+        trials += found
+        fits = sorted(fits + [t.option.step_time_s for t in found if t.option.feasible])
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
     best, ranked, real, feasible = _rank(trials)
@@ -206,11 +230,56 @@ def auto_plan(
                 best.plan.predicted.step_time_s,
                 best.plan.predicted.memory_bytes,
             )
+            if pruned:  # the bounds were weighed against estimates: weigh every mesh again
+                return auto_plan(
+                    graph,
+                    cfg,
+                    model=model,
+                    hardware_file=hardware_file,
+                    runnable_only=runnable_only,
+                    timing=timing,
+                    exhaustive=True,
+                    prune=False,
+                )
             trials = [t for t in trials if t.cfg is None]
             for k in range(len(searched)):
                 trials += _escalate(k, searched, limit, timing, graph, model_name)
             best, ranked, real, feasible = _rank(trials)
-    return _winner(best, ranked, real, feasible, limit, cfg)
+    plan = _winner(best, ranked, real, feasible, limit, cfg)
+    if pruned:  # before the note on why the winner won, which stays last
+        notes = (*plan.notes[:-1], _pruned_note(pruned), plan.notes[-1])
+        plan = dataclasses.replace(plan, notes=notes)
+    return plan
+
+
+def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> float:
+    """No option of ``cfg``'s mesh (at its micro-batch count) predicts a faster step.
+
+    Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
+    the stage's devices (an op's roofline time only falls as its pieces grow); communication
+    adds to that; and with 1F1B or GPipe the bubble grows with the stage's time, so it is at
+    least the bubble of that much compute alone (assemble's ``_bubble``). Other schedules get
+    no bubble in the bound.
+    """
+    pp = cfg.pipeline_stages
+    pieces = math.prod(n for a, n in cfg.mesh_dict.items() if a != PP_AXIS)
+    total = sum(op_compute(op, pieces) for op in graph.ops) * cfg.grad_accumulation
+    compute = total / pp
+    if pp > 1 and cfg.schedule in ("1f1b", "gpipe"):
+        return compute + _bubble(cfg, compute, 0.0, 0.0)
+    return compute
+
+
+def _pruned_note(pruned: Sequence[tuple[dict[str, int], float, float]]) -> str:
+    meshes = ", ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m, _, _ in pruned)
+    least = min(b for _, b, _ in pruned)
+    return (
+        f"{len(pruned)} mesh{'es' if len(pruned) > 1 else ''} not searched ({meshes}): no "
+        f"option of {'theirs' if len(pruned) > 1 else 'its'} could be faster "
+        f"than {fmt_seconds(least)} (the busiest stage's compute with every op cut over all "
+        "its devices, and the pipeline bubble of that), slower than the runner-up found "
+        f"before {'them' if len(pruned) > 1 else 'it'}"
+    )
 
 
 def _meshes(

@@ -8,7 +8,7 @@ and :func:`~plait.planning.assemble.assemble_plan` need for one graph on one mes
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -27,7 +27,15 @@ from plait.rules.registry import OpStrategy
 from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints
 from plait.search.problem import CostModel, SearchProblem
 
-__all__ = ["PLANNABLE_MODES", "SearchSetup", "check_config", "hardware_of", "mesh_of", "prepare"]
+__all__ = [
+    "PLANNABLE_MODES",
+    "SearchSetup",
+    "check_config",
+    "compute_model",
+    "hardware_of",
+    "mesh_of",
+    "prepare",
+]
 
 PLANNABLE_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto")
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -110,16 +118,7 @@ def prepare(
     hardware = hardware or hardware_of(cfg, hardware_file)
     dtype = _DTYPES[cfg.precision]
     topology = Topology(mesh, hardware)
-    seconds = _compute_memo(hardware, dtype)
-
-    def op_compute(op: OpNode, pieces: int) -> float:
-        key = (op.flops, op.bytes, pieces)
-        found = seconds.get(key)
-        if found is None:
-            forward = op_seconds(op.flops / pieces, op.bytes / pieces, dtype, hardware)
-            found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
-        return found
-
+    op_compute = compute_model(hardware, cfg.precision)
     collectives: dict[tuple[str, str, int], float] = {}
 
     def axis_seconds(kind: str, axis: str, nbytes: int) -> float:
@@ -137,6 +136,23 @@ def prepare(
     constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode)
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
+
+
+def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode, int], float]:
+    """Seconds of an op's forward and backward when its work is cut into ``pieces`` (the
+    roofline of ``hardware`` at ``precision``): the ``op_compute`` of every search's costs."""
+    dtype = _DTYPES[precision]
+    seconds = _compute_memo(hardware, dtype)
+
+    def op_compute(op: OpNode, pieces: int) -> float:
+        key = (op.flops, op.bytes, pieces)
+        found = seconds.get(key)
+        if found is None:
+            forward = op_seconds(op.flops / pieces, op.bytes / pieces, dtype, hardware)
+            found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
+        return found
+
+    return op_compute
 
 
 _COMPUTE: list[tuple[HardwareProfile, str, dict[tuple[float, float, int], float]]] = []

@@ -62,17 +62,40 @@ def test_predicting_options_chooses_the_plan_assembling_every_option_chooses(fra
     fast planner equals the one of the planner that assembles every option."""
     model, graph = _graph(GPT)
     cfg = ParallelConfig(mode="auto", devices=8, hardware="a100-80g")
-    slow = auto_plan(graph, cfg, model=model, exhaustive=True)
+    slow = auto_plan(graph, cfg, model=model, exhaustive=True, prune=False)
     if fraction is not None:
         cfg = dataclasses.replace(cfg, memory_limit=int(slow.predicted.memory_bytes * fraction))
-        slow = auto_plan(graph, cfg, model=model, exhaustive=True)
+        slow = auto_plan(graph, cfg, model=model, exhaustive=True, prune=False)
     timing = PlanTiming()
-    fast = auto_plan(graph, cfg, model=model, timing=timing)
+    fast = auto_plan(graph, cfg, model=model, timing=timing, prune=False)
     assert fast.to_json() == slow.to_json()
     assert timing.searched == timing.meshes > 1 and timing.pruned == 0
     assert timing.reused == timing.options >= timing.meshes and timing.assembled == 1
     assert timing.search_s > 0 and timing.estimate_s > 0 and timing.assemble_s > 0
     assert "searched" in timing.line()
+
+
+def test_pruned_meshes_change_neither_the_winner_nor_the_runner_up() -> None:
+    """A batch of 12 on 8 devices: pp=4 x dp=2 runs 6 rows per replica in 1 micro-batch (4
+    does not divide 6), so its bubble is 3 times the busiest stage; its lower bound (that
+    stage's compute with every op cut over all its devices, plus the bubble of that) is above
+    the runner-up found by then, and it is not searched. The plan is the one weighing every mesh gives, but for the options
+    it lists and a note naming the meshes not searched."""
+    model, graph = _graph(dataclasses.replace(GPT, batch=12))
+    cfg = ParallelConfig(mode="auto", devices=8, hardware="a100-80g")
+    slow = auto_plan(graph, cfg, model=model, exhaustive=True, prune=False)
+    timing = PlanTiming()
+    fast = auto_plan(graph, cfg, model=model, timing=timing)
+    assert timing.pruned >= 1 and timing.searched + timing.pruned == timing.meshes
+
+    def chosen(plan):
+        return dataclasses.replace(plan, options=(), notes=()).to_json()
+
+    assert chosen(fast) == chosen(slow)
+    assert fast.options[0] == slow.options[0]
+    runner_up = fast.notes[-1].split("; next best: ")[1]
+    assert runner_up == slow.notes[-1].split("; next best: ")[1]
+    assert "not searched (pp=4 x dp=2)" in fast.notes[-2]
 
 
 def _variants(pp: int):
@@ -131,7 +154,7 @@ def test_a_prediction_assemble_disagrees_with_falls_back_to_assembling_every_opt
     so: the planner warns and weighs every option by its assembled plan instead."""
     model, graph = _graph(GPT)
     cfg = ParallelConfig(mode="auto", devices=8, hardware="a100-80g")
-    slow = auto_plan(graph, cfg, model=model, exhaustive=True)
+    slow = auto_plan(graph, cfg, model=model, exhaustive=True, prune=False)
     right = estimate.MeshEstimate.predict
 
     def wrong(self, cfg):
@@ -140,7 +163,7 @@ def test_a_prediction_assemble_disagrees_with_falls_back_to_assembling_every_opt
 
     monkeypatch.setattr(estimate.MeshEstimate, "predict", wrong)
     with caplog.at_level(logging.WARNING, logger="plait.planning"):
-        fast = auto_plan(graph, cfg, model=model)
+        fast = auto_plan(graph, cfg, model=model, prune=False)
     assert "assembling every option instead" in caplog.text
     assert fast.to_json() == slow.to_json()
 

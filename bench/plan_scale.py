@@ -20,7 +20,8 @@ Each cell runs in a fresh process (cold caches, as ``plait plan`` runs) and is t
 reports it (``PlanTiming``), capture / candidates / search / estimate / assemble and the
 mesh options searched, pruned and reused. ``--before DIR`` runs the same cells against the
 ``plait`` package under DIR (e.g. ``git archive <commit> plait | tar -x -C DIR``) and checks
-that both choose the same plan (the plan file's SHA-256).
+that both choose the same plan: "file" when the plan files are byte-identical, "plan" when
+they differ only in ``Plan.options`` and ``notes`` (meshes pruned), by SHA-256.
 
 Table 2, small network: an 8-layer GPT of width 256 (8 heads, sequence 256, vocab 8192,
 batch 16) on 8 devices. Search alone on ``dp=2 x tp=4`` for each searcher: cold (the first
@@ -32,6 +33,7 @@ plans cached). End to end: ``plait.plan`` with capture, fixed mesh and free mesh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -55,6 +57,10 @@ HERE = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- one cell
+
+
+def _sha(plan) -> str:
+    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]
 
 
 def _timing_kw():
@@ -92,7 +98,8 @@ def cell_scale(row: str, mode: str) -> dict[str, object]:
         "mesh": "x".join(f"{k}={v}" for k, v in plan.mesh.as_dict().items()),
         "settings": f"m={plan.micro_batches} zero={plan.optimizer_shard} rc={plan.recompute}",
         "step_s": plan.predicted.step_time_s,
-        "plan_sha": hashlib.sha256(plan.to_json().encode()).hexdigest()[:12],
+        "plan_sha": _sha(plan),
+        "chosen_sha": _sha(dataclasses.replace(plan, options=(), notes=())),
         "options": sum(1 for _ in plan.options),
     }
     if kw:
@@ -141,7 +148,8 @@ def cell_small(searcher: str, mode: str) -> dict[str, object]:
     return {
         "total_s": time.perf_counter() - start,
         "mesh": "x".join(f"{k}={v}" for k, v in plan.mesh.as_dict().items()),
-        "plan_sha": hashlib.sha256(plan.to_json().encode()).hexdigest()[:12],
+        "plan_sha": _sha(plan),
+        "chosen_sha": _sha(dataclasses.replace(plan, options=(), notes=())),
     }
 
 
@@ -182,6 +190,16 @@ def _counts(r: dict[str, object]) -> str:
     return f"{t['meshes']} / {t['searched']} / {t['pruned']} / {t['reused']}"
 
 
+def _same(old: dict[str, object] | None, new: dict[str, object]) -> str:
+    """ "file": the plan files are equal; "plan": the chosen plan is (``Plan.options`` and
+    ``notes`` differ: meshes pruned); "NO" otherwise."""
+    if old is None:
+        return "-"
+    if old["plan_sha"] == new["plan_sha"]:
+        return "file"
+    return "plan" if old["chosen_sha"] == new["chosen_sha"] else "NO"
+
+
 def scale_table(rows: list[str], runs: int, before: str | None) -> None:
     print(f"\nPlanning at scale (seconds, best of {runs}; each cell a fresh process)")
     head = ["model", "devices", "batch", "mesh", "before", "after", "speed-up"]
@@ -204,9 +222,7 @@ def scale_table(rows: list[str], runs: int, before: str | None) -> None:
             cells.append(f"{old['total_s'] / after['total_s']:.0f}x" if old else "-")
             cells += [_phases(after), _counts(after)]
             cells.append(f"{after['mesh']}, {after['settings']}, {after['step_s']:.1f} s/step")
-            cells.append(
-                "-" if not old else "yes" if old["plan_sha"] == after["plan_sha"] else "NO"
-            )
+            cells.append(_same(old, after))
             print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -236,10 +252,7 @@ def small_table(runs: int, before: str | None) -> None:
                 f"{old[0]['cold_s'] * 1e3:.0f} ms / {old[0]['warm_s'] * 1e3:.0f} ms / "
                 f"{old[1]['total_s']:.2f} s / {old[2]['total_s']:.2f} s"
             )
-            same = all(
-                o["plan_sha"] == a["plan_sha"] for o, a in zip(old[1:], after[1:], strict=True)
-            )
-            cells.append("yes" if same else "NO")
+            cells.append(", ".join(_same(o, a) for o, a in zip(old[1:], after[1:], strict=True)))
         print("| " + " | ".join(cells) + " |", flush=True)
 
 

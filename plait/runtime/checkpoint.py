@@ -93,13 +93,17 @@ class _Slot:
 
 def _model_state(job: Job) -> dict[str, torch.Tensor]:
     """What this process holds of ``model.state_dict()`` (a pipeline rank: its stages)."""
-    modules = job.state_modules()
-    if modules == [job.model]:
+    if not _holds_part(job):
         return job.model.state_dict()
     # A stage module may register as persistent what the model does not save (a traced
     # stage keeps every buffer): the model's own state_dict names decide.
     names = set(job.model.state_dict())
-    return {k: v for m in modules for k, v in m.state_dict().items() if k in names}
+    return {k: v for m in job.state_modules() for k, v in m.state_dict().items() if k in names}
+
+
+def _holds_part(job: Job) -> bool:
+    """True when this process holds part of the model (a pipeline rank's stages)."""
+    return job.state_modules() != [job.model]
 
 
 def _named_parameters(job: Job) -> list[tuple[str, nn.Parameter]]:
@@ -516,7 +520,7 @@ def load_job(
             f"checkpoint {str(where)!r} has no DCP metadata file '.metadata'; it is incomplete"
         ) from None
     model_state = {MODEL + k: v for k, v in _model_state(job).items()}
-    partial = len(job.state_modules()) != 1 or job.state_modules()[0] is not job.model
+    partial = _holds_part(job)
     check_model(where, saved, {k[len(MODEL) :]: v for k, v in model_state.items()}, partial)
     extras = read_extras(where)
     if not optimizer:

@@ -1,4 +1,6 @@
-"""Semi-automatic annotations: ``plait.shard`` marks how a module's tensors are split.
+"""The marks themselves: ``plait.shard``, ``plait.recompute``, ``plait.pipeline_stage``.
+
+``plait.shard`` marks how a module's tensors are split.
 
 MindSpore's ``Cell.shard(in_strategy, out_strategy, parameter_plan)`` for PyTorch modules.
 A strategy is a tuple of split counts per tensor dim, or a :class:`~plait.layout.TensorLayout`

@@ -1,0 +1,39 @@
+"""Semi-automatic annotations: what a user marks on a model before ``plait.parallelize``.
+
+- :mod:`plait.annotate.marks`: ``shard`` (how a module's tensors are split), ``recompute``
+  and ``pipeline_stage``, and the readers of those marks.
+- :mod:`plait.annotate.tensor_parallel`: ``megatron(model, tp)``, which finds the attention
+  and MLP blocks, embeddings and LM head of a model by structure and marks them with
+  ``shard`` as Megatron splits them, returning a report of what it matched and what not.
+
+Every name is re-exported here, so ``from plait.annotate import shard`` works as before.
+"""
+
+from plait.annotate.marks import (
+    ShardSpec,
+    StrategyLike,
+    get_shard_spec,
+    parameter_layouts,
+    pipeline_stage,
+    pipeline_stage_marks,
+    recompute,
+    recompute_marks,
+    shard,
+)
+from plait.annotate.tensor_parallel import Matched, MegatronReport, Unrecognised, megatron
+
+__all__ = [
+    "Matched",
+    "MegatronReport",
+    "ShardSpec",
+    "StrategyLike",
+    "Unrecognised",
+    "get_shard_spec",
+    "megatron",
+    "parameter_layouts",
+    "pipeline_stage",
+    "pipeline_stage_marks",
+    "recompute",
+    "recompute_marks",
+    "shard",
+]

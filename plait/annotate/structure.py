@@ -13,8 +13,8 @@ no tensor is touched. What counts as structure:
   it or a child) and, left unclaimed by deeper blocks, exactly four projections q, k, v, o
   with q, k, v reading the same width ``d``, k and v of one width (GQA: fewer kv heads), o
   reading q's width back to ``d``; or two, a fused q|k|v and o, which is reported, not split;
-- an *MLP* block has no head count of its own and exactly two or three unclaimed
-  projections: one or two "up" (and gate) projections ``d -> I`` then a "down" ``I -> d``;
+- an *MLP* block has exactly two or three unclaimed projections, none held by a module with
+  a head count: one or two "up" (and gate) projections ``d -> I`` then a "down" ``I -> d``;
 - the *vocabulary* is the model's input embedding (``get_input_embeddings()`` where the model
   has it, else the one ``nn.Embedding`` with the most rows) and the *head* the projection
   tied to it, or ``get_output_embeddings()``, or the last projection mapping ``dim -> vocab``.
@@ -26,7 +26,7 @@ an MLP). Anything left is reported with the reason of the nearest block that fai
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from torch import nn
@@ -49,6 +49,7 @@ class Projection:
     kind: ProjectionKind
     in_features: int
     out_features: int
+    owner: nn.Module | None = None  # the module holding it, where the search knows it
 
     def describe(self) -> str:
         return f"{self.path} ({type(self.module).__name__} {self.in_features}->{self.out_features})"
@@ -107,12 +108,12 @@ def _near_projections(path: str, module: nn.Module, claimed: set[str]) -> list[P
         child_path = _join(path, name)
         p = as_projection(child_path, child)
         if p is not None:
-            found.append(p)
+            found.append(replace(p, owner=module))
             continue
         for grand_name, grand in child.named_children():
             q = as_projection(_join(child_path, grand_name), grand)
             if q is not None:
-                found.append(q)
+                found.append(replace(q, owner=child))
     return [p for p in found if p.path not in claimed]
 
 
@@ -232,13 +233,14 @@ def _up_role(p: Projection) -> str:
     return "gate" if "gate" in p.path.rsplit(".", 1)[-1] else "up"
 
 
+def _has_heads(module: nn.Module | None) -> bool:
+    return module is not None and _head_evidence(module, with_children=False) != (None, None)
+
+
 def _match_mlp(path: str, module: nn.Module, claimed: set[str]) -> Block | None:
-    heads, width = _head_evidence(module, with_children=False)
-    if heads is not None or width is not None:
-        return None  # attention's own projections are never an MLP
     ps = _near_projections(path, module, claimed)
-    if len(ps) not in (2, 3):
-        return None
+    if len(ps) not in (2, 3) or any(_has_heads(p.owner) for p in ps):
+        return None  # projections held by a module with a head count are never an MLP
     *ups, down = ps
     d, inner = down.out_features, down.in_features
     if any(u.in_features != d or u.out_features != inner for u in ups):

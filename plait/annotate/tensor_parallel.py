@@ -173,6 +173,33 @@ def _vocab_plans(s: Structure, lay: Layout, axis: str, split: bool) -> list[_Pla
     return plans
 
 
+def _tied_plans(model: nn.Module, plans: list[_Plan]) -> list[_Plan]:
+    """The same layouts on every other module holding a planned parameter.
+
+    A tied parameter (BERT's decoder bias is also ``cls.predictions.bias``; a head sharing the
+    embedding's weight) has one layout, and the planner reads it under whichever module the
+    captured graph names it by: annotating every holder says the same thing everywhere.
+    """
+    planned: dict[int, tuple[TensorLayout, str]] = {}
+    holders = {(id(p.module), name) for p in plans for name in p.matched.layouts}
+    for plan in plans:
+        for name, layout in plan.matched.layouts.items():
+            param = plan.module.get_parameter(name)
+            planned.setdefault(id(param), (layout, f"{plan.matched.path}.{name}"))
+    extra: list[_Plan] = []
+    for path, module in model.named_modules():
+        layouts = {
+            name: planned[id(p)][0]
+            for name, p in module.named_parameters(recurse=False)
+            if id(p) in planned and (id(module), name) not in holders
+        }
+        if layouts:
+            sources = ", ".join(planned[id(module.get_parameter(n))][1] for n in layouts)
+            role = f"holds {sources} (tied)"
+            extra.append(_Plan(module, Matched(path, role, "", "tied", layouts)))
+    return extra
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -208,8 +235,10 @@ def _conflicts(plans: list[_Plan]) -> list[str]:
         old = spec.parameter_strategy if spec else {}
         for name, layout in plan.matched.layouts.items():
             if name in old and old[name] != layout:
+                was = old[name]
+                was_text = was.describe() if isinstance(was, TensorLayout) else repr(was)
                 errors.append(
-                    f"{plan.matched.path}.{name} is already annotated {old[name]!r}, Megatron "
+                    f"{plan.matched.path}.{name} is already annotated {was_text}, Megatron "
                     f"would make it {layout.describe()}; remove the earlier plait.shard"
                 )
     return errors
@@ -259,6 +288,7 @@ def megatron(
     lay = Layout((tp,), (axis,))
     plans = [p for b in structure.blocks for p in _block_plans(b, lay, axis)]
     plans = _vocab_plans(structure, lay, axis, vocab_parallel) + plans
+    plans += _tied_plans(model, plans)
     errors += _conflicts(plans)
     if errors:
         raise ShardingError(

@@ -33,6 +33,7 @@ __all__ = [
     "simulation_suspended",
     "tree_leaves",
     "tree_map",
+    "tree_unflatten",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -61,7 +62,7 @@ except ImportError as e:  # pragma: no cover
     raise _fail("_StridedShard", "multi-axis layouts", e) from e
 
 try:  # walking nested batches and step results (tuples, lists, dicts of tensors)
-    from torch.utils._pytree import tree_leaves, tree_map
+    from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 except ImportError as e:  # pragma: no cover
     raise _fail("torch.utils._pytree", "nested batches", e) from e
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from plait._compat import LocalTensor, own_per_rank, simulated_ranks
 from plait.comm.dtensor import start_all_reduce, wait_for
 
-__all__ = ["own_copy", "rank_slice", "start_sum", "wait_sum"]
+__all__ = ["gather_pieces", "own_copy", "rank_slice", "start_sum", "wait_sum"]
 
 
 def own_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,3 +63,20 @@ def start_sum(flat: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
 def wait_sum(result: torch.Tensor) -> torch.Tensor:
     """The finished sum of a :func:`start_sum`."""
     return wait_for(result)
+
+
+def gather_pieces(local: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
+    """The whole tensor from each rank's piece along dim 0 (rank order), on every rank.
+
+    One all-gather over the 1-D mesh ``group_mesh``; a 0-d value (a loss a model returns) is
+    averaged over the ranks instead (one all-reduce). Exact under simulated ranks too.
+    """
+    if local.ndim == 0:
+        return wait_sum(start_sum(local.reshape(1), group_mesh)).reshape(()) / group_mesh.size()
+    local = local.contiguous()
+    shape = torch.Size((local.shape[0] * group_mesh.size(), *local.shape[1:]))
+    # A contiguous tensor's strides do not depend on its dim 0: the local ones are the global's.
+    piece = DTensor.from_local(
+        local, group_mesh, [Shard(0)], run_check=False, shape=shape, stride=local.stride()
+    )
+    return piece.full_tensor()

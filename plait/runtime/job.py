@@ -24,7 +24,7 @@ from plait.comm.dtensor import (
 )
 from plait.config import ParallelConfig
 from plait.data import input_layouts, split_micro_batches
-from plait.errors import CheckpointError, ShardingError
+from plait.errors import CheckpointError, NotBuiltError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
@@ -363,6 +363,20 @@ class Job:
             losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
         return float(sum(loss.item() for loss in losses)) / k
 
+    def predict(self, batch: Any) -> Any:
+        """The model's outputs on ``batch``, whole, on every rank (distributed inference).
+
+        ``batch`` is the whole batch, the same on every rank; the model is called as its
+        documentation shows (``model(**batch)`` for a dict, ``model(*batch)`` for a tuple,
+        ``model(batch)`` for a tensor) in eval mode without gradients. Each rank computes its
+        part under the job's layout and the outputs (logits, hidden states, a Hugging Face
+        ``ModelOutput``) come back whole, equal to one device's. Every rank must call it.
+        See :mod:`plait.runtime.predict`.
+        """
+        from plait.runtime.predict import predict
+
+        return predict(self, batch)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
 
@@ -537,6 +551,16 @@ class DeferredJob(Job):
 
     def evaluate(self, batch: Any) -> float:
         return self._job(batch).evaluate(batch)
+
+    def predict(self, batch: Any) -> Any:
+        built = self._built
+        if built is None:
+            raise NotBuiltError(
+                "job.predict before the job is planned: a job made without example_batch= is "
+                "planned at its first step(batch), on a training batch; call step first, or "
+                "pass example_batch= to plait.parallelize to plan at once"
+            )
+        return built.predict(batch)
 
     @property
     def steps_taken(self) -> int:  # type: ignore[override]

@@ -32,6 +32,7 @@ from plait.errors import CheckpointError
 from plait.graph.export import ExecutableCapture, LossFn, capture_program, in_mode
 
 __all__ = [
+    "autocast_regions_on",
     "capture_on_device",
     "check_meta_buffers",
     "has_meta_tensors",
@@ -206,7 +207,36 @@ def capture_on_device(
     it is, or for a model with meta tensors, exported all on meta (:func:`meta_view`) with its
     device arguments pointed at ``device`` (:func:`retarget_devices`)."""
     with meta_view(model), in_mode(model, training=training):
-        captured = capture_program(model, example_batch, loss_fn)
+        if has_meta_tensors(model):
+            with autocast_regions_on(device.type):
+                captured = capture_program(model, example_batch, loss_fn)
+        else:
+            captured = capture_program(model, example_batch, loss_fn)
     if has_meta_tensors(model):
         retarget_devices(captured.program, device)
     return captured
+
+
+@contextlib.contextmanager
+def autocast_regions_on(device_type: str) -> Iterator[None]:
+    """Inside the block ``torch.autocast(device_type="meta", ...)`` means ``device_type``.
+
+    A model exported on meta tensors opens its autocast regions on ``x.device.type``, which
+    is "meta" there (Hugging Face Llama's rotary embedding: ``torch.autocast(device_type=...,
+    enabled=False)``), and torch has no autocast for meta; the program runs on ``device_type``,
+    so that is the region it means. torch.autocast's constructor is swapped for the block only.
+    """
+    original = torch.autocast.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("device_type") == "meta":
+            kwargs["device_type"] = device_type
+        elif args and args[0] == "meta":
+            args = (device_type, *args[1:])
+        original(self, *args, **kwargs)
+
+    torch.autocast.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autocast.__init__ = original  # type: ignore[method-assign]

@@ -1,0 +1,260 @@
+"""Distributed inference: ``job.predict(batch)`` returns the model's outputs, whole, on every rank.
+
+The batch is the whole batch, the same on every rank (a prompt, an evaluation batch). The
+model is called the way its documentation shows: ``model(**batch)`` for a dict,
+``model(*batch)`` for a tuple or list, ``model(batch)`` for a tensor, in eval mode without
+gradients (``use_cache=False`` added for a model whose forward takes it: a key/value cache
+is generation state, not an output). Each rank computes its part and the outputs (logits, hidden states, a Hugging Face
+``ModelOutput`` and its fields) come back whole on every rank, equal to one device's:
+
+* ``stand_alone``: the model, called;
+* pure data parallel (plain tensors): each rank runs its slice of dim 0 and the pieces are
+  gathered (one all-gather per output tensor); a batch whose dim 0 does not divide over the
+  data-parallel ranks runs whole on every rank, with no communication;
+* plans (``semi_auto``, ``auto``, plan files, ``data_parallel`` on a mesh with other axes):
+  the model's eval-mode forward is captured once per batch shape (on meta stand-ins of the
+  parameters: no rank builds the whole model) and run by the plan executor with the training
+  plan's strategies wherever they apply to the same op (as ``evaluate`` does); an op only
+  prediction runs, or whose shapes the training strategy does not fit, runs replicated. The
+  outputs are gathered from their layouts;
+* ``hybrid``: the user's layout-aware forward on its DTensor parameters, outputs gathered;
+* pipelines: :meth:`plait.runtime.pipeline.PipelineJob.predict`.
+
+A 0-d output (the loss a model computes when the batch holds labels) is averaged over the
+data-parallel ranks where each rank computed its own slice: it equals one device's when every
+slice counts the same number of items (no ignored labels), as data parallel's loss does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.export.graph_signature import OutputKind
+
+from plait._compat import simulation_suspended, tree_leaves, tree_map, tree_unflatten
+from plait.comm.dispatch import PlaitDispatchMode
+from plait.comm.dp import gather_pieces, rank_slice
+from plait.comm.dtensor import distribute, full_value, implicit_replication
+from plait.errors import ShardingError
+from plait.graph import in_mode
+from plait.layout import TensorLayout
+from plait.runtime.meta_init import capture_on_device, require_initialised
+from plait.runtime.plan_exec import PlanExecutor, evaluation_plan
+from plait.runtime.precision import autocast_for
+
+if TYPE_CHECKING:
+    from plait.runtime.data_parallel import PlainDataParallel
+    from plait.runtime.job import Job
+
+__all__ = ["call_model", "predict"]
+
+logger = logging.getLogger(__name__)
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model`` called on ``batch`` as its documentation shows (see the module docstring)."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, tuple | list):
+        return model(*batch)
+    return model(batch)
+
+
+@torch.no_grad()
+def predict(job: Job, batch: Any) -> Any:
+    """The outputs of ``job``'s model on ``batch``, whole, on every rank (module docstring)."""
+    require_initialised(job.model, "job.predict")
+    _check_batch(batch)
+    batch = without_cache(job.model, batch)
+    precision = autocast_for(job.config.precision, _device_type(job))
+    with in_mode(job.model, training=False):
+        if job.plain is not None:
+            return _predict_plain(job, job.plain, batch)
+        if job.device_mesh is None:
+            with precision:
+                return call_model(job.model, batch)
+        with implicit_replication(), PlaitDispatchMode(), precision:
+            if isinstance(job.loss_fn, PlanExecutor):
+                return _predict_planned(job, job.loss_fn, batch)
+            return tree_map(full_value, call_model(job.model, _laid_out(job, batch)))
+
+
+def without_cache(model: nn.Module, batch: Any) -> Any:
+    """``batch`` with ``use_cache=False`` added when it is a dict and the model's forward takes
+    ``use_cache`` (Hugging Face models): a key/value cache is generation state, not an output
+    (and not a tensor tree the program could return)."""
+    if not isinstance(batch, dict) or "use_cache" in batch:
+        return batch
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        takes = False
+    return {**batch, "use_cache": False} if takes else batch
+
+
+def _device_type(job: Job) -> str:
+    return "cpu" if job.device_mesh is None else job.device_mesh.device_type
+
+
+def _check_batch(batch: Any) -> None:
+    if not any(isinstance(x, torch.Tensor) for x in tree_leaves(batch)):
+        raise ShardingError(
+            f"job.predict: the batch ({type(batch).__name__}) holds no tensor; pass the model's "
+            "inputs as a tensor, a tuple or a dict of tensors (as model(**batch) takes them)"
+        )
+
+
+def _divides(batch: Any, parts: int) -> bool:
+    """Every tensor of ``batch`` with a dim 0 splits into ``parts`` equal slices."""
+    return all(
+        x.ndim == 0 or x.shape[0] % parts == 0
+        for x in tree_leaves(batch)
+        if isinstance(x, torch.Tensor)
+    )
+
+
+# ------------------------------------------------------------------------ plain data parallel
+
+
+def _predict_plain(job: Job, plain: PlainDataParallel, batch: Any) -> Any:
+    precision = autocast_for(job.config.precision, _device_type(job))
+    batch = tree_map(lambda x: x.to(plain.device) if isinstance(x, torch.Tensor) else x, batch)
+    if plain.size == 1 or not _divides(batch, plain.size):
+        if plain.size > 1:
+            logger.info("job.predict: batch dim 0 does not divide over %d ranks", plain.size)
+        with precision:
+            return tree_map(full_value, call_model(job.model, batch))
+
+    def piece(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return x
+        return rank_slice(x, plain.size, plain.rank)
+
+    with precision:
+        out = call_model(job.model, tree_map(piece, batch))
+    gathered = tree_map(
+        lambda x: gather_pieces(x, plain.group_mesh) if isinstance(x, torch.Tensor) else x, out
+    )
+    return tree_map(lambda x: full_value(x) if isinstance(x, torch.Tensor) else x, gathered)
+
+
+# ------------------------------------------------------------------------------------ plans
+
+
+def _predict_planned(job: Job, training: PlanExecutor, batch: Any) -> Any:
+    executor = _prediction_executor(job, training, batch)
+    outputs = executor.run_flat(executor.flat_inputs(job.model, batch))
+    program = executor.captured.program
+    user = [
+        value
+        for spec, value in zip(program.graph_signature.output_specs, outputs, strict=True)
+        if spec.kind == OutputKind.USER_OUTPUT
+    ]
+    tree = tree_unflatten(user, program.call_spec.out_spec)
+    return tree_map(lambda x: full_value(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _batch_key(batch: Any) -> tuple[Any, ...]:
+    """What a captured forward depends on: the batch's structure, shapes, dtypes, constants."""
+    leaves = [
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x), x)
+        for x in tree_leaves(batch)
+    ]
+    return (type(batch), tuple(batch) if isinstance(batch, dict) else (), *leaves)
+
+
+def _prediction_executor(job: Job, training: PlanExecutor, batch: Any) -> PlanExecutor:
+    """The executor of the model's eval-mode forward on batches shaped like ``batch``: made
+    at the first call with such a batch, then reused."""
+    cache: dict[tuple[Any, ...], PlanExecutor] = job.__dict__.setdefault("_predictors", {})
+    key = _batch_key(batch)
+    if key in cache:
+        return cache[key]
+    device = torch.device(job.device_mesh.device_type)
+    with meta_stand_ins(job.model):
+        captured = capture_on_device(job.model, batch, None, training=False, device=device)
+    plan = evaluation_plan(training.plan, captured.graph, training.captured.graph)
+    inputs = [g for g in captured.graph.inputs if g.kind == "input"]
+    dp_axis = job.config.dp_axis
+    dp = plan.mesh.axis_size(dp_axis) if dp_axis in plan.mesh.axis_names else 1
+    strategy: object = "data_parallel"
+    if not all(g.meta.ndim == 0 or g.meta.shape[0] % dp == 0 for g in inputs):
+        strategy = tuple((1,) * g.meta.ndim for g in inputs)  # whole on every rank
+    executor = PlanExecutor(
+        job.model,
+        plan,
+        batch,
+        None,
+        job.device_mesh,
+        dp_axis=dp_axis,
+        dataset_strategy=strategy,
+        captured=captured,
+        evaluation=False,
+    )
+    replicated = sum(op.label == "replicate" for op in plan.ops)
+    logger.info(
+        "job.predict: forward for batch %s captured (%d ops, %d run replicated)",
+        [tuple(x.shape) for x in tree_leaves(batch) if isinstance(x, torch.Tensor)],
+        len(plan.ops),
+        replicated,
+    )
+    cache[key] = executor
+    return executor
+
+
+@contextlib.contextmanager
+def meta_stand_ins(model: nn.Module) -> Iterator[None]:
+    """Inside the block every parameter and buffer of ``model`` is an empty tensor of its
+    global shape on meta (its DTensor pieces put back after): torch.export cannot trace DTensor
+    parameters, and reads only shapes. Tied parameters keep one stand-in."""
+    saved: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    stand_ins: dict[int, nn.Parameter] = {}
+    try:
+        # Made outside a simulated world: there a factory call gives a LocalTensor, which
+        # export turns into a constant it then fails to lift (StopIteration).
+        with simulation_suspended():
+            for module in model.modules():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        saved.append((module, name, True, p))
+                        if id(p) not in stand_ins:
+                            empty = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                            stand_ins[id(p)] = nn.Parameter(empty, p.requires_grad)
+                        module._parameters[name] = stand_ins[id(p)]
+                for name, b in module._buffers.items():
+                    if b is not None:
+                        saved.append((module, name, False, b))
+                        module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        yield
+    finally:
+        for module, name, is_param, t in saved:
+            table = module._parameters if is_param else module._buffers
+            table[name] = t  # type: ignore[assignment]
+
+
+# ------------------------------------------------------------------------------------ hybrid
+
+
+def _laid_out(job: Job, batch: Any) -> Any:
+    """The whole batch as DTensors: dim 0 split over the data-parallel axis where it divides
+    (each rank keeps its slice, no communication), else whole on every rank."""
+    mesh, dp = job.mesh, job.config.dp_axis
+    assert mesh is not None
+    size = mesh.axis_size(dp) if dp in mesh.axis_names else 1
+    split = size > 1 and _divides(batch, size)
+
+    def lay(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        dims: tuple[tuple[str, ...], ...] = ((),) * x.ndim
+        if split and x.ndim:
+            dims = ((dp,), *dims[1:])
+        return distribute(x, job.device_mesh, TensorLayout(mesh, dims))
+
+    return tree_map(lay, batch)

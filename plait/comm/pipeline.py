@@ -93,24 +93,27 @@ def make_schedule(
 
 def run_schedule(
     schedule: Any, stages: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-    target: torch.Tensor, *, forward_only: bool = False,
+    target: torch.Tensor, *, forward_only: bool = False, outputs: list[Any] | None = None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """One step of the schedule (``forward_only``: its forwards alone, for evaluation):
     inputs where the first stage runs, targets where the last does; returns the micro-batch
-    losses this rank computed (none if not the last stage)."""
+    losses this rank computed (none if not the last stage). With ``outputs`` (forward only),
+    the last stage's outputs, merged over micro-batches, are appended to it."""
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)
     losses: list[torch.Tensor] = []
     inputs = args if first else ()
     run = schedule.eval if forward_only else schedule.step
     extra = {} if forward_only else {"return_outputs": False}
-    run(
+    merged = run(
         *inputs,
         target=target if last else None,
         losses=losses if last else None,
         **extra,
         **(kwargs if first else {}),
     )
+    if outputs is not None and last:
+        outputs.append(merged)
     return losses
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait._compat import tree_map
+from plait._compat import tree_leaves, tree_map
 from plait.annotate import pipeline_stage_marks
 from plait.comm import pipeline as pp_comm
 from plait.config import ParallelConfig
@@ -38,6 +38,7 @@ from plait.errors import ConfigError, NotBuiltError, ShardingError
 from plait.mesh import MeshSpec
 from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
 from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.meta_init import require_initialised
 
 __all__ = ["PipelineJob", "model_inputs", "stage_starts"]
 
@@ -247,6 +248,9 @@ class PipelineJob(Job):
         for stage in stages:
             self._timer.wrap(stage)
         self._first = all(c == 0 for c in coordinate)
+        self._dp_index = coordinate[mesh.axis_index(config.dp_axis)] if dp > 1 else 0
+        self._rows = _rows(example_batch)
+        self._predicting = False
         logger.info(
             "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
             count,
@@ -257,6 +261,8 @@ class PipelineJob(Job):
         )
 
     def _micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        if self._predicting:  # job.predict: outputs wanted, no loss (the batch has no labels)
+            return torch.zeros((), device=self._device)
         batch = self._micro_batches[int(index.reshape(-1)[0])]
         return self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
 
@@ -288,6 +294,62 @@ class PipelineJob(Job):
         eval mode, micro-batch by micro-batch (the mean of their losses, as ``step``)."""
         with torch.no_grad():
             return self._start_mean_loss(self._run(batch, training=False))()
+
+    @torch.no_grad()
+    def predict(self, batch: Any) -> Any:
+        """The model's outputs on ``batch`` (the whole batch, the same on every rank), whole,
+        on every rank: each pipeline replica runs its data-parallel slice through the stages
+        (forwards only, micro-batch by micro-batch), and the last stages' outputs are gathered
+        (as CPU copies, then moved to this rank's device). The stages are built for the
+        training batch size, so ``batch`` has that many rows."""
+        require_initialised(self.model, "job.predict")
+        rows = _rows(batch)
+        if rows != self._rows:
+            raise ShardingError(
+                f"job.predict on a pipeline: the batch has {sorted(rows)} rows but the stages "
+                f"were built for batches of {sorted(self._rows)} (the training batch: "
+                f"{self._dp} data-parallel replicas x {self.config.micro_batches} micro-batches); "
+                "pass a batch of that size (pad it, or cut it into such batches)"
+            )
+        local = tree_map(
+            lambda x: x.chunk(self._dp)[self._dp_index]
+            if isinstance(x, torch.Tensor) and x.ndim
+            else x,
+            batch,
+        )
+        args, kwargs = _call_arguments(local)
+        for m in self.stage_modules:
+            m.eval()
+        self._timer.stop()  # job.timeline() shows the last training step
+        outputs: list[Any] = []
+        self._predicting = True
+        try:
+            pp_comm.run_schedule(
+                self._schedule,
+                self.stages,
+                args,
+                kwargs,
+                torch.arange(self.config.micro_batches),
+                forward_only=True,
+                outputs=outputs,
+            )
+        finally:
+            self._predicting = False
+        return self._gather_outputs(outputs[0] if outputs else None)
+
+    def _gather_outputs(self, mine: Any) -> Any:
+        """Every data-parallel replica's last-stage outputs, concatenated in replica order,
+        on every rank."""
+        from plait.comm.checkpoint_io import all_gather_objects
+
+        cpu = None if mine is None else (self._dp_index, tree_map(_to_cpu, mine))
+        pieces: dict[int, Any] = {}
+        for part in all_gather_objects(cpu):
+            if part is not None:
+                pieces.setdefault(part[0], part[1])
+        ordered = [pieces[i] for i in range(self._dp)]
+        whole = ordered[0] if len(ordered) == 1 else tree_map(_concat, *ordered)
+        return tree_map(lambda x: x.to(self._device) if isinstance(x, torch.Tensor) else x, whole)
 
     def _run(self, batch: Any, *, training: bool) -> list[torch.Tensor]:
         """The schedule over ``batch`` cut into micro-batches; this rank's micro losses."""
@@ -436,6 +498,30 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
             f"{config.micro_batches}): this schedule needs at least {minimum} micro-batches on "
             f"{config.pipeline_stages} stages ranks ({count} stages); raise micro_batches"
         )
+
+
+def _rows(batch: Any) -> set[int]:
+    """The dim-0 sizes of a batch's tensors."""
+    return {x.shape[0] for x in tree_leaves(batch) if isinstance(x, torch.Tensor) and x.ndim}
+
+
+def _call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The model's arguments for ``batch`` as its documentation calls it (job.predict)."""
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, tuple | list):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _to_cpu(x: Any) -> Any:
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _concat(*pieces: Any) -> Any:
+    if isinstance(pieces[0], torch.Tensor):
+        return torch.cat(pieces) if pieces[0].ndim else torch.stack(pieces).mean()
+    return pieces[0]
 
 
 def _local_example(batch: Any, parts: int) -> Any:

@@ -5,7 +5,7 @@ schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each
 same weights and batches: every step's loss and the final parameters equal single-device
 training. A model whose LM head is its token embedding (one tensor read by the first and the
 last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly.
-Evaluation runs the stages' forwards alone. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
+Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
 
@@ -104,6 +104,7 @@ def _workers(root: str) -> dict:
     out["collectives"] = dict(log.counts)
     job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
     out["evaluate"] = job.evaluate(_local(job, _batches()[0]))
+    out["predict"] = job.predict((_batches()[0][0],))  # the whole batch, the same everywhere
     png = Path(root) / "measured.png"
     timeline = job.timeline(png, trace=Path(root) / "measured.json")
     out["timeline"] = sorted({(e.rank, e.kind) for e in timeline.events})
@@ -147,6 +148,10 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     with torch.no_grad():
         expected = gpt_loss(trained.eval(), _batches()[0]).item()
     assert results[0]["evaluate"] == pytest.approx(expected, rel=1e-5)
+    with torch.no_grad():
+        logits = trained(_batches()[0][0])
+    for rank, r in enumerate(results):  # every rank gets the whole batch's logits
+        torch.testing.assert_close(r["predict"], logits, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
     # the last training step's measured schedule: both pipeline ranks ran forwards and
     # backwards; the picture is a PNG (its size in the header) and the trace is JSON
     assert results[0]["timeline"] == [

@@ -126,9 +126,13 @@ def _int_attr(modules: list[nn.Module], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _head_evidence(module: nn.Module, with_children: bool) -> tuple[int | None, int | None]:
-    """(head count, head width) read from the module (and its children) attributes."""
-    modules = [module, *module.children()] if with_children else [module]
+def _head_evidence(
+    module: nn.Module, with_children: bool, skip: frozenset[int] = frozenset()
+) -> tuple[int | None, int | None]:
+    """(head count, head width) read from the module's (and its children's) attributes;
+    children in ``skip`` (attention blocks already matched) say nothing about this module."""
+    children = [c for c in module.children() if id(c) not in skip] if with_children else []
+    modules = [module, *children]
     return _int_attr(modules, _HEAD_COUNT), _int_attr(modules, _HEAD_WIDTH)
 
 
@@ -206,11 +210,11 @@ def _as_fused(ps: list[Projection]) -> _Fused | None:
 
 
 def _match_attention(
-    path: str, module: nn.Module, claimed: set[str]
+    path: str, module: nn.Module, claimed: set[str], matched: frozenset[int]
 ) -> Block | _Fused | str | None:
     """A Block, a fused attention, the reason it looks like attention but does not match, or
-    None (not attention: no head count or head width)."""
-    heads, width = _head_evidence(module, with_children=True)
+    None (not attention: no head count or head width, its matched attention children aside)."""
+    heads, width = _head_evidence(module, with_children=True, skip=matched)
     if heads is None and width is None:
         return None
     ps = _near_projections(path, module, claimed)
@@ -316,11 +320,13 @@ def _claim(block: Block, structure: Structure, claimed: set[str]) -> None:
 def _match_blocks(model: nn.Module, structure: Structure, claimed: set[str]) -> dict[str, str]:
     """Attention blocks then MLPs, deepest first; the reasons of near misses by module."""
     near_misses: dict[str, str] = {}
+    matched: set[int] = set()
     order = _deepest_first(model)
     for path, module in order:
-        found = _match_attention(path, module, claimed)
+        found = _match_attention(path, module, claimed, frozenset(matched))
         if isinstance(found, Block):
             _claim(found, structure, claimed)
+            matched.add(id(module))
         elif isinstance(found, _Fused):
             # Understood but not split: claimed so that no outer block reads it as an MLP.
             structure.unrecognised.update(found.reasons())

@@ -264,6 +264,34 @@ def test_tinygpt_same_splits_as_its_hand_annotation() -> None:
     assert hand_split and {k: a[k] for k in hand_split} == {k: b[k] for k in hand_split}
 
 
+_DECODER = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=4, max_position_embeddings=32,
+)  # fmt: skip
+_T5 = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+_OTHERS = {
+    # config class, model class, fields, (column, row, unrecognised) counts of the report
+    "phi": ("PhiConfig", "PhiForCausalLM", _DECODER, (5, 2, 0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _DECODER, (2, 1, 2)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", _T5, (3 * 3 + 2 + 1, 3 + 2, 0)),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(_OTHERS))
+def test_other_architectures_report(arch: str) -> None:
+    """Phi (q/k/v/dense, fc1/fc2, a biased head), GPT-NeoX (fused, per-head interleaved
+    query_key_value: reported), T5 (encoder, decoder and cross attention; a tied head)."""
+    config, cls, fields, (column, row, unrecognised) = _OTHERS[arch]
+    model = getattr(transformers, cls)(getattr(transformers, config)(**fields))
+    report = megatron(model, 2)
+    splits = Counter(strategy for _, strategy in report.roles.values())
+    assert (splits["column"], splits["row"], len(report.unrecognised)) == (
+        column,
+        row,
+        unrecognised,
+    )
+
+
 # --------------------------------------------------------------------------- not recognised
 
 

@@ -244,6 +244,23 @@ def _conflicts(plans: list[_Plan]) -> list[str]:
     return errors
 
 
+def _tie_conflicts(plans: list[_Plan]) -> list[str]:
+    """A parameter two matched modules share but would split differently."""
+    seen: dict[int, tuple[TensorLayout, str]] = {}
+    errors = []
+    for plan in plans:
+        for name, layout in plan.matched.layouts.items():
+            where = f"{plan.matched.path}.{name}"
+            first = seen.setdefault(id(plan.module.get_parameter(name)), (layout, where))
+            if first[0] != layout:
+                errors.append(
+                    f"{where} is the same parameter as {first[1]}, matched as "
+                    f"{plan.matched.role} ({layout.describe()}) there as {first[0].describe()}: "
+                    "a tied parameter has one layout; annotate these modules by hand"
+                )
+    return errors
+
+
 def _check_arguments(tp: object, axis: object) -> None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(
@@ -289,7 +306,7 @@ def megatron(
     plans = [p for b in structure.blocks for p in _block_plans(b, lay, axis)]
     plans = _vocab_plans(structure, lay, axis, vocab_parallel) + plans
     plans += _tied_plans(model, plans)
-    errors += _conflicts(plans)
+    errors += _conflicts(plans) + _tie_conflicts(plans)
     if errors:
         raise ShardingError(
             "plait.annotate.megatron: nothing was annotated:\n  " + "\n  ".join(errors)

@@ -9,6 +9,15 @@ functionalization over it (``run_decompositions`` with an empty table: ops are k
 mutations become out-of-place ops and scatters such as ``select_scatter``), so every value
 is written once and no op relies on aliasing. Programs without such writes are left as
 exported (batch norm's running statistics, an in-place ``add_`` on a fresh tensor).
+
+Functionalizing also decomposes ``reshape`` into ``view`` wherever the strides export saw
+allow one: ``h.transpose(1, 2).contiguous().reshape(b, t, -1)`` after CPU's
+``scaled_dot_product_attention`` (whose kernel lays its output out so that the transpose is
+already contiguous: ``contiguous`` is a no-op and ``reshape`` a ``view``; T5's attention under
+transformers 5). A plan's executor may produce the same values with other strides (DTensor
+gives such an output a fresh contiguous layout, so the transpose is not contiguous) and that
+view fails. :func:`stride_free_views` makes every ``view`` that relied on export's strides a
+``reshape`` again (a copy where the strides need one; the same values and gradient).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch.fx
 
 from plait._compat import dispatch_modes_suspended
 
-__all__ = ["functional_views", "writes_into_a_view"]
+__all__ = ["functional_views", "stride_free_views", "writes_into_a_view"]
 
 
 def _is_view(node: Any) -> bool:
@@ -56,3 +65,35 @@ def functional_views(program: torch.export.ExportedProgram) -> torch.export.Expo
         # torch 2.13's own pytree deprecation, raised inside run_decompositions
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         return program.run_decompositions({})
+
+
+def stride_free_views(graph: torch.fx.Graph) -> bool:
+    """Make each ``aten.view`` that relied on export's strides an ``aten.reshape``, in place
+    (see the module doc); whether any changed.
+
+    A view relies on strides when its input, or a tensor it is a view of (back to the op that
+    made the memory), was not contiguous at export: that op's kernel chose the layout, and
+    the executor's may choose another. Only values matter after :func:`functional_views`: a
+    program that writes into a view is functionalized, and the others never write through
+    one, so no view's aliasing is lost.
+    """
+    changed = False
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.view.default:
+            continue
+        if _strided(node.args[0]):
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    return changed
+
+
+def _strided(node: Any) -> bool:
+    """Whether ``node`` or a tensor it is a view of was not contiguous at export."""
+    while isinstance(node, torch.fx.Node):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            return True
+        if not _is_view(node):
+            return False
+        node = node.args[0]
+    return False

@@ -2,11 +2,15 @@
 
 Hugging Face models are built from tiny configs (random weights) and called the way their
 docs show, with the model's own loss (``m(**batch).loss``, ``labels=`` in the batch, no
-hand-made attention mask): transformers 4.x builds the causal mask with ``torch.vmap``,
-keeps tensor literals (``torch.tensor([])`` of its key/value cache, T5's shifted labels) and
-pads labels for the shifted loss. Small plain models cover what a forward may contain besides:
-``torch.vmap``, ``torch.cond``, reentrant activation checkpoints, tensor literals, an op
-without a rule on a mesh axis of size one. Each trains under ``simulate(4)`` in mode auto
+hand-made attention mask), under whichever transformers is installed (the 5.x line or 4.57;
+docs/models.md, "Transformers versions"): transformers 4.x builds the causal mask with
+``torch.vmap``, keeps tensor literals (``torch.tensor([])`` of its key/value cache, T5's
+shifted labels) and pads labels for the shifted loss; 5.x runs T5's attention through
+``scaled_dot_product_attention`` (a ``view`` that held only for export's strides) and Mixtral's
+experts through one grouped matmul (static shapes). Small plain models cover what a forward
+may contain besides: ``torch.vmap``, ``torch.cond``, reentrant activation checkpoints, tensor
+literals, a view that relied on a kernel's output layout, an op without a rule on a mesh
+axis of size one. Each trains under ``simulate(4)`` in mode auto
 and equals single-device training (losses and final parameters, fp32, rtol 1e-4).
 
 Optimizers: SGD where a parameter has an exactly zero gradient (a key bias: softmax ignores a
@@ -14,17 +18,19 @@ constant per row; a convolution bias before batch norm), since Adam turns roundi
 such a gradient into lr-sized steps; AdamW elsewhere.
 
 Value-dependent sizes and branches (boolean-mask indexing, a Python ``if`` on a value,
-Mixtral's expert routing, BART's layer drop) are refused by a CaptureError naming the module,
+Mixtral's expert loop, BART's layer drop) are refused by a CaptureError naming the module,
 the line and the way out; higher-order ops plait does not inline are refused by name.
 
 The larger cases (every architecture on dp=2 x tp=2 and dp=4, Hugging Face gradient
-checkpointing, padding attention masks) are ``nightly``.
+checkpointing, padding attention masks; Mixtral and BART, which train from transformers 5 on)
+are ``nightly``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +119,14 @@ def _seq2seq() -> Batch:
     return {"input_ids": _ids(), "labels": _ids()}
 
 
+def transformers_major() -> int:
+    """The installed transformers' major version (0 when it is not installed)."""
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return 0
+
+
 def _images() -> Batch:
     return {"pixel_values": torch.randn(BATCH, 3, 16, 16), "labels": torch.randint(0, 10, (BATCH,))}
 
@@ -126,6 +140,7 @@ class HFCase:
     model: str
     batch: Callable[[], Batch]
     optimizer: Optimizer
+    since: int = 4  # the transformers major version from which it trains
 
 
 _DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64)
@@ -139,7 +154,19 @@ _NO_DROPOUT = {
     "phi": dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
     "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "t5": dict(dropout_rate=0.0),
+    "bart": dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
 }
+_BART = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=32,
+)
 HF = {
     "llama": HFCase(
         "LlamaConfig",
@@ -197,6 +224,25 @@ HF = {
         _images,
         sgd,
     ),
+    # transformers 5 runs the experts as one grouped matmul (static shapes; sort, histc and
+    # the matmul run replicated); 4.x loops over the experts hit: refused (below)
+    "mixtral": HFCase(
+        "MixtralConfig",
+        {**_DECODER, **_HEADS, "num_key_value_heads": 2, "num_local_experts": 4},
+        "MixtralForCausalLM",
+        _causal_lm,
+        sgd,
+        since=5,
+    ),
+    # transformers 5 draws the layer-drop number only when layerdrop > 0; 4.x always: refused
+    "bart": HFCase(
+        "BartConfig",
+        {**_BART, **_NO_DROPOUT["bart"]},
+        "BartForConditionalGeneration",
+        _seq2seq,
+        sgd,
+        since=5,
+    ),
 }
 
 
@@ -204,6 +250,8 @@ def hf_case(arch: str) -> tuple[nn.Module, list[Batch], Optimizer]:
     """A tiny Hugging Face model of ``arch`` (random weights), its batches and optimizer."""
     transformers = pytest.importorskip("transformers")
     case = HF[arch]
+    if transformers_major() < case.since:
+        pytest.skip(f"{arch} trains from transformers {case.since} on (refused before)")
     fields = {k: v for k, v in case.fields.items() if v is not None}
     torch.manual_seed(0)
     model = getattr(transformers, case.model)(getattr(transformers, case.config)(**fields))
@@ -246,11 +294,18 @@ def test_hf_architecture_trains_like_one_device(arch: str, mesh: dict) -> None:
 
 
 @pytest.mark.nightly
-def test_hf_gradient_checkpointing_trains_like_one_device() -> None:
-    """``gradient_checkpointing_enable()`` (reentrant, Hugging Face's default): traced as it
-    is, the checkpointed layers would run under no_grad and get no gradient."""
+@pytest.mark.parametrize("reentrant", [None, True], ids=["default", "reentrant"])
+def test_hf_gradient_checkpointing_trains_like_one_device(reentrant: bool | None) -> None:
+    """Activation checkpointing as transformers enables it: ``activation_checkpointing_enable``
+    (5.x; non-reentrant by default) or ``gradient_checkpointing_enable`` (4.x; reentrant by
+    default). Traced as it is, a reentrant checkpoint's layers would run under no_grad and get
+    no gradient."""
     model, batches, optimizer = hf_case("llama")
-    model.gradient_checkpointing_enable()
+    kwargs = None if reentrant is None else {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(kwargs)
     model.train()
     assert_trains_like_one_device(model, own_loss, optimizer, batches, DP_TP)
 
@@ -430,6 +485,38 @@ def test_what_users_write_trains_like_one_device(model_cls: type[nn.Module], abs
     assert all(op.covered for op in plan.ops), [op.target for op in plan.ops if not op.covered]
 
 
+class _KernelLayout(nn.Module):
+    """Attention as transformers 5's T5 writes it: ``transpose(1, 2).contiguous().reshape``
+    after CPU's ``scaled_dot_product_attention``, whose output layout makes the transpose
+    contiguous already; a write into a view (``x[:, 0] = 0``) has the program functionalized,
+    which turns that reshape into a ``view`` valid only for the kernel's strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        x = x.clone()
+        x[:, 0] = 0.0
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v)
+        return self.out(h.transpose(1, 2).contiguous().reshape(b, t, -1))
+
+
+def test_view_that_relied_on_a_kernel_layout_trains_like_one_device() -> None:
+    """The view of the transposed attention output is a reshape again: DTensor lays the
+    attention output out contiguously, where the view would fail."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 4, 8), torch.randn(4, 4, 8)) for _ in range(STEPS)]
+    captured = capture_program(_KernelLayout(), batches[0], mse)
+    (transpose,) = [
+        n for n in captured.program.graph.nodes if n.target is torch.ops.aten.transpose.int
+    ]
+    assert [u.target for u in transpose.users] == [torch.ops.aten.reshape.default]
+    assert_trains_like_one_device(_KernelLayout(), mse, sgd, batches, DP_TP)
+
+
 def test_reentrant_checkpoint_keeps_its_gradients() -> None:
     """Traced as export sees it, a reentrant checkpoint's function runs under no_grad:
     capture calls it directly, with gradients, except where no input needs one (then one
@@ -582,21 +669,20 @@ def test_other_higher_order_ops_are_refused_by_name() -> None:
     ],
 )
 def test_hf_value_dependent_models_are_refused(arch: str, module: str, line: str) -> None:
-    """Mixtral routes tokens to experts by value; BART's layer drop branches on torch.rand."""
+    """Mixtral's experts looped over by value (transformers 4.x; 5.x with
+    ``experts_implementation="eager"``); BART's layer drop branching on torch.rand (4.x
+    always; 5.x with a layer drop above 0)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if arch == "mixtral":
-        config = transformers.MixtralConfig(
-            **_DECODER, **_HEADS, num_key_value_heads=2, num_local_experts=4
-        )
+        fields = dict(HF["mixtral"].fields)
+        if transformers_major() >= 5:
+            fields["experts_implementation"] = "eager"
+            module = "model.layers.0.mlp.experts"  # the loop moved into the experts module
+        config = transformers.MixtralConfig(**fields)
         model, batch = transformers.MixtralForCausalLM(config), _causal_lm()
     else:
-        sizes = dict(
-            encoder_attention_heads=4, decoder_attention_heads=4, max_position_embeddings=32
-        )
-        config = transformers.BartConfig(
-            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, **sizes
-        )
+        config = transformers.BartConfig(**_BART, encoder_layerdrop=0.1)
         model, batch = transformers.BartForConditionalGeneration(config), _seq2seq()
     with pytest.raises(CaptureError) as info:
         capture_program(model, batch, own_loss)

@@ -46,7 +46,7 @@ import torch.fx
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from plait._compat import greedy_redistribution_planning
+from plait._compat import greedy_redistribution_planning, tree_unflatten
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     build_device_mesh,
@@ -94,6 +94,7 @@ from plait.runtime.local_optim import build_optimizer
 from plait.runtime.meta_init import capture_on_device
 from plait.runtime.placement import place_parameters, reshard_parameters
 from plait.runtime.precision import autocast_for
+from plait.runtime.predict import batch_key, meta_stand_ins
 from plait.runtime.program import Program, compile_program, strip_wrapper
 from plait.runtime.zero import (
     ShardedParameter,
@@ -278,6 +279,8 @@ class PlanExecutor:
         """Ops whose DTensor output layout differed from the plan (first call records)."""
         self._seen_mismatch: set[tuple[str, int]] = set()
         self._evaluation: PlanExecutor | CaptureError | None = None
+        self.predictors: dict[tuple[Any, ...], PlanExecutor] = {}
+        """job.predict's executors by batch structure and shapes (:meth:`predictor`)."""
         if evaluation:
             self._evaluation = self._evaluation_executor(model, example_batch, loss_fn)
 
@@ -492,6 +495,57 @@ class PlanExecutor:
             else:
                 out.append(self._replicated(self.captured.program.constants[target]))
         return out
+
+    def predictor(self, model: nn.Module, batch: Any) -> PlanExecutor:
+        """The executor of the model's eval-mode forward (no loss) on batches shaped like
+        ``batch``, for ``job.predict``: made at the first such batch, then reused.
+
+        The forward is captured on meta stand-ins of the parameters (no rank builds the whole
+        model) and runs with this plan's strategies wherever they fit the same op
+        (:func:`evaluation_plan`); the batch is split over the data-parallel axis where its
+        dim 0 divides, else whole on every rank.
+        """
+        key = batch_key(batch)
+        found = self.predictors.get(key)
+        if found is not None:
+            return found
+        with meta_stand_ins(model):
+            captured = capture_on_device(
+                model, batch, None, training=False, device=torch.device(self.device_mesh.device_type)
+            )
+        plan = evaluation_plan(self.plan, captured.graph, self.captured.graph)
+        inputs = [g for g in captured.graph.inputs if g.kind == "input"]
+        axis = self._dp_axis
+        dp = plan.mesh.axis_size(axis) if axis in plan.mesh.axis_names else 1
+        strategy: object = "data_parallel"
+        if not all(g.meta.ndim == 0 or g.meta.shape[0] % dp == 0 for g in inputs):
+            strategy = tuple((1,) * g.meta.ndim for g in inputs)  # whole on every rank
+        executor = PlanExecutor(
+            model, plan, batch, None, self.device_mesh, dp_axis=axis, dataset_strategy=strategy,
+            strict=self.strict, captured=captured, evaluation=False,
+        )  # fmt: skip
+        logger.info(
+            "job.predict: forward for batch shapes %s captured (%d ops, %d run replicated)",
+            [g.meta.shape for g in inputs],
+            len(plan.ops),
+            sum(op.label == "replicate" for op in plan.ops),
+        )
+        self.predictors[key] = executor
+        return executor
+
+    def outputs(self, model: nn.Module, batch: Any) -> Any:
+        """The exported forward's own outputs on ``batch`` (DTensors in the structure the model
+        returns: a tensor, a tuple, a Hugging Face ``ModelOutput``)."""
+        values = self.run_flat(self._flat_inputs(model, batch))
+        for spec, value in zip(self._signature.output_specs, values, strict=True):
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                _write_buffer(model, strip_wrapper(spec.target), value)
+        user = [
+            value
+            for spec, value in zip(self._signature.output_specs, values, strict=True)
+            if spec.kind == OutputKind.USER_OUTPUT
+        ]
+        return tree_unflatten(user, self.captured.program.call_spec.out_spec)
 
     def flat_inputs(self, model: nn.Module, batch: Any) -> list[Any]:
         """The exported program's inputs for ``batch``, laid out as planned (DTensors)."""

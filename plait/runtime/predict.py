@@ -31,28 +31,26 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.export.graph_signature import OutputKind
 
-from plait._compat import simulation_suspended, tree_leaves, tree_map, tree_unflatten
+from plait._compat import simulation_suspended, tree_leaves, tree_map
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dp import gather_pieces, rank_slice
 from plait.comm.dtensor import distribute, full_value, implicit_replication
 from plait.errors import ShardingError
 from plait.graph import in_mode
 from plait.layout import TensorLayout
-from plait.runtime.meta_init import capture_on_device, require_initialised
-from plait.runtime.plan_exec import PlanExecutor, evaluation_plan
+from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import autocast_for
 
 if TYPE_CHECKING:
     from plait.runtime.data_parallel import PlainDataParallel
     from plait.runtime.job import Job
 
-__all__ = ["call_model", "predict"]
+__all__ = ["PlannedForward", "batch_key", "call_model", "meta_stand_ins", "predict", "without_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ def predict(job: Job, batch: Any) -> Any:
             with precision:
                 return call_model(job.model, batch)
         with implicit_replication(), PlaitDispatchMode(), precision:
-            if isinstance(job.loss_fn, PlanExecutor):
+            if isinstance(job.loss_fn, PlannedForward):
                 return _predict_planned(job, job.loss_fn, batch)
             return tree_map(full_value, call_model(job.model, _laid_out(job, batch)))
 
@@ -147,65 +145,28 @@ def _predict_plain(job: Job, plain: PlainDataParallel, batch: Any) -> Any:
 # ------------------------------------------------------------------------------------ plans
 
 
-def _predict_planned(job: Job, training: PlanExecutor, batch: Any) -> Any:
-    executor = _prediction_executor(job, training, batch)
-    outputs = executor.run_flat(executor.flat_inputs(job.model, batch))
-    program = executor.captured.program
-    user = [
-        value
-        for spec, value in zip(program.graph_signature.output_specs, outputs, strict=True)
-        if spec.kind == OutputKind.USER_OUTPUT
-    ]
-    tree = tree_unflatten(user, program.call_spec.out_spec)
+@runtime_checkable
+class PlannedForward(Protocol):
+    """What a plan job's executor (:class:`plait.runtime.plan_exec.PlanExecutor`) gives
+    prediction: the executor of the eval-mode forward for a batch, and its outputs."""
+
+    def predictor(self, model: nn.Module, batch: Any) -> PlannedForward: ...
+
+    def outputs(self, model: nn.Module, batch: Any) -> Any: ...
+
+
+def _predict_planned(job: Job, training: PlannedForward, batch: Any) -> Any:
+    tree = training.predictor(job.model, batch).outputs(job.model, batch)
     return tree_map(lambda x: full_value(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _batch_key(batch: Any) -> tuple[Any, ...]:
+def batch_key(batch: Any) -> tuple[Any, ...]:
     """What a captured forward depends on: the batch's structure, shapes, dtypes, constants."""
     leaves = [
         (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else (type(x), x)
         for x in tree_leaves(batch)
     ]
     return (type(batch), tuple(batch) if isinstance(batch, dict) else (), *leaves)
-
-
-def _prediction_executor(job: Job, training: PlanExecutor, batch: Any) -> PlanExecutor:
-    """The executor of the model's eval-mode forward on batches shaped like ``batch``: made
-    at the first call with such a batch, then reused."""
-    cache: dict[tuple[Any, ...], PlanExecutor] = job.__dict__.setdefault("_predictors", {})
-    key = _batch_key(batch)
-    if key in cache:
-        return cache[key]
-    device = torch.device(job.device_mesh.device_type)
-    with meta_stand_ins(job.model):
-        captured = capture_on_device(job.model, batch, None, training=False, device=device)
-    plan = evaluation_plan(training.plan, captured.graph, training.captured.graph)
-    inputs = [g for g in captured.graph.inputs if g.kind == "input"]
-    dp_axis = job.config.dp_axis
-    dp = plan.mesh.axis_size(dp_axis) if dp_axis in plan.mesh.axis_names else 1
-    strategy: object = "data_parallel"
-    if not all(g.meta.ndim == 0 or g.meta.shape[0] % dp == 0 for g in inputs):
-        strategy = tuple((1,) * g.meta.ndim for g in inputs)  # whole on every rank
-    executor = PlanExecutor(
-        job.model,
-        plan,
-        batch,
-        None,
-        job.device_mesh,
-        dp_axis=dp_axis,
-        dataset_strategy=strategy,
-        captured=captured,
-        evaluation=False,
-    )
-    replicated = sum(op.label == "replicate" for op in plan.ops)
-    logger.info(
-        "job.predict: forward for batch %s captured (%d ops, %d run replicated)",
-        [tuple(x.shape) for x in tree_leaves(batch) if isinstance(x, torch.Tensor)],
-        len(plan.ops),
-        replicated,
-    )
-    cache[key] = executor
-    return executor
 
 
 @contextlib.contextmanager

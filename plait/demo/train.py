@@ -101,6 +101,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=2, help="batches per evaluation")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     p.add_argument("--corpus", type=Path, default=CORPUS, help="a text file to train on")
+    p.add_argument("--sample", type=int, default=120, metavar="N",
+                   help="characters to generate with job.predict after training (0: none)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -291,6 +293,8 @@ class Summary:
     wall_seconds: float
     plan: str = ""
     """Mode auto: the searcher and the plan's predicted step time."""
+    sample: str = ""
+    """Text the trained model generated (``job.predict``), after an evaluation prompt."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -312,6 +316,7 @@ class Summary:
             f"  throughput  {self.tokens_per_second:,.0f} tokens/s",
             f"  wall time   {self.wall_seconds:.1f} s ({self.train_seconds:.1f} s training)",
             *([f"  plan        {self.plan}"] if self.plan else []),
+            *([f"  sample      {self.sample!r}"] if self.sample else []),
         ])  # fmt: skip
 
 
@@ -436,6 +441,7 @@ def train(args: argparse.Namespace) -> Summary:
     if not losses:
         raise SystemExit(f"nothing to train: the checkpoint is at step {resumed} of {args.steps}")
     tail = losses[-max(1, len(losses) // 10) :]
+    sample = generate(job, corpus, args) if args.sample else ""
     return Summary(
         mode=args.mode,
         mesh=job.mesh.as_dict() if job.mesh else None,
@@ -448,7 +454,25 @@ def train(args: argparse.Namespace) -> Summary:
         train_seconds=train_seconds,
         wall_seconds=time.perf_counter() - wall_start,
         plan=_plan_line(job, train_seconds / args.steps),
+        sample=sample,
     )
+
+
+def generate(job: plait.Job, corpus: Corpus, args: argparse.Namespace) -> str:
+    """``args.sample`` characters the trained model writes after a prompt from the evaluation
+    text: each one drawn from the softmax of ``job.predict``'s last logits over the last
+    ``--seq`` characters. Every rank gets the same logits and draws with the same seeded
+    generator, so every rank writes the same text. A pipeline's stages are built for the
+    training batch, so there the window is repeated over that many rows."""
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    rows = args.batch if args.pp > 1 else 1
+    window = corpus.eval[: args.seq].tolist()
+    prompt_len = len(window)
+    for _ in range(args.sample):
+        ids = torch.tensor(window[-args.seq :]).unsqueeze(0).expand(rows, -1).contiguous()
+        logits = job.predict((ids,))[0, -1]
+        window.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+    return "".join(corpus.chars[i] for i in window[prompt_len:])
 
 
 class GeneratorState:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "gpt" / "train.py"
 TINY = ["--steps", "8", "--batch", "4", "--seq", "16", "--width", "32", "--layers", "1",
-        "--heads", "4", "--lr", "1e-2", "--eval-every", "4"]  # fmt: skip
+        "--heads", "4", "--lr", "1e-2", "--eval-every", "4", "--sample", "6"]  # fmt: skip
 
 
 def free_port() -> int:
@@ -50,6 +50,7 @@ def test_gpt_example_semi_auto_on_two_workers(tmp_path: Path) -> None:
     assert "[rank0]: summary" in proc.stdout
     assert "mode        semi_auto, mesh {'dp': 1, 'tp': 2}" in proc.stdout
     assert "step     8  eval loss" in proc.stdout
+    assert "  sample      '" in proc.stdout  # text written by job.predict after training
     assert "[rank1]" not in proc.stdout  # the console shows rank 0 only
     rank1 = (logs / "worker_1.log").read_text()
     assert "INFO rank1 plait.demo.gpt: summary" in rank1  # other ranks log into their files
@@ -83,7 +84,7 @@ def test_gpt_example_auto_on_two_workers_and_its_saved_plan(tmp_path: Path) -> N
     assert saved.search == "recursive_programming" and saved.mesh.size == 2
 
     replay = _run_example(tmp_path, "--plan", str(path))
-    for key in ("mode", "train loss", "eval loss"):
+    for key in ("mode", "train loss", "eval loss", "sample"):
         assert _summary_line(replay.stdout, key) == _summary_line(auto.stdout, key)
 
 
@@ -98,6 +99,7 @@ def test_gpt_example_refuses_a_plan_with_another_mode() -> None:
 def test_gpt_example_stand_alone_in_process() -> None:
     summary = train(parse_args(["--mode", "stand_alone", *TINY]))
     assert summary.mesh is None and summary.steps == 8
+    assert len(summary.sample) == 6  # the characters job.predict's logits chose
     assert summary.loss_fell, (summary.first_loss, summary.last_loss)
     assert [step for step, _ in summary.eval_losses] == [0, 4, 8]
     assert summary.eval_losses[-1][1] < summary.eval_losses[0][1]
@@ -133,8 +135,9 @@ def test_gpt_example_saves_and_resumes_to_the_same_result(tmp_path: Path) -> Non
 
 def test_gpt_example_pipeline_on_two_workers(tmp_path: Path) -> None:
     """--pp 2: two pipeline stages (mode data_parallel, mesh pp=2 x dp=1), 1F1B over 4
-    micro-batches, one block a stage; the loss falls and evaluation runs through the
-    stages."""
+    micro-batches, one block a stage; the loss falls, evaluation runs through the stages and
+    the trained pipeline writes text (job.predict)."""
     run = _run_example(tmp_path, "--pp", "2", "--micro-batches", "4", "--layers", "2")
     assert "mode        data_parallel, mesh {'pp': 2, 'dp': 1}" in run.stdout
     assert "step     8  eval loss" in run.stdout
+    assert "  sample      '" in run.stdout

@@ -196,3 +196,33 @@ def test_bad_input_is_refused_by_name() -> None:
         )  # fmt: skip
         with pytest.raises(ShardingError, match="holds no tensor"):
             job.predict({"flag": True})
+
+
+class _RowParallel(torch.nn.Module):
+    """Hybrid mode's own layout-aware code: a row-parallel matmul over tp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 12, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x):
+        return plait.ops.matmul(x, self.w, strategy=((2, 2), (2, 1)))
+
+
+def test_hybrid_predicts_with_the_users_collectives_and_one_gather() -> None:
+    """mode hybrid: the user's forward runs on its DTensor parameters (its tp all-reduce) and
+    the rows, split over dp, are gathered once."""
+    net = _RowParallel()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    expected = x @ net.w.detach()
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            net,
+            ParallelConfig(mode="hybrid", mesh=MEGATRON),
+            optimizer=_sgd,
+            loss_fn=lambda m, b: m(b[0]).square().mean(),
+        )
+        with CommDebugMode() as comm:
+            out = job.predict((x,))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert _named(comm.get_comm_counts()) == {"all_reduce": 1, "all_gather_into_tensor": 1}

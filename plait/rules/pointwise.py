@@ -46,6 +46,8 @@ _LINEAR = (
     + _overloads("eq ne lt le gt ge", ("Tensor", "Scalar"))
     + _overloads("logical_not bitwise_not sign isnan isinf", ("default",))
     + _overloads("logical_and logical_or bitwise_and bitwise_or", ("default", "Tensor"))
+    # `a & b` on masks (transformers 5's mask builders): bitwise_and/or when run
+    + _overloads("__and__ __or__", ("Tensor",))
     + _overloads("masked_fill masked_fill_", ("Scalar", "Tensor"))
     + _overloads("where", ("self", "ScalarSelf", "ScalarOther", "Scalar"))
 )
@@ -60,6 +62,7 @@ _INPUTS = (
         ("default",),
     )
     + _overloads("maximum minimum", ("default",))
+    + _overloads("max min", ("other",))  # torch.min(a, b): minimum when run
     + _overloads("clamp clamp_min clamp_max", ("default", "Tensor"))
     + _overloads("dropout", ("default",))
     + _overloads("lerp", ("Scalar", "Tensor"))

@@ -125,6 +125,8 @@ def _cases() -> dict[str, Callable[[], tuple[OpNode, list[torch.Tensor]]]]:
         "exp": lambda: node("aten.exp.default", r(B, D)),
         "where": lambda: node("aten.where.self", r(B, D) > 0, r(B, D), r(D)),
         "masked_fill": lambda: node("aten.masked_fill.Scalar", r(B, T, T), mask, -1e9),
+        "and_masks": lambda: node("aten.__and__.Tensor", r(B, T, T) > 0, mask),
+        "min_other": lambda: node("aten.min.other", r(B, D), r(D)),
         "to_copy": lambda: node("aten._to_copy.default", r(B, D), dtype=torch.float64),
         "dropout_eval": lambda: node("aten.dropout.default", r(B, D), 0.5, False),
         "triu": lambda: node("aten.triu.default", r(B, 4, 4), 1),

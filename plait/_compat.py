@@ -25,6 +25,7 @@ __all__ = [
     "dispatch_modes_suspended",
     "funcol",
     "functorch_levels_restored",
+    "implicit_replication_active",
     "load_dcp_keys",
     "local_tensor_mode_active",
     "own_per_rank",
@@ -318,3 +319,12 @@ def local_shape_and_offset(
             tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
         )
     return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def implicit_replication_active() -> bool:
+    """Whether DTensor treats plain tensors as replicated now (inside ``implicit_replication``).
+
+    torch's context manager sets the flag on entry and clears it on exit, so a nested use would
+    switch it off for the rest of the outer block: plait enters it only when it is off.
+    """
+    return bool(torch._C._get_dtensor_allow_implicit_replication())

@@ -11,6 +11,7 @@ of the sizes of the axes that are outer in the layout but later in the mesh. Exa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -254,10 +255,16 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def implicit_replication():  # type: ignore[no-untyped-def]
-    """Treat plain tensors met in DTensor ops (e.g. masks built in forward) as replicated."""
+    """Treat plain tensors met in DTensor ops (e.g. masks built in forward) as replicated.
+
+    Nests: inside an enclosing block it does nothing (torch's own context would clear the flag
+    when the inner block ends, for the rest of the outer one: a backward run after a forward
+    inside it would meet plain tensors again)."""
     from torch.distributed.tensor.experimental import implicit_replication as ctx
 
-    return ctx()
+    from plait._compat import implicit_replication_active
+
+    return contextlib.nullcontext() if implicit_replication_active() else ctx()
 
 
 def start_all_reduce(flat: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:

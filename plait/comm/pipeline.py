@@ -26,6 +26,9 @@ from torch.distributed.pipelining import (
     SplitPoint,
     pipeline,
 )
+from torch.distributed.tensor import DTensor, Replicate
+
+from plait._compat import tree_map
 
 __all__ = [
     "SCHEDULES",
@@ -35,6 +38,7 @@ __all__ = [
     "run_schedule",
     "split_model",
     "stage_indices",
+    "stage_on_submesh",
     "start_sum_over_world",
     "sum_over_group",
 ]
@@ -150,3 +154,32 @@ def start_sum_over_world(value: torch.Tensor) -> Callable[[], torch.Tensor]:
         return out
 
     return wait
+
+
+def stage_on_submesh(module: nn.Module, device_mesh: Any) -> None:
+    """Run ``module`` (a stage whose parameters are already DTensors on ``device_mesh``, the
+    mesh of the axes inside a stage) on DTensors: its tensor inputs enter replicated over
+    ``device_mesh`` and its outputs leave whole (a pending sum reduced, a split gathered), so
+    the pipeline's sends, receives and loss see the plain tensors one device would. Gradients
+    flow through both conversions. The module's ``forward`` is wrapped in place (its
+    parameter names stay the model's)."""
+    from plait.comm.dispatch import PlaitDispatchMode
+    from plait.comm.dtensor import implicit_replication
+
+    inner = module.forward
+
+    def enter(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            return DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim)
+        return x
+
+    def leave(y: Any) -> Any:
+        return y.full_tensor() if isinstance(y, DTensor) else y
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(enter, (args, kwargs))
+        with implicit_replication(), PlaitDispatchMode():
+            out = inner(*args, **kwargs)
+        return tree_map(leave, out)
+
+    module.forward = forward  # type: ignore[method-assign]

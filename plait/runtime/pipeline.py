@@ -20,8 +20,11 @@ micro-batch's loss by calling it with a stand-in that returns the pipeline's out
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +32,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait._compat import tree_leaves, tree_map
+from plait._compat import dtensor_like, tree_leaves, tree_map
 from plait.annotate import pipeline_stage_marks
 from plait.comm import pipeline as pp_comm
+from plait.comm.dtensor import (
+    distribute,
+    full_value,
+    implicit_replication,
+    is_dtensor,
+    local_piece,
+    sync_grad,
+)
 from plait.config import ParallelConfig
 from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, ShardingError
+from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
 from plait.runtime.job import Job, LossFn, OptimizerFactory
@@ -220,6 +232,15 @@ class PipelineJob(Job):
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
         stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
         modules = [pp_comm.stage_module(s) for s in stages]
+        inner = inner_axes(mesh, config)
+        if inner:
+            layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp)
+            submesh = device_mesh[inner if len(inner) > 1 else inner[0]]
+            for m in modules:
+                distribute_stage(m, layouts, submesh, MeshSpec.from_dict(
+                    {a: mesh.axis_size(a) for a in inner}
+                ))  # fmt: skip
+                pp_comm.stage_on_submesh(m, submesh)
         params = [p for m in modules for p in m.parameters()]
         super().__init__(
             model,
@@ -250,6 +271,7 @@ class PipelineJob(Job):
         self._first = all(c == 0 for c in coordinate)
         self._dp_index = coordinate[mesh.axis_index(config.dp_axis)] if dp > 1 else 0
         self._rows = _rows(example_batch)
+        self._inner = inner
         self._predicting = False
         logger.info(
             "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
@@ -260,6 +282,12 @@ class PipelineJob(Job):
             micro,
         )
 
+    def _on_submesh(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a schedule with tensor parallel in the stages: plain tensors a stage makes
+        (positions, masks) count as replicated, in forward and in backward, where they are
+        read again."""
+        return implicit_replication() if self._inner else contextlib.nullcontext()
+
     def _micro_loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         if self._predicting:  # job.predict: outputs wanted, no loss (the batch has no labels)
             return torch.zeros((), device=self._device)
@@ -269,8 +297,11 @@ class PipelineJob(Job):
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._start_mean_loss(self._run(batch, training=True))
+        params = [p for m in self.stage_modules for p in m.parameters()]
+        for p in params:  # tensor parallel in a stage: pending sums to the parameter's layout
+            sync_grad(p)
         self._sync_ties()
-        grads = [p.grad for m in self.stage_modules for p in m.parameters() if p.grad is not None]
+        grads = [local_piece(p.grad) for p in params if p.grad is not None]
         pp_comm.mean_over_group(grads, self._dp_group, self._dp)
         self.optimizer.step()
         return loss()
@@ -281,13 +312,17 @@ class PipelineJob(Job):
         gradients (one all-reduce over the pipeline per tie), so the copies, equal at the
         start and updated alike, stay equal (Megatron's embedding group)."""
         for tie in self._ties:
-            total = torch.zeros(tie.shape, dtype=tie.dtype, device=self._device)
+            shape = local_piece(tie.copies[0]).shape if tie.copies else tie.shape
+            total = torch.zeros(shape, dtype=tie.dtype, device=self._device)
             for p in tie.copies:
                 if p.grad is not None:
-                    total += p.grad
+                    total += local_piece(p.grad)
             total = pp_comm.sum_over_group(total, self._pp_group)
             for p in tie.copies:
-                p.grad = total.clone()
+                if p.grad is None:
+                    p.grad = dtensor_like(p, total.clone()) if is_dtensor(p) else total.clone()
+                else:
+                    local_piece(p.grad).copy_(total)
 
     def evaluate(self, batch: Any) -> float:
         """The global loss on ``batch`` without training: the stages' forwards alone, in
@@ -324,15 +359,16 @@ class PipelineJob(Job):
         outputs: list[Any] = []
         self._predicting = True
         try:
-            pp_comm.run_schedule(
-                self._schedule,
-                self.stages,
-                args,
-                kwargs,
-                torch.arange(self.config.micro_batches),
-                forward_only=True,
-                outputs=outputs,
-            )
+            with self._on_submesh():
+                pp_comm.run_schedule(
+                    self._schedule,
+                    self.stages,
+                    args,
+                    kwargs,
+                    torch.arange(self.config.micro_batches),
+                    forward_only=True,
+                    outputs=outputs,
+                )
         finally:
             self._predicting = False
         return self._gather_outputs(outputs[0] if outputs else None)
@@ -363,14 +399,15 @@ class PipelineJob(Job):
         else:
             self._timer.stop()  # job.timeline() shows the last training step
         try:
-            return pp_comm.run_schedule(
-                self._schedule,
-                self.stages,
-                args,
-                kwargs,
-                torch.arange(micro),
-                forward_only=not training,
-            )
+            with self._on_submesh():
+                return pp_comm.run_schedule(
+                    self._schedule,
+                    self.stages,
+                    args,
+                    kwargs,
+                    torch.arange(micro),
+                    forward_only=not training,
+                )
         finally:
             self._micro_batches = []
 
@@ -380,7 +417,9 @@ class PipelineJob(Job):
         result for the value)."""
         local = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
         total = pp_comm.start_sum_over_world(local if local is not None else torch.zeros(()))
-        return lambda: float(total()) / self._dp
+        # every rank of a last stage holds the loss: dp replicas x the ranks inside a stage
+        holders = self._dp * math.prod(self.mesh.axis_size(a) for a in self._inner)
+        return lambda: float(total()) / holders
 
     def state_modules(self) -> list[nn.Module]:
         return list(self.stage_modules)
@@ -409,7 +448,11 @@ class PipelineJob(Job):
         """Every stage's parameters and buffers, gathered on every rank (model names)."""
         from plait.comm.checkpoint_io import all_gather_objects
 
-        mine = {k: v.detach().cpu() for m in self.stage_modules for k, v in m.state_dict().items()}
+        mine = {
+            k: full_value(v).cpu() if is_dtensor(v) else v.detach().cpu()
+            for m in self.stage_modules
+            for k, v in m.state_dict().items()
+        }
         merged: dict[str, torch.Tensor] = {}
         for part in all_gather_objects(mine):
             merged.update(part)
@@ -453,20 +496,83 @@ def tied_copies(model: nn.Module, stage_modules: list[nn.Module]) -> list[_Tie]:
     return ties
 
 
+def inner_axes(mesh: MeshSpec, config: ParallelConfig) -> tuple[str, ...]:
+    """The mesh axes inside a stage (tensor parallel): all but ``pp`` and the data-parallel
+    axis, those of size 1 left out."""
+    return tuple(
+        a for a in mesh.axis_names if a not in ("pp", config.dp_axis) and mesh.axis_size(a) > 1
+    )
+
+
+def stage_parameter_layouts(
+    model: nn.Module,
+    config: ParallelConfig,
+    mesh: MeshSpec,
+    loss_fn: LossFn,
+    micro_batch: Any,
+    dp: int,
+) -> dict[str, TensorLayout]:
+    """Each parameter's layout over the axes inside a stage: from the semi_auto plan of the
+    whole model on the mesh without ``pp`` (the user's ``plait.shard`` annotations and their
+    propagation), made on one micro-batch of every data-parallel replica."""
+    from plait.planning import plan as make_plan
+
+    flat = {a: mesh.axis_size(a) for a in mesh.axis_names if a != "pp"}
+    planned = make_plan(
+        model,
+        dataclasses.replace(
+            config, mesh=flat, pipeline_stages=1, micro_batches=1, schedule="1f1b",
+            virtual_stages=None,
+        ),
+        example_batch=tree_map(lambda x: _repeat_rows(x, dp), micro_batch),
+        loss_fn=loss_fn,
+    )  # fmt: skip
+    inner = set(inner_axes(mesh, config))
+    sub = MeshSpec.from_dict({a: mesh.axis_size(a) for a in mesh.axis_names if a in inner})
+    return {
+        p.name: TensorLayout(sub, tuple(tuple(a for a in d if a in inner) for d in p.layout.dims))
+        for p in planned.parameters
+    }
+
+
+def _repeat_rows(x: Any, times: int) -> Any:
+    if not isinstance(x, torch.Tensor) or x.ndim == 0 or times == 1:
+        return x
+    return torch.cat([x] * times)
+
+
+def distribute_stage(
+    module: nn.Module, layouts: dict[str, TensorLayout], submesh: Any, sub: MeshSpec
+) -> None:
+    """Replace ``module``'s parameters by DTensors laid out as ``layouts`` (by the model's
+    names) on ``submesh``, the device mesh of the axes inside a stage; parameters the plan
+    does not name are replicated. Shared parameters stay shared."""
+    done: dict[int, nn.Parameter] = {}
+    for name, p in list(module.named_parameters(remove_duplicate=False)):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if id(p) not in done:
+            layout = layouts.get(name, TensorLayout.replicated(sub, p.ndim))
+            done[id(p)] = nn.Parameter(distribute(p.detach(), submesh, layout), p.requires_grad)
+        owner._parameters[attr] = done[id(p)]
+
+
 def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
     """What the pipeline runs with today, refused by name otherwise (before anything waits)."""
-    other = [a for a in mesh.axis_names if a not in ("pp", config.dp_axis)]
+    inner = inner_axes(mesh, config)
     refusals = [
         (
-            bool(other) and any(mesh.axis_size(a) > 1 for a in other),
-            f"mesh {dict(mesh.as_dict())}",
-            f"axes {other} inside pipeline stages (tensor parallel in a stage)",
+            bool(inner) and config.mode != "semi_auto",
+            f"mesh {dict(mesh.as_dict())}, mode={config.mode!r}",
+            f"axes {list(inner)} inside pipeline stages outside mode 'semi_auto' (tensor "
+            "parallel in a stage follows plait.shard annotations: use mode='semi_auto'); "
+            "mode data_parallel runs a mesh of 'pp' and 'dp'",
         ),
         (
-            config.mode != "data_parallel",
+            config.mode not in ("data_parallel", "semi_auto"),
             f"mode={config.mode!r}",
-            "pipeline stages running a plan (semi_auto, auto); use mode='data_parallel' with "
-            "a mesh of 'pp' and 'dp'",
+            "pipeline stages running a searched plan (auto, plan files); use mode="
+            "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
         (config.optimizer_shard is not None, f"optimizer_shard={config.optimizer_shard}", "ZeRO"),
         (config.recompute != "none", f"recompute={config.recompute!r}", "recompute"),
@@ -483,7 +589,7 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
             raise NotBuiltError(
                 f"ParallelConfig({given}) with pipeline_stages={config.pipeline_stages}: {what} "
                 "with pipeline parallel is not built yet; pipeline runs data parallel x pipeline "
-                "on fp32 today"
+                "(x tensor parallel in mode semi_auto) on fp32 today"
             )
     if mesh.axis_size("pp") != config.pipeline_stages:
         raise ConfigError(

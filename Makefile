@@ -4,14 +4,20 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# transformers: the newest pyproject.toml's range allows (pip would keep an older one that
+# satisfies it); `make test-transformers4` builds .venv-tf4 with the 4.x line
+TRANSFORMERS ?= transformers>=4.57,<6
+HF_TESTS := tests/sim/test_hf_capture.py tests/sim/test_plan_matrix.py tests/sim/test_pretrained.py \
+	tests/sim/test_auto_parallelize.py tests/unit/test_checkpoint_offline.py
 
-.PHONY: demo test test-nightly lint install clean
+.PHONY: demo test test-nightly test-hf test-transformers4 lint install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet --upgrade "$(TRANSFORMERS)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
@@ -27,9 +33,17 @@ test: $(STAMP)
 test-nightly: $(STAMP)
 	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q tests
 
+# the tests that build Hugging Face models (nightly cases too), on this venv's transformers
+test-hf: $(STAMP)
+	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q -k "hf or hugging" $(HF_TESTS)
+
+# the same on the transformers 4.x line, in its own venv
+test-transformers4:
+	$(MAKE) VENV=.venv-tf4 TRANSFORMERS="transformers==4.57.6" test-hf
+
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests bench examples
 	$(BIN)/lint-imports
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-tf4 build *.egg-info

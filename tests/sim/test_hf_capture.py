@@ -259,8 +259,9 @@ def hf_case(arch: str) -> tuple[nn.Module, list[Batch], Optimizer]:
 
 
 def test_hf_llama_with_labels_trains_like_one_device() -> None:
-    """The headline case: no attention mask, so transformers builds the causal mask with
-    torch.vmap; its DynamicCache concatenates to a literal ``torch.tensor([])``."""
+    """The headline case: no attention mask, so transformers builds the causal mask (4.x with
+    torch.vmap, 5.x by broadcasting); 4.x's DynamicCache concatenates to a literal
+    ``torch.tensor([])``."""
     model, batches, optimizer = hf_case("llama")
     plan = assert_trains_like_one_device(model, own_loss, optimizer, batches, DP_TP)
     assert all(op.target.startswith("aten.") for op in plan.ops)
@@ -326,8 +327,8 @@ def _padded(batches: list[Batch]) -> list[Batch]:
 @pytest.mark.nightly
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_hf_padding_mask_trains_like_one_device(arch: str) -> None:
-    """With an attention mask the mask builder's vmap indexes the padding mask by value
-    (``padding_mask[batch_idx, kv_idx]``, a ``flat_apply`` inside the vmap): retraced to
+    """With an attention mask the mask builder indexes the padding mask by value
+    (``padding_mask[batch_idx, kv_idx]``; in 4.x a ``flat_apply`` inside the vmap, retraced):
     ``aten.index``, which runs replicated."""
     model, batches, optimizer = hf_case(arch)
     plan = assert_trains_like_one_device(model, own_loss, optimizer, _padded(batches), DP_TP)

@@ -227,14 +227,16 @@ class PipelineJob(Job):
         starts = stage_starts(model, count)
         local = _local_example(example_batch, dp * micro)
         args, kwargs = model_inputs(model, loss_fn, local)
+        inner = inner_axes(mesh, config)
+        # Planned on the model as the user gave it: after the split its capture is not the
+        # same (the plan of a split model met an op with no output).
+        layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp) if inner else {}
         pipe = pp_comm.split_model(model, args, kwargs, starts)
         indices = pp_comm.stage_indices(config.schedule, pp_rank, pp, virtual)
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
         stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
         modules = [pp_comm.stage_module(s) for s in stages]
-        inner = inner_axes(mesh, config)
         if inner:
-            layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp)
             submesh = device_mesh[inner if len(inner) > 1 else inner[0]]
             for m in modules:
                 distribute_stage(m, layouts, submesh, MeshSpec.from_dict(

@@ -236,6 +236,7 @@ class PipelineJob(Job):
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
         stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
         modules = [pp_comm.stage_module(s) for s in stages]
+        submesh = None
         if inner:
             submesh = device_mesh[inner if len(inner) > 1 else inner[0]]
             for m in modules:
@@ -274,6 +275,8 @@ class PipelineJob(Job):
         self._dp_index = coordinate[mesh.axis_index(config.dp_axis)] if dp > 1 else 0
         self._rows = _rows(example_batch)
         self._inner = inner
+        self.inner_mesh = submesh
+        """The device mesh of the axes inside a stage (tensor parallel); None without."""
         self._predicting = False
         logger.info(
             "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
@@ -569,6 +572,13 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
             f"axes {list(inner)} inside pipeline stages outside mode 'semi_auto' (tensor "
             "parallel in a stage follows plait.shard annotations: use mode='semi_auto'); "
             "mode data_parallel runs a mesh of 'pp' and 'dp'",
+        ),
+        (
+            bool(inner) and config.schedule in ("zero_bubble", "zero_bubble_v"),
+            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}",
+            "a zero-bubble schedule with tensor parallel in the stages (its separate input- "
+            "and weight-gradient passes detach DTensor views in place, which torch refuses); "
+            "use gpipe, 1f1b or interleaved_1f1b",
         ),
         (
             config.mode not in ("data_parallel", "semi_auto"),

@@ -83,7 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         metavar="P",
-        help="pipeline stages (mode data_parallel: a mesh of pp=P x dp=world/P)",
+        help="pipeline stages (mode data_parallel: a mesh of pp=P x dp=world/P; with --mode "
+        "semi_auto: pp=P x dp x tp=--tp, tensor parallel inside the stages)",
     )
     p.add_argument("--micro-batches", type=int, default=None, metavar="M",
                    help="pipeline micro-batches a step (default 2 x --pp)")  # fmt: skip
@@ -106,10 +107,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
-    if args.pp > 1 and args.mode not in ("data_parallel", None):
-        p.error(f"--pp runs pipeline stages in mode data_parallel; drop --mode {args.mode}")
+    if args.pp > 1 and args.mode not in ("data_parallel", "semi_auto", None):
+        p.error(f"--pp runs pipeline stages in mode data_parallel, or semi_auto with --tp; "
+                f"drop --mode {args.mode}")  # fmt: skip
     if args.pp > 1:
-        args.mode = "data_parallel"
+        args.mode = args.mode or "data_parallel"
     args.mode = args.mode or ("auto" if args.plan is not None else "semi_auto")
     args.micro_batches = args.micro_batches or (2 * args.pp if args.pp > 1 else 1)
     for name in ("tp", "pp", "micro_batches", "grad_accumulation", "steps", "batch", "seq",
@@ -145,13 +147,15 @@ def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None
         return {"pp": args.pp, "dp": world_size // args.pp}
     if args.mode == "data_parallel":
         return {"dp": world_size}
-    tp = args.tp
-    if world_size % tp or args.heads % tp:
+    tp, pp = args.tp, args.pp
+    if world_size % (tp * pp) or args.heads % tp:
         raise SystemExit(
-            f"semi_auto with --tp {tp} needs a world size and --heads divisible by {tp} "
-            f"(world size {world_size}, heads {args.heads}); run under "
-            f"`plait run --worker-num {2 * tp}` or pick another --tp"
+            f"semi_auto with --tp {tp} --pp {pp} needs a world size divisible by {tp * pp} and "
+            f"--heads divisible by {tp} (world size {world_size}, heads {args.heads}); run "
+            f"under `plait run --worker-num {2 * tp * pp}` or pick another --tp"
         )
+    if pp > 1:  # tensor parallel inside the pipeline's stages
+        return {"pp": pp, "dp": world_size // (tp * pp), "tp": tp}
     return {"dp": world_size // tp, "tp": tp}
 
 

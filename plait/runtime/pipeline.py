@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from plait._compat import dtensor_like, tree_leaves, tree_map
@@ -244,6 +245,9 @@ class PipelineJob(Job):
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
+        if config.recompute == "full":
+            for m in modules:
+                recompute_stage(m)
         params = [p for m in modules for p in m.parameters()]
         super().__init__(
             model,
@@ -562,6 +566,21 @@ def distribute_stage(
         owner._parameters[attr] = done[id(p)]
 
 
+def recompute_stage(module: nn.Module) -> None:
+    """Full recompute for a stage: its forward keeps only its inputs for backward and runs
+    again there (torch's non-reentrant activation checkpoint, dropout masks replayed from the
+    saved RNG state), so a stage holds one micro-batch's activations at a time instead of one
+    per micro-batch in flight. Wraps ``forward`` in place (parameter names unchanged)."""
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation, prediction: nothing to keep
+            return inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
 def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
     """What the pipeline runs with today, refused by name otherwise (before anything waits)."""
     inner = inner_axes(mesh, config)
@@ -587,7 +606,12 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
         (config.optimizer_shard is not None, f"optimizer_shard={config.optimizer_shard}", "ZeRO"),
-        (config.recompute != "none", f"recompute={config.recompute!r}", "recompute"),
+        (
+            config.recompute not in ("none", "full") or bool(config.recompute_modules),
+            f"recompute={config.recompute!r}, recompute_modules={config.recompute_modules}",
+            "selective, automatic or per-module recompute (recompute='full' runs: each stage's "
+            "forward recomputed in its backward)",
+        ),
         (config.offload is not None, f"offload={config.offload!r}", "offload"),
         (config.precision != "fp32", f"precision={config.precision!r}", "mixed precision"),
         (

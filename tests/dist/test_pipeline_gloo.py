@@ -4,7 +4,8 @@ One spawn (a spawn costs ~15 s) trains a 4-layer TinyGPT for 2 SGD steps under e
 schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each from the
 same weights and batches: every step's loss and the final parameters equal single-device
 training. A model whose LM head is its token embedding (one tensor read by the first and the
-last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly.
+last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly; one
+recomputes every stage's forward in its backward (``recompute="full"``).
 Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
@@ -103,6 +104,8 @@ def _workers(root: str) -> dict:
     for schedule in SCHEDULES:
         job, losses = _train(ParallelConfig(**PIPE, schedule=schedule))
         out[schedule] = (losses, job.full_state_dict())
+    job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
+    out["recompute"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), tied=True)
     out["tied"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), marked=True)
@@ -146,7 +149,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     reference = reference_run(_model(), gpt_loss, _sgd, _batches(STEPS + 2))
     results = run_workers(_workers, 4, str(tmp_path), timeout_s=280.0)
     short = reference_run(_model(), gpt_loss, _sgd, _batches())
-    for name in (*SCHEDULES, "marked"):
+    for name in (*SCHEDULES, "marked", "recompute"):
         losses, state = results[0][name][:2]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(short.losses), msg=name)
         for key, value in short.state.items():

@@ -77,6 +77,17 @@ def test_settings_refused_by_name() -> None:
         check_pipeline_config(
             ParallelConfig(mode="data_parallel", mesh={"pp": 2, "tp": 2}, micro_batches=2), tp
         )
+    semi = {"mode": "semi_auto", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 2}
+    check_pipeline_config(ParallelConfig(**semi), tp)  # tensor parallel in the stages runs
+    with pytest.raises(NotBuiltError, match="zero-bubble schedule with tensor parallel"):
+        check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble"), tp)
+    with pytest.raises(NotBuiltError, match="inside pipeline stages outside mode 'semi_auto'"):
+        check_pipeline_config(ParallelConfig(**{**semi, "mode": "auto"}), tp)
+    with pytest.raises(NotBuiltError, match="searched plan"):
+        check_pipeline_config(ParallelConfig(**{**pipe, "mode": "auto", "micro_batches": 2}), mesh)
+    check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="full"), mesh)
+    with pytest.raises(NotBuiltError, match="selective, automatic or per-module recompute"):
+        check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="selective"), mesh)
     with pytest.raises(ConfigError, match="1f1b runs one stage a rank"):
         ParallelConfig(**pipe, virtual_stages=2)
     with pytest.raises(ConfigError, match="V schedule runs exactly 2 stages"):

@@ -11,14 +11,19 @@ load protocol needs (``plait/runtime/checkpoint.py`` holds the protocol itself).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plait._compat import load_dcp_keys
@@ -82,13 +87,83 @@ def checkpoint_group() -> Any:
     return dist.new_group(backend="gloo") if is_distributed() else None
 
 
-def save_tensors(state: dict[str, Any], path: str | os.PathLike[str], group: Any = None) -> None:
+def save_tensors(
+    state: dict[str, Any], path: str | os.PathLike[str], group: Any = None
+) -> dict[str, tuple[int, int]]:
     """Write ``state`` (flat: key -> tensor or DTensor) as a DCP checkpoint in directory ``path``.
 
-    Every rank calls it; each writes the pieces it holds (a replicated tensor once).
+    Every rank calls it; each writes the pieces it holds (a replicated tensor once). Returns the
+    files this rank wrote (names relative to ``path``) with their size and CRC-32, computed from
+    the bytes as they were written: the manifest needs no second pass over the data. A file
+    written out of order (a seek) is left out, to be checksummed by reading it.
     """
     writer = dcp.FileSystemWriter(os.fspath(path), single_file_per_rank=True, sync_files=True)
+    sums = _ChecksummingFileSystem(Path(path))
+    writer.fs = sums  # DCP opens every file it writes through ``fs``
     dcp.save(state, storage_writer=writer, process_group=group, no_dist=not is_distributed())
+    return sums.written
+
+
+class _CrcStream(io.RawIOBase):
+    """A write stream that passes bytes through to ``inner`` and keeps their size and CRC-32."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner, self.size, self.crc, self.in_order = inner, 0, 0, True
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.inner.write(view)
+        self.crc = zlib.crc32(view[:written], self.crc)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.inner.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.in_order = False  # the CRC no longer describes the file: read it instead
+        return self.inner.seek(offset, whence)
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, recording each file written (size, CRC-32) under its name
+    relative to ``root`` (a renamed file, the metadata, under its final name)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+        self.written: dict[str, tuple[int, int]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            crc = _CrcStream(stream)
+            yield crc
+            stream.flush()
+        if crc.in_order:
+            self.written[self._name(path)] = (crc.size, crc.crc)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        record = self.written.pop(self._name(path), None)
+        if record is not None:
+            self.written[self._name(new_path)] = record
+
+    def _name(self, path: str | os.PathLike[str]) -> str:
+        return Path(path).relative_to(self.root).as_posix()
 
 
 def load_tensors(state: dict[str, Any], path: str | os.PathLike[str]) -> None:

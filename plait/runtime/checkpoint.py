@@ -30,9 +30,11 @@ import os
 import random
 import shutil
 import threading
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from io import BytesIO
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -265,9 +267,10 @@ def save_job(
     manifest = _manifest(job, extras)
 
     def write() -> None:
-        torch.save(extras, partial / "extra" / f"rank{rank}.pt")
-        io.save_tensors(state, partial, group)
-        _commit(partial, final, manifest, group)
+        extra = f"extra/rank{rank}.pt"
+        written = {extra: _save_checksummed(extras, partial / extra)}
+        written.update(io.save_tensors(state, partial, group))
+        _commit(partial, final, manifest, group, written)
 
     if not async_save:
         write()
@@ -337,16 +340,36 @@ def _manifest(job: Job, extras: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _commit(partial: Path, final: Path, manifest: dict[str, Any], group: Any) -> None:
-    """Checksum every file (the ranks split them), write the manifest, rename into place."""
-    rank, world = io.rank(), io.world_size()
-    names = files.files_of(partial)
-    mine = {n: files.checksum(partial / n) for n in names[rank::world]}
+def _save_checksummed(obj: Any, path: Path) -> tuple[int, int]:
+    """``torch.save`` of ``obj`` to ``path``; the file's size and CRC-32 (from the bytes)."""
+    buffer = BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getbuffer()
+    with open(path, "wb") as f:
+        f.write(data)
+    return len(data), zlib.crc32(data)
+
+
+def _commit(
+    partial: Path,
+    final: Path,
+    manifest: dict[str, Any],
+    group: Any,
+    written: dict[str, tuple[int, int]],
+) -> None:
+    """Gather the checksums each rank made of the files it wrote, as it wrote them (a file
+    none of them recorded, the plan, is read once by rank 0), write the manifest, rename
+    into place."""
+    rank = io.rank()
+    mine = {name: {"bytes": size, "crc32": f"{crc:08x}"} for name, (size, crc) in written.items()}
     gathered = io.all_gather_objects(mine, group)
     if rank == 0:
         listed: dict[str, Any] = {}
         for part in gathered:
             listed.update(part)
+        for name in files.files_of(partial):
+            if name not in listed:
+                listed[name] = files.checksum(partial / name)
         files.write_manifest(partial, {**manifest, "files": listed})
         files.commit(partial, final)
         logger.info("checkpoint of step %d written to %s", manifest["step"], final)

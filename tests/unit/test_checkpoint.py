@@ -130,6 +130,25 @@ def test_damaged_checkpoint_is_refused_by_file_and_nothing_loads(
     assert _same(before, _state(job)) and job.steps_taken == 0 and not job.optimizer.state
 
 
+def test_manifest_checksums_made_while_writing_equal_the_files(saved: Path) -> None:
+    """The save checksums the bytes as it writes them (no second read of the data): every file
+    is listed, and each size and CRC-32 equals a read of the file."""
+    manifest = json.loads((saved / files.MANIFEST).read_text())
+    assert sorted(manifest["files"]) == files.files_of(saved)
+    assert any(name.endswith(".distcp") for name in manifest["files"])
+    for name, listed in manifest["files"].items():
+        assert files.checksum(saved / name) == listed, name
+
+
+def test_dcp_files_are_checksummed_as_written(tmp_path: Path) -> None:
+    from plait.comm import checkpoint_io
+
+    written = checkpoint_io.save_tensors({"x": torch.arange(1000.0)}, tmp_path)
+    assert sorted(written) == [".metadata", "__0_0.distcp"]  # not left to a second read
+    for name, (size, crc) in written.items():
+        assert files.checksum(tmp_path / name) == {"bytes": size, "crc32": f"{crc:08x}"}
+
+
 def test_missing_manifest_names_an_unfinished_save(saved: Path, tmp_path: Path) -> None:
     path = _copy(saved, tmp_path)
     (path / files.MANIFEST).unlink()

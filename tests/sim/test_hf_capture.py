@@ -21,9 +21,9 @@ Value-dependent sizes and branches (boolean-mask indexing, a Python ``if`` on a 
 Mixtral's expert loop, BART's layer drop) are refused by a CaptureError naming the module,
 the line and the way out; higher-order ops plait does not inline are refused by name.
 
-The larger cases (every architecture on dp=2 x tp=2 and dp=4, Hugging Face gradient
-checkpointing, padding attention masks; Mixtral and BART, which train from transformers 5 on)
-are ``nightly``.
+The larger cases (every architecture on dp=2 x tp=2, dp=4 and tp=4 with the four searchers
+in turn, Hugging Face gradient checkpointing, padding attention masks; Mixtral and BART, which
+train from transformers 5 on) are ``nightly``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch import nn
 
 import plait
 from plait.config import ParallelConfig
-from plait.errors import CaptureError
+from plait.errors import CaptureError, ShardingError
 from plait.graph import capture_program
 from plait.planning import Plan
 from plait.rules.catalogue import default_catalogue
@@ -54,6 +54,8 @@ Optimizer = Callable[..., torch.optim.Optimizer]
 
 DP_TP = {"dp": 2, "tp": 2}
 DP = {"dp": 4}
+TP = {"dp": 1, "tp": 4}
+SEARCHERS = ("sharding_propagation", "recursive_programming", "dynamic_programming", "ilp")
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 2
 
 
@@ -71,14 +73,19 @@ def own_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _train(
-    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, batches: list[Batch], mesh: dict
+    model: nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    batches: list[Batch],
+    mesh: dict,
+    search: str | None = None,
 ) -> tuple[Run, Plan]:
     """Train a copy of ``model`` in mode auto on 4 simulated ranks: the run and its plan."""
     model = copy.deepcopy(model)
     with plait.testing.simulate(4):
         job = plait.parallelize(
             model,
-            ParallelConfig(mode="auto", mesh=mesh),
+            ParallelConfig(mode="auto", mesh=mesh, search=search),
             optimizer=optimizer,
             loss_fn=loss_fn,
             example_batch=batches[0],
@@ -88,10 +95,15 @@ def _train(
 
 
 def assert_trains_like_one_device(
-    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, batches: list[Batch], mesh: dict
+    model: nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    batches: list[Batch],
+    mesh: dict,
+    search: str | None = None,
 ) -> Plan:
     expected = reference_run(model, loss_fn, optimizer, batches)
-    actual, plan = _train(model, loss_fn, optimizer, batches, mesh)
+    actual, plan = _train(model, loss_fn, optimizer, batches, mesh, search)
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
     return plan
 
@@ -280,18 +292,44 @@ def test_hf_gpt2_with_labels_trains_like_one_device() -> None:
     assert pad.inputs[0].dims[1] == ()  # the padded dim
 
 
+# The nightly matrix: every architecture on dp=2 x tp=2, dp=4 and tp=4, the searcher turning
+# with architecture and mesh (a Latin square: every searcher on every mesh, each architecture
+# under three of the four), so all twelve searcher x mesh pairs run.
+_MESHES = (("dp2xtp2", DP_TP), ("dp4", DP), ("tp4", TP))
+
+
+def _case(i: int, arch: str, j: int, name: str, mesh: dict) -> Any:
+    search = SEARCHERS[(i + j) % len(SEARCHERS)]
+    return pytest.param(arch, mesh, search, marks=pytest.mark.nightly, id=f"{arch}-{name}-{search}")
+
+
 _NIGHTLY = [
-    pytest.param(arch, mesh, marks=pytest.mark.nightly, id=f"{arch}-{name}")
-    for arch in HF
-    for name, mesh in (("dp2xtp2", DP_TP), ("dp4", DP))
+    _case(i, arch, j, name, mesh)
+    for i, arch in enumerate(HF)
+    for j, (name, mesh) in enumerate(_MESHES)
     if (arch, name) not in {("llama", "dp2xtp2"), ("gpt2", "dp2xtp2")}
 ]
 
 
-@pytest.mark.parametrize(("arch", "mesh"), _NIGHTLY)
-def test_hf_architecture_trains_like_one_device(arch: str, mesh: dict) -> None:
+@pytest.mark.parametrize(("arch", "mesh", "search"), _NIGHTLY)
+def test_hf_architecture_trains_like_one_device(arch: str, mesh: dict, search: str) -> None:
+    """On a mesh with tp the model is first annotated by ``plait.annotate.megatron`` (the
+    searcher plans every other op around those marks): unannotated, these tiny models are
+    cheapest fully replicated on the cost model, which would test no split at all. A model
+    whose heads do not divide over tp is refused by name and trains unannotated."""
     model, batches, optimizer = hf_case(arch)
-    assert_trains_like_one_device(model, own_loss, optimizer, batches, mesh)
+    tp = mesh.get("tp", 1)
+    annotated = False
+    if tp > 1:
+        try:
+            report = plait.annotate.megatron(model, tp)
+            annotated = bool(report.matched)
+        except ShardingError as e:
+            assert "heads" in str(e), str(e)
+    plan = assert_trains_like_one_device(model, own_loss, optimizer, batches, mesh, search)
+    assert plan.search == search
+    if annotated:  # the marks really split ops over tp
+        assert any("tp" in axes for op in plan.ops for t in op.inputs for axes in t.dims)
 
 
 @pytest.mark.nightly
@@ -359,12 +397,16 @@ def _classify(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tor
 
 
 @pytest.mark.nightly
-@pytest.mark.parametrize("mesh", [DP_TP, DP], ids=["dp2xtp2", "dp4"])
-def test_small_cnn_trains_like_one_device(mesh: dict) -> None:
+@pytest.mark.parametrize(
+    ("mesh", "search"),
+    [(DP_TP, "ilp"), (DP, "sharding_propagation"), (TP, "recursive_programming")],
+    ids=["dp2xtp2-ilp", "dp4-sharding_propagation", "tp4-recursive_programming"],
+)
+def test_small_cnn_trains_like_one_device(mesh: dict, search: str) -> None:
     """SGD: the first convolution's bias feeds batch norm (an exactly zero gradient)."""
     torch.manual_seed(0)
     batches = [(torch.randn(BATCH, 3, 16, 16), torch.randint(0, 10, (BATCH,))) for _ in range(2)]
-    assert_trains_like_one_device(_cnn(), _classify, sgd, batches, mesh)
+    assert_trains_like_one_device(_cnn(), _classify, sgd, batches, mesh, search)
 
 
 def _regression(n: int = STEPS, width: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:

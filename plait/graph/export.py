@@ -39,7 +39,7 @@ from torch import nn
 from plait._compat import simulation_suspended
 from plait.errors import CaptureError
 from plait.graph.convert import Captured, batch_leaves, canonical_names, convert_program
-from plait.graph.functional import functional_views, stride_free_views
+from plait.graph.functional import fills_as_copies, functional_views, stride_free_views
 from plait.graph.higher_order import (
     inline_higher_order,
     inlined_while_exporting,
@@ -190,7 +190,8 @@ def _exported(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.exp
     """``loss_fn(model, batch)`` exported as plain aten ops: writes into views functionalized
     (:mod:`~plait.graph.functional`), no_grad/autocast regions, vmap and cond inlined
     (:mod:`~plait.graph.higher_order`), tensor literals made plain
-    (:mod:`~plait.graph.literals`), views that relied on export's strides made reshapes;
+    (:mod:`~plait.graph.literals`), views that relied on export's strides made reshapes and
+    tensor fills copies (:mod:`~plait.graph.functional`);
     export's own errors pass through."""
     # outside a simulated world: some models do not export under LocalTensorMode
     with simulation_suspended(), inlined_while_exporting():
@@ -200,7 +201,8 @@ def _exported(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.exp
     inline_higher_order(program.graph_module)
     _inline_regions(program.graph_module)  # regions that were inside an inlined subgraph
     plain_literals(program)
-    if stride_free_views(program.graph_module.graph):
+    strides = stride_free_views(program.graph_module.graph)
+    if fills_as_copies(program.graph_module.graph) or strides:
         program.graph_module.recompile()
     refuse_higher_order(program.graph_module, type(model).__name__)
     return program

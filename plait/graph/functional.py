@@ -30,7 +30,7 @@ import torch.fx
 
 from plait._compat import dispatch_modes_suspended
 
-__all__ = ["functional_views", "stride_free_views", "writes_into_a_view"]
+__all__ = ["fills_as_copies", "functional_views", "stride_free_views", "writes_into_a_view"]
 
 
 def _is_view(node: Any) -> bool:
@@ -97,3 +97,19 @@ def _strided(node: Any) -> bool:
             return False
         node = node.args[0]
     return False
+
+
+def fills_as_copies(graph: torch.fx.Graph) -> bool:
+    """Make each ``x.fill_(v)`` with a tensor ``v`` (0-d: ``x.fill_(h.mean())``) the
+    ``x.copy_(v)`` it equals, in place; whether any changed.
+
+    The two write the same values (``v`` broadcast, cast to ``x``'s dtype) and give ``v`` the
+    same gradient (the sum of ``x``'s), but torch 2.13's DTensor has no sharding strategy for
+    ``fill_.Tensor`` (a plan running one crashed) and runs ``copy_`` as a pointwise op.
+    """
+    changed = False
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.fill_.Tensor:
+            node.target = torch.ops.aten.copy_.default
+            changed = True
+    return changed

@@ -927,7 +927,16 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 return x.to_local()
             return x
 
-        out = target(*_map(local, args), **_map(local, kwargs))
+        local_args, local_kwargs = _map(local, args), _map(local, kwargs)
+        if _writes_any(target):
+            # An in-place op (``x.copy_(v)`` on a fresh tensor) on a DTensor's local view is
+            # refused by autograd: it runs on a copy, and the graph reads the op's output
+            # (export routes later uses of the written tensor through it).
+            local_args = tuple(
+                a.clone() if isinstance(a, torch.Tensor) and is_dtensor(b) else a
+                for a, b in zip(local_args, args, strict=True)
+            )
+        out = target(*local_args, **local_kwargs)
         return _map(
             lambda t: replicated_from_local(t, mesh) if isinstance(t, torch.Tensor) else t,
             out,

@@ -730,3 +730,33 @@ def test_hf_value_dependent_models_are_refused(arch: str, module: str, line: str
     with pytest.raises(CaptureError) as info:
         capture_program(model, batch, own_loss)
     assert f"module {module!r}" in str(info.value) and line in str(info.value)
+
+
+class _Fills(nn.Module):
+    """``fill_`` with a computed value and ``copy_`` into a fresh tensor, as forwards write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        level = torch.zeros_like(h)
+        level.fill_(h.mean())  # torch 2.13's DTensor has no strategy for fill_.Tensor
+        doubled = torch.empty_like(h)
+        doubled.copy_(h * 2)  # in place on a fresh tensor, an op without a rule
+        return self.b(h + level + doubled)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "search"), [(DP_TP, "sharding_propagation"), (TP, "dynamic_programming")]
+)
+def test_fill_with_a_tensor_and_copy_into_a_fresh_tensor_train_like_one_device(
+    mesh: dict, search: str
+) -> None:
+    """Both crashed at run time (DTensor's missing strategy; autograd refusing an in-place op
+    on a local view): capture writes the fill as the copy it equals, and an in-place op
+    without a rule runs on a copy of its input."""
+    torch.manual_seed(0)
+    plan = assert_trains_like_one_device(_Fills(), mse, sgd, _regression(), mesh, search)
+    assert "aten.fill_.Tensor" not in {op.target for op in plan.ops}

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # satisfies it); `make test-transformers4` builds .venv-tf4 with the 4.x line
 TRANSFORMERS ?= transformers>=4.57,<6
 HF_TESTS := tests/sim/test_hf_capture.py tests/sim/test_plan_matrix.py tests/sim/test_pretrained.py \
-	tests/sim/test_auto_parallelize.py tests/unit/test_checkpoint_offline.py
+	tests/sim/test_auto_parallelize.py tests/unit/test_checkpoint_offline.py tests/sim/test_predict.py
 
 .PHONY: demo test test-nightly test-hf test-transformers4 lint install clean
 

@@ -176,9 +176,21 @@ _EVERY_RUN_8 = {
     "hf_gpt2": "sharding_propagation",
     "hf_llama": "sharding_propagation",
 }
+# The Hugging Face models' recursive_programming and dynamic_programming rows on 4 ranks are
+# nightly too: tests/sim/test_hf_capture.py's nightly matrix runs every searcher on them.
+_NIGHTLY_4 = {("hf_gpt2", "recursive_programming"), ("hf_gpt2", "dynamic_programming"),
+              ("hf_llama", "recursive_programming"), ("hf_llama", "dynamic_programming")}  # fmt: skip
+
+
+def _nightly(kind: str, search: str, world: int) -> bool:
+    if world == 8:
+        return _EVERY_RUN_8.get(kind, "ilp") != search
+    return (kind, search) in _NIGHTLY_4
+
+
 MATRIX = [
     pytest.param(kind, search, world, marks=pytest.mark.nightly)
-    if world == 8 and _EVERY_RUN_8.get(kind, "ilp") != search
+    if _nightly(kind, search, world)
     else (kind, search, world)
     for kind in MODELS
     for search in SEARCHERS

@@ -122,6 +122,11 @@ def _workers(root: str) -> dict:
     job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
     out["evaluate"] = job.evaluate(_local(job, _batches()[0]))
     out["predict"] = job.predict((_batches()[0][0],))  # the whole batch, the same everywhere
+    try:  # the stages are built for the training batch: another size is refused by name
+        job.predict((_batches()[0][0][:4],))
+        out["predict_refused"] = ""
+    except plait.ShardingError as e:
+        out["predict_refused"] = str(e)
     png = Path(root) / "measured.png"
     timeline = job.timeline(png, trace=Path(root) / "measured.json")
     out["timeline"] = sorted({(e.rank, e.kind) for e in timeline.events})
@@ -167,6 +172,9 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     assert results[0]["evaluate"] == pytest.approx(expected, rel=1e-5)
     with torch.no_grad():
         logits = trained(_batches()[0][0])
+    assert "the batch has [4] rows but the stages were built for batches of [8]" in (
+        results[0]["predict_refused"]
+    )
     for rank, r in enumerate(results):  # every rank gets the whole batch's logits
         torch.testing.assert_close(r["predict"], logits, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
     # the last training step's measured schedule: both pipeline ranks ran forwards and

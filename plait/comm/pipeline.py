@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
     pipeline,
 )
 from torch.distributed.tensor import DTensor, Replicate
+from torch.overrides import TorchFunctionMode
 
 from plait._compat import tree_map
 
@@ -178,8 +179,21 @@ def stage_on_submesh(module: nn.Module, device_mesh: Any) -> None:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(enter, (args, kwargs))
-        with implicit_replication(), PlaitDispatchMode():
+        with implicit_replication(), PlaitDispatchMode(), _PendingSumsReduced():
             out = inner(*args, **kwargs)
         return tree_map(leave, out)
 
     module.forward = forward  # type: ignore[method-assign]
+
+
+class _PendingSumsReduced(TorchFunctionMode):
+    """Every op's pending-sum output is reduced at once (Megatron's all-reduce right after a
+    row-parallel linear). Left pending, DTensor reduces it where the next norm reads it, but
+    autograd keeps the unreduced value for that norm's backward, which reduces it again."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+            whole = [Replicate() if p.is_partial() else p for p in out.placements]
+            return out.redistribute(out.device_mesh, whole)
+        return out

@@ -52,6 +52,7 @@ from plait.mesh import MeshSpec
 from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.meta_init import require_initialised
+from plait.runtime.predict import call_arguments
 
 __all__ = ["PipelineJob", "model_inputs", "stage_starts"]
 
@@ -361,7 +362,7 @@ class PipelineJob(Job):
             else x,
             batch,
         )
-        args, kwargs = _call_arguments(local)
+        args, kwargs = call_arguments(local)
         for m in self.stage_modules:
             m.eval()
         self._timer.stop()  # job.timeline() shows the last training step
@@ -645,15 +646,6 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
 def _rows(batch: Any) -> set[int]:
     """The dim-0 sizes of a batch's tensors."""
     return {x.shape[0] for x in tree_leaves(batch) if isinstance(x, torch.Tensor) and x.ndim}
-
-
-def _call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The model's arguments for ``batch`` as its documentation calls it (job.predict)."""
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    if isinstance(batch, tuple | list):
-        return tuple(batch), {}
-    return (batch,), {}
 
 
 def _to_cpu(x: Any) -> Any:

@@ -47,21 +47,49 @@ from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import autocast_for
 
 if TYPE_CHECKING:
+    from plait.config import ParallelConfig
+    from plait.mesh import MeshSpec
     from plait.runtime.data_parallel import PlainDataParallel
-    from plait.runtime.job import Job
 
-__all__ = ["PlannedForward", "batch_key", "call_model", "meta_stand_ins", "predict", "without_cache"]
+__all__ = [
+    "PlannedForward",
+    "batch_key",
+    "call_arguments",
+    "call_model",
+    "meta_stand_ins",
+    "predict",
+    "without_cache",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """``model`` called on ``batch`` as its documentation shows (see the module docstring)."""
+class Job(Protocol):
+    """What prediction reads of a :class:`plait.Job` (named here, not imported: the Job
+    delegates ``predict`` to this module)."""
+
+    model: nn.Module
+    config: ParallelConfig
+    mesh: MeshSpec | None
+    device_mesh: Any
+    plain: PlainDataParallel | None
+    loss_fn: Any
+
+
+def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The model's arguments for ``batch``, as its documentation calls it: a dict's items as
+    keywords, a tuple's or list's items in order, anything else as the one argument."""
     if isinstance(batch, dict):
-        return model(**batch)
+        return (), dict(batch)
     if isinstance(batch, tuple | list):
-        return model(*batch)
-    return model(batch)
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """``model`` called on ``batch`` as its documentation shows (:func:`call_arguments`)."""
+    args, kwargs = call_arguments(batch)
+    return model(*args, **kwargs)
 
 
 @torch.no_grad()
@@ -73,7 +101,7 @@ def predict(job: Job, batch: Any) -> Any:
     precision = autocast_for(job.config.precision, _device_type(job))
     with in_mode(job.model, training=False):
         if job.plain is not None:
-            return _predict_plain(job, job.plain, batch)
+            return _predict_plain(job, job.plain, batch, precision)
         if job.device_mesh is None:
             with precision:
                 return call_model(job.model, batch)
@@ -120,8 +148,9 @@ def _divides(batch: Any, parts: int) -> bool:
 # ------------------------------------------------------------------------ plain data parallel
 
 
-def _predict_plain(job: Job, plain: PlainDataParallel, batch: Any) -> Any:
-    precision = autocast_for(job.config.precision, _device_type(job))
+def _predict_plain(
+    job: Job, plain: PlainDataParallel, batch: Any, precision: contextlib.AbstractContextManager[Any]
+) -> Any:
     batch = tree_map(lambda x: x.to(plain.device) if isinstance(x, torch.Tensor) else x, batch)
     if plain.size == 1 or not _divides(batch, plain.size):
         if plain.size > 1:

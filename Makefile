@@ -10,7 +10,7 @@ TRANSFORMERS ?= transformers>=4.57,<6
 HF_TESTS := tests/sim/test_hf_capture.py tests/sim/test_plan_matrix.py tests/sim/test_pretrained.py \
 	tests/sim/test_auto_parallelize.py tests/unit/test_checkpoint_offline.py tests/sim/test_predict.py
 
-.PHONY: demo test test-nightly test-hf test-transformers4 lint install clean
+.PHONY: demo test test-nightly test-hf test-transformers4 lint typecheck install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,11 @@ test-transformers4:
 lint: $(STAMP)
 	$(BIN)/ruff check plait tests bench examples
 	$(BIN)/lint-imports
+	$(MAKE) typecheck
+
+# mypy on the package, the settings in pyproject.toml's [tool.mypy]
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .venv-tf4 build *.egg-info

@@ -28,12 +28,13 @@ __all__ = ["plan_buckets"]
 def plan_buckets(sizes: Sequence[int], fusion: CommFusion) -> list[list[int]]:
     """Group parameter indices ``0..len(sizes)-1`` (sizes in bytes) into buckets, launch order."""
     n = len(sizes)
+    buckets: list[list[int]]
     if fusion.mode == "index":
         cuts = [0, *[b for b in fusion.boundaries if b < n], n]
         buckets = [list(range(a, b)) for a, b in itertools.pairwise(cuts) if b > a]
         return buckets[::-1]
     limit = fusion.bucket_mb * 1e6
-    buckets: list[list[int]] = []
+    buckets = []
     current: list[int] = []
     used = 0
     for i in reversed(range(n)):

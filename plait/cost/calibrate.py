@@ -123,7 +123,7 @@ def measure_kernel_latency(budget_s: float = 0.1) -> float:
     """Median seconds of a one-element ``torch.add`` (the floor under any op)."""
     a, b = torch.ones(1), torch.ones(1)
     out = torch.empty(1)
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < 100 or time.perf_counter() - start < budget_s:
         t0 = time.perf_counter()

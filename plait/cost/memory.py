@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from plait.cost.errors import CostError
 
@@ -385,7 +385,8 @@ class MemoryModel:
             shard_group=config.data_parallel_size,
             optimizer_shard=config.optimizer_shard,
             precision=config.precision,
-            recompute=config.recompute,
+            # the config's "auto" is the planner's to resolve: __post_init__ refuses it here
+            recompute=cast(Recompute, config.recompute),
             stages=config.pipeline_stages,
             micro_batches=config.micro_batches,
             schedule=config.schedule,

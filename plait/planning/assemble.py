@@ -28,12 +28,13 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
 from plait.cost.memory import (
     MemoryBreakdown,
+    Recompute,
     graph_activation_bytes,
     model_state_memory,
     training_memory,
@@ -179,7 +180,7 @@ def assemble_plan(
         stages=_stage_names(graph, stage_list, stages),
         model=model_name,
         batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
-        memory_limit=cfg.memory_limit,  # type: ignore[arg-type]
+        memory_limit=cast("int | None", cfg.memory_limit),  # ParallelConfig parsed text to bytes
         grad_accumulation=cfg.grad_accumulation,
         dp_axis=cfg.dp_axis,
         dataset_strategy=cfg.dataset_strategy,
@@ -367,7 +368,8 @@ def recompute_regions(graph: OpGraph, cfg: ParallelConfig) -> tuple[tuple[str, s
             layers = [op.module_path.split(".")[0] for op in graph.ops if op.module_path]
         for path in layers:
             out.setdefault(path, cfg.recompute)
-    for path, mode in cfg.recompute_modules:
+    # ParallelConfig holds a mapping given to it as sorted (path, mode) pairs
+    for path, mode in cast("tuple[tuple[str, str], ...]", cfg.recompute_modules):
         out[path] = mode
     return tuple(out.items())
 
@@ -690,7 +692,9 @@ def _stage_memory(
         nbytes = node.outputs[k].nbytes // math.prod(layout.splits())
         return int(nbytes * scale) if node.outputs[k].dtype == "float32" else nbytes
 
-    per_step = graph_activation_bytes(graph, recompute=cfg.recompute, local_bytes=local_bytes)
+    # the planner resolved recompute="auto" before assembling (graph_activation_bytes refuses it)
+    recompute = cast(Recompute, cfg.recompute)
+    per_step = graph_activation_bytes(graph, recompute=recompute, local_bytes=local_bytes)
     if cfg.offload == "activations":
         # what backward reads waits on the host: about one repeated layer's worth is on the
         # device at a time (a rough bound; small values stay, see plait/runtime/offload.py)

@@ -65,10 +65,14 @@ def check_bool(where: str, value: object) -> bool:
 
 def check_seconds(where: str, value: object) -> float:
     """Non-negative finite number, stored as float so the file always writes it the same way."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise fail(where, value, "must be a finite number >= 0", "give seconds as a float")
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
 
 
 def check_choice(where: str, value: object, allowed: Iterable[object]) -> Any:
@@ -109,9 +113,10 @@ def check_layout(where: str, layout: object) -> TensorLayout:
 
 
 def check_on_mesh(where: str, layout: object, mesh: MeshSpec) -> None:
-    if check_layout(where, layout).mesh != mesh:
+    checked = check_layout(where, layout)
+    if checked.mesh != mesh:
         raise PlanError(
-            f"{where} is laid out on mesh {layout.mesh.as_dict()!r} but the plan's mesh is "  # type: ignore[union-attr]
+            f"{where} is laid out on mesh {checked.mesh.as_dict()!r} but the plan's mesh is "
             f"{mesh.as_dict()!r}; build every layout on the plan's mesh"
         )
 

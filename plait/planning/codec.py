@@ -32,7 +32,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, cast, get_args, get_origin
 
 from plait.errors import PlaitError, PlanError
 from plait.layout import TensorLayout
@@ -169,7 +169,8 @@ def encode(value: Any) -> Any:
 
 def _encode_record(record: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in _fields(type(record)):
+    cls: type = type(record)
+    for f in _fields(cls):
         value = getattr(record, f.name)
         keyed_by = f.metadata.get(KEYED_BY)
         if keyed_by is None:
@@ -306,14 +307,16 @@ def _decode(hint: Any, raw: object, path: str, reader: Reader, what: str | None 
     if hint in _LEAVES:
         return _LEAVES[hint].decode(raw, path, reader)
     if dataclasses.is_dataclass(hint):
-        return _decode_record(hint, raw, path, reader)
+        return _decode_record(cast(type, hint), raw, path, reader)
     if origin is tuple:
         args = get_args(hint)
         item = args[0] if len(args) == 2 and args[1] is Ellipsis else Any
-        return tuple(_decode(item, v, f"{path}[{i}]", reader) for i, v in enumerate(raw))  # type: ignore[arg-type]
+        items = cast("list[Any]", raw)  # _matches saw a JSON array
+        return tuple(_decode(item, v, f"{path}[{i}]", reader) for i, v in enumerate(items))
     if origin is dict:
         _, value = get_args(hint)
-        return {k: _decode(value, v, f"{path}.{k}", reader) for k, v in raw.items()}  # type: ignore[union-attr]
+        entries = cast("dict[str, Any]", raw)  # _matches saw a JSON object
+        return {k: _decode(value, v, f"{path}.{k}", reader) for k, v in entries.items()}
     return raw
 
 

@@ -31,10 +31,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from plait.config import CommFusion, ParallelConfig
-from plait.cost.memory import graph_activation_bytes, model_state_memory, training_memory
+from plait.cost.memory import (
+    Recompute,
+    graph_activation_bytes,
+    model_state_memory,
+    training_memory,
+)
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout, optimizer_shard_dim
@@ -93,7 +98,9 @@ class GraphFacts:
                 refs.append(ref)
                 return 0
 
-            graph_activation_bytes(self.graph, recompute=recompute, local_bytes=record)
+            # a policy of a record or config ("auto" resolved); graph_activation_bytes checks it
+            policy = cast(Recompute, recompute)
+            graph_activation_bytes(self.graph, recompute=policy, local_bytes=record)
             found = self._kept[recompute] = tuple(map(self._kept_value, refs))
         return found
 

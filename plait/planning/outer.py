@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -164,7 +165,8 @@ def auto_plan(
     timing = timing if timing is not None else PlanTiming()
     searcher = get_searcher(cfg.search or "sharding_propagation")
     hardware = hardware_of(cfg, hardware_file)
-    limit = cfg.memory_limit or hardware.memory_bytes
+    # ParallelConfig parsed a memory_limit given as text ("80GiB") to bytes
+    limit = cast("int | None", cfg.memory_limit) or hardware.memory_bytes
     meshes = _meshes(cfg, graph, hardware.devices_per_node, runnable_only)
     model_name = type(model).__name__ if model is not None else ""
     facts = GraphFacts(graph)

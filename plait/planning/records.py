@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, get_args
+from typing import ClassVar, cast, get_args
 
 from plait.config import CommFusion, DatasetStrategy, Mode, Precision, Schedule
 from plait.errors import PlaitError, PlanError
@@ -635,8 +635,9 @@ def _model_shapes(model_or_params: object) -> dict[str, tuple[int, ...]]:
         return {name: tuple(int(s) for s in p.shape) for name, p in named()}
     if isinstance(model_or_params, Mapping):
         out = {}
-        for name, shape in model_or_params.items():
-            shape = getattr(shape, "shape", shape)  # tensors stand for their shapes
+        for name, value in model_or_params.items():
+            # tensors stand for their shapes; check_shape checks what it is given
+            shape = cast("Iterable[object]", getattr(value, "shape", value))
             out[check_str("validate: parameter name", name, empty=False)] = check_shape(
                 f"{name!r}", shape
             )
@@ -651,19 +652,18 @@ def _check_dataset_strategy(value: object) -> DatasetStrategyValue:
     """``value`` with per-input split counts as tuples; an error naming the field if bad."""
     if isinstance(value, str) and value in get_args(DatasetStrategy):
         return value
-    entries_ok = isinstance(value, tuple | list) and all(
+    if not isinstance(value, tuple | list) or not all(
         isinstance(e, TensorLayout)
         or (
             isinstance(e, tuple | list)
             and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in e)
         )
         for e in value
-    )
-    if not entries_ok:
+    ):
         raise fail(
             "Plan.dataset_strategy",
             value,
             "must be 'data_parallel', 'full_batch' or a tuple of per-input strategies",
             "give ParallelConfig.dataset_strategy's value",
         )
-    return tuple(e if isinstance(e, TensorLayout) else tuple(e) for e in value)  # type: ignore[union-attr]
+    return tuple(e if isinstance(e, TensorLayout) else tuple(e) for e in value)

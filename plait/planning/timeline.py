@@ -31,8 +31,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from plait.cost.memory import Schedule
 from plait.cost.memory import in_flight_micro_batches as _held_micro_batches
 from plait.errors import PlanError
 
@@ -130,7 +131,7 @@ def in_flight_micro_batches(
             stage, stages, micro_batches, "interleaved_1f1b", chunks=virtual_stages
         )
     if schedule in ("gpipe", "1f1b", "zero_bubble_v"):
-        return _held_micro_batches(stage, stages, micro_batches, schedule)
+        return _held_micro_batches(stage, stages, micro_batches, cast(Schedule, schedule))
     raise _bad_schedule(schedule)
 
 
@@ -180,13 +181,14 @@ def schedule_order(
     two chunks a rank in a V, each backward split into input and weight passes (ZB-V).
     """
     _check_pipeline(schedule, stages, micro_batches, virtual_stages)
-    build: Callable[[int, int, int, int], list[Action]] = {
+    builders: dict[str, Callable[[int, int, int, int], list[Action]]] = {
         "gpipe": _gpipe_order,
         "1f1b": _one_f_one_b_order,
         "interleaved_1f1b": functools.partial(_interleaved_order, zero_bubble=False),
         "zero_bubble": functools.partial(_interleaved_order, zero_bubble=True),
         "zero_bubble_v": _v_order,
-    }[schedule]
+    }
+    build = builders[schedule]
     return tuple(tuple(build(r, stages, micro_batches, virtual_stages)) for r in range(stages))
 
 

@@ -21,7 +21,7 @@ still the user's to add.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -104,7 +104,7 @@ def _layouts_text(layouts: Mapping[str, TensorLayout]) -> str:
     return " ".join(f"{name}[{d}]" for name, d in dims.items())
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     # The last column is free text: only the others are padded.
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 from plait.cli.base import EXIT_USAGE, Command
 from plait.config import (
@@ -221,7 +221,7 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                 "(model, example_batch, loss_fn)"
             )
         return built
-    from plait.models import ModelSpec, annotate_megatron, build
+    from plait.models import ModelSpec, TinyGPT, annotate_megatron, build
 
     fields = {
         k: getattr(args, k)
@@ -236,7 +236,7 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             raise ConfigError(
                 f"--megatron annotates the built-in gpt only, not --model {args.model}"
             )
-        annotate_megatron(model, tp=(args.mesh or {}).get("tp", 1))
+        annotate_megatron(cast(TinyGPT, model), tp=(args.mesh or {}).get("tp", 1))
     return model, batch, loss_fn
 
 

@@ -6,13 +6,16 @@ Tensor-name legend: B batch, T sequence, D model width, H heads, K head width, V
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.annotate import shard
+from plait.models.spec import Batch
 
 __all__ = ["Attention", "Block", "GPTConfig", "TinyGPT", "annotate_megatron", "gpt_loss"]
 
@@ -27,6 +30,8 @@ class GPTConfig:
 
 
 class Attention(nn.Module):
+    mask: torch.Tensor  # a buffer (nn.Module's attribute lookup types it loosely)
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
@@ -85,7 +90,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def gpt_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     ids, targets = batch
     logits_BTV = model(ids)
     return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets.reshape(-1))
@@ -97,7 +102,7 @@ def annotate_megatron(model: TinyGPT, tp: int) -> TinyGPT:
     ``nn.Linear`` weights are ``[out, in]``: ``(tp, 1)`` splits outputs (column parallel),
     ``(1, tp)`` splits inputs (row parallel, its partial sums all-reduced).
     """
-    for block in model.blocks:
+    for block in cast("Iterable[Block]", model.blocks):
         for lin in (block.attn.q, block.attn.k, block.attn.v, block.fc1):
             shard(lin, parameter_strategy={"weight": (tp, 1)})
         for lin in (block.attn.out, block.fc2):

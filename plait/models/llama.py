@@ -29,6 +29,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Precomputed rotary cos/sin tables, ``[seq, head_dim]``, shared by every block."""
 
+    cos: torch.Tensor  # buffers (nn.Module's attribute lookup types them loosely)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, seq: int, base: float = 10000.0) -> None:
         super().__init__()
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.models.spec import Batch
+
 __all__ = ["MLP", "mlp_loss"]
 
 
@@ -27,6 +29,6 @@ class MLP(nn.Module):
         return x
 
 
-def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def mlp_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     x, y = batch
     return F.mse_loss(model(x), y)

@@ -9,10 +9,15 @@ torch version and what plait needed it for.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed._local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+    from torch.distributed.tensor import DTensor, Placement
 
 __all__ = [
     "TORCH_VERSION",
@@ -192,8 +197,9 @@ def traced_as_rank(device_mesh, rank: int) -> Iterator[None]:  # type: ignore[no
         return out
 
     saved = (DeviceMesh.get_coordinate, DeviceMesh._sym_get_coordinate)
-    DeviceMesh.get_coordinate = lambda self: coordinate(self)  # type: ignore[method-assign]
-    DeviceMesh._sym_get_coordinate = lambda self, i: coordinate(self)[i]  # type: ignore[method-assign]
+    # torch annotates get_coordinate's answer as a tuple; DTensor only indexes it (a list serves)
+    DeviceMesh.get_coordinate = lambda self: coordinate(self)  # type: ignore[method-assign, assignment, return-value]
+    DeviceMesh._sym_get_coordinate = lambda self, index: coordinate(self)[index]  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -220,7 +226,8 @@ def dtensor_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     A training step hands every parameter its gradient this way; ``DTensor.from_local`` costs
     an autograd function and a new spec per call, tens of microseconds each.
     """
-    return type(template)(local, template._spec, requires_grad=False)
+    dtensor = cast("DTensor", template)
+    return type(dtensor)(local, dtensor._spec, requires_grad=False)
 
 
 def group_ranks(group_name: str) -> list[int]:
@@ -229,7 +236,7 @@ def group_ranks(group_name: str) -> list[int]:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    return list(dist.get_process_group_ranks(_resolve_process_group(cast("GroupName", group_name))))
 
 
 @contextlib.contextmanager
@@ -297,8 +304,8 @@ def load_dcp_keys(path: str, keys: set[str] | None) -> dict[str, torch.Tensor]:
 def local_shape_and_offset(
     global_shape: tuple[int, ...],
     mesh_shape: tuple[int, ...],
-    coordinate: list[int],
-    placements: tuple[object, ...],
+    coordinate: Sequence[int],
+    placements: tuple[Placement, ...],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offset of its first element) of the piece that the rank at
     ``coordinate`` of a mesh of ``mesh_shape`` holds of a DTensor with ``placements``.

@@ -9,6 +9,7 @@ the partial sums of a split contraction dim (all-reduce, or reduce-scatter when
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -16,6 +17,9 @@ from plait.comm.dtensor import as_dtensor, is_dtensor, mesh_spec_of, to_layout
 from plait.layout import TensorLayout, resolve_strategy
 from plait.rules import matmul_signature
 from plait.rules.common import resolve_output
+
+if TYPE_CHECKING:
+    from plait.comm.dtensor import DTensor
 
 __all__ = ["matmul"]
 
@@ -39,12 +43,12 @@ def matmul(
     dt = x if is_dtensor(x) else w if is_dtensor(w) else None
     if dt is None or strategy is None:
         return torch.matmul(x, w)
-    device_mesh = dt.device_mesh  # type: ignore[attr-defined]
+    device_mesh = dt.device_mesh
     mesh = mesh_spec_of(device_mesh)
     resolved = resolve_strategy(matmul_signature(x.ndim, w.ndim), strategy, mesh, name)
     for i, t in enumerate((x, w)):
         resolved.inputs[i].check_shape(tuple(t.shape), f"{name} input {i}")
     x = as_dtensor(x, device_mesh, resolved.inputs[0])
     w = as_dtensor(w, device_mesh, resolved.inputs[1])
-    y = torch.matmul(x, w)
+    y = cast("DTensor", torch.matmul(x, w))  # DTensors in, a DTensor out
     return to_layout(y, resolve_output(resolved.output, out_strategy, name))

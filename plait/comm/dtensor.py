@@ -16,6 +16,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -30,6 +31,9 @@ from plait.errors import LayoutError
 from plait.layout import Partial, Replicate, Shard, TensorLayout
 from plait.layout.placement import Placement
 from plait.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 __all__ = [
     "any_rank_true",
@@ -178,7 +182,7 @@ def to_layout(tensor: DTensor, layout: TensorLayout) -> DTensor:
     return tensor.redistribute(tensor.device_mesh, placements)
 
 
-def is_dtensor(value: object) -> bool:
+def is_dtensor(value: object) -> TypeIs[DTensor]:
     return isinstance(value, DTensor)
 
 

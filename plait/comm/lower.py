@@ -225,8 +225,8 @@ def _run_node(
     calls = [
         (
             n.target,
-            repr(torch.fx.node.map_arg(n.args, lambda a, p=p: p[a])),
-            repr(torch.fx.node.map_arg(n.kwargs, lambda a, p=p: p[a])),
+            repr(torch.fx.node.map_arg(n.args, p.__getitem__)),
+            repr(torch.fx.node.map_arg(n.kwargs, p.__getitem__)),
         )
         for n, p in zip(nodes, positions, strict=True)
     ]

@@ -7,7 +7,7 @@ uninitialised until a load fills them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from plait.comm.dtensor import (
 )
 from plait.layout import TensorLayout
 from plait.runtime.meta_init import check_meta_buffers, mark_uninitialised
+
+if TYPE_CHECKING:
+    from plait.comm.dtensor import DTensor
 
 __all__ = ["place_parameters", "reshard_parameters"]
 
@@ -96,11 +99,12 @@ def reshard_parameters(
             if p is None or names.get(id(p)) not in placements:
                 continue
             if id(p) not in done:
-                moved = p.detach().redistribute(device_mesh, placements[names[id(p)]])
+                whole = cast("DTensor", p.detach())  # the parameters named are DTensors
+                moved = whole.redistribute(device_mesh, placements[names[id(p)]])
                 done[id(p)] = nn.Parameter(moved, p.requires_grad)
             module._parameters[name] = done[id(p)]
     out = dict(layouts)
     for n, p in model.named_parameters(remove_duplicate=False):
         if id(p) in {id(q) for q in done.values()}:
-            out[n] = layout_of(p)
+            out[n] = layout_of(cast("DTensor", p))
     return out

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,7 +296,7 @@ def _coordinates(device_mesh: Any) -> dict[int, list[int]]:
     }
 
 
-def _block_offset(tensor: Any, coordinate: list[int]) -> tuple[int, ...]:
+def _block_offset(tensor: Any, coordinate: Sequence[int]) -> tuple[int, ...]:
     """Offset of a rank's piece by plait's own rule: along each dim the piece index counts
     the layout's axes outermost first. Must agree with DTensor's (a cross-check: a piece that
     is not one block of the tensor could not be read as one slice)."""
@@ -312,7 +312,7 @@ def _block_offset(tensor: Any, coordinate: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _piece_slices(tensor: Any, coordinate: list[int]) -> tuple[slice, ...]:
+def _piece_slices(tensor: Any, coordinate: Sequence[int]) -> tuple[slice, ...]:
     """The global slice of ``tensor`` (a DTensor) that the rank at ``coordinate`` holds."""
     placements = tuple(tensor.placements)
     if any(p.is_partial() for p in placements):

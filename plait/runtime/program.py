@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.fx
@@ -64,9 +65,22 @@ from plait.runtime.zero import (
     reduce_scatter_outputs,
 )
 
+if TYPE_CHECKING:
+    from plait.comm.dtensor import DTensor
+
 __all__ = ["Program", "ProgramCollective", "check_loss", "compile_program", "strip_wrapper"]
 
 logger = logging.getLogger(__name__)
+
+
+def _recomputed(
+    derived: set[torch.fx.Node],
+    policies: Sequence[Callable[[torch.fx.Node], bool]],
+    node: torch.fx.Node,
+) -> bool:
+    """Whether backward recomputes ``node``: a ZeRO-3 regather's result, or a node a recompute
+    policy picks that is not a collective (their results are kept)."""
+    return node in derived or (not is_collective(node) and any(p(node) for p in policies))
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +252,16 @@ class Program:
             derived = self._regather.get(rank, set())
             policies = [
                 recompute_policy(
-                    mode, region_map([p for p, m in regions if m == mode]), backward_start=start
+                    cast(Literal["full", "selective"], mode),  # the plan's regions hold only these
+                    region_map([p for p, m in regions if m == mode]),
+                    backward_start=start,
                 )
                 for mode in sorted({m for _, m in regions})
             ]
             count = rematerialize(
                 graph_module,
                 backward_start=start,
-                recompute=lambda node, d=derived, ps=policies: (
-                    node in d or (not is_collective(node) and any(p(node) for p in ps))
-                ),
+                recompute=functools.partial(_recomputed, derived, policies),
             )
             if derived:
                 prefetch_regathers(graph_module, derived)
@@ -442,7 +456,9 @@ def _traced_step(
                 values.append(spec.constant)
                 continue
             assert spec.shape is not None and spec.stride is not None
-            value = dtensor_from_local(next(pieces), mesh, spec.placements, spec.shape, spec.stride)
+            value: torch.Tensor = dtensor_from_local(
+                next(pieces), mesh, spec.placements, spec.shape, spec.stride
+            )
             if spec.trained:
                 value = value.detach().requires_grad_(True)
                 assert spec.target is not None
@@ -465,7 +481,12 @@ def _traced_step(
             grads = torch.autograd.grad(
                 loss, [v for _, v in leaves], grad_outputs=seed, allow_unused=True
             )
-        kept = [(name, g) for (name, _), g in zip(leaves, grads, strict=True) if g is not None]
+        # the leaves are DTensors, so are their gradients
+        kept = [
+            (name, cast("DTensor", g))
+            for (name, _), g in zip(leaves, grads, strict=True)
+            if g is not None
+        ]
         record["trained"] = tuple(name for name, _ in kept)
         record["grad_placements"] = tuple(tuple(g.placements) for _, g in kept)
         record["loss_placements"] = tuple(loss.placements)

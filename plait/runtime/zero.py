@@ -32,7 +32,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx
@@ -42,6 +42,9 @@ from plait._compat import simulation_suspended
 from plait.comm.dtensor import dtensor_from_local, local_piece
 from plait.errors import ConfigError
 from plait.runtime.local_optim import is_elementwise
+
+if TYPE_CHECKING:
+    from plait.comm.dtensor import DTensor
 
 __all__ = [
     "Apply",
@@ -243,7 +246,8 @@ class ZeroOptimizer:
             split_copy = spec is not None and level in (1, 2)
             if split_copy:
                 assert spec is not None
-                piece = p.detach().redistribute(device_mesh, spec.placements).to_local().clone()
+                whole = cast("DTensor", p.detach())  # a sharded parameter is a DTensor
+                piece = whole.redistribute(device_mesh, spec.placements).to_local().clone()
             else:
                 piece = local_piece(p).detach()
             if host and piece.device.type != "cpu":
@@ -289,7 +293,8 @@ class ZeroOptimizer:
         for k, (p, shadow, spec) in enumerate(self.pairs):
             if spec is not None and self.level in (1, 2):
                 if self._coordinate is None:
-                    piece = p.detach().redistribute(self.device_mesh, spec.placements).to_local()
+                    whole = cast("DTensor", p.detach())  # a sharded parameter is a DTensor
+                    piece = whole.redistribute(self.device_mesh, spec.placements).to_local()
                 else:
                     piece = self._chunk(local_piece(p), spec, p)
                 shadow.detach().copy_(piece)

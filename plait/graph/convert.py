@@ -146,6 +146,7 @@ class _Converter:
 
     def _fqn(self, target: str) -> str:
         fqn = _strip(target)
+        tensor: torch.Tensor
         try:
             tensor = self.model.get_parameter(fqn)
         except (AttributeError, KeyError):

@@ -216,8 +216,8 @@ def _export(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> torch.expor
     except Exception as e:
         name = type(model).__name__
         if is_value_dependent(e):
-            site = site_of_exception(e, model) or "the forward or the loss"
-            raise value_dependent_error(name, site, e) from e
+            culprit = site_of_exception(e, model) or "the forward or the loss"
+            raise value_dependent_error(name, culprit, e) from e
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         site = site_of_exception(e, model)
         where = f" in {site}" if site else ""

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -240,7 +240,7 @@ def _region_module(
     env: dict[torch.fx.Node, torch.fx.Node] = {a: sub.placeholder(a.name) for a in reads}
     for a in outer:
         if a.op == "get_attr":
-            env[a] = sub.get_attr(a.target)
+            env[a] = sub.get_attr(cast(str, a.target))  # a get_attr node's target: a name
     for n in nodes:
         env[n] = sub.node_copy(n, env.__getitem__)
     results = [n for n in nodes if any(u not in inside for u in n.users)]
@@ -346,7 +346,7 @@ def _replace_results(graph: torch.fx.Graph, node: torch.fx.Node, results: Sequen
                 f"capture: module {_module_of(node)!r}: the outputs of {node.target} are read "
                 "as a whole; plait reads them by index only"
             )
-        user.replace_all_uses_with(results[user.args[1]])
+        user.replace_all_uses_with(results[cast(int, user.args[1])])
         graph.erase_node(user)
     graph.erase_node(node)
 

@@ -77,7 +77,7 @@ class NodeRankedHandler(RendezvousHandler):
             raise LaunchError(self._timeout_message(key)) from e
         if self._node_rank is None:
             return info
-        return self._reorder(info)
+        return self._reorder(info, self._node_rank)
 
     def _timeout_message(self, key: str) -> str:
         arrived = self._store.add(key, 0)
@@ -95,9 +95,9 @@ class NodeRankedHandler(RendezvousHandler):
             " --worker-num, or raise --cluster-timeout."
         )
 
-    def _reorder(self, info: RendezvousInfo) -> RendezvousInfo:
+    def _reorder(self, info: RendezvousInfo, node_rank: int) -> RendezvousInfo:
         store = info.store
-        store.set(f"plait.node_rank.{info.rank}", str(self._node_rank))
+        store.set(f"plait.node_rank.{info.rank}", str(node_rank))
         keys = [f"plait.node_rank.{r}" for r in range(info.world_size)]
         seen = sorted(int(v) for v in store.multi_get(keys))
         if seen != list(range(info.world_size)):
@@ -106,7 +106,14 @@ class NodeRankedHandler(RendezvousHandler):
                 f" values {seen}; they must be 0..{info.world_size - 1}, each once. Give each"
                 " node its own --node-rank (or none at all, to number nodes automatically)."
             )
-        return RendezvousInfo(store, self._node_rank, info.world_size, info.bootstrap_store_info)
+        # torch's RendezvousInfo reads back the store info it was given as Optional but
+        # annotates the argument as required: pass the same value on
+        return RendezvousInfo(
+            store,
+            node_rank,
+            info.world_size,
+            info.bootstrap_store_info,  # type: ignore[arg-type]
+        )
 
     def is_closed(self) -> bool:
         return self._inner.is_closed()

@@ -39,10 +39,20 @@ class OpStrategy:
 
 
 class OpRule(Protocol):
-    """A rule for one family of ops (``plait/rules/<family>.py``)."""
+    """A rule for one family of ops (``plait/rules/<family>.py``).
 
-    family: str  # "matmul", "pointwise", ...
-    targets: tuple[str, ...]  # aten targets it covers, e.g. ("aten.linear.default",)
+    ``family`` and ``targets`` are read-only here: the rules are frozen dataclasses.
+    """
+
+    @property
+    def family(self) -> str:
+        """The family's name: "matmul", "pointwise", ..."""
+        ...
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The aten targets it covers, e.g. ("aten.linear.default",)."""
+        ...
 
     def strategies(self, op: OpNode, mesh: MeshSpec) -> list[OpStrategy]:
         """Every valid strategy of ``op`` on ``mesh``, fully replicated first."""

@@ -94,8 +94,9 @@ def _permutation(op: OpNode, nd: int) -> list[int] | None:
     dims = arg(op, 1, "dims")
     if not isinstance(dims, Sequence) or len(dims) != nd:
         return None
-    perm = [wrap_dim(d, nd) for d in dims]
-    return None if None in perm else perm  # type: ignore[return-value]
+    wrapped = [wrap_dim(d, nd) for d in dims]
+    perm = [d for d in wrapped if d is not None]
+    return perm if len(perm) == len(wrapped) else None
 
 
 def permute_rule(op: OpNode) -> Einsum | None:

@@ -179,8 +179,8 @@ class _Builder:
         u, v = self.position[edge.producer], self.position[edge.consumer]
         producer, consumer = p.candidates[edge.producer], p.candidates[edge.consumer]
         meta = p.graph.meta(edge.ref)
-        key = (id(producer), edge.output, id(consumer), edge.input, edge.needs_grad, meta)
-        key += (self.choices[u], self.choices[v])
+        key: tuple[object, ...] = (id(producer), edge.output, id(consumer), edge.input)
+        key += (edge.needs_grad, meta, self.choices[u], self.choices[v])
         found = self.cache.get(key)
         if found is not None:
             return found
@@ -202,7 +202,7 @@ class _Builder:
         (f, fi), (op_pos, i) = first, later
         op = p.graph.ops[op_pos]
         f_cands, cands = p.candidates[p.graph.ops[f].name], p.candidates[op.name]
-        key = ("shared", id(f_cands), fi, id(cands), i, op.input_metas[i])
+        key: tuple[object, ...] = ("shared", id(f_cands), fi, id(cands), i, op.input_metas[i])
         key += (self.choices[f], self.choices[op_pos])
         found = self.cache.get(key)
         if found is not None:

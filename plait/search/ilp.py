@@ -127,13 +127,13 @@ def _model(
     model = pulp.LpProblem("plait_strategy_search", pulp.LpMinimize)
     chosen: list[list[Any] | None] = []
     terms: list[tuple[Any, float]] = []
-    for k, u in enumerate(unary):
-        if len(u) == 1:
+    for k, costs in enumerate(unary):
+        if len(costs) == 1:
             chosen.append(None)
             continue
-        s = [_variable(pulp, model, f"s_{k}_{a}", "Binary") for a in range(len(u))]
+        s = [_variable(pulp, model, f"s_{k}_{a}", "Binary") for a in range(len(costs))]
         model += pulp.lpSum(s) == 1, f"one_{k}"
-        terms.extend((x, float(c) * scale) for c, x in zip(u, s, strict=True) if c != 0)
+        terms.extend((x, float(c) * scale) for c, x in zip(costs, s, strict=True) if c != 0)
         chosen.append(s)
     for u, v, matrix in pairs:
         su, sv = chosen[u], chosen[v]

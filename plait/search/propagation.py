@@ -101,7 +101,7 @@ class _Walk:
             if known is None:
                 continue
             layout, meta, grad = known[0], op.input_metas[i], problem.needs_grad(ref)
-            key = (base, 0, i, id(layout), id(meta), grad)
+            key: tuple[object, ...] = (base, 0, i, id(layout), id(meta), grad)
             found = vectors.get(key)
             if found is None:
                 vector = [problem.input_edge_seconds(op, i, cands[j], layout) for j in at]
@@ -141,10 +141,10 @@ class _Walk:
         key = (id(own), *(id(v) for _, v in terms))
         ranked = self._ranked.get(key)
         if ranked is None:
-            redist = [0.0] * len(own)
+            sums = [0.0] * len(own)
             for _, vector in terms:
-                redist = [a + b for a, b in zip(redist, vector, strict=True)]
-            ranked = sorted(zip(redist, own, indices, strict=True))[: 1 + ALTERNATIVES_KEPT]
+                sums = [a + b for a, b in zip(sums, vector, strict=True)]
+            ranked = sorted(zip(sums, own, indices, strict=True))[: 1 + ALTERNATIVES_KEPT]
             self._ranked[key] = ranked
         redist, own_s, index = ranked[0]
         position = list(indices).index(index) if not isinstance(indices, range) else index

@@ -238,12 +238,15 @@ def _representatives(
     return node_of
 
 
-Counts = dict[tuple[object, ...], int]
+LinkKey = tuple[int, str, int, str, int, TensorMeta, bool]  # a _Link's fields but its count
+SourceKey = tuple[str, int, TensorLayout, TensorMeta, bool]  # node, then a _Source's fields
+LinkCounts = dict[LinkKey, int]
+SourceCounts = dict[SourceKey, int]
 
 
-def _value_links(problem: SearchProblem, node_of: Mapping[str, str]) -> Counts:
+def _value_links(problem: SearchProblem, node_of: Mapping[str, str]) -> LinkCounts:
     """Op-to-op edges, mapped onto representatives and counted."""
-    links: Counts = {}
+    links: LinkCounts = {}
     for e in problem.edges():
         key = (
             VALUE,
@@ -258,22 +261,24 @@ def _value_links(problem: SearchProblem, node_of: Mapping[str, str]) -> Counts:
     return links
 
 
-def _input_links(problem: SearchProblem, node_of: Mapping[str, str], links: Counts) -> Counts:
+def _input_links(
+    problem: SearchProblem, node_of: Mapping[str, str], links: LinkCounts
+) -> SourceCounts:
     """Batch tensors feeding ops (returned) and shared parameters (added to ``links``).
 
     A parameter's layout is the one its first reader wants (as in
     :meth:`SearchProblem.shared_parameter_seconds`): each later reader is linked to it.
     """
     graph = problem.graph
-    sources: Counts = {}
+    sources: SourceCounts = {}
     first_reader: dict[str, tuple[str, int]] = {}
     for op in graph.ops:
         node = node_of[op.name]
         for i, ref in enumerate(op.inputs):
             meta = op.input_metas[i]
             if ref in problem.input_layouts:
-                key = (node, i, problem.input_layouts[ref], meta, problem.needs_grad(ref))
-                sources[key] = sources.get(key, 0) + 1
+                fed = (node, i, problem.input_layouts[ref], meta, problem.needs_grad(ref))
+                sources[fed] = sources.get(fed, 0) + 1
                 continue
             source = graph.graph_input(ref)
             if source is None or source.kind != "parameter":
@@ -300,14 +305,14 @@ def _fold(
         count[node_of[op.name]] += 1
     links = _value_links(problem, node_of)
     sources = _input_links(problem, node_of, links)
-    folded_links = tuple(_Link(*key, n) for key, n in links.items())  # type: ignore[arg-type]
+    folded_links = tuple(_Link(*key, n) for key, n in links.items())
     touching: dict[str, list[int]] = {n: [] for n in nodes}
     for lid, link in enumerate(folded_links):
         touching[link.src].append(lid)
         if link.dst != link.src:
             touching[link.dst].append(lid)
     by_node: dict[str, list[_Source]] = {}
-    for (node, slot, layout, meta, grad), n in sources.items():  # type: ignore[misc]
+    for (node, slot, layout, meta, grad), n in sources.items():
         by_node.setdefault(node, []).append(_Source(slot, layout, meta, grad, n))
     return _Folded(
         nodes,

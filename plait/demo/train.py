@@ -21,10 +21,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
@@ -488,7 +488,7 @@ class GeneratorState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"state": self.gen.get_state()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.gen.set_state(state["state"])
 
 

@@ -60,7 +60,7 @@ class LocalShadows:
 
 
 def build_optimizer(
-    model: nn.Module, factory: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+    model: nn.Module, factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 ) -> torch.optim.Optimizer:
     """The user's optimizer, on local pieces when its update is elementwise.
 

@@ -53,7 +53,9 @@ def offload_saved(
         if not _movable(node, min_bytes):
             continue
         readers = list(node.users)
-        late = sorted((u for u in readers if position.get(u, start) >= start), key=position.get)
+        late = sorted(
+            (u for u in readers if position.get(u, start) >= start), key=position.__getitem__
+        )
         early = [u for u in readers if position.get(u, start) < start]
         if not late or late[0].op == "output":
             continue

@@ -200,6 +200,8 @@ def model_inputs(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, 
 class PipelineJob(Job):
     """A job whose model runs as pipeline stages (see the module docstring)."""
 
+    mesh: MeshSpec  # always given (a plain Job's may be None)
+
     def __init__(
         self,
         model: nn.Module,

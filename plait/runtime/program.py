@@ -236,7 +236,7 @@ class Program:
         )
         self._recheck_code()
 
-    def rematerialize(self, regions: Sequence[tuple[str, str]] = ()) -> int:
+    def rematerialize(self, regions: Sequence[tuple[str, ...]] = ()) -> int:
         """The last pass: backward recomputes what it would otherwise keep from forward.
 
         ``regions`` are (module path, "full" | "selective") pairs, the plan's recompute

@@ -53,7 +53,10 @@ class CollectiveLog(TorchDispatchMode):
     def __post_init__(self) -> None:
         super().__init__()
         names = self.device_mesh.mesh_dim_names or ()
-        self._axis_of_group = {self.device_mesh.get_group(a).group_name: a for a in names}
+        # keyed by group name: a functional collective's last argument
+        self._axis_of_group: dict[str, str] = {
+            self.device_mesh.get_group(a).group_name: a for a in names
+        }
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -8,6 +8,7 @@ parameter agree within tolerance. Users can check their own models with the same
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,5 +83,10 @@ def assert_same_run(expected: Run, actual: Run, rtol: float = 1e-5, atol: float 
     )
     for key, ref in expected.state.items():
         torch.testing.assert_close(
-            actual.state[key], ref, rtol=rtol, atol=atol, msg=lambda m, k=key: f"parameter {k}: {m}"
+            actual.state[key], ref, rtol=rtol, atol=atol, msg=functools.partial(_about, key)
         )
+
+
+def _about(name: str, message: str) -> str:
+    """assert_close's message for a parameter or buffer ``name`` that differs."""
+    return f"parameter {name}: {message}"

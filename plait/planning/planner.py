@@ -16,7 +16,7 @@ import dataclasses
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,7 @@ from plait.config import ParallelConfig
 from plait.data import split_micro_batches
 from plait.errors import ConfigError
 from plait.graph import OpGraph, capture, in_mode
+from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning.assemble import assemble_plan
 from plait.planning.outer import auto_plan
@@ -123,16 +124,23 @@ def plan_graph(
     hardware_file: str | None = None,
     runnable_only: bool = False,
     timing: PlanTiming | None = None,
+    fixed_parameters: Mapping[str, TensorLayout] | None = None,
 ) -> Plan:
     """Plan an already captured graph (annotations are read from ``model`` when given).
 
     ``runnable_only`` keeps mode auto to what the operator executor runs today: no pipeline
     stages, ZeRO or recompute. ``timing`` receives where the time went (as in :func:`plan`).
+    ``fixed_parameters`` (needs ``mesh``): the layouts, by FQN, that those parameters keep (a
+    running job planning again for a batch of a new shape).
     """
     start = time.perf_counter()
     timing = timing if timing is not None else PlanTiming()
+    if fixed_parameters and mesh is None:
+        raise ConfigError("plan_graph(fixed_parameters=...) needs the mesh they live on: mesh=")
     with _gc_paused():
-        result = _plan_graph(graph, cfg, mesh, model, hardware_file, runnable_only, timing)
+        result = _plan_graph(
+            graph, cfg, mesh, model, hardware_file, runnable_only, timing, fixed_parameters
+        )
     timing.total_s += time.perf_counter() - start
     _log.info("%s", timing.line())
     return result
@@ -160,6 +168,7 @@ def _plan_graph(
     hardware_file: str | None,
     runnable_only: bool,
     timing: PlanTiming,
+    fixed_parameters: Mapping[str, TensorLayout] | None = None,
 ) -> Plan:
     check_config(cfg)
     if cfg.mode == "auto" and mesh is None:
@@ -172,7 +181,14 @@ def _plan_graph(
             timing=timing,
         )
     with timing.phase("candidates"):
-        setup = prepare(graph, cfg, mesh=mesh, model=model, hardware_file=hardware_file)
+        setup = prepare(
+            graph,
+            cfg,
+            mesh=mesh,
+            model=model,
+            hardware_file=hardware_file,
+            fixed_parameters=fixed_parameters,
+        )
     searcher = get_searcher(cfg.search or "sharding_propagation")
     with timing.phase("search"):
         decisions = searcher(setup.problem, setup.allowed, setup.configured)
@@ -195,7 +211,7 @@ def _plan_graph(
     if cfg.recompute != "auto":
         return assemble(cfg)
     # recompute="auto": the cheapest policy whose predicted memory fits the limit
-    limit = cfg.memory_limit or setup.hardware.memory_bytes
+    limit = int(cfg.memory_limit or setup.hardware.memory_bytes)  # parsed to bytes by the config
     for recompute in ("none", "selective", "full"):
         plan = assemble(dataclasses.replace(cfg, recompute=recompute))
         if plan.predicted.memory_bytes <= limit:

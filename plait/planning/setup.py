@@ -109,10 +109,13 @@ def prepare(
     model: nn.Module | None = None,
     hardware_file: str | None = None,
     hardware: HardwareProfile | None = None,
+    fixed_parameters: Mapping[str, TensorLayout] | None = None,
 ) -> SearchSetup:
     """Candidates, costs and constraints for ``graph`` under ``cfg`` (annotations from ``model``).
 
     ``hardware``: the profile, when the caller has it already (else read from ``cfg``).
+    ``fixed_parameters``: layouts (by FQN) the plan must keep for those parameters (a running
+    job planning again for a new batch shape).
     """
     mesh = mesh or mesh_of(cfg)
     hardware = hardware or hardware_of(cfg, hardware_file)
@@ -133,7 +136,7 @@ def prepare(
     inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
     fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
     problem = SearchProblem(graph, mesh, candidates, inputs, cost, fused_axis=fused)
-    constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode)
+    constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters)
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
 

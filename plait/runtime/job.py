@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import LossScaler, autocast_for
+from plait.runtime.predict import batch_key
 from plait.runtime.program import Program, check_loss
 from plait.runtime.zero import ZeroOptimizer, reduce_scatter_accumulated
 
@@ -66,6 +67,7 @@ class Job:
         plain: PlainDataParallel | None = None,
         micro_step_shapes: bool = False,
         program: Program | None = None,
+        program_for: Callable[[Any], Program] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -84,7 +86,15 @@ class Job:
         evaluate cuts its batch into micro-batches as step does."""
         self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
         self.program = program
-        """The compiled per-rank program a plan job's step runs (None for other jobs)."""
+        """The compiled per-rank program a plan job's step runs (None for other jobs): the one
+        of the last batch shape stepped or evaluated."""
+        self.program_for = program_for
+        """A plan job's program for another executor of its plan (a new batch shape): traced
+        and given the same passes as :attr:`program`."""
+        self.replan: Callable[[Any, Any], tuple[Any, Program]] | None = None
+        """``replan(executor, batch)`` plans and compiles again for a laid-out batch of a new
+        shape (:mod:`plait.runtime.replan`); None: the job runs its planned shapes only."""
+        self._by_shape: dict[tuple[Any, ...], tuple[Any, Program]] = {}
         self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
         self.steps_taken = 0
         """Optimizer steps taken (restored by :meth:`load`)."""
@@ -224,6 +234,7 @@ class Job:
         the data-parallel axis in the plan's fused buckets and over other pending axes one by
         one, then the optimizer updates the local pieces.
         """
+        program = self._for_batch_shape(batch)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -245,10 +256,11 @@ class Job:
             total = loss.detach() if total is None else total + loss.detach()
         assert grads is not None and total is not None
         for p, g, placements in zip(trained, grads, program.grad_placements, strict=True):
-            if placements == p.placements:  # reduced (or never pending): the cheap wrapper
+            dp = cast(Any, p)  # a DTensor parameter: a plan job places every one
+            if placements == dp.placements:  # reduced (or never pending): the cheap wrapper
                 p.grad = dtensor_like(p, g)
             else:
-                p.grad = dtensor_from_local(g, p.device_mesh, placements, p.shape, p.stride())
+                p.grad = dtensor_from_local(g, dp.device_mesh, placements, p.shape, p.stride())
         shadows = getattr(self.optimizer, "_plait_shadows", None)
         zero = shadows if isinstance(shadows, ZeroOptimizer) else None
         self._reduce_gradients(program, trained, zero)
@@ -263,6 +275,34 @@ class Job:
         )
         return float(full_value(loss_value).item())
 
+    def _for_batch_shape(self, batch: Any) -> Program:
+        """The program for ``batch``'s micro-batch shapes, made active (``loss_fn`` and
+        ``program``): the planned one, one planned before for these shapes, or planned now
+        (once per shape, logged; :mod:`plait.runtime.replan`). A job that cannot plan again
+        keeps its program, whose executor refuses other shapes by name."""
+        assert self.program is not None
+        micro = split_micro_batches(batch, self.config.grad_accumulation)[0]
+        key = batch_key(micro)
+        found = self._by_shape.get(key)
+        if found is None:
+            found = self._program_of_shape(micro)
+            if found is None:
+                return self.program
+            self._by_shape[key] = found
+        self.loss_fn, self.program = found
+        return found[1]
+
+    def _program_of_shape(self, micro: Any) -> tuple[Any, Program] | None:
+        assert self.program is not None
+        laid_out = self.shard_batch(micro)
+        known = [(self.loss_fn, self.program), *self._by_shape.values()]
+        for executor, program in known:
+            if executor.accepts(laid_out):  # type: ignore[attr-defined]
+                return executor, program
+        if self.replan is None:
+            return None
+        return self.replan(self.loss_fn, laid_out)
+
     def _reduce_gradients(
         self, program: Program, trained: list[nn.Parameter], zero: ZeroOptimizer | None
     ) -> None:
@@ -270,6 +310,7 @@ class Job:
         (gradient accumulation: once, after the last micro-batch), then other pending axes."""
         owned: set[int] = set()
         if self.grad_sync is not None:
+            assert isinstance(self.grad_sync, GradSync)  # a plan job's (not plain DP's)
             owned = self.grad_sync.skip  # reduce-scattered by optimizer parallel
             if program.fused_buckets:  # summed inside the program, during its backward
                 self.grad_sync.launched_in_backward = program.fused_buckets
@@ -359,6 +400,8 @@ class Job:
             loss = self._plain_loss(batch, self.plain, training=False)
             return self.plain.mean_of(self.plain.start_loss_sum(loss))
         k = self.config.grad_accumulation if self._micro_step_shapes else 1
+        if self.program is not None:
+            self._for_batch_shape(batch)
         with greedy_redistribution_planning():
             losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
         return float(sum(loss.item() for loss in losses)) / k

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from plait._compat import tree_leaves, tree_map
 from plait.annotate import parameter_layouts, recompute_marks
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
-from plait.config import CommFusion, ParallelConfig
+from plait.config import CommFusion, ParallelConfig, Search
 from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
@@ -223,8 +223,8 @@ def parallelize(
         # annotations are checked now, before anything waits for the first batch
         named = parameter_layouts(model, mesh)
         if _is_pure_data_parallel(config, mesh) and not _needs_program(config):
-            device_mesh = build_device_mesh(mesh, world.device_type)
-            return _plain_job(model, config, mesh, device_mesh, named, optimizer, loss_fn)
+            plain_mesh = build_device_mesh(mesh, world.device_type)
+            return _plain_job(model, config, mesh, plain_mesh, named, optimizer, loss_fn)
         if config.mode == "hybrid":
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
     elif plan is None and config.plan is None and config.mesh is not None:
@@ -284,14 +284,39 @@ def _planned_job(
     captured = capture_on_device(
         model, micro, loss_fn, training=True, device=_device_of(world.device_type)
     )
+    planned_here = plan is None
     if plan is None:
         if config.mesh is None and config.devices is None:
             config = dataclasses.replace(config, devices=world_size)
         plan = plan_graph(captured.graph, config, model=model, runnable_only=True)
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
-    return build_plan_job(
+    job = build_plan_job(
         model, plan, config, loss_fn, optimizer, micro, captured=captured, device_mesh=device_mesh
     )
+    if planned_here and job.program_for is not None:
+        job.replan = _replanner(model, config, loss_fn, plan, job.program_for)
+    return job
+
+
+def _replanner(
+    model: nn.Module, config: ParallelConfig, loss_fn: LossFn, plan: Plan, program_for: Any
+) -> Any:
+    """Plans the job again for a batch of a new shape (:mod:`plait.runtime.replan`): same
+    mode, mesh and searcher as ``plan``, the parameters pinned where they are."""
+    from plait.planning import plan_graph
+    from plait.runtime.replan import Replanner
+
+    # the outer planner's choice of searcher, when mode auto left it to plait
+    again = config
+    if config.mode == "auto":
+        again = dataclasses.replace(config, search=cast(Search, plan.search))
+
+    def plan_for(graph: Any, fixed: Any) -> Plan:
+        return plan_graph(
+            graph, again, mesh=plan.mesh, model=model, runnable_only=True, fixed_parameters=fixed
+        )
+
+    return Replanner(model, loss_fn, plan_for, program_for)
 
 
 def _stand_alone_job(

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -373,8 +374,10 @@ class PlanExecutor:
             raise ShardingError(
                 f"batch tensor {t} has global shape {tuple(value.shape)} but the plan's program "
                 f"runs {expected} (the shape it was planned and exported for, one micro-step "
-                "with gradient accumulation); step and evaluate take batches of the planned "
-                "size: cut larger ones, or plan again for this batch size"
+                "with gradient accumulation); a job running a given plan (a Plan or plan "
+                "file) takes the batch shapes it was made for: cut the batch to them, or plan "
+                "again for this batch size (jobs plait plans, modes semi_auto and auto, plan "
+                "again for a new shape by themselves)"
             )
 
     def _check_batch_constant(self, value: Any, k: int) -> None:
@@ -384,7 +387,8 @@ class PlanExecutor:
             raise ShardingError(
                 f"batch leaf {k} is {value!r} but the plan's program was exported with "
                 f"{example!r}: Python values in the batch (numbers, flags, strings) are fixed "
-                "when the model is exported; pass a 0-d tensor instead, or keep the value"
+                "when the model is exported, and a job running a given plan (a Plan or plan "
+                "file) runs its own values only; pass a 0-d tensor instead, or keep the value"
             )
 
     def _owners(self, model: nn.Module) -> list[tuple[Any, str]]:
@@ -470,8 +474,14 @@ class PlanExecutor:
 
     def example_flat_inputs(self, model: nn.Module) -> list[Any]:
         """Inputs of the planned shapes for tracing: the model's own parameters, buffers and
-        constants, and zero batch tensors laid out as planned (only shapes are read)."""
+        constants, and zero batch tensors laid out as planned (only shapes are read).
+
+        A parameter that no longer has its planned layout (ZeRO-3 keeps each rank's shard
+        only once the first program is compiled) is stood in for by an empty tensor of the
+        planned layout: the program reads parameters as the plan lays them out.
+        """
         owners = self._owners(model)
+        planned = {p.name: p.layout for p in self.plan.parameters}
         out: list[Any] = []
         k = t = 0
         for kind, target in self._sources:
@@ -489,12 +499,35 @@ class PlanExecutor:
                 else:
                     out.append(example)
             elif kind == InputKind.PARAMETER:
-                out.append(getattr(*owners[len(out)]))
+                value = getattr(*owners[len(out)])
+                want = planned.get(target or "")
+                if want is not None and is_dtensor(value) and layout_of(value) != want:
+                    local = [s // n for s, n in zip(value.shape, want.splits(), strict=True)]
+                    empty = torch.empty(local, dtype=value.dtype, device=local_piece(value).device)
+                    value = from_local_piece(empty, self.device_mesh, want)
+                out.append(value)
             elif kind == InputKind.BUFFER:
                 out.append(self._replicated(getattr(*owners[len(out)])))
             else:
                 out.append(self._replicated(self.captured.program.constants[target]))
         return out
+
+    def accepts(self, batch: Any) -> bool:
+        """Whether ``batch`` (laid out: global shapes) has the tensor shapes and the Python
+        values this executor's program was exported for."""
+        leaves = batch_leaves(batch)
+        if len(leaves) != len(self._example_leaves):
+            return False
+        shapes = iter(self._batch_shapes)
+        for value, example in zip(leaves, self._example_leaves, strict=True):
+            if isinstance(value, torch.Tensor) != isinstance(example, torch.Tensor):
+                return False
+            if isinstance(value, torch.Tensor):
+                if tuple(value.shape) != next(shapes):
+                    return False
+            elif type(value) is not type(example) or value != example:
+                return False
+        return True
 
     def predictor(self, model: nn.Module, batch: Any) -> PlanExecutor:
         """The executor of the model's eval-mode forward (no loss) on batches shaped like
@@ -511,7 +544,11 @@ class PlanExecutor:
             return found
         with meta_stand_ins(model):
             captured = capture_on_device(
-                model, batch, None, training=False, device=torch.device(self.device_mesh.device_type)
+                model,
+                batch,
+                None,
+                training=False,
+                device=torch.device(self.device_mesh.device_type),
             )
         plan = evaluation_plan(self.plan, captured.graph, self.captured.graph)
         inputs = [g for g in captured.graph.inputs if g.kind == "input"]
@@ -812,7 +849,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         # node's meta the current trace meta, so the per-rank program's nodes traced from it
         # carry the tag too (recompute regions, plait.runtime.remat).
         modules = {op.name: op.module_path for op in executor.captured.graph.ops}
-        for node in self.module.graph.nodes:
+        for node in cast(torch.fx.GraphModule, self.module).graph.nodes:
             if node.name in modules:
                 node.meta["custom"] = {
                     **(node.meta.get("custom") or {}),
@@ -1263,23 +1300,20 @@ def build_plan_job(
     whole, split = split_buckets(buckets, sharded if level != 1 else {})
     if grad_sync is not None and level not in (None, 1):
         grad_sync.skip = set(sharded)
-    if grad_sync is not None and cfg.grad_accumulation == 1:
-        # With accumulation the sums wait for the last micro-step: the Job reduces then.
-        _fuse_buckets(program, model, whole, cfg.dp_axis)
-        if split:
-            program.reduce_scatter_gradients(split, cfg.dp_axis)
+    passes = functools.partial(
+        _program_passes,
+        model=model,
+        cfg=cfg,
+        reduce=grad_sync is not None,
+        whole=whole,
+        split=split,
+        gather=level == 3,
+    )
+    passes(program, executor.plan)
     if level == 3 and split:
-        program.gather_parameters(split, cfg.dp_axis)
         layouts = reshard_parameters(
             model, {m.name: m.placements for b in split for m in b}, device_mesh, layouts
         )
-    if (level == 3 and split) or plan.recompute_regions:
-        program.rematerialize(plan.recompute_regions)
-    if plan.offload == "activations":
-        # torch.compile takes the program whole: plain copy ops there, not stream calls
-        program.offload_activations(side_stream=not cfg.compile)
-    if cfg.compile:
-        program.compile()
     logger.info(
         "running plan for %s on mesh %s (%d ops)",
         plan.model or type(model).__name__,
@@ -1307,7 +1341,39 @@ def build_plan_job(
         grad_sync=grad_sync,
         micro_step_shapes=True,
         program=program,
+        program_for=lambda ex: passes(_compile(ex, model, cfg, device_mesh), ex.plan),
     )
+
+
+def _program_passes(
+    program: Program,
+    plan: Plan,
+    *,
+    model: nn.Module,
+    cfg: ParallelConfig,
+    reduce: bool,
+    whole: list[list[nn.Parameter]],
+    split: list[list[ShardedParameter]],
+    gather: bool,
+) -> Program:
+    """The passes over a plan's freshly traced program, in order: the data-parallel gradient
+    buckets reduced inside it (``reduce``: the plan has them; with accumulation the Job
+    reduces after the last micro-step instead), ZeRO's reduce-scatters and, at level 3
+    (``gather``), parameter gathers, recompute, activation offload, torch.compile."""
+    if reduce and cfg.grad_accumulation == 1:
+        _fuse_buckets(program, model, whole, cfg.dp_axis)
+        if split:
+            program.reduce_scatter_gradients(split, cfg.dp_axis)
+    if gather and split:
+        program.gather_parameters(split, cfg.dp_axis)
+    if (gather and split) or plan.recompute_regions:
+        program.rematerialize(plan.recompute_regions)
+    if plan.offload == "activations":
+        # torch.compile takes the program whole: plain copy ops there, not stream calls
+        program.offload_activations(side_stream=not cfg.compile)
+    if cfg.compile:
+        program.compile()
+    return program
 
 
 def _warn_whole(plan: Plan) -> None:
@@ -1355,9 +1421,11 @@ def _fuse_buckets(
 ) -> None:
     """The plan's gradient buckets, all-reduced inside the program (overlapping backward)."""
     position = {id(model.get_parameter(name)): i for i, name in enumerate(program.trained)}
-    buckets = [[position[id(p)] for p in bucket if id(p) in position] for bucket in buckets]
-    placements = [tuple(model.get_parameter(name).placements) for name in program.trained]
-    program.fuse_gradient_reduction(buckets, placements, dp_axis)
+    indices = [[position[id(p)] for p in bucket if id(p) in position] for bucket in buckets]
+    placements = [
+        tuple(cast(Any, model.get_parameter(name)).placements) for name in program.trained
+    ]
+    program.fuse_gradient_reduction(indices, placements, dp_axis)
 
 
 def _compile(

@@ -8,6 +8,9 @@
 - The mode: ``data_parallel`` and ``stand_alone`` keep every parameter whole; ``semi_auto``
   keeps the parameters of unannotated ops whole (MindSpore: unannotated ops are data
   parallel) and lets parameter-free ops follow their inputs, as DTensor does at run time.
+- A running job's parameters (``fixed``): when a job plans again for a batch of a new shape,
+  each parameter keeps the layout its first plan gave it (its first reader reads it so), as
+  the parameters and the optimizer states already live there.
 
 Pure: reads annotations from the model's modules, never touches devices.
 """
@@ -116,8 +119,15 @@ def _is_outside(graph: OpGraph, ref: str, path: str) -> bool:
     return not (node.module_path == path or node.module_path.startswith(path + "."))
 
 
-def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: str) -> Constraints:
-    """Turn annotations and the mode into per-op checks (see the module doc)."""
+def collect_constraints(
+    model: nn.Module,
+    graph: OpGraph,
+    mesh: MeshSpec,
+    mode: str,
+    fixed: Mapping[str, TensorLayout] | None = None,
+) -> Constraints:
+    """Turn annotations, the mode and ``fixed`` parameter layouts (by FQN) into per-op checks
+    (see the module doc)."""
     found = Constraints()
     params = graph.parameters()
     by_fqn = {g.target: g.name for g in params.values()}
@@ -156,7 +166,7 @@ def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: 
                 layout, where = annotated_params[ref]
                 found.add(
                     op.name,
-                    lambda s, i=i, layout=layout: s.inputs[i] == layout,
+                    _input_is(i, layout),
                     f"{params_name(graph, ref)} annotated {layout.describe()} on {where}",
                     annotated=f"annotated with plait.shard on {where}",
                 )
@@ -167,10 +177,52 @@ def collect_constraints(model: nn.Module, graph: OpGraph, mesh: MeshSpec, mode: 
             ):
                 found.add(
                     op.name,
-                    lambda s, i=i: not any(s.inputs[i].dims) and not s.inputs[i].partial,
+                    _input_whole(i),
                     f"{params_name(graph, ref)} is not annotated: {mode} keeps it whole",
                 )
+    _fix_parameters(found, graph, fixed or {}, set(annotated_params))
     return found
+
+
+def _fix_parameters(
+    found: Constraints, graph: OpGraph, fixed: Mapping[str, TensorLayout], annotated: set[str]
+) -> None:
+    """Each parameter's first reader reads it in its ``fixed`` layout: the plan lays a
+    parameter out as its first reader reads it (``assemble``), so that pins the layout and
+    leaves later readers free (they redistribute, as before)."""
+    if not fixed:
+        return
+    first: dict[str, tuple[OpNode, int]] = {}
+    for op in graph.ops:
+        for i, ref in enumerate(op.inputs):
+            if ref not in first and _is_parameter(graph, ref):
+                first[ref] = (op, i)
+    for ref, (op, i) in first.items():
+        name = params_name(graph, ref)
+        layout = fixed.get(name)
+        if layout is None or ref in annotated:
+            continue  # annotated: the annotation pins every reader already
+        found.add(
+            op.name,
+            _input_is(i, layout),
+            f"{name} stays {layout.describe()}: the job's parameters keep the layouts of its "
+            "first plan",
+        )
+
+
+def _input_is(i: int, layout: TensorLayout) -> Check:
+    """A candidate reads its input ``i`` in ``layout``."""
+    return lambda s: s.inputs[i] == layout
+
+
+def _input_whole(i: int) -> Check:
+    """A candidate reads its input ``i`` whole (no split, no pending sum)."""
+    return lambda s: not any(s.inputs[i].dims) and not s.inputs[i].partial
+
+
+def _output_reaches(k: int, layout: TensorLayout) -> Check:
+    """A candidate's output ``k`` becomes ``layout`` by reducing its pending sums."""
+    return lambda s: _reaches(s.outputs[k], layout)
 
 
 def _record_param(
@@ -242,7 +294,7 @@ def _module_inputs(
             found.explicit_in.add((op.name, i))
             found.add(
                 op.name,
-                lambda s, i=i, layout=layout: s.inputs[i] == layout,
+                _input_is(i, layout),
                 f"input {k} of {where} annotated {layout.describe()}",
                 annotated=f"annotated with plait.shard on {where}",
             )
@@ -272,7 +324,7 @@ def _module_outputs(
         found.explicit_out.add((op.name, k))
         found.add(
             op.name,
-            lambda s, k=k, layout=layout: _reaches(s.outputs[k], layout),
+            _output_reaches(k, layout),
             f"output {n} of {where} annotated {layout.describe()}",
             annotated=f"annotated with plait.shard on {where}",
         )
@@ -285,7 +337,7 @@ def _module_outputs(
                 continue
             found.add(
                 reader.name,
-                lambda s, i=i, layout=layout: s.inputs[i] == layout,
+                _input_is(i, layout),
                 f"input {i} is output {n} of {where}, annotated {layout.describe()}",
             )
 

@@ -13,6 +13,8 @@ reductions run over real gloo collectives. One spawn does both checks (a spawn c
    ``torch.compile`` (inductor, CPU): the same result again.
 4. Memory passes over real collectives: ZeRO-3 with full recompute, and ZeRO-2 with gradient
    accumulation (one reduce-scatter per step), semi_auto on the same mesh: the same result.
+5. A new batch shape plans again (plait.runtime.replan) from each rank's own slice: semi_auto
+   planned at its first step, then a batch of 4 sequences of 6 tokens: equal to one device.
 
 SGD, not Adam: a wrong gradient scale (a missing or doubled reduction) shows in the parameters.
 """
@@ -52,6 +54,12 @@ def _model_and_batches() -> tuple[TinyGPT, list[Batch]]:
         ids = torch.randint(0, CFG.vocab, (8, CFG.seq), generator=gen)
         batches.append((ids, torch.roll(ids, -1, dims=1)))
     return model, batches
+
+
+def _shorter_batch() -> Batch:
+    """A batch of another shape (4 sequences of 6 tokens): the job plans again for it."""
+    ids = torch.randint(0, CFG.vocab, (4, 6), generator=torch.Generator().manual_seed(2))
+    return ids, torch.roll(ids, -1, dims=1)
 
 
 def _train(job: plait.Job, batches: list[Batch]) -> Run:
@@ -103,7 +111,12 @@ def _auto_then_replay(plan_path: str) -> dict:
             example_batch=batches[0],
         )
         memory[name] = _train(memory_job, batches)
+    lazy_job = plait.parallelize(
+        copy.deepcopy(model), ParallelConfig(mode="semi_auto", mesh=MESH), optimizer=_sgd,
+        loss_fn=gpt_loss,
+    )  # fmt: skip
     return {
+        "new_shape": _train(lazy_job, [*batches, _shorter_batch()]),
         "auto": auto,
         "replay": replay,
         "memory": memory,
@@ -126,6 +139,7 @@ def test_auto_plan_and_its_saved_file_train_like_one_device_on_gloo(
     monkeypatch.setenv("PLAIT_HOME", str(tmp_path / "plait-home"))
     model, batches = _model_and_batches()
     expected = reference_run(model, gpt_loss, _sgd, batches)
+    shapes = reference_run(model, gpt_loss, _sgd, [*batches, _shorter_batch()])
     results = run_workers(_auto_then_replay, 4, str(tmp_path / "gpt.plan.json"), timeout_s=300.0)
     for rank, r in enumerate(results):
         assert r["mesh"] == MESH, f"rank {rank} planned on {r['mesh']}"
@@ -140,5 +154,6 @@ def test_auto_plan_and_its_saved_file_train_like_one_device_on_gloo(
                 assert_same_run(expected, run, rtol=1e-4, atol=1e-5)
             except AssertionError as e:
                 raise AssertionError(f"rank {rank}, {name}: {e}") from None
+        assert_same_run(shapes, r["new_shape"], rtol=1e-4, atol=1e-5)
         assert r["is_compiled"], f"rank {rank} did not run the program through torch.compile"
         assert_same_run(expected, r["compiled"], rtol=1e-4, atol=1e-5)

@@ -440,8 +440,9 @@ def test_training_only_ops_and_parameters_leave_evaluation_correct(search: str):
 
 
 def test_python_values_in_the_batch_are_fixed_by_the_export():
-    """A float in the batch is a constant of the exported program: the same value runs,
-    another is refused by name before any collective (it would silently be ignored)."""
+    """A float in the batch is a constant of the exported program: the same value runs; under
+    a given plan another is refused by name before any collective (it would silently be
+    ignored); a job plait planned exports and plans again for it (plait.runtime.replan)."""
 
     def scaled(model, batch):
         x, y, scale = batch
@@ -451,11 +452,19 @@ def test_python_values_in_the_batch_are_fixed_by_the_export():
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     x, y = torch.randn(8, 16), torch.randn(8, 8)
     cfg = ParallelConfig(mode="auto", mesh=DP_TP)
+    batches = [(x, y, 0.5), (x, y, 2.0)]
+    expected = reference_run(model, scaled, sgd, batches)
+    plan = plait.plan(model, cfg, example_batch=batches[0], loss_fn=scaled)
     with plait.testing.simulate(4):
         job = plait.parallelize(
-            model, cfg, optimizer=sgd, loss_fn=scaled, example_batch=(x, y, 0.5)
+            copy.deepcopy(model), cfg, optimizer=sgd, loss_fn=scaled, example_batch=batches[0]
         )
-        job.step((x, y, 0.5))
+        actual = parallel_steps(job, batches)
+        given = plait.parallelize(
+            copy.deepcopy(model), plan, optimizer=sgd, loss_fn=scaled, example_batch=batches[0]
+        )
+        given.step(batches[0])
         with CommDebugMode() as comm, pytest.raises(ShardingError, match=r"batch leaf 2 is 2.0"):
-            job.step((x, y, 2.0))
+            given.step(batches[1])
     assert comm.get_total_counts() == 0
+    assert_same_run(expected, actual, rtol=1e-5, atol=1e-6)

@@ -506,8 +506,7 @@ class DeferredJob(Job):
     Until then the model is untouched and only ``model`` and ``config`` exist; ``step``,
     ``evaluate`` and ``full_state_dict`` plan first; any other attribute (``optimizer``,
     ``program``, ``loss_fn``...) is there once the job is planned. The plan is for the first
-    batch's shapes: a later batch of another shape is refused by name (a plan runs one
-    program, made for one shape).
+    batch's shapes; a later batch of another shape plans again (:mod:`plait.runtime.replan`).
     """
 
     def __init__(

@@ -35,6 +35,7 @@ __all__ = [
     "MANIFEST",
     "MODEL",
     "OPTIM",
+    "check_bytes",
     "checksum",
     "commit",
     "complete_checkpoints",
@@ -44,6 +45,7 @@ __all__ = [
     "prune",
     "read_manifest",
     "resolve",
+    "size_problems",
     "step_name",
     "verify",
     "write_manifest",
@@ -58,7 +60,7 @@ MODEL = "model."
 OPTIM = "optim."
 """Key prefix of the optimizer's states (``optim.<parameter name>.<state>``)."""
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_CHUNK = 1 << 23  # bytes read at a time when checksumming
+_CHUNK = 1 << 20  # bytes read at a time when checksumming (fits a core's cache)
 
 
 def step_name(step: int) -> str:
@@ -74,11 +76,54 @@ def partial_path(path: Path) -> Path:
 def checksum(path: Path) -> dict[str, Any]:
     """``{"bytes": size, "crc32": "%08x"}`` of one file."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    buffer = memoryview(bytearray(_CHUNK))  # one buffer, read into: no allocation per chunk
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(buffer[:n], crc)
+            size += n
     return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def check_bytes(path: Path, name: str, data: bytes, manifest: dict[str, Any]) -> list[str]:
+    """The problems of file ``name`` of the checkpoint at ``path``, read as ``data``: its size
+    and CRC-32 against the manifest (one sentence naming the file, or none)."""
+    want = manifest["files"].get(name)
+    if want is None:
+        return [f"{str(path / name)!r} is not listed in the manifest"]
+    have = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    return _mismatch(path / name, have, want)
+
+
+def size_problems(path: Path, manifest: dict[str, Any]) -> list[str]:
+    """Every listed file that is missing or has another size than the manifest says (a look at
+    each file's size, no read), one sentence each naming the file."""
+    problems = []
+    for name, want in sorted(manifest["files"].items()):
+        file = path / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{str(file)!r} is missing")
+            continue
+        if not file.is_file():
+            problems.append(f"{str(file)!r} is missing")
+        elif size != want["bytes"]:
+            problems += _mismatch(file, {"bytes": size, "crc32": None}, want)
+    return problems
+
+
+def _mismatch(file: Path, have: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    if have["bytes"] != want["bytes"]:
+        return [
+            f"{str(file)!r} has {have['bytes']} bytes, the manifest says {want['bytes']} "
+            "(truncated or overwritten)"
+        ]
+    if have["crc32"] != want["crc32"]:
+        return [
+            f"{str(file)!r} has CRC-32 {have['crc32']}, the manifest says {want['crc32']} "
+            "(corrupted)"
+        ]
+    return []
 
 
 def files_of(directory: Path) -> list[str]:
@@ -187,22 +232,11 @@ def verify(path: Path, manifest: dict[str, Any], names: Iterable[str]) -> list[s
     listed = manifest["files"]
     problems = []
     for name in names:
-        want = listed[name]
         file = path / name
         if not file.is_file():
             problems.append(f"{str(file)!r} is missing")
             continue
-        have = checksum(file)
-        if have["bytes"] != want["bytes"]:
-            problems.append(
-                f"{str(file)!r} has {have['bytes']} bytes, the manifest says {want['bytes']} "
-                "(truncated or overwritten)"
-            )
-        elif have["crc32"] != want["crc32"]:
-            problems.append(
-                f"{str(file)!r} has CRC-32 {have['crc32']}, the manifest says {want['crc32']} "
-                "(corrupted)"
-            )
+        problems += _mismatch(file, checksum(file), listed[name])
     return problems
 
 

@@ -7,6 +7,15 @@ the overlap of the saved pieces with the pieces it will hold. This module is the
 checkpoints touch ``torch.distributed``: saving and loading flat tensor dicts, reading the
 metadata, reading whole tensors on one process, and the few object collectives the save and
 load protocol needs (``plait/runtime/checkpoint.py`` holds the protocol itself).
+
+The protocol rides on DCP's own collectives rather than adding its own. DCP's save is a plan
+exchange (gather, scatter) then a write exchange (gather, broadcast); its load is a plan
+exchange then an all-gather after the reads. :func:`save_tensors` writes each rank's small
+files (and records every file's CRC-32) inside the write step, carries the checksums to the
+coordinator with DCP's own gather, and commits the checkpoint there before DCP's broadcast, so
+every rank returns from it with the checkpoint committed. :func:`load_tensors` runs the
+caller's checks inside the plan step, before DCP reads a byte into the state: what a rank
+raises there reaches every rank, and none reads.
 """
 
 from __future__ import annotations
@@ -14,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
+import shutil
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,24 +34,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from plait._compat import load_dcp_keys
+from plait.errors import PlaitError
 
 __all__ = [
+    "FileProblems",
     "SavedTensor",
+    "abort_load",
     "all_gather_objects",
     "barrier",
     "checkpoint_group",
     "is_distributed",
     "load_tensors",
+    "parse_metadata",
     "rank",
     "read_full_tensors",
     "read_tensor_metadata",
     "save_tensors",
+    "tensors_of",
     "world_size",
 ]
+
+Checksums = dict[str, tuple[int, int]]
+"""File name (relative to the checkpoint) -> (size in bytes, CRC-32)."""
+
+_CHECKSUMS = "__plait_checksums__"
+"""The key of the extra write result that carries a rank's checksums to the coordinator."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +82,16 @@ class SavedTensor:
     dtype: torch.dtype
     pieces: int
     """How many saved pieces (chunks) it was written in."""
+
+
+class FileProblems(Exception):
+    """Damaged files a rank found (one sentence each, naming the file). Raised inside DCP's
+    plan step, it fails the load on every rank; :func:`load_tensors` re-raises it on every rank
+    with the sentences of all of them."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(problems)
+        self.problems = problems
 
 
 def is_distributed() -> bool:
@@ -87,21 +128,108 @@ def checkpoint_group() -> Any:
     return dist.new_group(backend="gloo") if is_distributed() else None
 
 
+# ------------------------------------------------------------------------------------- saving
+
+
 def save_tensors(
-    state: dict[str, Any], path: str | os.PathLike[str], group: Any = None
-) -> dict[str, tuple[int, int]]:
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    group: Any = None,
+    *,
+    files: Mapping[str, bytes] | None = None,
+    fresh: bool = False,
+    commit: Callable[[Checksums], None] | None = None,
+) -> Checksums:
     """Write ``state`` (flat: key -> tensor or DTensor) as a DCP checkpoint in directory ``path``.
 
-    Every rank calls it; each writes the pieces it holds (a replicated tensor once). Returns the
-    files this rank wrote (names relative to ``path``) with their size and CRC-32, computed from
-    the bytes as they were written: the manifest needs no second pass over the data. A file
-    written out of order (a seek) is left out, to be checksummed by reading it.
+    Every rank calls it; each writes the pieces it holds (a replicated tensor once) and its
+    ``files`` (name relative to ``path`` -> bytes: its small state, the plan...), synced.
+    ``fresh``: the coordinator removes what ``path`` held before anyone writes into it.
+    ``commit`` runs on the coordinator once every rank has written and DCP's metadata is on
+    disk, with every file's size and CRC-32 (each rank's, carried by DCP's own gather); it
+    finishes before any rank returns, and what it raises is raised on every rank.
+
+    Returns the files this rank wrote with their size and CRC-32, computed from the bytes as
+    they were written (no second pass over the data). A file written out of order (a seek) is
+    left out, to be checksummed by reading it.
     """
-    writer = dcp.FileSystemWriter(os.fspath(path), single_file_per_rank=True, sync_files=True)
-    sums = _ChecksummingFileSystem(Path(path))
-    writer.fs = sums  # DCP opens every file it writes through ``fs``
-    dcp.save(state, storage_writer=writer, process_group=group, no_dist=not is_distributed())
-    return sums.written
+    writer = _Writer(Path(path), dict(files or {}), fresh, commit)
+    try:
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=not is_distributed())
+    except CheckpointException as e:
+        raise _first_error(e) from e
+    return dict(writer.fs.written)
+
+
+def _first_error(e: CheckpointException) -> BaseException:
+    """What the lowest failing rank raised (an ordinary exception), else DCP's own."""
+    for _, (error, _trace) in sorted(e.failures.items()):
+        if isinstance(error, Exception):
+            return error
+    return e
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file system writer, writing through a checksumming file system, with the small
+    files and the commit folded into DCP's own steps."""
+
+    fs: _ChecksummingFileSystem
+
+    def __init__(
+        self,
+        path: Path,
+        files: dict[str, bytes],
+        fresh: bool,
+        commit: Callable[[Checksums], None] | None,
+    ) -> None:
+        super().__init__(os.fspath(path), single_file_per_rank=True, sync_files=True)
+        self.fs = _ChecksummingFileSystem(path)  # DCP opens every file it writes through fs
+        self._root = path
+        self._files = files
+        self._fresh = fresh
+        self._commit = commit
+        self._coordinator = False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # No rank writes before the plans are scattered, after every rank's local step: the
+        # coordinator's clearing (and making) of the directory comes before any rank writes.
+        if not self._coordinator and self.use_collectives:
+            return plan  # (DCP's own step would also warn about a stale metadata file here)
+        if self._fresh:
+            shutil.rmtree(self._root, ignore_errors=True)
+        return super().prepare_local_plan(plan)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        for name, data in self._files.items():
+            target = self._root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self.fs.create_stream(target, "wb") as stream:
+                stream.write(data)
+                stream.flush()
+                os.fsync(stream.fileno())
+        results = list(super().write_data(plan, planner).wait())
+        # This rank's checksums travel to the coordinator with its write results.
+        results.append(WriteResult(MetadataIndex(_CHECKSUMS), 0, dict(self.fs.written)))
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        sums: Checksums = {}
+        kept = []
+        for part in results:
+            kept.append([r for r in part if r.index.fqn != _CHECKSUMS])
+            for r in part:
+                if r.index.fqn == _CHECKSUMS:
+                    sums.update(r.storage_data)
+        super().finish(metadata, kept)  # DCP's metadata, through fs: checksummed too
+        sums.update(self.fs.written)
+        if self._commit is not None:
+            self._commit(sums)
 
 
 class _CrcStream(io.RawIOBase):
@@ -116,20 +244,23 @@ class _CrcStream(io.RawIOBase):
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self.inner.write(view)
+        written: int = self.inner.write(view)
         self.crc = zlib.crc32(view[:written], self.crc)
         self.size += written
         return written
 
     def tell(self) -> int:
-        return self.inner.tell()
+        position: int = self.inner.tell()
+        return position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self.in_order = False  # the CRC no longer describes the file: read it instead
-        return self.inner.seek(offset, whence)
+        position: int = self.inner.seek(offset, whence)
+        return position
 
     def fileno(self) -> int:
-        return self.inner.fileno()
+        number: int = self.inner.fileno()
+        return number
 
     def flush(self) -> None:
         self.inner.flush()
@@ -142,10 +273,12 @@ class _ChecksummingFileSystem(FileSystem):
     def __init__(self, root: Path) -> None:
         super().__init__()
         self.root = root
-        self.written: dict[str, tuple[int, int]] = {}
+        self.written: Checksums = {}
 
     @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+    def create_stream(  # type: ignore[override]  # torch annotates the yield as io.IOBase
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Iterator[Any]:
         with super().create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
@@ -166,10 +299,88 @@ class _ChecksummingFileSystem(FileSystem):
         return Path(path).relative_to(self.root).as_posix()
 
 
-def load_tensors(state: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Fill ``state``'s tensors (and DTensors' local pieces) in place from the checkpoint."""
-    reader = dcp.FileSystemReader(os.fspath(path))
-    dcp.load(state, storage_reader=reader, no_dist=not is_distributed())
+# ------------------------------------------------------------------------------------ loading
+
+
+def load_tensors(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    metadata: Any = None,
+    before_read: Callable[[], None] | None = None,
+) -> None:
+    """Fill ``state``'s tensors (and DTensors' local pieces) in place from the checkpoint.
+
+    ``metadata``: the checkpoint's DCP metadata as :func:`parse_metadata` made it (read
+    already: DCP does not read it again). ``before_read`` runs on every rank inside DCP's plan
+    step, before any rank reads anything into ``state``: what it raises on any rank is raised
+    on every rank and nothing is read (:class:`FileProblems` with the sentences of every rank
+    that raised one; else a plait error of the lowest rank that raised one).
+    """
+    reader = _Reader(Path(path), metadata, before_read)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=not is_distributed())
+    except CheckpointException as e:
+        errors = [error for _, (error, _trace) in sorted(e.failures.items())]
+        problems = [
+            p for error in errors if isinstance(error, FileProblems) for p in error.problems
+        ]
+        if problems:
+            raise FileProblems(list(dict.fromkeys(problems))) from None
+        for error in errors:
+            if isinstance(error, PlaitError):
+                raise error from None
+        raise
+
+
+def abort_load(path: str | os.PathLike[str], fail: Callable[[], None]) -> None:
+    """Join the collective load every other rank is in, only to fail it: ``fail`` runs where
+    :func:`load_tensors` runs ``before_read`` and raises this rank's reason not to load, which
+    is raised on every rank as :func:`load_tensors` raises it."""
+    empty = Metadata(state_dict_metadata={}, storage_data={})
+    load_tensors({}, path, metadata=empty, before_read=fail)
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file system reader, with the metadata already read and a check in the plan step."""
+
+    def __init__(
+        self, path: Path, metadata: Metadata | None, before_read: Callable[[], None] | None
+    ) -> None:
+        super().__init__(os.fspath(path))
+        self._metadata = metadata
+        self._before_read = before_read
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata.storage_meta is None:  # as DCP's reader does with what it reads
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._before_read is not None:
+            self._before_read()
+        return super().prepare_local_plan(plan)
+
+
+def parse_metadata(data: bytes) -> Any:
+    """DCP's metadata from the bytes of its ``.metadata`` file (an opaque object for
+    :func:`load_tensors` and :func:`tensors_of`)."""
+    metadata = pickle.loads(data)  # what DCP's reader does with the file
+    if not isinstance(metadata, Metadata):
+        raise TypeError(f"holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def tensors_of(metadata: Any) -> dict[str, SavedTensor]:
+    """Every tensor the metadata describes: key -> global shape, dtype, pieces."""
+    out: dict[str, SavedTensor] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            out[key] = SavedTensor(tuple(item.size), item.properties.dtype, len(item.chunks))
+    return out
 
 
 def read_tensor_metadata(path: str | os.PathLike[str]) -> dict[str, SavedTensor]:
@@ -178,12 +389,7 @@ def read_tensor_metadata(path: str | os.PathLike[str]) -> dict[str, SavedTensor]
     Reads the metadata file only (no collective). Raises ``FileNotFoundError`` when the
     metadata file is missing and other errors when it cannot be read.
     """
-    metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
-    out: dict[str, SavedTensor] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            out[key] = SavedTensor(tuple(item.size), item.properties.dtype, len(item.chunks))
-    return out
+    return tensors_of(dcp.FileSystemReader(os.fspath(path)).read_metadata())
 
 
 def read_full_tensors(

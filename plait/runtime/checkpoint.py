@@ -28,10 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 import threading
-import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from io import BytesIO
@@ -122,14 +120,22 @@ def _slots(job: Job) -> list[_Slot]:
                 names[id(p)],
                 p,
                 s,
-                spec.placements if spec is not None and shadows.level in (1, 2) else p.placements,
+                spec.placements if spec is not None and shadows.level in (1, 2) else _layout(p)[1],
             )
             for p, s, spec in shadows.pairs
         ]
     if isinstance(shadows, LocalShadows):
-        return [_Slot(names[id(p)], p, s, p.placements) for p, s in shadows.pairs]
+        return [_Slot(names[id(p)], p, s, _layout(p)[1]) for p, s in shadows.pairs]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     return [_Slot(n, p, p, None) for n, p in _named_parameters(job) if id(p) in in_optimizer]
+
+
+def _layout(p: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """(device mesh, placements) of a parameter the optimizer updates a piece of: a DTensor
+    (a local shadow or a ZeRO shard exists only for those)."""
+    if not is_dtensor(p):
+        raise TypeError(f"a sharded parameter should be a DTensor, not {type(p).__name__}")
+    return p.device_mesh, tuple(p.placements)
 
 
 def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
@@ -144,7 +150,7 @@ def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
             "a layout that keeps this parameter whole"
         )
     p = slot.param
-    return dtensor_from_local(value, p.device_mesh, slot.placements, p.shape, p.stride())
+    return dtensor_from_local(value, _layout(p)[0], slot.placements, p.shape, p.stride())
 
 
 def tensor_state(job: Job) -> dict[str, torch.Tensor]:
@@ -176,7 +182,9 @@ def _extras(job: Job, loader: Stateful | None, stateful: Mapping[str, Stateful])
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    if not isinstance(np_state, tuple):  # pragma: no cover - legacy=True gives the tuple
+        raise TypeError(f"numpy's RNG state is a {type(np_state).__name__}, not a tuple")
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -243,7 +251,14 @@ def save_job(
     stateful: Mapping[str, Stateful] | None = None,
     async_save: bool = False,
 ) -> SaveHandle:
-    """Write a checkpoint of ``job`` to directory ``path`` (see :meth:`plait.Job.save`)."""
+    """Write a checkpoint of ``job`` to directory ``path`` (see :meth:`plait.Job.save`).
+
+    One DCP save does it all, with no collective of plait's own: the coordinator clears
+    ``<path>.partial`` in DCP's plan step; each rank writes its small state (rank 0 the plan
+    too) and its tensor pieces, checksumming the bytes as it writes them; DCP's gather brings
+    every rank's checksums to the coordinator, which writes DCP's metadata, the manifest (last),
+    and renames the directory into place before DCP's broadcast lets any rank return.
+    """
     _check_real("job.save")
     job.wait_for_save()
     final = Path(path)
@@ -257,20 +272,18 @@ def save_job(
         extras = _copied(extras)
     else:
         group = None
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        (partial / "extra").mkdir(parents=True)
-        plan_text = _plan_text(job)
-        if plan_text is not None:
-            (partial / "plan.json").write_text(plan_text)
-    io.barrier(group)  # the directory exists before anyone writes into it
     manifest = _manifest(job, extras)
+    plan_text = _plan_text(job) if rank == 0 else None
 
     def write() -> None:
-        extra = f"extra/rank{rank}.pt"
-        written = {extra: _save_checksummed(extras, partial / extra)}
-        written.update(io.save_tensors(state, partial, group))
-        _commit(partial, final, manifest, group, written)
+        small = {f"extra/rank{rank}.pt": _serialized(extras)}
+        if plan_text is not None:
+            small["plan.json"] = plan_text.encode()
+
+        def commit(written: dict[str, tuple[int, int]]) -> None:
+            _commit(partial, final, manifest, written)
+
+        io.save_tensors(state, partial, group, files=small, fresh=True, commit=commit)
 
     if not async_save:
         write()
@@ -304,7 +317,7 @@ def _plan_text(job: Job) -> str | None:
 
 def _staged(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Host copies of every tensor (DTensors keep their layout), for a background write."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
         if is_dtensor(v):
             local = local_piece(v).detach().to("cpu", copy=True)
@@ -340,71 +353,142 @@ def _manifest(job: Job, extras: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _save_checksummed(obj: Any, path: Path) -> tuple[int, int]:
-    """``torch.save`` of ``obj`` to ``path``; the file's size and CRC-32 (from the bytes)."""
+def _serialized(obj: Any) -> bytes:
+    """``torch.save`` of ``obj``, as bytes."""
     buffer = BytesIO()
     torch.save(obj, buffer)
-    data = buffer.getbuffer()
-    with open(path, "wb") as f:
-        f.write(data)
-    return len(data), zlib.crc32(data)
+    return buffer.getvalue()
 
 
 def _commit(
     partial: Path,
     final: Path,
     manifest: dict[str, Any],
-    group: Any,
     written: dict[str, tuple[int, int]],
 ) -> None:
-    """Gather the checksums each rank made of the files it wrote, as it wrote them (a file
-    none of them recorded, the plan, is read once by rank 0), write the manifest, rename
-    into place."""
-    rank = io.rank()
-    mine = {name: {"bytes": size, "crc32": f"{crc:08x}"} for name, (size, crc) in written.items()}
-    gathered = io.all_gather_objects(mine, group)
-    if rank == 0:
-        listed: dict[str, Any] = {}
-        for part in gathered:
-            listed.update(part)
-        for name in files.files_of(partial):
-            if name not in listed:
-                listed[name] = files.checksum(partial / name)
-        files.write_manifest(partial, {**manifest, "files": listed})
-        files.commit(partial, final)
-        logger.info("checkpoint of step %d written to %s", manifest["step"], final)
-    io.barrier(group)  # committed before any rank goes on (or prunes, or loads it)
+    """On the coordinator, once every rank has written: the manifest from the checksums each
+    rank made of the files it wrote, as it wrote them (a file none of them recorded is read
+    once here), written last; then the rename into place."""
+    listed = {name: {"bytes": size, "crc32": f"{crc:08x}"} for name, (size, crc) in written.items()}
+    for name in files.files_of(partial):
+        if name not in listed:
+            listed[name] = files.checksum(partial / name)
+    files.write_manifest(partial, {**manifest, "files": listed})
+    files.commit(partial, final)
+    logger.info("checkpoint of step %d written to %s", manifest["step"], final)
 
 
 # ------------------------------------------------------------------------------------ loading
 
 
-def read_extras(path: Path) -> dict[str, Any]:
+def _extras_name(manifest: Mapping[str, Any], rank: int) -> str:
+    """The small-state file rank ``rank`` loads: its own, or rank 0's when the world changed
+    size and this rank did not exist."""
+    name = f"extra/rank{rank}.pt"
+    return name if name in manifest["files"] else "extra/rank0.pt"
+
+
+def read_extras(path: Path, manifest: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """This rank's small state from the checkpoint at ``path`` (rank 0's when the world
-    changed size and this rank did not exist)."""
+    changed size and this rank did not exist). With ``manifest``, the bytes read are checked
+    against it before they are unpickled (:class:`io.FileProblems` naming the file)."""
     rank = io.rank()
-    file = path / "extra" / f"rank{rank}.pt"
-    if not file.is_file():
-        file = path / "extra" / "rank0.pt"
+    if manifest is not None:
+        name = _extras_name(manifest, rank)
+    else:
+        name = f"extra/rank{rank}.pt"
+        if not (path / name).is_file():
+            name = "extra/rank0.pt"
+    file = path / name
     try:
-        return torch.load(file, weights_only=True)
+        data = file.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} is missing {str(file)!r}") from None
+    if manifest is not None:
+        problems = files.check_bytes(path, name, data, dict(manifest))
+        if problems:
+            raise io.FileProblems(problems)
+    extras: dict[str, Any] = torch.load(BytesIO(data), weights_only=True)
+    return extras
+
+
+def _damaged(path: Path, problems: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r} is damaged, nothing was loaded: "
+        + "; ".join(problems[:5])
+        + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        + ". Load an earlier checkpoint"
+    )
 
 
 def verify_collectively(path: Path, manifest: dict[str, Any]) -> None:
-    """Every file's size and checksum, the ranks splitting the work; the same error on all."""
+    """Every file's size and checksum, the ranks splitting the work; the same error on all
+    (one object all-gather: for a load outside DCP's, see :func:`load_job` for the other)."""
     rank, world = io.rank(), io.world_size()
     names = sorted(manifest["files"])
     problems = files.verify(path, manifest, names[rank::world])
     everyone = [p for part in io.all_gather_objects(problems) for p in part]
     if everyone:
+        raise _damaged(path, everyone)
+
+
+def _shares(manifest: Mapping[str, Any], world: int) -> list[list[str]]:
+    """The files each rank checksums during a load, balanced by size (largest first, each to
+    the rank with the fewest bytes so far): every listed file but those that the ranks check
+    as they read them (DCP's metadata, every rank; the small-state files they load)."""
+    listed = manifest["files"]
+    checked = {".metadata"} | {_extras_name(manifest, r) for r in range(world)}
+    pool = sorted((n for n in listed if n not in checked), key=lambda n: (-listed[n]["bytes"], n))
+    shares: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    for name in pool:
+        r = min(range(world), key=lambda i: (load[i], i))
+        shares[r].append(name)
+        load[r] += listed[name]["bytes"]
+    return shares
+
+
+def _verify_share(path: Path, manifest: dict[str, Any]) -> None:
+    """This rank's share of the checksums (DCP's plan step runs it: raising fails the load
+    on every rank before any rank reads)."""
+    names = _shares(manifest, io.world_size())[io.rank()]
+    problems = files.verify(path, manifest, names)
+    if problems:
+        raise io.FileProblems(problems)
+
+
+def _open(path: Path, manifest: dict[str, Any]) -> tuple[Any, dict[str, io.SavedTensor], dict]:
+    """DCP's metadata (and the tensors it lists) and this rank's small state, each read once
+    and checked against the manifest first; every listed file's size."""
+    problems = files.size_problems(path, manifest)
+    if problems:
+        raise io.FileProblems(problems)
+    try:
+        data = (path / ".metadata").read_bytes()
+    except FileNotFoundError:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is damaged, nothing was loaded: "
-            + "; ".join(everyone[:5])
-            + (f"; and {len(everyone) - 5} more" if len(everyone) > 5 else "")
-            + ". Load an earlier checkpoint"
-        )
+            f"checkpoint {str(path)!r} has no DCP metadata file '.metadata'; it is incomplete"
+        ) from None
+    problems = files.check_bytes(path, ".metadata", data, manifest)
+    if problems:
+        raise io.FileProblems(problems)
+    try:
+        metadata = io.parse_metadata(data)
+    except Exception as e:  # what unpickling a damaged file raises
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: its DCP metadata (.metadata) cannot be read "
+            f"({type(e).__name__}: {e}); nothing was loaded"
+        ) from e
+    return metadata, io.tensors_of(metadata), read_extras(path, manifest)
+
+
+def _collective_load(path: Path, load: Callable[[], None]) -> None:
+    """Run one of checkpoint_io's collective loads; damaged files found by any rank become
+    the same CheckpointError on every rank."""
+    try:
+        load()
+    except io.FileProblems as e:
+        raise _damaged(path, e.problems) from None
 
 
 def check_model(
@@ -488,7 +572,8 @@ def _destination(
         # has passed by the time DCP writes into it.
         if slot.placements is None or existing.ndim == 0:
             return existing, existing
-        target = dtensor_from_local(existing, p.device_mesh, slot.placements, p.shape, p.stride())
+        mesh = _layout(p)[0]
+        target = dtensor_from_local(existing, mesh, slot.placements, p.shape, p.stride())
         return existing, target
     if len(meta.shape) == 0:
         device = existing.device if isinstance(existing, torch.Tensor) else torch.device("cpu")
@@ -507,7 +592,7 @@ def _destination(
         t = torch.zeros_like(p, dtype=meta.dtype)
         return t, t
     local = torch.zeros(slot.key.shape, dtype=meta.dtype, device=slot.key.device)
-    target = dtensor_from_local(local, p.device_mesh, slot.placements, p.shape, p.stride())
+    target = dtensor_from_local(local, _layout(p)[0], slot.placements, p.shape, p.stride())
     return local, target
 
 
@@ -530,27 +615,42 @@ def load_job(
     stateful: Mapping[str, Stateful] | None = None,
     optimizer: bool = True,
 ) -> int:
-    """Load the checkpoint at ``path`` into ``job`` (see :meth:`plait.Job.load`)."""
+    """Load the checkpoint at ``path`` into ``job`` (see :meth:`plait.Job.load`).
+
+    Every file is checked before DCP reads anything into the job, inside one DCP load and
+    its own collectives: each rank checks what it reads itself (the manifest, every file's
+    size, DCP's metadata, its small state) and then, in DCP's plan step, its share of the
+    other files' checksums. A rank that finds a problem (or that refuses the checkpoint:
+    another model, optimizer...) fails that step, and DCP's plan exchange carries the
+    failure to every rank before any reads: the same error everywhere, nothing loaded.
+    """
     _check_real("job.load")
     job.wait_for_save()
     where = files.resolve(path)
     manifest = files.read_manifest(where)
-    verify_collectively(where, manifest)
-    try:
-        saved = io.read_tensor_metadata(where)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint {str(where)!r} has no DCP metadata file '.metadata'; it is incomplete"
-        ) from None
     model_state = {MODEL + k: v for k, v in _model_state(job).items()}
     partial = _holds_part(job)
-    check_model(where, saved, {k[len(MODEL) :]: v for k, v in model_state.items()}, partial)
-    extras = read_extras(where)
-    if not optimizer:
-        saved = {k: v for k, v in saved.items() if not k.startswith(OPTIM)}
-    dest, install = _optimizer_destinations(job, saved, extras["optimizer"]["class"], partial)
-    check_host_state(where, extras, loader, stateful)
-    io.load_tensors({**model_state, **dest}, where)
+    try:
+        metadata, saved, extras = _open(where, manifest)
+        check_model(where, saved, {k[len(MODEL) :]: v for k, v in model_state.items()}, partial)
+        if not optimizer:
+            saved = {k: v for k, v in saved.items() if not k.startswith(OPTIM)}
+        dest, install = _optimizer_destinations(job, saved, extras["optimizer"]["class"], partial)
+        check_host_state(where, extras, loader, stateful)
+    except Exception as refused:  # every other rank is about to join DCP's load: fail it there
+        reason = refused
+        _collective_load(where, lambda: _refuse(where, manifest, reason))
+        raise  # pragma: no cover - _refuse raised on every rank
+
+    def before_read() -> None:
+        _verify_share(where, manifest)
+
+    _collective_load(
+        where,
+        lambda: io.load_tensors(
+            {**model_state, **dest}, where, metadata=metadata, before_read=before_read
+        ),
+    )
     for module in job.state_modules():
         mark_initialised(module)  # meta init: the pieces hold the checkpoint's values now
     # Everything below only writes what was read and checked.
@@ -567,6 +667,28 @@ def load_job(
     job.steps_taken = int(extras["step"])
     logger.info("loaded checkpoint %s (step %d)", where, job.steps_taken)
     return job.steps_taken
+
+
+def _refuse(where: Path, manifest: dict[str, Any], refused: Exception) -> None:
+    """Fail the collective load on every rank with this rank's reason (damaged files found
+    by any rank first: this rank still checks its share of them)."""
+
+    def fail() -> None:
+        try:
+            _verify_share(where, manifest)
+        except io.FileProblems as e:
+            if isinstance(refused, io.FileProblems):
+                raise io.FileProblems(refused.problems + e.problems) from None
+            raise
+        if isinstance(refused, CheckpointError | io.FileProblems):
+            raise refused
+        # Anything else (an unreadable file...) travels to the other ranks as plait's error.
+        raise CheckpointError(
+            f"checkpoint {str(where)!r} cannot be loaded, nothing was loaded: "
+            f"{type(refused).__name__}: {refused}"
+        ) from refused
+
+    io.abort_load(where, fail)
 
 
 def check_host_state(
@@ -646,7 +768,10 @@ def prepare_deferred_load(
     where = files.resolve(path)
     manifest = files.read_manifest(where)
     verify_collectively(where, manifest)
-    extras = read_extras(where)
+    try:
+        extras = read_extras(where, manifest)
+    except io.FileProblems as e:  # changed since it was verified
+        raise _damaged(where, e.problems) from None
     check_host_state(where, extras, loader, stateful)
     restore_host_state(where, manifest, extras, loader, stateful, rng=False)
     return where, int(extras["step"])

@@ -15,10 +15,16 @@ One spawn of 4 workers (a spawn costs ~15 s) runs both checks:
    saves in the background (``async_save``) and goes on; a fresh job loads that checkpoint
    (model, optimizer, loader position, RNG) and trains the remaining steps: losses and final
    weights are bitwise equal to an uninterrupted run.
+3. **Damage found by one rank refuses the load on all.** A flipped byte in the data file
+   whose checksum only rank 3 checks (in DCP's plan step), and one in rank 2's small-state
+   file (which only rank 2 reads): every rank raises the same error naming the file, and no
+   rank's model or optimizer state changed.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 import plait
-from plait import ParallelConfig
+from plait import CheckpointError, ParallelConfig
 from plait.data import ShardedLoader
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.runtime.checkpoint import _shares, tensor_state
 from plait.testing import run_workers
 from plait.testing.equivalence import reference_run
 
@@ -136,8 +143,49 @@ def _exact_resume(root: str) -> dict:
     }
 
 
+def _local_copy(job: plait.Job) -> dict[str, torch.Tensor]:
+    """This rank's pieces of every saved tensor (model and optimizer), copied."""
+    out = {}
+    for k, v in tensor_state(job).items():
+        piece = v.to_local() if hasattr(v, "to_local") else v
+        out[k] = piece.detach().clone()
+    return out
+
+
+def _damaged_loads(root: str) -> dict:
+    """Load a damaged copy of the ZeRO-3 leg's checkpoint into a trained dp=4 job."""
+    rank = dist.get_rank()
+    good = Path(root) / "leg1"
+    manifest = json.loads((good / "plait.json").read_text())
+    cases = {"shard": _shares(manifest, 4)[3][0], "extras": "extra/rank2.pt"}
+    job = _job(CHAIN[2], _batches()[0])
+    job.step(_local(job, _batches()[0]))
+    out = {}
+    for case, name in cases.items():
+        bad = Path(root) / f"bad-{case}"
+        if rank == 0:
+            shutil.copytree(good, bad)
+            data = bytearray((bad / name).read_bytes())
+            data[len(data) // 2] ^= 0x10
+            (bad / name).write_bytes(bytes(data))
+        dist.barrier()
+        before = _local_copy(job)
+        try:
+            job.load(bad)
+            message = "loaded"
+        except CheckpointError as e:
+            message = str(e)
+        after = _local_copy(job)
+        unchanged = before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before
+        )
+        out[case] = {"file": str(bad / name), "error": message, "unchanged": unchanged,
+                     "steps": job.steps_taken}  # fmt: skip
+    return out
+
+
 def _workers(root: str) -> dict:
-    return {"chain": _chain(root), "resume": _exact_resume(root)}
+    return {"chain": _chain(root), "resume": _exact_resume(root), "damaged": _damaged_loads(root)}
 
 
 def test_reshard_chain_and_exact_resume(tmp_path: Path) -> None:
@@ -165,3 +213,10 @@ def test_reshard_chain_and_exact_resume(tmp_path: Path) -> None:
     for r in results:
         assert r["resume"] == {"losses_equal": True, "bitwise": True, "rng": True,
                                "rank": r["resume"]["rank"]}  # fmt: skip
+    for case, says in (("shard", "CRC-32"), ("extras", "CRC-32")):
+        seen = [r["damaged"][case] for r in results]
+        assert len({s["error"] for s in seen}) == 1, seen  # the same error on every rank
+        first = seen[0]
+        assert "nothing was loaded" in first["error"] and says in first["error"], first
+        assert repr(first["file"]) in first["error"], first  # it names the file
+        assert all(s["unchanged"] and s["steps"] == 1 for s in seen), seen

@@ -7,7 +7,8 @@ directory comes from ``--checkpoint-dir``:
 
 * attempt 0 saves steps 2 and 4; rank 1 is killed inside its 6th step's forward;
 * attempt 1 resumes at step 4; rank 1 is killed inside the save of step 6, after writing its
-  shard, before the checkpoint is committed (the save is left as ``step-00000006.partial``);
+  shard and small state, before its checksums reach rank 0 (the save is left as
+  ``step-00000006.partial``, never committed);
 * attempt 2 resumes at step 4 again (the interrupted save is not a checkpoint), trains to
   step 8, then trains a fresh job for 8 steps without interruption in the same process and
   compares the two bitwise.
@@ -69,14 +70,15 @@ def train(job, loader, ckpt=None):
 
 
 if attempt == 1 and world.rank == 1:
-    write = checkpoint_io.save_tensors
+    write = checkpoint_io._Writer.write_data
 
-    def write_then_die(state, path, group=None):
-        write(state, path, group)
-        if "step-00000006" in str(path):
+    def write_then_die(self, plan, planner):
+        written = write(self, plan, planner)
+        if "step-00000006" in str(self.path):
             os.kill(os.getpid(), signal.SIGKILL)  # mid-save: shard written, not committed
+        return written
 
-    checkpoint_io.save_tensors = write_then_die
+    checkpoint_io._Writer.write_data = write_then_die
 
 ckpt = Checkpoints(every=2, keep=2)
 job, loader = build()
@@ -98,8 +100,8 @@ def test_kill_mid_step_and_mid_save_then_resume_bitwise(tmp_path: Path) -> None:
         timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert results(proc.stdout) == [
-        f"rank={r} attempt=2 start=4 bitwise=True" for r in range(2)
-    ], proc.stdout[-3000:]
+    assert results(proc.stdout) == [f"rank={r} attempt=2 start=4 bitwise=True" for r in range(2)], (
+        proc.stdout[-3000:]
+    )
     assert "attempt 1 resumed at step 4" in proc.stdout
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000006", "step-00000008"]

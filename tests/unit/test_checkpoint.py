@@ -40,6 +40,16 @@ def _state(job: plait.Job) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in job.full_state_dict().items()}
 
 
+def _optimizer_state(job: plait.Job) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in job.model.named_parameters()}
+    return {
+        f"{names[id(p)]}.{k}": v.clone()
+        for p, state in job.optimizer.state.items()
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -99,35 +109,75 @@ def test_exact_resume_with_loader_and_scheduler(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "damage, says",
+    "damage, file, says",
     [
-        ("flip", "CRC-32"),
-        ("truncate", "bytes, the manifest says"),
-        ("metadata", ".metadata' is missing"),
-        ("extra", "rank0.pt' is missing"),
+        ("flip", "__0_0.distcp", "CRC-32"),  # checked in DCP's plan step, before it reads
+        ("truncate", "__0_0.distcp", "bytes, the manifest says"),
+        ("metadata", ".metadata", "' is missing"),
+        ("extra", "extra/rank0.pt", "' is missing"),
+        ("flip_metadata", ".metadata", "CRC-32"),  # checked as it is read, before unpickling
+        ("flip_extra", "extra/rank0.pt", "CRC-32"),
     ],
 )
 def test_damaged_checkpoint_is_refused_by_file_and_nothing_loads(
-    saved: Path, tmp_path: Path, damage: str, says: str
+    saved: Path, tmp_path: Path, damage: str, file: str, says: str
 ) -> None:
     path = _copy(saved, tmp_path)
-    shard = path / "__0_0.distcp"
-    if damage == "flip":
-        data = bytearray(shard.read_bytes())
+    target = path / file
+    if damage.startswith("flip"):
+        data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0x01
-        shard.write_bytes(bytes(data))
+        target.write_bytes(bytes(data))
     elif damage == "truncate":
-        shard.write_bytes(shard.read_bytes()[:-100])
-    elif damage == "metadata":
-        (path / ".metadata").unlink()
+        target.write_bytes(target.read_bytes()[:-100])
     else:
-        (path / "extra" / "rank0.pt").unlink()
+        target.unlink()
     job = _job()
-    before = _state(job)
+    job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8, shuffle=False))))
+    before, moments = _state(job), _optimizer_state(job)
     with pytest.raises(CheckpointError, match="nothing was loaded") as err:
         job.load(path)
-    assert says in str(err.value)
+    assert says in str(err.value) and repr(str(target)) in str(err.value)
+    assert _same(before, _state(job)) and job.steps_taken == 1
+    assert _same(moments, _optimizer_state(job))
+
+
+def test_damage_found_before_reading_into_a_fresh_job(saved: Path, tmp_path: Path) -> None:
+    """A job with no optimizer state yet: still nothing is created or loaded."""
+    path = _copy(saved, tmp_path)
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-200] ^= 0x80
+    shard.write_bytes(bytes(data))
+    job = _job()
+    before = _state(job)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp' has CRC-32 .* \(corrupted\)"):
+        job.load(path)
     assert _same(before, _state(job)) and job.steps_taken == 0 and not job.optimizer.state
+
+
+def test_every_file_is_checked_by_some_rank_on_load() -> None:
+    """The load splits the checksums: each rank checks what it reads itself (DCP's metadata,
+    its small state) and a share of the rest, balanced by size; together they cover every
+    listed file, whatever world saved and whatever world loads."""
+    from plait.runtime.checkpoint import _extras_name, _shares
+
+    for saved_world in range(1, 6):
+        listed = {".metadata": {"bytes": 10}, "plan.json": {"bytes": 5}}
+        for r in range(saved_world):
+            listed[f"__{r}_0.distcp"] = {"bytes": 1000 + 7 * r}
+            listed[f"extra/rank{r}.pt"] = {"bytes": 50}
+        manifest = {"files": listed}
+        for world in range(1, 6):
+            shares = _shares(manifest, world)
+            own = {".metadata"} | {_extras_name(manifest, r) for r in range(world)}
+            flat = [n for share in shares for n in share]
+            assert len(flat) == len(set(flat))  # no file checked twice
+            assert set(flat) | own == set(listed), (saved_world, world)
+            data = [sum(listed[n]["bytes"] for n in share if n.endswith(".distcp"))
+                    for share in shares]  # fmt: skip
+            if world <= saved_world:
+                assert max(data) - min(data) <= 1000 + 7 * saved_world
 
 
 def test_manifest_checksums_made_while_writing_equal_the_files(saved: Path) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "make_schedule",
     "mean_over_group",
     "run_schedule",
+    "shard_stage",
     "split_model",
     "stage_indices",
     "stage_on_submesh",
@@ -134,6 +135,27 @@ def mean_over_group(tensors: Sequence[torch.Tensor], group: Any, size: int) -> N
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+def shard_stage(
+    module: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, whole: Sequence[nn.Parameter]
+) -> None:
+    """Optimizer parallel over the data-parallel sub-mesh for one stage, by FSDP2
+    (``fully_shard``): parameters, gradients and optimizer states split over ``dp_mesh``;
+    parameters gathered before the stage's forward and (with ``reshard_after_forward``,
+    ZeRO-3) again before its backward; gradients reduce-scattered (averaged) once, after the
+    last micro-batch (torch's pipeline stage tells FSDP which backward is the last). ``whole``
+    parameters stay whole on every rank (MindSpore's size threshold and exclusions): their
+    gradients are the caller's to average. Parameters already DTensors on a tensor-parallel
+    sub-mesh of the same mesh are split over both (FSDP2's 2-D composition)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(
+        module,
+        mesh=dp_mesh,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=set(whole) or None,
+    )
 
 
 def sum_over_group(value: torch.Tensor, group: Any) -> torch.Tensor:

@@ -251,6 +251,7 @@ class PipelineJob(Job):
         if config.recompute == "full":
             for m in modules:
                 recompute_stage(m)
+        reduced_here = shard_stages(modules, config, device_mesh, dp)
         params = [p for m in modules for p in m.parameters()]
         super().__init__(
             model,
@@ -268,6 +269,9 @@ class PipelineJob(Job):
         self.stage_starts = starts
         self._dp = dp
         self._dp_group = device_mesh.get_group(config.dp_axis) if dp > 1 else None
+        self._dp_averaged = reduced_here
+        """Parameters whose gradients ``step`` averages over dp itself (None: all of them;
+        under optimizer parallel, those kept whole: FSDP reduce-scatters the others)."""
         self._micro_batches: list[Any] = []
         self._schedule = pp_comm.make_schedule(config.schedule, stages, micro, self._micro_loss)
         self._ties = tied_copies(model, modules)
@@ -313,6 +317,8 @@ class PipelineJob(Job):
         for p in params:  # tensor parallel in a stage: pending sums to the parameter's layout
             sync_grad(p)
         self._sync_ties()
+        if self._dp_averaged is not None:
+            params = self._dp_averaged
         grads = [local_piece(p.grad) for p in params if p.grad is not None]
         pp_comm.mean_over_group(grads, self._dp_group, self._dp)
         self.optimizer.step()
@@ -359,9 +365,9 @@ class PipelineJob(Job):
                 "pass a batch of that size (pad it, or cut it into such batches)"
             )
         local = tree_map(
-            lambda x: x.chunk(self._dp)[self._dp_index]
-            if isinstance(x, torch.Tensor) and x.ndim
-            else x,
+            lambda x: (
+                x.chunk(self._dp)[self._dp_index] if isinstance(x, torch.Tensor) and x.ndim else x
+            ),
             batch,
         )
         args, kwargs = call_arguments(local)
@@ -569,6 +575,42 @@ def distribute_stage(
         owner._parameters[attr] = done[id(p)]
 
 
+def shard_stages(
+    modules: list[nn.Module], config: ParallelConfig, device_mesh: Any, dp: int
+) -> list[nn.Parameter] | None:
+    """Optimizer parallel in the stages (``optimizer_shard``), by FSDP2 over the dp sub-mesh
+    (:func:`plait.comm.pipeline.shard_stage`): level 3 gathers a stage's parameters for each
+    micro-batch's forward and backward and frees them between; levels 1 and 2 keep them
+    gathered from a step's first forward to its last backward (FSDP2's ZeRO-2: the same
+    traffic as level 1's whole all-reduce, and less memory, so level 1 runs so too).
+    Parameters under ``optimizer_shard_threshold`` bytes or named in
+    ``optimizer_shard_exclude`` stay whole. Returns the parameters kept whole (the step
+    averages their gradients itself), or None without optimizer parallel."""
+    level = config.optimizer_shard
+    if level is None or dp == 1:
+        return None
+    threshold = int(config.optimizer_shard_threshold)
+    excluded = set(config.optimizer_shard_exclude)
+    kept: list[nn.Parameter] = []
+    dp_mesh = device_mesh[config.dp_axis]
+    for m in modules:
+        whole = [
+            p
+            for name, p in m.named_parameters()
+            if name in excluded or local_piece(p).numel() * p.element_size() < threshold
+        ]
+        pp_comm.shard_stage(m, dp_mesh, reshard_after_forward=level == 3, whole=whole)
+        kept.extend(whole)
+    logger.info(
+        "pipeline: optimizer_shard=%d over %r (FSDP2, %s), %d parameters kept whole",
+        level,
+        config.dp_axis,
+        "parameters freed after each forward" if level == 3 else "parameters kept for backward",
+        len(kept),
+    )
+    return kept
+
+
 def recompute_stage(module: nn.Module) -> None:
     """Full recompute for a stage: its forward keeps only its inputs for backward and runs
     again there (torch's non-reentrant activation checkpoint, dropout masks replayed from the
@@ -603,12 +645,19 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
             "use gpipe, 1f1b or interleaved_1f1b",
         ),
         (
+            config.optimizer_shard is not None
+            and config.schedule in ("zero_bubble", "zero_bubble_v"),
+            f"optimizer_shard={config.optimizer_shard}, schedule={config.schedule!r}",
+            "optimizer parallel with a zero-bubble schedule (FSDP2 reduce-scatters a stage's "
+            "gradients before the separate weight-gradient passes have run); use gpipe, 1f1b "
+            "or interleaved_1f1b",
+        ),
+        (
             config.mode not in ("data_parallel", "semi_auto"),
             f"mode={config.mode!r}",
             "pipeline stages running a searched plan (auto, plan files); use mode="
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
-        (config.optimizer_shard is not None, f"optimizer_shard={config.optimizer_shard}", "ZeRO"),
         (
             config.recompute not in ("none", "full") or bool(config.recompute_modules),
             f"recompute={config.recompute!r}, recompute_modules={config.recompute_modules}",

@@ -113,6 +113,20 @@ def _workers(root: str) -> dict:
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["collectives"] = dict(log.counts)
+    # optimizer parallel in the stages (FSDP2 over dp): ZeRO-3 on the interleaved schedule
+    # with the head tied to the embedding; ZeRO-1 with small parameters kept whole
+    job, losses = _train(
+        ParallelConfig(**PIPE, schedule="interleaved_1f1b", optimizer_shard=3,
+                       optimizer_shard_threshold=0), tied=True,
+    )  # fmt: skip
+    out["zero3_tied"] = (losses, job.full_state_dict())
+    job, losses = _train(
+        ParallelConfig(**PIPE, optimizer_shard=1, optimizer_shard_threshold="1KiB")
+    )
+    state = job.full_state_dict()
+    with ProcessGroupLog() as log:  # a third step, on the first batch again
+        job.step(_local(job, _batches()[0]))
+    out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
     # tensor parallel inside the stages: pp=2 x tp=2, Megatron annotations, mode semi_auto
     job, losses = _train(PP_TP, megatron=True)
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
@@ -161,10 +175,23 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
     assert results[0]["marked"][2] == ["blocks.1"]
     tied = reference_run(_model(tied=True), gpt_loss, _sgd, _batches())
-    losses, state = results[0]["tied"]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(tied.losses))
-    for key, value in tied.state.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="tied " + key)
+    for name in ("tied", "zero3_tied"):
+        losses, state = results[0][name]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(tied.losses), msg=name)
+        for key, value in tied.state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
+    # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its
+    # stage's sharded parameters once and reduce-scatters their gradients once; the gradients
+    # of parameters under 1 KiB (norms, biases: kept whole) are averaged in one all-reduce,
+    # beside the loss's
+    for rank, r in enumerate(results):
+        losses, state, counts, whole = r["zero1"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(short.losses))
+        for key, value in short.state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="zero1 " + key)
+        assert whole > 0 and {k: counts[k] for k in ("send", "recv_")} == {"send": 4, "recv_": 4}
+        assert (counts["_allgather_base_"], counts["_reduce_scatter_base_"]) == (1, 1), counts
+        assert counts["allreduce_"] == 2, f"rank {rank}: {counts}"
     trained = _model()
     trained.load_state_dict(short.state)
     with torch.no_grad():
@@ -172,8 +199,9 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     assert results[0]["evaluate"] == pytest.approx(expected, rel=1e-5)
     with torch.no_grad():
         logits = trained(_batches()[0][0])
-    assert "the batch has [4] rows but the stages were built for batches of [8]" in (
-        results[0]["predict_refused"]
+    assert (
+        "the batch has [4] rows but the stages were built for batches of [8]"
+        in (results[0]["predict_refused"])
     )
     for rank, r in enumerate(results):  # every rank gets the whole batch's logits
         torch.testing.assert_close(r["predict"], logits, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
@@ -229,6 +257,12 @@ def _three_axes(_: str) -> dict:
         out[schedule] = (losses, job.full_state_dict())
         if schedule == "1f1b":
             one_f_one_b = job
+    zero3 = ParallelConfig(
+        mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4,
+        optimizer_shard=3, optimizer_shard_threshold=0,
+    )  # fmt: skip
+    zero_job, losses = _train(zero3, megatron=True)  # FSDP2 over dp of tp-split stages (2-D)
+    out["zero3"] = (losses, zero_job.full_state_dict())
     job = one_f_one_b
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
         job.step(_local(job, _batches()[0]))
@@ -249,7 +283,7 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
     processes on a 2-core machine take about a minute."""
     results = run_workers(_three_axes, 8, str(tmp_path), timeout_s=600.0)
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
-    for schedule in SCHEDULES_TP:
+    for schedule in (*SCHEDULES_TP, "zero3"):
         losses, state = results[0][schedule]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))
         for key, value in expected.state.items():

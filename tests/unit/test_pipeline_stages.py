@@ -70,8 +70,12 @@ def test_settings_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="needs at least 2 micro-batches"):
         check_pipeline_config(ParallelConfig(**pipe), mesh)
     check_pipeline_config(ParallelConfig(**pipe, schedule="gpipe"), mesh)  # 1 is fine there
-    with pytest.raises(NotBuiltError, match="ZeRO with pipeline parallel is not built"):
-        check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, optimizer_shard=1), mesh)
+    check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, optimizer_shard=1), mesh)
+    with pytest.raises(NotBuiltError, match="optimizer parallel with a zero-bubble schedule"):
+        check_pipeline_config(
+            ParallelConfig(**pipe, micro_batches=2, optimizer_shard=3, schedule="zero_bubble"),
+            mesh,
+        )
     tp = MeshSpec.from_dict({"pp": 2, "tp": 2})
     with pytest.raises(NotBuiltError, match=r"axes \['tp'\] inside pipeline stages"):
         check_pipeline_config(

@@ -144,7 +144,7 @@ def _workers(root: str) -> dict:
     png = Path(root) / "measured.png"
     timeline = job.timeline(png, trace=Path(root) / "measured.json")
     out["timeline"] = sorted({(e.rank, e.kind) for e in timeline.events})
-    # a pipeline checkpoint -> plain data parallel -> back into the pipeline
+    # a pipeline checkpoint -> plain data parallel -> back into a pipeline (ZeRO-2 stages)
     batches = _batches(STEPS + 2)
     job.save(Path(root) / "pipe")
     flat = plait.parallelize(
@@ -154,9 +154,9 @@ def _workers(root: str) -> dict:
     assert flat.load(Path(root) / "pipe") == STEPS
     third = flat.step(_local(flat, batches[STEPS]))
     flat.save(Path(root) / "flat")
-    again = plait.parallelize(
-        _model(), ParallelConfig(**PIPE), optimizer=_sgd, loss_fn=gpt_loss,
-        example_batch=batches[0],
+    again = plait.parallelize(  # into the pipeline with ZeRO-2 in its stages
+        _model(), ParallelConfig(**PIPE, optimizer_shard=2, optimizer_shard_threshold=0),
+        optimizer=_sgd, loss_fn=gpt_loss, example_batch=batches[0],
     )  # fmt: skip
     assert again.load(Path(root) / "flat") == STEPS + 1
     fourth = again.step(_local(again, batches[STEPS + 1]))

@@ -29,7 +29,7 @@ from plait._compat import tree_leaves, tree_map
 from plait.annotate import parameter_layouts, recompute_marks
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
-from plait.config import CommFusion, ParallelConfig, Search
+from plait.config import CommFusion, ParallelConfig, Recompute, Schedule, Search
 from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
@@ -95,12 +95,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             f"micro_batches={cfg.micro_batches} without pipeline stages",
             "micro-batches outside a pipeline (grad_accumulation=k cuts a step into k "
             "micro-batches with one gradient reduction)",
-        ),
-        (
-            cfg.pipeline_stages > 1 and (planned or cfg.plan is not None),
-            f"pipeline_stages={cfg.pipeline_stages}, mode={cfg.mode!r}",
-            "pipeline stages running a plan (mode data_parallel with a mesh of 'pp' and 'dp' "
-            "runs pipeline parallel)",
         ),
         (
             cfg.optimizer_shard is not None and cfg.mode == "hybrid",
@@ -204,8 +198,16 @@ def parallelize(
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     world = current_world()
-    if config.pipeline_stages > 1:
+    planned = config.mode == "auto" or config.plan is not None or plan is not None
+    if config.pipeline_stages > 1 and not planned:
         return _pipeline_job(model, config, optimizer, loss_fn, example_batch)
+    if config.pipeline_stages > 1 and (world is None or world.simulated):
+        raise ConfigError(
+            f"pipeline_stages={config.pipeline_stages} (mode {config.mode!r}) needs real "
+            "processes (plait run, torchrun, or plait.testing.run_workers): its stages send "
+            "activations to each other point to point, which a simulated world "
+            "(plait.testing.simulate) cannot"
+        )
     if config.mode == "stand_alone":
         return _stand_alone_job(model, config, optimizer, loss_fn)
     if world is None:
@@ -214,7 +216,6 @@ def parallelize(
             "(under `plait run` or torchrun), or use plait.testing.simulate(world_size=N) to run "
             "N ranks in this process"
         )
-    planned = config.mode == "auto" or config.plan is not None or plan is not None
     mesh: MeshSpec | None = None
     if not planned:
         mesh = _job_mesh(config, world.world_size)
@@ -288,8 +289,11 @@ def _planned_job(
     if plan is None:
         if config.mesh is None and config.devices is None:
             config = dataclasses.replace(config, devices=world_size)
-        plan = plan_graph(captured.graph, config, model=model, runnable_only=True)
+        # pipeline stages send to each other point to point: real processes only
+        plan = plan_graph(captured.graph, config, model=model, runnable_only=world.simulated)
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
+    if plan.pipeline_stages > 1:
+        return _pipeline_of_plan(model, config, plan, optimizer, loss_fn, example_batch)
     job = build_plan_job(
         model, plan, config, loss_fn, optimizer, micro, captured=captured, device_mesh=device_mesh
     )
@@ -317,6 +321,58 @@ def _replanner(
         )
 
     return Replanner(model, loss_fn, plan_for, program_for)
+
+
+def _pipeline_of_plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    plan: Plan,
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+    example_batch: Any,
+) -> Job:
+    """A plan with pipeline stages (the outer planner's pp x dp x tp, or a plan file) run as
+    pipeline parallel: its mesh, stage split, micro-batches, schedule, ZeRO level and
+    recompute, and its parameters' layouts inside each stage (:mod:`plait.runtime.pipeline`)."""
+    from plait.runtime.pipeline import PipelineJob
+
+    world = current_world()
+    if world is None or world.simulated:
+        raise ConfigError(
+            f"the plan has pipeline_stages={plan.pipeline_stages}, which needs real processes "
+            "(plait run, torchrun, or plait.testing.run_workers): its stages send activations "
+            "to each other point to point, which a simulated world cannot"
+        )
+    pipe = dataclasses.replace(
+        config,
+        mesh=plan.mesh.as_dict(),
+        devices=None,
+        pipeline_stages=plan.pipeline_stages,
+        micro_batches=plan.micro_batches,
+        schedule=cast(Schedule, plan.schedule),
+        virtual_stages=plan.virtual_stages,
+        optimizer_shard=cast(Any, plan.optimizer_shard),
+        recompute=cast(Recompute, plan.recompute),
+        plan=None,
+    )
+    materialize_meta(model, _device_of(world.device_type))
+    logger.info(
+        "running the plan's %d pipeline stages (%s, %d micro-batches) on mesh %s",
+        plan.pipeline_stages,
+        plan.schedule,
+        plan.micro_batches,
+        plan.mesh.as_dict(),
+    )
+    return PipelineJob(
+        model,
+        pipe,
+        mesh=plan.mesh,
+        device_mesh=build_device_mesh(plan.mesh, world.device_type),
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        example_batch=example_batch,
+        plan=plan,
+    )
 
 
 def _stand_alone_job(

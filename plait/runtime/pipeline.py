@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
+from plait.planning import Plan, PlannedParameter
 from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.meta_init import require_initialised
@@ -212,8 +213,9 @@ class PipelineJob(Job):
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         example_batch: Any,
+        plan: Plan | None = None,
     ) -> None:
-        check_pipeline_config(config, mesh)
+        check_pipeline_config(config, mesh, planned=plan is not None)
         if config.schedule == "zero_bubble_v" and device_mesh.device_type == "cpu":
             raise NotBuiltError(
                 "ParallelConfig(schedule='zero_bubble_v') on CPU processes: the V schedule "
@@ -228,13 +230,18 @@ class PipelineJob(Job):
         micro = config.micro_batches
         coordinate = list(device_mesh.get_coordinate())
         pp_rank = coordinate[mesh.axis_index("pp")]
-        starts = stage_starts(model, count)
+        starts = plan_stage_starts(plan) if plan is not None and virtual == 1 else None
+        starts = starts or stage_starts(model, count)
         local = _local_example(example_batch, dp * micro)
         args, kwargs = model_inputs(model, loss_fn, local)
         inner = inner_axes(mesh, config)
         # Planned on the model as the user gave it: after the split its capture is not the
         # same (the plan of a split model met an op with no output).
-        layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp) if inner else {}
+        layouts: dict[str, TensorLayout] = {}
+        if inner and plan is not None:
+            layouts = inner_layouts(plan.parameters, mesh, config)
+        elif inner:
+            layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp)
         pipe = pp_comm.split_model(model, args, kwargs, starts)
         indices = pp_comm.stage_indices(config.schedule, pp_rank, pp, virtual)
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
@@ -545,12 +552,34 @@ def stage_parameter_layouts(
         example_batch=tree_map(lambda x: _repeat_rows(x, dp), micro_batch),
         loss_fn=loss_fn,
     )  # fmt: skip
+    return inner_layouts(planned.parameters, mesh, config)
+
+
+def inner_layouts(
+    parameters: Sequence[PlannedParameter], mesh: MeshSpec, config: ParallelConfig
+) -> dict[str, TensorLayout]:
+    """Planned parameter layouts restricted to the axes inside a stage (a split over ``pp``
+    or the data-parallel axis is not a stage's to make: the stage holds that dim whole)."""
     inner = set(inner_axes(mesh, config))
     sub = MeshSpec.from_dict({a: mesh.axis_size(a) for a in mesh.axis_names if a in inner})
     return {
         p.name: TensorLayout(sub, tuple(tuple(a for a in d if a in inner) for d in p.layout.dims))
-        for p in planned.parameters
+        for p in parameters
     }
+
+
+def plan_stage_starts(plan: Plan) -> list[str] | None:
+    """The module each of a plan's stages after the first begins with: the repeated layer (or
+    else the module) of the stage's first op; None if a stage's first op has neither."""
+    ops = {op.name: op for op in plan.ops}
+    starts = []
+    for stage in plan.stages[1:]:
+        first = ops.get(stage[0]) if stage else None
+        start = None if first is None else (first.layer or first.module_path)
+        if not start:
+            return None
+        starts.append(start)
+    return starts or None
 
 
 def _repeat_rows(x: Any, times: int) -> Any:
@@ -626,12 +655,13 @@ def recompute_stage(module: nn.Module) -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
-def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
-    """What the pipeline runs with today, refused by name otherwise (before anything waits)."""
+def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bool = False) -> None:
+    """What the pipeline runs with today, refused by name otherwise (before anything waits).
+    ``planned``: the stages run a plan of mode auto (or a plan file)."""
     inner = inner_axes(mesh, config)
     refusals = [
         (
-            bool(inner) and config.mode != "semi_auto",
+            bool(inner) and config.mode != "semi_auto" and not planned,
             f"mesh {dict(mesh.as_dict())}, mode={config.mode!r}",
             f"axes {list(inner)} inside pipeline stages outside mode 'semi_auto' (tensor "
             "parallel in a stage follows plait.shard annotations: use mode='semi_auto'); "
@@ -653,7 +683,7 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec) -> None:
             "or interleaved_1f1b",
         ),
         (
-            config.mode not in ("data_parallel", "semi_auto"),
+            config.mode not in ("data_parallel", "semi_auto") and not planned,
             f"mode={config.mode!r}",
             "pipeline stages running a searched plan (auto, plan files); use mode="
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",

@@ -26,6 +26,7 @@ import torch
 import plait
 from plait import ParallelConfig
 from plait._compat import TorchDispatchMode, group_ranks
+from plait.comm.dtensor import is_dtensor
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
@@ -133,6 +134,18 @@ def _workers(root: str) -> dict:
         job.step(_batches()[0])  # a third step (tp x pp: every rank takes the whole batch)
     out["pp_tp"] = (losses, job.full_state_dict(), job.predict((_batches()[0][0],)))
     out["pp_tp_collectives"] = (inner.counts(), dict(log.counts))
+    # (after pp_tp's count: a later mesh of the same shape renames its groups) plans of
+    # mode auto with pipeline stages run as pipelines: the plan's stage split,
+    # micro-batches, ZeRO level and recompute; its parameter layouts inside the stages
+    auto = ParallelConfig(mode="auto", mesh={"pp": 2, "tp": 2}, search="dynamic_programming")
+    job, losses = _train(auto, megatron=True)
+    params = [p for m in job.stage_modules for p in m.parameters()]
+    split = sum(is_dtensor(p) and p.placements[0].is_shard() for p in params)
+    out["auto_pp_tp"] = (losses, job.full_state_dict(), split, job.config.micro_batches)
+    auto = ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}, optimizer_shard=3,
+                          optimizer_shard_threshold=0, recompute="full")  # fmt: skip
+    job, losses = _train(auto)
+    out["auto_zero3"] = (losses, job.full_state_dict(), job.stage_starts)
     job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
     out["evaluate"] = job.evaluate(_local(job, _batches()[0]))
     out["predict"] = job.predict((_batches()[0][0],))  # the whole batch, the same everywhere
@@ -164,31 +177,36 @@ def _workers(root: str) -> dict:
     return out
 
 
+def _same_run(losses: list[float], state: dict, reference, name: str) -> None:
+    """Losses and parameters equal one device's (fp32, SGD)."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), msg=name)
+    for key, value in reference.state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
+
+
 def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> None:
     reference = reference_run(_model(), gpt_loss, _sgd, _batches(STEPS + 2))
     results = run_workers(_workers, 4, str(tmp_path), timeout_s=280.0)
     short = reference_run(_model(), gpt_loss, _sgd, _batches())
-    for name in (*SCHEDULES, "marked", "recompute"):
-        losses, state = results[0][name][:2]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(short.losses), msg=name)
-        for key, value in short.state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
-    assert results[0]["marked"][2] == ["blocks.1"]
     tied = reference_run(_model(tied=True), gpt_loss, _sgd, _batches())
-    for name in ("tied", "zero3_tied"):
-        losses, state = results[0][name]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(tied.losses), msg=name)
-        for key, value in tied.state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
+    megatron_short = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
+    # every schedule, marks, recompute, ties and ZeRO-3; and mode auto's pipeline plans (with
+    # Megatron annotations the plan splits parameters over tp inside the stages)
+    for name, ref in [
+        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "auto_zero3")),
+        ("tied", tied), ("zero3_tied", tied), ("auto_pp_tp", megatron_short),
+    ]:  # fmt: skip
+        _same_run(*results[0][name][:2], ref, name)
+    assert results[0]["marked"][2] == ["blocks.1"]
+    assert results[0]["auto_pp_tp"][2] > 0
+    assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its
     # stage's sharded parameters once and reduce-scatters their gradients once; the gradients
     # of parameters under 1 KiB (norms, biases: kept whole) are averaged in one all-reduce,
     # beside the loss's
     for rank, r in enumerate(results):
         losses, state, counts, whole = r["zero1"]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(short.losses))
-        for key, value in short.state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="zero1 " + key)
+        _same_run(losses, state, short, f"zero1 rank {rank}")
         assert whole > 0 and {k: counts[k] for k in ("send", "recv_")} == {"send": 4, "recv_": 4}
         assert (counts["_allgather_base_"], counts["_reduce_scatter_base_"]) == (1, 1), counts
         assert counts["allreduce_"] == 2, f"rank {rank}: {counts}"

@@ -201,13 +201,7 @@ def parallelize(
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
         return _pipeline_job(model, config, optimizer, loss_fn, example_batch)
-    if config.pipeline_stages > 1 and (world is None or world.simulated):
-        raise ConfigError(
-            f"pipeline_stages={config.pipeline_stages} (mode {config.mode!r}) needs real "
-            "processes (plait run, torchrun, or plait.testing.run_workers): its stages send "
-            "activations to each other point to point, which a simulated world "
-            "(plait.testing.simulate) cannot"
-        )
+    _stages_need_processes(config, world)
     if config.mode == "stand_alone":
         return _stand_alone_job(model, config, optimizer, loss_fn)
     if world is None:
@@ -248,6 +242,17 @@ def parallelize(
     if example_batch is None:
         return _deferred_job(model, config, build, plan, mesh, device_mesh, world.simulated)
     return build(example_batch)
+
+
+def _stages_need_processes(config: ParallelConfig, world: Any) -> None:
+    """Pipeline stages send to each other point to point: no simulated world."""
+    if config.pipeline_stages > 1 and (world is None or world.simulated):
+        raise ConfigError(
+            f"pipeline_stages={config.pipeline_stages} (mode {config.mode!r}) needs real "
+            "processes (plait run, torchrun, or plait.testing.run_workers): its stages send "
+            "activations to each other point to point, which a simulated world "
+            "(plait.testing.simulate) cannot"
+        )
 
 
 def _planned_job(
@@ -293,7 +298,19 @@ def _planned_job(
         plan = plan_graph(captured.graph, config, model=model, runnable_only=world.simulated)
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
     if plan.pipeline_stages > 1:
-        return _pipeline_of_plan(model, config, plan, optimizer, loss_fn, example_batch)
+        try:
+            return _pipeline_of_plan(model, config, plan, optimizer, loss_fn, example_batch)
+        except (ConfigError, NotBuiltError) as e:
+            if not planned_here or config.mesh is not None:
+                raise  # a pipeline the user asked for: say why it cannot run
+            # The same on every rank, before any collective: plan without stages instead.
+            logger.warning(
+                "the plan's %d pipeline stages cannot run (%s); planning without pipeline "
+                "stages",
+                plan.pipeline_stages,
+                e,
+            )
+            plan = plan_graph(captured.graph, config, model=model, runnable_only=True)
     job = build_plan_job(
         model, plan, config, loss_fn, optimizer, micro, captured=captured, device_mesh=device_mesh
     )
@@ -334,7 +351,7 @@ def _pipeline_of_plan(
     """A plan with pipeline stages (the outer planner's pp x dp x tp, or a plan file) run as
     pipeline parallel: its mesh, stage split, micro-batches, schedule, ZeRO level and
     recompute, and its parameters' layouts inside each stage (:mod:`plait.runtime.pipeline`)."""
-    from plait.runtime.pipeline import PipelineJob
+    from plait.runtime.pipeline import PipelineJob, check_pipeline_config
 
     world = current_world()
     if world is None or world.simulated:
@@ -355,6 +372,7 @@ def _pipeline_of_plan(
         recompute=cast(Recompute, plan.recompute),
         plan=None,
     )
+    check_pipeline_config(pipe, plan.mesh, planned=True)  # refusals before anything changes
     materialize_meta(model, _device_of(world.device_type))
     logger.info(
         "running the plan's %d pipeline stages (%s, %d micro-batches) on mesh %s",

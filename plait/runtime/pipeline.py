@@ -276,6 +276,8 @@ class PipelineJob(Job):
         )
         self.stages = stages
         self.stage_modules = modules
+        self.plan = plan
+        """The plan the stages run (mode auto, plan files), None for marks and even splits."""
         self.stage_indices = indices
         self.stage_starts = starts
         self._dp = dp

@@ -20,6 +20,10 @@ hits all of them:
   (f) ``plait auto``: the same annotations, ``mode="auto"`` on the same mesh (the plan seeded
       by the annotations, run as the compiled program).
 
+With ``--only``: (g) and (h) are (b) and (e) with ``compile=True``; (i) is the dp-only plan
+(``mode="semi_auto", mesh={"dp": 4}``, no annotation) run as the per-rank program without
+torch.compile; (j) is (f) with ``compile=True``.
+
 Each case warms up, then every step is timed on every rank after a barrier; rank 0's median
 wall time and median process CPU time per step are reported, with the ratio to the case's
 baseline. The script checks that every case's global loss at every measured step equals DDP's
@@ -89,6 +93,8 @@ CASES = [
     Case("auto_tp", "(f) plait auto Megatron, dp=2 x tp=2", "tp"),
     Case("dp_compiled", "(g) plait data_parallel, dp=4, compile=True", "ddp"),
     Case("semi_auto_compiled", "(h) plait semi_auto Megatron, compile=True", "tp"),
+    Case("dp_plan", "(i) plait dp-only plan (semi_auto, mesh dp=4), the program", "ddp"),
+    Case("auto_tp_compiled", "(j) plait auto Megatron, compile=True", "tp"),
 ]
 DEFAULT_CASES = ("ddp", "dp", "auto_dp", "tp", "semi_auto", "auto_tp")
 """Without --only: the compiled cases pay inductor's compilation (tens of seconds each)."""
@@ -244,6 +250,11 @@ def build(key: str, cfg: GPTConfig, batches: list[Batch]) -> Built:
         return plait_job(cfg, batches, config, False)
     if key == "semi_auto_compiled":
         config = ParallelConfig(mode="semi_auto", mesh=tp_mesh, compile=True)
+        return plait_job(cfg, batches, config, True)
+    if key == "dp_plan":  # no annotation: every op data parallel, run as the per-rank program
+        return plait_job(cfg, batches, ParallelConfig(mode="semi_auto", mesh={"dp": WORLD}), False)
+    if key == "auto_tp_compiled":
+        config = ParallelConfig(mode="auto", mesh=tp_mesh, compile=True)
         return plait_job(cfg, batches, config, True)
     raise ValueError(key)
 

@@ -190,13 +190,39 @@ def test_manifest_checksums_made_while_writing_equal_the_files(saved: Path) -> N
         assert files.checksum(saved / name) == listed, name
 
 
-def test_dcp_files_are_checksummed_as_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("numel", [1000, 300_000])  # small writes only; a tensor's bytes
+def test_dcp_files_are_checksummed_as_written(tmp_path: Path, numel: int) -> None:
+    """Large writes are checksummed by the stream's helper thread from the file's pages, the
+    small ones between them from copies, all in file order."""
     from plait.comm import checkpoint_io
 
-    written = checkpoint_io.save_tensors({"x": torch.arange(1000.0)}, tmp_path)
+    state = {"x": torch.arange(float(numel)), "y": torch.ones(7), "z": torch.randn(numel)}
+    written = checkpoint_io.save_tensors(state, tmp_path)
     assert sorted(written) == [".metadata", "__0_0.distcp"]  # not left to a second read
     for name, (size, crc) in written.items():
         assert files.checksum(tmp_path / name) == {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def test_a_failed_checksum_helper_leaves_the_file_to_be_read(tmp_path: Path, monkeypatch) -> None:
+    from plait.comm import checkpoint_io
+
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(args)
+        raise OSError("mmap refused (simulated)")
+
+    monkeypatch.setattr(checkpoint_io, "_crc32_of_range", fail)
+    monkeypatch.setattr(checkpoint_io, "_IN_BACKGROUND", 256)  # this tiny model's tensors too
+    job = _job()
+    job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
+    job.save(tmp_path / "c")
+    assert calls  # the helper thread tried
+    manifest = json.loads((tmp_path / "c" / files.MANIFEST).read_text())
+    assert sorted(manifest["files"]) == files.files_of(tmp_path / "c")
+    for name, listed in manifest["files"].items():
+        assert files.checksum(tmp_path / "c" / name) == listed, name
+    assert _job().load(tmp_path / "c") == 1
 
 
 def test_missing_manifest_names_an_unfinished_save(saved: Path, tmp_path: Path) -> None:

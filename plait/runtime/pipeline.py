@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -55,6 +56,7 @@ from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
+from plait.runtime.remat import kept_by_selective
 
 __all__ = ["PipelineJob", "model_inputs", "stage_starts"]
 
@@ -256,9 +258,9 @@ class PipelineJob(Job):
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
-        if config.recompute == "full":
+        if config.recompute in ("full", "selective"):
             for m in modules:
-                recompute_stage(m)
+                recompute_stage(m, config.recompute)
         if config.precision != "fp32":
             for m in modules:
                 autocast_stage(m, config.precision, device_mesh.device_type)
@@ -667,19 +669,38 @@ def autocast_stage(module: nn.Module, precision: str, device_type: str) -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
-def recompute_stage(module: nn.Module) -> None:
-    """Full recompute for a stage: its forward keeps only its inputs for backward and runs
-    again there (torch's non-reentrant activation checkpoint, dropout masks replayed from the
-    saved RNG state), so a stage holds one micro-batch's activations at a time instead of one
-    per micro-batch in flight. Wraps ``forward`` in place (parameter names unchanged)."""
+def recompute_stage(module: nn.Module, mode: str = "full") -> None:
+    """Recompute for a stage (torch's non-reentrant activation checkpoint around its forward,
+    dropout masks replayed from the saved RNG state). ``"full"``: the forward keeps only its
+    inputs for backward and runs again there, so a stage holds one micro-batch's activations
+    at a time instead of one per micro-batch in flight. ``"selective"`` (Megatron's selective
+    recompute, torch's selective checkpoint): the results of matrix products, convolutions,
+    attention kernels and embedding lookups are kept, the cheap rest (pointwise ops,
+    activations, norms, softmax) recomputed; the same rule as the program's pass
+    (:func:`plait.runtime.remat.kept_by_selective`). Wraps ``forward`` in place."""
     inner = module.forward
+    context: dict[str, Any] = {}
+    if mode == "selective":
+        context["context_fn"] = functools.partial(
+            torch.utils.checkpoint.create_selective_checkpoint_contexts, selective_policy
+        )
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation, prediction: nothing to keep
             return inner(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(
+            inner, *args, use_reentrant=False, **context, **kwargs
+        )
 
     module.forward = forward  # type: ignore[method-assign]
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective recompute's choice per op, for torch's selective checkpoint."""
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    schema = getattr(op, "_schema", None)
+    keep = schema is not None and kept_by_selective(schema.name)
+    return policy.MUST_SAVE if keep else policy.PREFER_RECOMPUTE
 
 
 def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bool = False) -> None:
@@ -716,10 +737,10 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
         (
-            config.recompute not in ("none", "full") or bool(config.recompute_modules),
+            config.recompute == "auto" or bool(config.recompute_modules),
             f"recompute={config.recompute!r}, recompute_modules={config.recompute_modules}",
-            "selective, automatic or per-module recompute (recompute='full' runs: each stage's "
-            "forward recomputed in its backward)",
+            "automatic or per-module recompute (recompute='full' and 'selective' run: each "
+            "stage's forward recomputed in its backward, all of it or its cheap ops)",
         ),
         (config.offload is not None, f"offload={config.offload!r}", "offload"),
         (

@@ -132,8 +132,13 @@ _is_collective = is_collective
 
 
 def _is_matmul_like(node: Node) -> bool:
-    name = _op_name(node)
-    return name in _MATMUL_LIKE or name.startswith(_ATTENTION_PREFIXES)
+    return kept_by_selective(_op_name(node))
+
+
+def kept_by_selective(op_name: str) -> bool:
+    """Whether selective recompute keeps the result of the op of schema name ``op_name``
+    (``"aten::mm"``): a matrix product, convolution, attention kernel or embedding lookup."""
+    return op_name in _MATMUL_LIKE or op_name.startswith(_ATTENTION_PREFIXES)
 
 
 def _argument(node: Node, index: int, arg: Any) -> Any:

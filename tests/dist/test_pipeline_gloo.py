@@ -107,6 +107,8 @@ def _workers(root: str) -> dict:
         out[schedule] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
     out["recompute"] = (losses, job.full_state_dict())
+    job, losses = _train(ParallelConfig(**PIPE, recompute="selective", schedule="gpipe"))
+    out["selective"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), tied=True)
     out["tied"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), marked=True)
@@ -210,7 +212,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     # every schedule, marks, recompute, ties and ZeRO-3; and mode auto's pipeline plans (with
     # Megatron annotations the plan splits parameters over tp inside the stages)
     for name, ref in [
-        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "auto_zero3")),
+        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "selective", "auto_zero3")),
         ("tied", tied), ("zero3_tied", tied), ("auto_pp_tp", megatron_short),
     ]:  # fmt: skip
         _same_run(*results[0][name][:2], ref, name)

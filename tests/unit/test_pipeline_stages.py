@@ -93,8 +93,10 @@ def test_settings_refused_by_name() -> None:
     with pytest.raises(NotBuiltError, match="searched plan"):
         check_pipeline_config(ParallelConfig(**{**pipe, "mode": "auto", "micro_batches": 2}), mesh)
     check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="full"), mesh)
-    with pytest.raises(NotBuiltError, match="selective, automatic or per-module recompute"):
-        check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="selective"), mesh)
+    check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="selective"), mesh)
+    with pytest.raises(NotBuiltError, match="automatic or per-module recompute"):
+        check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="auto"), mesh)
+
     with pytest.raises(ConfigError, match="1f1b runs one stage a rank"):
         ParallelConfig(**pipe, virtual_stages=2)
     with pytest.raises(ConfigError, match="V schedule runs exactly 2 stages"):
@@ -108,3 +110,17 @@ def test_model_inputs_are_what_the_loss_function_passes() -> None:
     assert args[0] is ids and kwargs == {}
     with pytest.raises(plait.ShardingError, match="must call model"):
         model_inputs(TinyGPT(CFG), lambda m, b: b[0].sum(), (ids, ids))
+
+
+def test_selective_recompute_keeps_products_and_recomputes_the_cheap_ops() -> None:
+    """The stage policy is the program pass's rule (plait.runtime.remat.kept_by_selective)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from plait.runtime.pipeline import selective_policy
+
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.embedding.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default):  # fmt: skip
+        assert selective_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    for op in (aten.gelu.default, aten.native_layer_norm.default, aten._softmax.default):
+        assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op

@@ -207,6 +207,16 @@ class _Writer(dcp.FileSystemWriter):
         return super().prepare_local_plan(plan)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._write_files()
+        results = list(super().write_data(plan, planner).wait())
+        # This rank's checksums travel to the coordinator with its write results.
+        results.append(WriteResult(MetadataIndex(_CHECKSUMS), 0, dict(self.fs.written)))
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_files(self) -> None:
+        """This rank's small files, synced (the manifest will vouch for them)."""
         for name, data in self._files.items():
             target = self._root / name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -214,12 +224,6 @@ class _Writer(dcp.FileSystemWriter):
                 stream.write(data)
                 stream.flush()
                 os.fsync(stream.fileno())
-        results = list(super().write_data(plan, planner).wait())
-        # This rank's checksums travel to the coordinator with its write results.
-        results.append(WriteResult(MetadataIndex(_CHECKSUMS), 0, dict(self.fs.written)))
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         sums: Checksums = {}

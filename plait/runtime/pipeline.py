@@ -28,7 +28,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -261,6 +261,7 @@ class PipelineJob(Job):
         if config.recompute in ("full", "selective"):
             for m in modules:
                 recompute_stage(m, config.recompute)
+        recompute_modules_in_stages(model, modules, config)
         if config.precision != "fp32":
             for m in modules:
                 autocast_stage(m, config.precision, device_mesh.device_type)
@@ -695,6 +696,29 @@ def recompute_stage(module: nn.Module, mode: str = "full") -> None:
     module.forward = forward  # type: ignore[method-assign]
 
 
+def recompute_modules_in_stages(
+    model: nn.Module, modules: list[nn.Module], config: ParallelConfig
+) -> None:
+    """Per-module recompute (``recompute_modules``, ``plait.recompute(module)``): each named
+    module, in whichever of this rank's stages holds it, recomputes its forward in backward
+    (``"full"``) or its cheap ops (``"selective"``). The stages keep the model's modules (a
+    stage calls them), so a path names the same module in its stage."""
+    paths = cast("tuple[tuple[str, str], ...]", config.recompute_modules)
+    for path, mode in paths:
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            raise ConfigError(
+                f"ParallelConfig.recompute_modules names {path!r}, which is not a module of "
+                f"{type(model).__name__}; give module paths as model.named_modules() lists them"
+            ) from None
+        for m in modules:
+            try:
+                recompute_stage(m.get_submodule(path), mode)
+            except AttributeError:
+                continue  # in another rank's stage
+
+
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """Selective recompute's choice per op, for torch's selective checkpoint."""
     policy = torch.utils.checkpoint.CheckpointPolicy
@@ -737,10 +761,11 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
         (
-            config.recompute == "auto" or bool(config.recompute_modules),
-            f"recompute={config.recompute!r}, recompute_modules={config.recompute_modules}",
-            "automatic or per-module recompute (recompute='full' and 'selective' run: each "
-            "stage's forward recomputed in its backward, all of it or its cheap ops)",
+            config.recompute == "auto",
+            f"recompute={config.recompute!r}",
+            "automatic recompute outside mode auto (recompute='full' and 'selective' run: "
+            "each stage's forward recomputed in its backward, all of it or its cheap ops; "
+            "so do recompute_modules)",
         ),
         (config.offload is not None, f"offload={config.offload!r}", "offload"),
         (

@@ -100,15 +100,34 @@ def _train(config: ParallelConfig, marked: bool = False, tied: bool = False, meg
     return job, losses
 
 
+def _saved_tensors(job) -> int:
+    """Tensors a step keeps for backward outside recomputed regions (a third step)."""
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        job.step(_local(job, _batches()[0]))
+    return count[0]
+
+
 def _workers(root: str) -> dict:
     out = {}
     for schedule in SCHEDULES:
         job, losses = _train(ParallelConfig(**PIPE, schedule=schedule))
         out[schedule] = (losses, job.full_state_dict())
+        if schedule == "1f1b":
+            out["saved_plain"] = _saved_tensors(job)
     job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
     out["recompute"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE, recompute="selective", schedule="gpipe"))
     out["selective"] = (losses, job.full_state_dict())
+    per_module = {"blocks.0": "full", "blocks.3": "selective"}  # one in each stage
+    job, losses = _train(ParallelConfig(**PIPE, recompute_modules=per_module))
+    out["per_module"] = (losses, job.full_state_dict())
+    out["saved_per_module"] = _saved_tensors(job)
     job, losses = _train(ParallelConfig(**PIPE), tied=True)
     out["tied"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), marked=True)
@@ -212,11 +231,13 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     # every schedule, marks, recompute, ties and ZeRO-3; and mode auto's pipeline plans (with
     # Megatron annotations the plan splits parameters over tp inside the stages)
     for name, ref in [
-        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "selective", "auto_zero3")),
+        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "selective", "per_module", "auto_zero3")),
         ("tied", tied), ("zero3_tied", tied), ("auto_pp_tp", megatron_short),
     ]:  # fmt: skip
         _same_run(*results[0][name][:2], ref, name)
     assert results[0]["marked"][2] == ["blocks.1"]
+    for rank, r in enumerate(results):  # per-module recompute keeps fewer tensors, each stage
+        assert r["saved_per_module"] < r["saved_plain"], (rank, r["saved_per_module"])
     # bf16 (with ZeRO-2): one device under the same torch.autocast, to bf16's tolerance (its
     # matmuls sum in another order when split); parameters stay fp32
     losses, state, dtypes = results[0]["bf16_zero2"]

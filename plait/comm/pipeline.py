@@ -138,7 +138,12 @@ def mean_over_group(tensors: Sequence[torch.Tensor], group: Any, size: int) -> N
 
 
 def shard_stage(
-    module: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool, whole: Sequence[nn.Parameter]
+    module: nn.Module,
+    dp_mesh: Any,
+    *,
+    reshard_after_forward: bool,
+    whole: Sequence[nn.Parameter],
+    gather_dtype: torch.dtype | None = None,
 ) -> None:
     """Optimizer parallel over the data-parallel sub-mesh for one stage, by FSDP2
     (``fully_shard``): parameters, gradients and optimizer states split over ``dp_mesh``;
@@ -147,14 +152,18 @@ def shard_stage(
     last micro-batch (torch's pipeline stage tells FSDP which backward is the last). ``whole``
     parameters stay whole on every rank (MindSpore's size threshold and exclusions): their
     gradients are the caller's to average. Parameters already DTensors on a tensor-parallel
-    sub-mesh of the same mesh are split over both (FSDP2's 2-D composition)."""
-    from torch.distributed.fsdp import fully_shard
+    sub-mesh of the same mesh are split over both (FSDP2's 2-D composition).
+    ``gather_dtype`` (bf16 training): parameters are gathered in it (half the traffic) and
+    gradients reduced in fp32 (FSDP2's mixed precision policy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32)
     fully_shard(
         module,
         mesh=dp_mesh,
         reshard_after_forward=reshard_after_forward,
         ignored_params=set(whole) or None,
+        mp_policy=policy if gather_dtype is not None else MixedPrecisionPolicy(),
     )
 
 

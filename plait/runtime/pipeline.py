@@ -638,7 +638,13 @@ def shard_stages(
             for name, p in m.named_parameters()
             if name in excluded or local_piece(p).numel() * p.element_size() < threshold
         ]
-        pp_comm.shard_stage(m, dp_mesh, reshard_after_forward=level == 3, whole=whole)
+        pp_comm.shard_stage(
+            m,
+            dp_mesh,
+            reshard_after_forward=level == 3,
+            whole=whole,
+            gather_dtype=torch.bfloat16 if config.precision == "bf16" else None,
+        )
         kept.extend(whole)
     logger.info(
         "pipeline: optimizer_shard=%d over %r (FSDP2, %s), %d parameters kept whole",

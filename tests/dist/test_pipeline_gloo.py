@@ -48,10 +48,16 @@ class ProcessGroupLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.dtypes: Counter[tuple[str, torch.dtype]] = Counter()
+        """(op, dtype of its first tensor argument) for each collective."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional"):
             self.counts[func._opname] += 1
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            first = next((a for a in leaves if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                self.dtypes[(func._opname, first.dtype)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -146,9 +152,14 @@ def _workers(root: str) -> dict:
         ParallelConfig(**PIPE, optimizer_shard=1, optimizer_shard_threshold="1KiB")
     )
     state = job.full_state_dict()
-    bf16, bf16_losses = _train(ParallelConfig(**PIPE, precision="bf16", optimizer_shard=2))
+    bf16, bf16_losses = _train(
+        ParallelConfig(**PIPE, precision="bf16", optimizer_shard=2, optimizer_shard_threshold=0)
+    )
     dtypes = {p.dtype for m in bf16.stage_modules for p in m.parameters()}
     out["bf16_zero2"] = (bf16_losses, bf16.full_state_dict(), dtypes)
+    with ProcessGroupLog() as log:  # a third step: parameters gathered in bf16
+        bf16.step(_local(bf16, _batches()[0]))
+    out["bf16_collectives"] = (dict(log.dtypes), dict(log.counts))
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
@@ -248,6 +259,14 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     for key, value in bf16.state.items():
         torch.testing.assert_close(state[key], value, rtol=2e-2, atol=2e-3, msg="bf16 " + key)
     assert dtypes == {torch.float32}
+    for rank, r in enumerate(results):  # gathered in bf16 (half the bytes), reduced in fp32
+        seen = r["bf16_collectives"][0]
+        gathers = {dtype for (op, dtype) in seen if op == "_allgather_base_"}
+        scatters = {dtype for (op, dtype) in seen if op == "_reduce_scatter_base_"}
+        assert gathers == {torch.bfloat16} and scatters == {torch.float32}, (
+            rank,
+            r["bf16_collectives"],
+        )
     assert results[0]["auto_pp_tp"][2] > 0
     assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its

@@ -16,28 +16,32 @@ Given one strategy per op, this module writes down what a training step does and
 - the predicted step: the busiest stage's compute and communication, plus the pipeline bubble
   of the schedule (:func:`~plait.planning.timeline.bubble_seconds`: ``(stages - 1) /
   micro_batches`` of it for GPipe and 1F1B, divided by the virtual stages when interleaved,
-  less the weight-gradient passes that fill it under zero bubble); memory per device by kind
-  at the busiest stage, with activations of the micro-batches the schedule keeps in flight.
+  less the weight-gradient passes that fill it under zero bubble); the peak memory per device
+  (the stage with the highest), from a walk through one step of what the per-rank program
+  holds (plait.cost.memory.StepTrace, docs/memory.md), with the model states it holds after
+  the step by kind and the rest alive at the peak as activations.
 
 Communication is not assumed to overlap compute: the prediction is an upper bound, stated so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
 from plait.cost.memory import (
-    MemoryBreakdown,
-    Recompute,
-    graph_activation_bytes,
-    model_state_memory,
-    training_memory,
+    GradBucket,
+    PeakMemory,
+    StageActivations,
+    StageBuffers,
+    StateBytes,
+    StepTrace,
+    stage_states,
+    step_peak,
 )
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode
@@ -611,14 +615,14 @@ def _predict(
     busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s))
     compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
     bubble_s = _bubble(ctx.cfg, compute_s, step.seconds_of_stage(busiest, "forward"), comm_s)
-    memories = [_stage_memory(ctx, s, param_layouts) for s in range(stages)]
-    peak = max(memories, key=lambda mem: mem.total)
+    memories = _memory(ctx, param_layouts)
+    peak = max(memories, key=lambda mem: mem.peak)
     prediction = Prediction(
         step_time_s=compute_s + comm_s + bubble_s,
         compute_s=compute_s,
         communication_s=comm_s,
         bubble_s=bubble_s,
-        memory_bytes=peak.total,
+        memory_bytes=peak.peak,
         memory_by_kind={
             "parameters": peak.parameters,
             "gradients": peak.gradients,
@@ -650,58 +654,157 @@ def _bubble(cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s
     )
 
 
-def _stage_memory(
+def _memory(
     ctx: _Context,
-    stage: int,
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
-) -> MemoryBreakdown:
+) -> list[PeakMemory]:
+    """Each pipeline stage's peak (docs/memory.md, "How the plan predicts memory"): the
+    model states by ZeRO level, and a walk through one step of what the program holds."""
     graph, mesh, cfg = ctx.graph, ctx.mesh, ctx.cfg
+    stages = cfg.pipeline_stages
     # frozen parameters: no gradient, no optimizer state; whole ones: not split by ZeRO
-    param_numel = frozen_numel = whole_numel = 0
+    sharded, whole, frozen = [0] * stages, [0] * stages, [0] * stages
+    param_numel: dict[str, int] = {}
     for g in graph.inputs:
         if g.kind != "parameter":
             continue
         layout, op, strategy, i = param_layouts.get(
             g.name, (TensorLayout.replicated(mesh, g.meta.ndim), "", None, 0)
         )
-        if (ctx.stage_of.get(op, 0)) == stage:
-            numel = g.meta.numel // math.prod(layout.splits())
-            if not g.requires_grad:
-                frozen_numel += numel
-            elif (
-                strategy is not None
-                and _optimizer_shard(ctx, g, layout, grad_reduce_axes(strategy, i))[0] is not None
-            ):
-                param_numel += numel
-            else:
-                whole_numel += numel
+        stage = ctx.stage_of.get(op, 0)
+        numel = g.meta.numel // math.prod(layout.splits())
+        if not g.requires_grad:
+            frozen[stage] += numel
+        elif (
+            strategy is not None
+            and _optimizer_shard(ctx, g, layout, grad_reduce_axes(strategy, i))[0] is not None
+        ):
+            sharded[stage] += numel
+        else:
+            whole[stage] += numel
+        if g.requires_grad and strategy is not None:
+            param_numel[g.name] = numel
+    trace = StepTrace(graph, recompute_regions(graph, cfg))
+    stage_list = [ctx.stage_of[op.name] for op in graph.ops]
+    chosen = [ctx.chosen[op.name] for op in graph.ops]
+    held = activation_buffers(trace, cfg, chosen, stage_list, lambda t: math.prod(t.splits()))
+    buckets = _memory_buckets(ctx, param_layouts)
+    sb = StateBytes.for_precision(cfg.precision)
+    walked = [h.with_gradients(param_numel, buckets[s], sb) for s, h in enumerate(held)]
+    dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
+    return [
+        stage_memory(cfg, s, walked[s], sharded[s], whole[s], frozen[s], dp) for s in range(stages)
+    ]
+
+
+def _memory_buckets(
+    ctx: _Context,
+    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
+) -> list[list[GradBucket]]:
+    """Per stage, the data-parallel gradient buckets as :func:`_fused_reductions` forms them:
+    their members (gradients pending over dp alone) and which ZeRO splits."""
+    out: list[list[GradBucket]] = [[] for _ in range(ctx.cfg.pipeline_stages)]
+    if not _fused_dp(ctx):
+        return out
+    dp = ctx.cfg.dp_axis
+    per_stage: dict[int, list[tuple[str, bool, bool, int]]] = {}
+    for g in ctx.graph.inputs:
+        if g.kind != "parameter" or not g.requires_grad:
+            continue
+        placed = param_layouts.get(g.name)
+        if placed is None:  # read by no op: whole, no gradient, stage 0 (in _parameters)
+            layout = TensorLayout.replicated(ctx.mesh, g.meta.ndim)
+            if not any(dp in axes for axes in layout.dims):
+                per_stage.setdefault(0, []).append((g.name, False, False, _local_bytes(g, layout)))
+            continue
+        layout, op, strategy, i = placed
+        if any(dp in axes for axes in layout.dims):
+            continue
+        axes = grad_reduce_axes(strategy, i)
+        split = _optimizer_shard(ctx, g, layout, axes)[0] is not None
+        entry = (g.name, axes == (dp,), split, _local_bytes(g, layout))
+        per_stage.setdefault(ctx.stage_of[op], []).append(entry)
+    fusion = ctx.cfg.comm_fusion or CommFusion()
+    for stage, entries in sorted(per_stage.items()):
+        for bucket in plan_buckets([size for *_, size in entries], fusion):
+            members = [entries[i] for i in sorted(bucket) if entries[i][1]]
+            if members:
+                names = tuple(m[0] for m in members)
+                out[stage].append(GradBucket(names, tuple(m[2] for m in members)))
+    return out
+
+
+def activation_buffers(
+    trace: StepTrace,
+    cfg: ParallelConfig,
+    chosen: Sequence[OpStrategy],
+    stage_list: Sequence[int],
+    pieces: Callable[[TensorLayout], int],
+) -> tuple[StageBuffers, ...]:
+    """:meth:`StepTrace.hold` with the plan's layouts: each value's local piece as its
+    producer lays it out (``chosen``: each op's strategy, graph order) or as an op reads it;
+    float32 activations take the bytes of the compute precision (autocast), buffers and the
+    batch their own. Shared by :mod:`plait.planning.estimate`, which passes its cached
+    ``pieces``; :meth:`StageBuffers.with_gradients` then adds the parameters' gradients."""
+    graph = trace.graph
     scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
 
-    def local_bytes(ref: str) -> int:
-        node, k = graph.producer(ref)
-        if not isinstance(node, OpNode):
-            layout = ctx.problem.input_layouts.get(ref)
-            return (
-                0
-                if layout is None or stage != 0
-                else graph.meta(ref).nbytes // math.prod(layout.splits())
-            )
-        if ctx.stage_of[node.name] != stage:
-            return 0
-        layout = ctx.chosen[node.name].outputs[k]
-        nbytes = node.outputs[k].nbytes // math.prod(layout.splits())
-        return int(nbytes * scale) if node.outputs[k].dtype == "float32" else nbytes
+    def value_bytes(ref: str) -> int:
+        i, k = trace.out_slot[ref]
+        meta = graph.ops[i].outputs[k]
+        nbytes = meta.nbytes // pieces(chosen[i].outputs[k])
+        return int(nbytes * scale) if meta.dtype == "float32" else nbytes
 
-    # the planner resolved recompute="auto" before assembling (graph_activation_bytes refuses it)
-    recompute = cast(Recompute, cfg.recompute)
-    per_step = graph_activation_bytes(graph, recompute=recompute, local_bytes=local_bytes)
-    if cfg.offload == "activations":
-        # what backward reads waits on the host: about one repeated layer's worth is on the
-        # device at a time (a rough bound; small values stay, see plait/runtime/offload.py)
-        per_step //= max(1, len({op.layer for op in graph.ops if op.layer}))
+    def read_bytes(i: int, j: int) -> int:
+        meta = graph.ops[i].input_metas[j]
+        nbytes = meta.nbytes // pieces(chosen[i].inputs[j])
+        if meta.dtype != "float32" or graph.ops[i].inputs[j] in trace.inputs:
+            return nbytes
+        return int(nbytes * scale)
+
+    def moved(i: int, j: int) -> bool:
+        producer = trace.out_slot.get(graph.ops[i].inputs[j])
+        if producer is None:  # a graph input
+            return False
+        p, k = producer
+        return communicates(chosen[p].outputs[k], chosen[i].inputs[j])
+
+    return trace.hold(
+        value_bytes=value_bytes,
+        read_bytes=read_bytes,
+        stage_of=stage_list,
+        stages=cfg.pipeline_stages,
+        # offload moves values of at least 1 MiB each (one micro-batch's)
+        offload_min=(1 << 20) * cfg.micro_batches if cfg.offload == "activations" else None,
+        moved=moved,
+    )
+
+
+def communicates(src: TensorLayout, dst: TensorLayout) -> bool:
+    """Whether moving a value laid out as ``src`` to ``dst`` takes a collective: a pending
+    sum to reduce, or a dim ``dst`` splits over fewer axes than ``src`` (a gather, an
+    all-to-all); splitting further is a local slice."""
+    if src == dst:
+        return False
+    if src.partial:
+        return True
+    return any(not set(a) <= set(b) for a, b in zip(src.dims, dst.dims, strict=True))
+
+
+def stage_memory(
+    cfg: ParallelConfig,
+    stage: int,
+    walked: StageActivations,
+    sharded: int,
+    whole: int,
+    frozen: int,
+    dp: int,
+) -> PeakMemory:
+    """One stage's peak: its model states (``sharded``, ``whole`` and ``frozen`` parameter
+    elements) and its walk, with the micro-batches its schedule keeps in flight (all ``m``
+    without pipeline stages; the stages still ahead under 1F1B: timeline.in_flight_micro_batches).
+    Shared by :mod:`plait.planning.estimate`."""
     m = cfg.micro_batches
-    # The schedule decides how many micro-batches' activations wait for their backward:
-    # all m under GPipe, the stages still ahead under 1F1B (timeline.in_flight_micro_batches).
     in_flight = (
         in_flight_micro_batches(
             cfg.schedule, stage, cfg.pipeline_stages, m, cfg.virtual_stages or 1
@@ -709,24 +812,25 @@ def _stage_memory(
         if cfg.pipeline_stages > 1
         else m
     )
-    dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
-    trained = training_memory(
-        param_numel,
+    # offload="optimizer": the optimizer's states (and its step) live on the host
+    on_device = cfg.offload != "optimizer"
+    states = stage_states(
+        sharded_numel=sharded,
+        whole_numel=whole,
+        frozen_numel=frozen,
         shard_group=dp,
         optimizer_shard=cfg.optimizer_shard,
         precision=cfg.precision,
-        activation_bytes=per_step // m,
-        in_flight=in_flight,
+        optimizer_on_device=on_device,
     )
-    whole = model_state_memory(whole_numel, precision=cfg.precision)
-    # ZeRO-1/2 update a copy of this rank's shard (in the parameters' dtype) and write it back
-    shadow = math.ceil(param_numel / dp) * 4 if cfg.optimizer_shard in (1, 2) else 0
-    frozen = model_state_memory(frozen_numel, precision=cfg.precision)
-    # offload="optimizer": the optimizer's states (and its step) live on the host
-    on_device = cfg.offload != "optimizer"
-    return dataclasses.replace(
-        trained,
-        parameters=trained.parameters + whole.parameters + frozen.parameters,
-        gradients=trained.gradients + whole.gradients,
-        optimizer=(trained.optimizer + whole.optimizer + shadow) if on_device else 0,
+    return step_peak(
+        walked,
+        states,
+        optimizer_shard=cfg.optimizer_shard,
+        shard_group=dp,
+        in_flight=in_flight,
+        micro_batches=m,
+        # a pipeline's micro-batches add into .grad; the program's micro-steps sum after each
+        accumulation="summed" if cfg.grad_accumulation > 1 else "in_place" if m > 1 else "none",
+        optimizer_on_device=on_device,
     )

@@ -11,8 +11,9 @@ the settings do not change:
 
 - per mesh, once: the chosen strategies, compute per op, pipeline stages, every
   redistribution on every edge (forward and backward), the gradient all-reduces outside the
-  data-parallel buckets, the loss reduction, the activations each stage keeps per recompute
-  policy;
+  data-parallel buckets, the loss reduction, each stage's walk through one step per recompute
+  policy (:meth:`~plait.cost.memory.StepTrace.hold`; its gradients once with ZeRO and once
+  without);
 - per ZeRO level (and, at level 3, per recompute policy): the bucketed data-parallel
   reductions and which parameters' optimizer states are split;
 - per micro-batch count: the pipeline transfers.
@@ -30,27 +31,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from plait.config import CommFusion, ParallelConfig
-from plait.cost.memory import (
-    Recompute,
-    graph_activation_bytes,
-    model_state_memory,
-    training_memory,
-)
+from plait.cost.memory import GradBucket, StageActivations, StageBuffers, StateBytes, StepTrace
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout, optimizer_shard_dim
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.planning.assemble import (
-    LOW_PRECISION_ACTIVATIONS,
     PP_AXIS,
     _bubble,
     _read_by_backward,
+    activation_buffers,
+    recompute_regions,
+    stage_memory,
 )
-from plait.planning.timeline import in_flight_micro_batches
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.search.problem import gradient_layout, settled
@@ -82,34 +79,18 @@ class GraphFacts:
             g for g in graph.inputs if g.kind == "parameter"
         )
         self.by_target = {g.target: g for g in self.parameters}
-        self.layer_count = len({op.layer for op in graph.ops if op.layer})
-        self._kept: dict[str, tuple[_Kept, ...]] = {}
+        self._traces: dict[tuple[object, ...], StepTrace] = {}
         self._read_again: dict[tuple[object, ...], frozenset[str]] = {}
         self._read_sets: dict[frozenset[str], frozenset[str]] = {}
 
-    def kept(self, recompute: str) -> tuple[_Kept, ...]:
-        """Values whose forward output backward keeps under ``recompute`` (the memory model's
-        :func:`~plait.cost.memory.graph_activation_bytes` asks for their sizes)."""
-        found = self._kept.get(recompute)
+    def trace(self, cfg: ParallelConfig) -> StepTrace:
+        """The step's values under ``cfg``'s recompute regions (the memory model's
+        :class:`~plait.cost.memory.StepTrace`), one per set of regions."""
+        regions = recompute_regions(self.graph, cfg)
+        found = self._traces.get(regions)
         if found is None:
-            refs: list[str] = []
-
-            def record(ref: str) -> int:
-                refs.append(ref)
-                return 0
-
-            # a policy of a record or config ("auto" resolved); graph_activation_bytes checks it
-            policy = cast(Recompute, recompute)
-            graph_activation_bytes(self.graph, recompute=policy, local_bytes=record)
-            found = self._kept[recompute] = tuple(map(self._kept_value, refs))
+            found = self._traces[regions] = StepTrace(self.graph, regions)
         return found
-
-    def _kept_value(self, ref: str) -> _Kept:
-        node, k = self.graph.producer(ref)
-        if isinstance(node, OpNode):
-            meta = node.outputs[k]
-            return _Kept(ref, node.name, k, meta.nbytes, meta.dtype == "float32")
-        return _Kept(ref, None, 0, self.graph.meta(ref).nbytes, False)
 
     def read_again(self, cfg: ParallelConfig) -> frozenset[str]:
         """Values the backward reads (ZeRO-3 gathers such a parameter again); equal sets are
@@ -120,17 +101,6 @@ class GraphFacts:
             found = frozenset(_read_by_backward(self.graph, cfg))
             found = self._read_again[key] = self._read_sets.setdefault(found, found)
         return found
-
-
-@dataclass(frozen=True, slots=True)
-class _Kept:
-    """A value kept for backward: its producer op (None: a graph input) and output, bytes."""
-
-    ref: str
-    op: str | None
-    output: int
-    nbytes: int
-    float32: bool
 
 
 @dataclass
@@ -158,6 +128,7 @@ class _Bucket:
     whole_bytes: int
     split_bytes: int
     split_names: frozenset[str]
+    names: tuple[str, ...] = ()  # every member's value name, in model order
 
 
 @dataclass
@@ -209,6 +180,8 @@ class MeshEstimate:
         }
         stage_list = assign_stages(graph, op_time, stages) if stages > 1 else [0] * len(graph.ops)
         self.stage_of = dict(zip((op.name for op in graph.ops), stage_list, strict=True))
+        self.stage_list = stage_list
+        self.chosen_list = [self.chosen[op.name] for op in graph.ops]
         ga = base.grad_accumulation
         self.compute = [0.0] * stages
         for op, s in zip(graph.ops, stage_list, strict=True):
@@ -226,10 +199,11 @@ class MeshEstimate:
         self._levels: dict[tuple[object, ...], _Level] = {}
         self._frozen: list[int] | None = None
         self._stage_bytes: dict[tuple[object, ...], int] = {}
+        self._walks: dict[tuple[object, ...], tuple[StageActivations, ...]] = {}
+        self._held: dict[tuple[object, ...], tuple[StageBuffers, ...]] = {}
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
-        self._activations: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ shared per mesh
 
@@ -480,6 +454,7 @@ class MeshEstimate:
                             sum(self.params[n].nbytes for n in whole),
                             sum(self.params[n].nbytes for n in split),
                             frozenset(self.params[n].g.name for n in split),
+                            tuple(self.params[n].g.name for n in members),
                         )
                     )
         return self._buckets
@@ -541,26 +516,42 @@ class MeshEstimate:
         self._pipes[m] = items
         return items
 
-    def _activation_bytes(self, recompute: str) -> list[int]:
-        """Per stage, bytes of one micro-batch's values kept for backward on one device."""
-        found = self._activations.get(recompute)
-        if found is not None:
-            return found
-        scale = LOW_PRECISION_ACTIVATIONS[self.base.precision]
-        per = [0] * self.stages
-        chosen, stage_of = self.chosen, self.stage_of
-        for kept in self.facts.kept(recompute):
-            if kept.op is None:  # a batch tensor: held by the first stage
-                layout = self.problem.input_layouts.get(kept.ref)
-                if layout is not None:
-                    per[0] += kept.nbytes // self._pieces(layout)
-                continue
-            nbytes = kept.nbytes // self._pieces(chosen[kept.op].outputs[kept.output])
-            if kept.float32:
-                nbytes = int(nbytes * scale)
-            per[stage_of[kept.op]] += nbytes
-        self._activations[recompute] = per
-        return per
+    def _walk(self, cfg: ParallelConfig) -> tuple[StageActivations, ...]:
+        """Each stage's walk through one step (assemble's _memory): the activations' buffers
+        once per recompute regions (and, with activation offload, micro-batch count: what
+        moves depends on one micro-batch's sizes), the gradients once more per ZeRO on or
+        off (which bucket members it splits)."""
+        trace = self.facts.trace(cfg)
+        moved = cfg.micro_batches if cfg.offload == "activations" else 0
+        zero = cfg.optimizer_shard is not None
+        key = (id(trace), moved, zero)
+        found = self._walks.get(key)
+        if found is None:
+            held = self._held.get(key[:2])
+            if held is None:
+                held = self._held[key[:2]] = activation_buffers(
+                    trace, cfg, self.chosen_list, self.stage_list, self._pieces
+                )
+            buckets: list[list[GradBucket]] = [[] for _ in range(self.stages)]
+            if self.fused:
+                for bucket in self._bucket_list(cfg):
+                    if bucket.members:
+                        split = tuple(zero and n in bucket.split_names for n in bucket.names)
+                        buckets[bucket.stage].append(GradBucket(bucket.names, split))
+            if zero and not any(any(b.split) for stage in buckets for b in stage):
+                # ZeRO splits no bucket member: the walk without it
+                found = self._walks[key] = self._walk(replace(cfg, optimizer_shard=None))
+                return found
+            numel = {
+                p.g.name: p.numel
+                for p in self.params
+                if p.g.requires_grad and p.strategy is not None
+            }
+            sb = StateBytes.for_precision(cfg.precision)
+            found = self._walks[key] = tuple(
+                h.with_gradients(numel, buckets[s], sb) for s, h in enumerate(held)
+            )
+        return found
 
     def _frozen_numel(self) -> list[int]:
         if self._frozen is None:
@@ -596,70 +587,33 @@ class MeshEstimate:
         return Estimate(step, self._memory(cfg, level))
 
     def _memory(self, cfg: ParallelConfig, level: _Level) -> int:
-        """Peak bytes per device over the stages (assemble's _stage_memory, per stage)."""
-        stages, m = self.stages, cfg.micro_batches
-        activations = self._activation_bytes(cfg.recompute)
+        """Peak bytes per device over the stages (assemble's _memory, per stage)."""
+        walked = self._walk(cfg)
         frozen_numel = self._frozen_numel()
-        layers = self.facts.layer_count
         peak = 0
-        for s in range(stages):
-            per_step = activations[s]
-            if cfg.offload == "activations":
-                per_step //= max(1, layers)
+        for s in range(self.stages):
             key = (
+                id(walked[s]),
+                s,
                 level.sharded_numel[s],
                 level.whole_numel[s],
                 frozen_numel[s],
-                per_step // m,
-                s if stages > 1 else 0,
-                m,
+                cfg.micro_batches,
                 cfg.optimizer_shard,
-                cfg.precision,
-                cfg.offload,
                 cfg.schedule,
                 cfg.virtual_stages,
             )
             total = self._stage_bytes.get(key)
             if total is None:
-                total = self._stage_bytes[key] = self._stage_total(cfg, s, *key[:4])
+                found = stage_memory(
+                    cfg,
+                    s,
+                    walked[s],
+                    level.sharded_numel[s],
+                    level.whole_numel[s],
+                    frozen_numel[s],
+                    self.dp_size,
+                )
+                total = self._stage_bytes[key] = found.peak
             peak = max(peak, total)
         return peak
-
-    def _stage_total(
-        self,
-        cfg: ParallelConfig,
-        s: int,
-        sharded: int,
-        whole_numel: int,
-        frozen_numel: int,
-        act: int,
-    ) -> int:
-        """One stage's bytes: model states by ZeRO level, activations of the micro-batches
-        the schedule keeps in flight."""
-        stages, m = self.stages, cfg.micro_batches
-        in_flight = (
-            in_flight_micro_batches(cfg.schedule, s, stages, m, cfg.virtual_stages or 1)
-            if stages > 1
-            else m
-        )
-        trained = training_memory(
-            sharded,
-            shard_group=self.dp_size,
-            optimizer_shard=cfg.optimizer_shard,
-            precision=cfg.precision,
-            activation_bytes=act,
-            in_flight=in_flight,
-        )
-        whole = model_state_memory(whole_numel, precision=cfg.precision)
-        shadow = math.ceil(sharded / self.dp_size) * 4 if cfg.optimizer_shard in (1, 2) else 0
-        frozen = model_state_memory(frozen_numel, precision=cfg.precision)
-        optimizer = trained.optimizer + whole.optimizer + shadow
-        return (
-            trained.parameters
-            + whole.parameters
-            + frozen.parameters
-            + trained.gradients
-            + whole.gradients
-            + (optimizer if cfg.offload != "optimizer" else 0)
-            + trained.activations
-        )

@@ -14,6 +14,10 @@ after another in the same processes:
 * ``ZeRO-3 + recompute full``: both;
 * ``Megatron dp=2 x tp=2``: ``annotate_megatron(model, 2)``, ``mode="semi_auto"``.
 
+``--extra`` adds more plans (``EXTRA``): ZeRO-2 with selective recompute, ZeRO-3 with 1 MB
+gradient buckets, gradient accumulation over 2 micro-steps (with and without ZeRO-1), and the
+Megatron plan with full recompute.
+
 Each case is built, takes ``--warmup`` steps (AdamW makes its states), then one step is
 measured by :func:`plait.runtime.measure.measure_step_memory` on every rank: parameters,
 gradients and optimizer states held (ZeRO-1/2's shard copies count as optimizer, as the plan
@@ -60,6 +64,7 @@ import torch.multiprocessing as mp
 
 import plait
 from plait import ParallelConfig
+from plait.config import CommFusion
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.runtime.measure import (
     KINDS,
@@ -110,7 +115,40 @@ CASES = [
         megatron=True,
     ),
 ]
-BY_KEY = {c.key: c for c in CASES}
+# More plans the memory model is checked on (``--extra``; not in the default table).
+EXTRA = [
+    Case(
+        "zero2_selective",
+        "ZeRO-2 + recompute selective",
+        {"mode": "data_parallel", "optimizer_shard": 2, "recompute": "selective"},
+        min_world=2,
+    ),
+    Case(
+        "zero3_buckets",
+        "ZeRO-3, 1 MB buckets",
+        {"mode": "data_parallel", "optimizer_shard": 3, "comm_fusion": CommFusion(bucket_mb=1)},
+        min_world=2,
+    ),
+    Case(
+        "accumulation",
+        "gradient accumulation 2",
+        {"mode": "semi_auto", "mesh": "WORLD", "grad_accumulation": 2},
+    ),
+    Case(
+        "zero1_accumulation",
+        "ZeRO-1 + gradient accumulation 2",
+        {"mode": "data_parallel", "optimizer_shard": 1, "grad_accumulation": 2},
+        min_world=2,
+    ),
+    Case(
+        "megatron_full",
+        "Megatron dp=2 x tp=2 + recompute full",
+        {"mode": "semi_auto", "mesh": {"dp": 2, "tp": 2}, "recompute": "full"},
+        min_world=4,
+        megatron=True,
+    ),
+]
+BY_KEY = {c.key: c for c in [*CASES, *EXTRA]}
 
 
 class GPT(TinyGPT):
@@ -397,6 +435,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--rtol", type=float, default=1e-4, help="warm-up losses vs dp's")
     parser.add_argument(
+        "--extra",
+        action="store_true",
+        help="also the plans of EXTRA: " + ", ".join(c.key for c in EXTRA),
+    )
+    parser.add_argument(
         "--only",
         default=None,
         metavar="KEYS",
@@ -407,13 +450,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def selected(args: argparse.Namespace) -> list[str]:
-    keys = [c.key for c in CASES if c.min_world <= args.nproc]
+    cases = [*CASES, *EXTRA] if args.extra else CASES
+    keys = [c.key for c in cases if c.min_world <= args.nproc]
     if args.only:
         wanted = [k for k in args.only.split(",") if k]
         unknown = [k for k in wanted if k not in BY_KEY]
         if unknown:
             raise SystemExit(f"unknown case(s) {unknown}; known: {list(BY_KEY)}")
-        keys = [c.key for c in CASES if c.key in wanted]
+        keys = [c.key for c in [*CASES, *EXTRA] if c.key in wanted]
     return keys
 
 

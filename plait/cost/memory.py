@@ -1611,7 +1611,8 @@ def step_peak(
       pipeline's micro-batches, which autograd adds into ``.grad``), ``"summed"`` (gradient
       accumulation through the per-rank program: each micro-step's gradients are new
       tensors, summed with the earlier ones after it, three sets alive at the sum, and the
-      last set still referenced while the buckets are reduced);
+      last set and the sums still referenced while the buckets are reduced and the optimizer
+      updates);
     * the optimizer step: every gradient, and the update's temporaries (ZeRO-1/2: the
       all-gather writing the updated shards back).
 
@@ -1656,12 +1657,14 @@ def step_peak(
         reduce = largest_t + (math.ceil(largest_ts / dp) if level >= 2 else largest_t)
         last = act.gradients if accumulation == "summed" else 0
         moments.append(("reduction", (act.inputs + last + reduce) * unit, act.gradients))
-    update = 0
+    # the Job still references the program's last gradients and the sums through the update
+    update = 2 * act.gradients if accumulation == "summed" else 0
     if optimizer_on_device:
         piece = act.largest_whole, math.ceil(act.largest_split / dp) if level else act.largest_split
-        update = 2 * 4 * max(piece)  # single-tensor AdamW: two fp32 temporaries of a piece
+        temporaries = 2 * 4 * max(piece)  # single-tensor AdamW: two fp32 tensors of a piece
         if level in (1, 2):
-            update = max(update, 2 * act.bucket + math.ceil(act.bucket / dp))
+            temporaries = max(temporaries, 2 * act.bucket + math.ceil(act.bucket / dp))
+        update += temporaries
     moments.append(("optimizer step", (act.inputs + update) * unit, states.gradients))
     when, peak, as_states = "", -1, 0
     for name, extra, grads_held in moments:

@@ -19,6 +19,15 @@ from plait.cost import (
     training_memory,
     transformer_activation_bytes,
 )
+from plait.cost.memory import (
+    Saved,
+    StageActivations,
+    StepTrace,
+    aliases_input,
+    saved_by,
+    stage_states,
+    step_peak,
+)
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 
 GB = 1e9
@@ -256,3 +265,133 @@ def test_graph_activation_bytes_by_recompute_policy() -> None:
     # Per-device pieces: a layout splitting every activation over 4 devices.
     quarter = graph_activation_bytes(graph, local_bytes=lambda ref: graph.meta(ref).nbytes // 4)
     assert quarter == 2 * 32 + 1
+
+
+# -------------------------------------------------------------------- what backward keeps
+
+
+def _op(target: str, inputs: tuple[str, ...], *metas: TensorMeta, **kw) -> OpNode:
+    return OpNode("op", target, inputs, metas[: len(inputs)], metas[len(inputs) :], **kw)
+
+
+def test_saved_by_follows_the_derivative_formulas() -> None:
+    x, w = TensorMeta((4, 8)), TensorMeta((8, 8))
+    linear = _op("aten.linear.default", ("x", "w"), x, w, x)
+    assert saved_by(linear, [True, True]) == (Saved(0), Saved(1))
+    assert saved_by(linear, [True, False]) == (Saved(1),)  # frozen weight: no input kept
+    assert saved_by(linear, [False, False]) == ()  # nothing needs a gradient
+    softmax = _op("aten._softmax.default", ("x",), x, x)
+    assert saved_by(softmax, [True]) == (Saved(0, output=True),)
+    assert saved_by(_op("aten.gelu.default", ("x",), x, x), [True]) == (Saved(0),)
+    assert saved_by(_op("aten.add.Tensor", ("x", "y"), x, x, x), [True, True]) == ()
+    assert saved_by(_op("aten.div.Tensor", ("x",), x, x), [True]) == ()  # by a number
+    assert saved_by(_op("aten.view.default", ("x",), x, x), [True]) == ()
+    assert aliases_input("aten.transpose.int") and aliases_input("aten.add_.Tensor")
+    assert not aliases_input("aten.add.Tensor")
+    norm = _op("aten.layer_norm.default", ("x", "w"), x, TensorMeta((8,)), x, args=(None, [8]))
+    # the input, and a float32 mean and rstd per row of 8 floats
+    assert saved_by(norm, [True, True]) == (Saved(0), Saved(0, ratio=Fraction(8, 32)))
+    dropout = _op("aten.dropout.default", ("x",), x, x, args=(None, 0.1, True))
+    assert saved_by(dropout, [True]) == (Saved(0, ratio=Fraction(1, 4)),)  # a byte per element
+    off = _op("aten.dropout.default", ("x",), x, x, args=(None, 0.1, False))
+    assert saved_by(off, [True]) == ()
+
+
+def test_a_gpt_keeps_korthikantis_count_without_dropout() -> None:
+    """Korthikanti et al. (2022), section 4: a GPT layer keeps sbh (34 + 5 as/h) bytes in
+    fp16 with dropout; without dropout's two masks, its output and the attention's mask,
+    16 sbh + as^2 b elements (each layer norm's input, the QKV input, Q, K, V, the
+    projection's input, the MLP's input, both 4h tensors, the softmax), here in fp32 and
+    plus layer norm's float32 statistics; outside the layers, the final norm's input,
+    statistics and output, the loss's log-probabilities, the position ids and the loss."""
+    import torch
+
+    from plait.graph import capture
+    from plait.models import GPTConfig, TinyGPT, gpt_loss
+
+    s, b, h, a, v, layers = 16, 4, 32, 4, 64, 3
+    with torch.device("meta"):
+        model = TinyGPT(GPTConfig(vocab=v, seq=s, width=h, heads=a, layers=layers))
+        ids = torch.zeros(b, s, dtype=torch.long)
+    graph = capture(model, (ids, ids), gpt_loss)
+    per_layer = 4 * (16 * s * b * h + a * s * s * b) + 2 * 2 * 4 * s * b
+    outside = 4 * s * b * h * 2 + 2 * 4 * s * b + 4 * s * b * v + 8 * s + 4
+    assert graph_activation_bytes(graph) == layers * per_layer + outside
+    # full recompute: each layer's input, the final norm's working set, the loss's
+    full = graph_activation_bytes(graph, recompute="full")
+    assert full == layers * 4 * s * b * h + outside
+
+
+def _stage(points, **kw) -> StageActivations:
+    base = dict(
+        inputs=0, kept=100, forward_peak=120, forward_gathered=0, points=points, gradients=40,
+        bucket=0, largest_whole=1, largest_split=0,
+    )  # fmt: skip
+    return StageActivations(**{**base, **kw})
+
+
+def test_the_peak_is_the_largest_moment_not_the_sum_of_the_kinds() -> None:
+    states = stage_states(
+        sharded_numel=0, whole_numel=10, frozen_numel=0, shard_group=1, optimizer_shard=None,
+        precision="fp32",
+    )  # fmt: skip
+    assert (states.parameters, states.gradients, states.optimizer) == (40, 40, 80)
+    # start of backward: 130 activation bytes, no gradient yet; at the end, every gradient
+    # (40) and the bucket's flat copy (40) with 10 bytes of activations
+    act = _stage(((130, 0, 0, 0, 0, 0), (10, 40, 0, 40, 0, 0)))
+    peak = step_peak(act, states, optimizer_shard=None, shard_group=1, in_flight=1, micro_batches=1)
+    assert (peak.peak, peak.when, peak.activations) == (40 + 80 + 130, "backward", 130)
+    assert peak.gradients == 40  # held after the step
+    assert peak.peak < states.total + act.kept  # the old sum: 160 + 100
+    # a pipeline stage with two micro-batches in flight: the other keeps its 100 / 2; from the
+    # second backward on, every gradient is in .grad (autograd adds into it in place)
+    two = step_peak(
+        act, states, optimizer_shard=None, shard_group=1, in_flight=2, micro_batches=2,
+        accumulation="in_place",
+    )  # fmt: skip
+    assert (two.when, two.activations) == ("backward", 50 + 65)
+    assert two.peak == 40 + 80 + 40 + 115
+
+
+def test_zero_levels_hold_gradients_whole_until_their_bucket_is_reduced() -> None:
+    # one bucket of 400 gradient bytes, split by ZeRO; at its reduction: the whole
+    # gradients, the flat copy and (ZeRO-2/3) the 1/4 shard the reduce-scatter returns
+    act = _stage(((10, 0, 0, 0, 0, 400), (0, 400, 0, 400, 400, 0)), bucket=400, largest_split=100)
+    kw = dict(sharded_numel=100, whole_numel=0, frozen_numel=0, shard_group=4, precision="fp32")
+    for level, extra in [(1, 400), (2, 400 + 100), (3, 400 + 100)]:
+        states = stage_states(optimizer_shard=level, **kw)
+        peak = step_peak(
+            act, states, optimizer_shard=level, shard_group=4, in_flight=1, micro_batches=1
+        )
+        held = states.parameters + states.optimizer
+        reduction = held + 400 + extra
+        assert peak.peak >= reduction, level
+    # ZeRO-3: the start of backward holds the gathered bucket and the flat copy of its shard
+    states = stage_states(optimizer_shard=3, **kw)
+    peak = step_peak(act, states, optimizer_shard=3, shard_group=4, in_flight=1, micro_batches=1)
+    start = states.parameters + states.optimizer + 10 + 400 + 100
+    assert peak.peak == max(start, states.parameters + states.optimizer + 900)
+
+
+def test_offloaded_values_leave_the_device_until_their_backward() -> None:
+    graph = _two_layer_graph()
+    trace = StepTrace(graph)
+
+    def walk(offload_min: int | None) -> StageActivations:
+        (stage,) = trace.walk(
+            value_bytes=lambda ref: graph.meta(ref).nbytes,
+            read_bytes=lambda i, j: graph.ops[i].input_metas[j].nbytes,
+            stage_of=[0] * len(graph.ops),
+            stages=1,
+            param_numel={"w0": 64, "w1": 64},
+            buckets=[()],
+            state_bytes=StateBytes(4, 4, 8),
+            offload_min=offload_min,
+        )
+        return stage
+
+    kept, moved = walk(None), walk(100)
+    assert (kept.kept, moved.kept) == (2 * 128 + 4, 4)  # softmax, linear_1's output, the loss
+    # brought back for backward: at the start of backward gelu's input is on the device again
+    assert moved.points[0][0] >= 128
+    assert kept.gradients == moved.gradients == 2 * 64 * 4

@@ -31,7 +31,8 @@ rank's time in each, less the timed functions it calls, the median over repeats 
 the rest). Only the calling thread is timed: the CRC-32 that a helper thread makes of each
 file as DCP writes it, and a load's share of the checksums (a helper thread from the start
 of the load), overlap the phases; "wait for checksums" is the time the load waits for the
-latter in DCP's plan step. The
+latter in DCP's plan step; each rank's small files are written and synced by a helper thread
+beside DCP's writes. The
 model state is checked unchanged by the loads (a fingerprint of every tensor).
 
 Async save: ``--async-repeats`` times, ``--steps`` training steps with no save in flight,
@@ -120,7 +121,6 @@ SAVE_PHASES = [
     (ckpt, "_serialized", "small state bytes"),
     (PlanRecord, "save", "plan.json"),
     (io, "save_tensors", "DCP write"),
-    (io._Writer, "_write_files", "small files (write, sync)"),
     (ckpt, "_commit", "commit (coordinator)"),
     (files, "files_of", "list files"),
     (files, "checksum", "checksum"),

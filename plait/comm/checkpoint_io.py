@@ -207,8 +207,24 @@ class _Writer(dcp.FileSystemWriter):
         return super().prepare_local_plan(plan)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self._write_files()
-        results = list(super().write_data(plan, planner).wait())
+        # The small files are written and synced beside DCP's writes (their syncs wait on
+        # the disk, not on this thread), and are on disk before this rank reports back.
+        failed: list[BaseException] = []
+
+        def small() -> None:
+            try:
+                self._write_files()
+            except BaseException as e:  # raised below, in DCP's write step
+                failed.append(e)
+
+        helper = threading.Thread(target=small, name="plait-small-files", daemon=True)
+        helper.start()
+        try:
+            results = list(super().write_data(plan, planner).wait())
+        finally:
+            helper.join()
+        if failed:
+            raise failed[0]
         # This rank's checksums travel to the coordinator with its write results.
         results.append(WriteResult(MetadataIndex(_CHECKSUMS), 0, dict(self.fs.written)))
         done: Future[list[WriteResult]] = Future()

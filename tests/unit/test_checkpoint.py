@@ -268,9 +268,12 @@ def test_loader_or_object_not_saved_is_refused(saved: Path) -> None:
     assert job.steps_taken == 0
 
 
+@pytest.mark.parametrize("where", ["commit", "small files"])
 def test_interrupted_save_keeps_the_previous_checkpoint(
-    saved: Path, tmp_path: Path, monkeypatch
+    saved: Path, tmp_path: Path, monkeypatch, where: str
 ) -> None:
+    from plait.comm import checkpoint_io
+
     path = _copy(saved, tmp_path)
     job = _job()
     job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
@@ -278,7 +281,10 @@ def test_interrupted_save_keeps_the_previous_checkpoint(
     def crash(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(files, "commit", crash)
+    if where == "commit":
+        monkeypatch.setattr(files, "commit", crash)
+    else:  # a rank's small state cannot be written: the save fails in DCP's write step
+        monkeypatch.setattr(checkpoint_io._Writer, "_write_files", crash)
     with pytest.raises(OSError, match="disk full"):
         job.save(path)
     assert (tmp_path / "copy.partial").is_dir()  # what the crashed save wrote

@@ -208,8 +208,14 @@ def test_outer_planner_escalates_to_zero_and_recompute_under_a_memory_limit_and_
     them (its escalation: ZeRO 1, 2, 3, then recompute), and the plan runs like one device,
     with gradient accumulation (one reduce-scatter per step, after the last micro-batch) and
     the optimizer offloaded (on this CPU-only machine the host is the device: the numerics and
-    the wiring are what is tested; bench/gpu_memory.py measures the memory on a GPU)."""
-    model, batches, expected = gpt_and_batches
+    the wiring are what is tested; bench/gpu_memory.py measures the memory on a GPU).
+
+    A batch of 64 sequences: with a few, the step's peak is the gradient reduction after the
+    accumulation, which no recompute lowers, so recompute would rightly not be chosen."""
+    model = gpt_and_batches[0]
+    torch.manual_seed(3)
+    batches = gpt_batches(GPT, 2, batch=64)
+    expected = reference_run(model, gpt_loss, adamw, batches)
     base = {
         "mode": "auto",
         "mesh": {"dp": 4},
@@ -217,7 +223,7 @@ def test_outer_planner_escalates_to_zero_and_recompute_under_a_memory_limit_and_
         "grad_accumulation": 2,
         "offload": "optimizer",
     }
-    micro = tuple(x[:4] for x in batches[0])  # plans are for one micro-step's batch
+    micro = tuple(x[:32] for x in batches[0])  # plans are for one micro-step's batch
     captured = capture_program(model, micro, gpt_loss)
     fixed = ParallelConfig(**base, optimizer_shard=3, recompute="selective")
     limit = plan_graph(captured.graph, fixed, model=model).predicted.memory_bytes

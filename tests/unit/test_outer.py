@@ -50,7 +50,9 @@ def test_tight_memory_escalates_until_the_plan_fits() -> None:
         example_batch=batch,
         loss_fn=gpt_loss,
     )
-    limit = int(free.predicted.memory_bytes * 0.6)
+    # 0.75: the memory model counts ZeRO-3's gathered buckets and the reduction's flat copies,
+    # so less than 0.75 of the free plan's peak is out of reach of ZeRO and recompute here
+    limit = int(free.predicted.memory_bytes * 0.75)
     tight = plait.plan(
         model,
         ParallelConfig(mode="auto", devices=8, hardware="a100-80g", memory_limit=limit),

@@ -168,8 +168,12 @@ def test_planner_bubble_and_memory_by_schedule(graph) -> None:
     assert bubble["interleaved_1f1b"] == pytest.approx(bubble["1f1b"] / 2)
     assert bubble["zero_bubble"] < bubble["interleaved_1f1b"]
     assert bubble["zero_bubble_v"] < bubble["interleaved_1f1b"]
-    assert activations["gpipe"] == 2 * activations["1f1b"]  # 4 micro-batches held, not 2
-    assert activations["interleaved_1f1b"] > activations["1f1b"]  # the warm-up runs ahead
+    # GPipe's first stage keeps 4 micro-batches for backward, 1F1B's 2; the micro-batch in
+    # backward and its working set are common to both (the memory model's walk), so GPipe
+    # holds more than 1F1B but less than twice as much
+    assert 1.25 * activations["1f1b"] < activations["gpipe"] < 2 * activations["1f1b"]
+    # the interleaved warm-up runs ahead in chunks of half a stage: at least 1F1B's
+    assert activations["interleaved_1f1b"] >= activations["1f1b"]
     p = plans["interleaved_1f1b"]
     assert (p.schedule, p.virtual_stages, len(p.stage_compute_s)) == ("interleaved_1f1b", 2, 2)
     assert max(p.stage_compute_s) == p.predicted.compute_s

@@ -28,11 +28,10 @@ repeat just wrote). While plait's ops run, the functions its save and load call 
 read, the checksum pass, manifest, commit...) are wrapped with timers (in these processes
 only; plait's files are unchanged) to show where plait's time goes: per repeat the slowest
 rank's time in each, less the timed functions it calls, the median over repeats ("other":
-the rest). Only the calling thread is timed: the CRC-32 that a helper thread makes of each
-file as DCP writes it, and a load's share of the checksums (a helper thread from the start
-of the load), overlap the phases; "wait for checksums" is the time the load waits for the
-latter in DCP's plan step; each rank's small files are written and synced by a helper thread
-beside DCP's writes. The
+the rest). The CRC-32 plait makes of each file as DCP writes it is inside "DCP write"; a
+load's share of the checksums ("checksum share") runs inside DCP's plan step, and is counted
+apart from "DCP read". Only the calling thread is timed: each rank's small files are written
+and synced by a helper thread beside DCP's writes. The
 model state is checked unchanged by the loads (a fingerprint of every tensor).
 
 Async save: ``--async-repeats`` times, ``--steps`` training steps with no save in flight,
@@ -135,7 +134,7 @@ LOAD_PHASES = [
     (ckpt, "read_extras", "read extras"),
     (ckpt, "_optimizer_destinations", "optimizer destinations"),
     (io, "load_tensors", "DCP read"),
-    (ckpt._ShareCheck, "check", "wait for checksums"),
+    (ckpt, "_verify_share", "checksum share"),
 ]
 
 

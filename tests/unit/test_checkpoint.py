@@ -190,10 +190,8 @@ def test_manifest_checksums_made_while_writing_equal_the_files(saved: Path) -> N
         assert files.checksum(saved / name) == listed, name
 
 
-@pytest.mark.parametrize("numel", [1000, 300_000])  # small writes only; a tensor's bytes
+@pytest.mark.parametrize("numel", [1000, 300_000])
 def test_dcp_files_are_checksummed_as_written(tmp_path: Path, numel: int) -> None:
-    """Large writes are checksummed by the stream's helper thread from the file's pages, the
-    small ones between them from copies, all in file order."""
     from plait.comm import checkpoint_io
 
     state = {"x": torch.arange(float(numel)), "y": torch.ones(7), "z": torch.randn(numel)}
@@ -203,21 +201,15 @@ def test_dcp_files_are_checksummed_as_written(tmp_path: Path, numel: int) -> Non
         assert files.checksum(tmp_path / name) == {"bytes": size, "crc32": f"{crc:08x}"}
 
 
-def test_a_failed_checksum_helper_leaves_the_file_to_be_read(tmp_path: Path, monkeypatch) -> None:
+def test_a_file_the_stream_cannot_vouch_for_is_read_at_commit(tmp_path: Path, monkeypatch) -> None:
+    """A file whose CRC the write stream could not make (a seek) is left out of what the rank
+    reports, and the commit reads it: the manifest still lists every file, right."""
     from plait.comm import checkpoint_io
 
-    calls = []
-
-    def fail(*args, **kwargs):
-        calls.append(args)
-        raise OSError("mmap refused (simulated)")
-
-    monkeypatch.setattr(checkpoint_io, "_crc32_of_range", fail)
-    monkeypatch.setattr(checkpoint_io, "_IN_BACKGROUND", 256)  # this tiny model's tensors too
+    monkeypatch.setattr(checkpoint_io._CrcStream, "result", lambda self: None)
     job = _job()
     job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
     job.save(tmp_path / "c")
-    assert calls  # the helper thread tried
     manifest = json.loads((tmp_path / "c" / files.MANIFEST).read_text())
     assert sorted(manifest["files"]) == files.files_of(tmp_path / "c")
     for name, listed in manifest["files"].items():

@@ -43,8 +43,7 @@ import torch.distributed as dist
 import plait
 from plait import ParallelConfig
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
-from plait.runtime.measure import format_bytes, measure_step_memory
-from plait.runtime.report import plan_of
+from plait.runtime.measure import format_bytes, measure_step_memory, plan_of
 from plait.testing import run_workers
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -464,9 +464,10 @@ _ALIASING = frozenset(
         "adjoint",
     )
 )
-# Selective recompute keeps the outputs of these (plait/runtime/remat.py's _MATMUL_LIKE and
-# attention kernels); random ops are never recomputed (their results are kept).
-_MATMUL_LIKE = frozenset(
+# Selective recompute keeps the outputs of matrix products, convolutions, attention kernels and
+# embedding lookups (the one rule: plait/runtime/remat.py's pass and pipeline stages ask
+# :func:`kept_by_selective` too); random ops are never recomputed (their results are kept).
+_SELECTIVE_KEEPS = frozenset(
     f"aten.{name}"
     for name in (
         "mm",
@@ -486,13 +487,17 @@ _MATMUL_LIKE = frozenset(
         "conv_transpose2d",
         "conv_transpose3d",
         "embedding",
-        "scaled_dot_product_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_cudnn_attention",
     )
 )
+_ATTENTION_PREFIXES = ("aten._scaled_dot_product", "aten.scaled_dot_product", "aten._flash_")
+
+
+def kept_by_selective(base: str) -> bool:
+    """Whether selective recompute keeps the result of op ``base`` (``"aten.mm"``: namespace
+    and name, no overload): a matrix product, convolution, attention kernel or embedding."""
+    return base in _SELECTIVE_KEEPS or base.startswith(_ATTENTION_PREFIXES)
+
+
 _RANDOM = frozenset(
     f"aten.{name}"
     for name in (
@@ -981,7 +986,7 @@ class StepTrace:
                     or r in out_of_region
                     or base in _RANDOM
                     or aliases_input(op.target)
-                    or (mode == "selective" and base in _MATMUL_LIKE)
+                    or (mode == "selective" and kept_by_selective(base))
                 ):
                     kept.add(r)
         return frozenset(kept)

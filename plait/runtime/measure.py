@@ -146,10 +146,14 @@ def compare(measurement: MemoryMeasurement, plan: Any) -> list[ComparisonRow]:
 
 
 def plan_of(job: Any) -> Any:
-    """The plan a job runs (its plan executor's), or None (plain data parallel, stand-alone)."""
+    """The plan a job runs: a plan job's executor's, a pipeline's made from a plan, or None
+    (plain data parallel, stand-alone, pipelines of marks)."""
     built = getattr(job, "built", job)  # a DeferredJob: the job it planned
     if built is None:
         return None
+    plan = getattr(built, "plan", None)
+    if plan is not None:
+        return plan
     return getattr(getattr(built, "loss_fn", None), "plan", None)
 
 

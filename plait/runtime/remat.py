@@ -36,6 +36,8 @@ import torch
 import torch.fx
 from torch.fx import Node
 
+from plait.cost.memory import kept_by_selective as kept_by_op_base
+
 __all__ = [
     "TAG",
     "is_collective",
@@ -65,30 +67,6 @@ _UNINITIALIZED = frozenset(
     }
 )
 
-# Selective recompute keeps what is expensive to compute and cheap to keep per FLOP: the
-# outputs of matrix products, convolutions, attention kernels and embedding lookups.
-_MATMUL_LIKE = frozenset(
-    {
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-        "aten::baddbmm",
-        "aten::addbmm",
-        "aten::matmul",
-        "aten::linear",
-        "aten::_scaled_mm",
-        "aten::convolution",
-        "aten::_convolution",
-        "aten::conv1d",
-        "aten::conv2d",
-        "aten::conv3d",
-        "aten::conv_transpose1d",
-        "aten::conv_transpose2d",
-        "aten::conv_transpose3d",
-        "aten::embedding",
-    }
-)
-_ATTENTION_PREFIXES = ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_")
 
 _COLLECTIVES = "_c10d_functional"
 
@@ -137,8 +115,9 @@ def _is_matmul_like(node: Node) -> bool:
 
 def kept_by_selective(op_name: str) -> bool:
     """Whether selective recompute keeps the result of the op of schema name ``op_name``
-    (``"aten::mm"``): a matrix product, convolution, attention kernel or embedding lookup."""
-    return op_name in _MATMUL_LIKE or op_name.startswith(_ATTENTION_PREFIXES)
+    (``"aten::mm"``): the memory model's rule (:func:`plait.cost.memory.kept_by_selective`),
+    so what the plan predicts is what the pass keeps."""
+    return kept_by_op_base(op_name.replace("::", ".", 1))
 
 
 def _argument(node: Node, index: int, arg: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from plait.runtime.measure import MemoryMeasurement, format_bytes
+from plait.runtime.measure import MemoryMeasurement, format_bytes, plan_of
 
 __all__ = ["RunReport", "run_report"]
 
@@ -103,17 +103,6 @@ def run_report(
         else tuple((k, int(v)) for k, v in predicted.memory_by_kind.items()),
         measured_by_kind=by_kind,
     )
-
-
-def plan_of(job: Any) -> Any:
-    """The plan a job runs: a plan job's executor's, a pipeline's made by the planner, or None."""
-    built = getattr(job, "built", job)  # a DeferredJob: the job it planned
-    if built is None:
-        return None
-    plan = getattr(built, "plan", None)
-    if plan is not None:
-        return plan
-    return getattr(getattr(built, "loss_fn", None), "plan", None)
 
 
 def _measured_memory(

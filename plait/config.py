@@ -151,6 +151,12 @@ class ParallelConfig:
     optimizer_shard_threshold: int | str = 64 * 1024
     """A parameter whose piece is smaller than this (bytes, or e.g. '64KiB') stays whole under
     ``optimizer_shard`` (MindSpore's ``parallel_optimizer_threshold``, 64 KB)."""
+    optimizer_weight_shard_size: int | None = None
+    """Ranks one parameter's shards spread over under ``optimizer_shard`` (MindSpore's
+    ``optimizer_weight_shard_size``, HSDP): the ``dp_axis`` is cut into groups of this many
+    consecutive ranks; each group holds one whole copy of the sharded states (and, at level 3,
+    parameters); gradients are reduce-scattered inside a group and all-reduced across groups.
+    Must divide the dp axis; None = the whole dp axis."""
     recompute: Recompute = "none"
     """Activation recompute for every repeated layer (transformer block): "full" recomputes
     its forward in backward, keeping only its inputs and outputs; "selective" keeps matrix
@@ -166,6 +172,11 @@ class ParallelConfig:
     """Gradient fusion buckets; None = plait's default."""
     offload: Offload | None = None
     """What to keep on the host between uses; None = nothing."""
+    host_modules: tuple[str, ...] = ()
+    """Modules (by path) kept and computed on the host, with their parameters, gradients and
+    optimizer states (MindSpore's host and device heterogeneous training,
+    ``Primitive.set_device("CPU")``): inputs are copied to the host and outputs back to the
+    device. ``plait.on_host(module)`` marks one the same way."""
     precision: Precision = "fp32"
     """Compute precision (master weights and optimizer states stay fp32)."""
     hardware: Hardware | None = None
@@ -204,6 +215,14 @@ class ParallelConfig:
                 "names, e.g. ('tok.weight',)"
             )
         object.__setattr__(self, "optimizer_shard_exclude", tuple(sorted(set(exclude))))
+        self._check_weight_shard_size()
+        hosts = self.host_modules
+        if isinstance(hosts, str) or not all(isinstance(n, str) and n for n in hosts):
+            raise ConfigError(
+                f"ParallelConfig.host_modules={hosts!r}: give a tuple of module paths, e.g. "
+                "('embedding',)"
+            )
+        object.__setattr__(self, "host_modules", tuple(sorted(set(hosts))))
         threshold = self.optimizer_shard_threshold
         if threshold != 0:
             threshold = parse_bytes(threshold, "optimizer_shard_threshold")
@@ -217,6 +236,24 @@ class ParallelConfig:
             raise ConfigError(
                 f"ParallelConfig.comm_fusion={self.comm_fusion!r} is not allowed; use a CommFusion "
                 "or a dict such as {'mode': 'size', 'bucket_mb': 25}"
+            )
+
+    def _check_weight_shard_size(self) -> None:
+        size = self.optimizer_weight_shard_size
+        if size is None:
+            return
+        _check_positive_int("optimizer_weight_shard_size", size)
+        if self.optimizer_shard is None:
+            raise ConfigError(
+                f"ParallelConfig.optimizer_weight_shard_size={size} needs optimizer_shard: give "
+                "optimizer_shard=1, 2 or 3, or leave optimizer_weight_shard_size out"
+            )
+        dp = self._mesh.get(self.dp_axis)
+        if dp is not None and dp % size:
+            raise ConfigError(
+                f"ParallelConfig.optimizer_weight_shard_size={size} does not divide the "
+                f"{self.dp_axis!r} axis ({dp} ranks): give a divisor of {dp}, e.g. "
+                f"{max(d for d in range(1, dp + 1) if dp % d == 0 and d <= size)}"
             )
 
     def _check_recompute_modules(self) -> None:

@@ -125,6 +125,16 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "offload for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
         ),
         (
+            cfg.optimizer_weight_shard_size is not None,
+            f"optimizer_weight_shard_size={cfg.optimizer_weight_shard_size}",
+            "optimizer shard groups smaller than the dp axis (HSDP)",
+        ),
+        (
+            bool(cfg.host_modules),
+            f"host_modules={cfg.host_modules!r}",
+            "modules kept and computed on the host (heterogeneous training)",
+        ),
+        (
             cfg.hardware is not None and not planned,
             f"hardware={cfg.hardware!r}",
             "a hardware profile outside mode 'auto'",

@@ -7,7 +7,9 @@ six ways taking turns on the same device:
 * ``program``: the compiled per-rank program with nothing else (``mode="semi_auto"``);
 * ``selective`` / ``full``: ``recompute="selective"`` / ``"full"`` (every block);
 * ``offload``: ``offload="optimizer"``: AdamW's states and step on the host;
-* ``act-host``: ``offload="activations"``: what backward reads waits in host memory.
+* ``act-host``: ``offload="activations"``: what backward reads waits in host memory;
+* ``host-emb``: ``host_modules=("tok",)``: the token embedding kept and computed on the host
+  with its gradient and AdamW states (MindSpore's heterogeneous training), on the plain path.
 
 On CUDA each case's peak is ``torch.cuda.max_memory_allocated`` over its timed steps, and the
 bytes kept from forward for backward are the program's own count. Each case's losses must
@@ -46,6 +48,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated cases, the first the baseline"
+    )
     return p.parse_args()
 
 
@@ -56,6 +61,7 @@ CASES: dict[str, dict[str, Any]] = {
     "full": {"mode": "semi_auto", "recompute": "full"},
     "offload": {"mode": "semi_auto", "offload": "optimizer"},
     "act-host": {"mode": "semi_auto", "offload": "activations"},
+    "host-emb": {"mode": "data_parallel", "host_modules": ("tok",)},
 }
 
 
@@ -92,7 +98,8 @@ def main() -> None:
     )
     rows = []
     reference: list[float] | None = None
-    for name, settings in CASES.items():
+    for name in args.cases.split(","):
+        settings = CASES[name]
         try:
             rows.append(_case(name, settings, base, batches, args, cuda))
         except Exception as e:  # report and go on: one failing case must not hide the others
@@ -133,6 +140,8 @@ def _case(
         losses.append(job.step(b))  # returns a float: the step is complete
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
+    if settings.get("host_modules"):
+        _print_host_placement(job, settings["host_modules"])
     program = getattr(job, "program", None)
     kept = getattr(program, "saved_bytes", None) if program is not None else None
     moved = getattr(program, "offloaded_bytes", 0) if program is not None else 0
@@ -147,6 +156,16 @@ def _case(
         "kept": kept[1] if kept else None,
         "losses": losses,
     }
+
+
+def _print_host_placement(job: Any, paths: tuple[str, ...]) -> None:
+    """Where the host modules' parameters, gradients and optimizer states are."""
+    for path in paths:
+        for name, p in job.model.get_submodule(path).named_parameters():
+            state = job.optimizer.state.get(p, {})
+            where = {k: str(v.device) for k, v in state.items() if isinstance(v, torch.Tensor)}
+            grad = None if p.grad is None else p.grad.device
+            print(f"  {path}.{name}: parameter on {p.device}, gradient on {grad}, states {where}")
 
 
 def _table(rows: list[dict[str, Any]], cuda: bool) -> None:

@@ -6,7 +6,7 @@ and runs it on ``torch.distributed``. See README.md for a tour.
 """
 
 from plait import checkpoint, data, ops, testing
-from plait.annotate import pipeline_stage, recompute, shard
+from plait.annotate import on_host, pipeline_stage, recompute, shard
 from plait.config import CommFusion, ParallelConfig
 from plait.errors import (
     CaptureError,
@@ -57,6 +57,7 @@ __all__ = [
     "checkpoint",
     "data",
     "init",
+    "on_host",
     "ops",
     "parallelize",
     "pipeline_stage",

@@ -217,10 +217,16 @@ class ParallelConfig:
         object.__setattr__(self, "optimizer_shard_exclude", tuple(sorted(set(exclude))))
         self._check_weight_shard_size()
         hosts = self.host_modules
-        if isinstance(hosts, str) or not all(isinstance(n, str) and n for n in hosts):
+        if isinstance(hosts, str) or not all(isinstance(n, str) for n in hosts):
             raise ConfigError(
                 f"ParallelConfig.host_modules={hosts!r}: give a tuple of module paths, e.g. "
                 "('embedding',)"
+            )
+        if "" in hosts:
+            raise ConfigError(
+                f"ParallelConfig.host_modules={hosts!r}: '' is the whole model (plait.on_host "
+                "on the model itself); that is training on the CPU alone. Name the sub-modules "
+                "to keep on the host, e.g. ('embedding',)"
             )
         object.__setattr__(self, "host_modules", tuple(sorted(set(hosts))))
         threshold = self.optimizer_shard_threshold

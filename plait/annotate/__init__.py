@@ -1,7 +1,7 @@
 """Semi-automatic annotations: what a user marks on a model before ``plait.parallelize``.
 
-- :mod:`plait.annotate.marks`: ``shard`` (how a module's tensors are split), ``recompute``
-  and ``pipeline_stage``, and the readers of those marks.
+- :mod:`plait.annotate.marks`: ``shard`` (how a module's tensors are split), ``recompute``,
+  ``on_host`` and ``pipeline_stage``, and the readers of those marks.
 - :mod:`plait.annotate.tensor_parallel`: ``megatron(model, tp)``, which finds the attention
   and MLP blocks, embeddings and LM head of a model by structure and marks them with
   ``shard`` as Megatron splits them, returning a report of what it matched and what not.
@@ -13,6 +13,8 @@ from plait.annotate.marks import (
     ShardSpec,
     StrategyLike,
     get_shard_spec,
+    host_marks,
+    on_host,
     parameter_layouts,
     pipeline_stage,
     pipeline_stage_marks,
@@ -29,7 +31,9 @@ __all__ = [
     "StrategyLike",
     "Unrecognised",
     "get_shard_spec",
+    "host_marks",
     "megatron",
+    "on_host",
     "parameter_layouts",
     "pipeline_stage",
     "pipeline_stage_marks",

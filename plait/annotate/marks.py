@@ -213,6 +213,31 @@ def recompute_marks(model: nn.Module) -> tuple[tuple[str, str], ...]:
     )
 
 
+_HOST_ATTR = "_plait_on_host"
+
+
+def on_host(module: nn.Module, host: bool = True) -> nn.Module:
+    """Keep ``module`` and compute it on the host: its parameters, gradients and optimizer
+    states live in host memory, its forward and backward run on the CPU, and its inputs and
+    outputs are copied across (MindSpore's host and device heterogeneous training,
+    ``Primitive.set_device("CPU")``; the Wide&Deep recipe puts the embedding table there).
+    For memory-heavy, compute-light modules such as a large embedding table. The same as
+    naming the module in ``ParallelConfig.host_modules``; ``host=False`` undoes the mark.
+    Returns ``module``.
+    """
+    if not isinstance(host, bool):
+        raise ConfigError(
+            f"plait.on_host({type(module).__name__}, host={host!r}): give True or False"
+        )
+    object.__setattr__(module, _HOST_ATTR, host)
+    return module
+
+
+def host_marks(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the sub-modules marked by :func:`on_host`, in model order."""
+    return tuple(name for name, m in model.named_modules() if getattr(m, _HOST_ATTR, False))
+
+
 _STAGE_ATTR = "_plait_pipeline_stage"
 
 

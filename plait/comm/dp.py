@@ -17,13 +17,14 @@ simulated world:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from plait._compat import LocalTensor, own_per_rank, simulated_ranks
 from plait.comm.dtensor import start_all_reduce, wait_for
 
-__all__ = ["gather_pieces", "own_copy", "rank_slice", "start_sum", "wait_sum"]
+__all__ = ["gather_pieces", "host_group_mesh", "own_copy", "rank_slice", "start_sum", "wait_sum"]
 
 
 def own_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -80,3 +81,28 @@ def gather_pieces(local: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
         local, group_mesh, [Shard(0)], run_check=False, shape=shape, stride=local.stride()
     )
     return piece.full_tensor()
+
+
+def host_group_mesh(group_mesh: DeviceMesh, device_mesh: DeviceMesh, axis: str) -> DeviceMesh:
+    """The 1-D mesh that sums host tensors over the ranks of ``group_mesh`` (host modules'
+    gradients, :mod:`plait.runtime.host`).
+
+    ``group_mesh`` itself when the world's collectives run on CPU tensors (gloo, simulated
+    ranks); else a gloo group over the same ranks, since NCCL moves device memory only. Every
+    rank makes the gloo group of every ``axis`` group of ``device_mesh``, in the same order, as
+    ``torch.distributed.new_group`` requires.
+    """
+    if group_mesh.device_type == "cpu":
+        return group_mesh
+    names = list(device_mesh.mesh_dim_names or ())
+    index = names.index(axis)
+    grid = device_mesh.mesh
+    rows = grid.movedim(index, -1).reshape(-1, grid.shape[index]).tolist()
+    me = dist.get_rank()
+    mine = None
+    for row in rows:
+        group = dist.new_group(row, backend="gloo")
+        if me in row:
+            mine = group
+    assert mine is not None, f"rank {me} is in no {axis!r} group of {device_mesh}"
+    return DeviceMesh.from_group(mine, "cpu", mesh_dim_names=(axis,))

@@ -44,13 +44,22 @@ __all__ = ["PlainDataParallel", "PlainGradSync", "fresh_parameters"]
 
 
 class PlainGradSync(_BucketedSync):
-    """Sum the plain gradients of ``params`` over the 1-D mesh ``group_mesh`` in fused buckets.
+    """Sum the plain gradients of ``params`` over the 1-D mesh ``group_mesh`` in fused buckets
+    (those of host modules over ``host_mesh``).
 
     One collective per bucket, started from backward's hooks (see the module docstring).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group_mesh: Any, fusion: CommFusion) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group_mesh: Any,
+        fusion: CommFusion,
+        host_mesh: Any = None,
+    ) -> None:
         self._group_mesh = group_mesh
+        self._host_mesh = host_mesh
+        """The mesh host gradients are summed over (host modules; None: ``group_mesh``)."""
         self._buffers: dict[int, torch.Tensor] = {}
         super().__init__(params, [p.numel() * p.element_size() for p in params], fusion)
 
@@ -71,7 +80,8 @@ class PlainGradSync(_BucketedSync):
             if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
                 buffer = self._buffers[id(bucket)] = grads[0].new_empty(numel, dtype=dtype)
             flat = torch.cat(grads, out=buffer)
-        bucket.result = start_sum(flat, self._group_mesh)
+        on_host = self._host_mesh is not None and flat.device.type == "cpu"
+        bucket.result = start_sum(flat, self._host_mesh if on_host else self._group_mesh)
 
     def _wait(self, result: torch.Tensor) -> torch.Tensor:
         return wait_sum(result)

@@ -46,6 +46,18 @@ class _Bucket:
     members: list[nn.Parameter] = field(default_factory=list)
 
 
+def _same_device_runs(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` cut where the device changes: one flat buffer holds one device's gradients
+    (host modules keep theirs in host memory, :mod:`plait.runtime.host`)."""
+    runs: list[list[nn.Parameter]] = []
+    for p in params:
+        if runs and runs[-1][-1].device == p.device:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
 class _BucketedSync:
     """Bucket bookkeeping shared by both kinds of gradients: hooks, readiness, waiting.
 
@@ -55,7 +67,11 @@ class _BucketedSync:
 
     def __init__(self, params: Sequence[nn.Parameter], sizes: Sequence[int], fusion: CommFusion):
         self._all = list(params)
-        self.buckets = [_Bucket([self._all[i] for i in b]) for b in plan_buckets(sizes, fusion)]
+        self.buckets = [
+            _Bucket(run)
+            for b in plan_buckets(sizes, fusion)
+            for run in _same_device_runs([self._all[i] for i in b])
+        ]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.enabled = True
         """False while gradients are still being accumulated (no communication then)."""

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from plait._compat import tree_leaves, tree_map
-from plait.annotate import parameter_layouts, recompute_marks
+from plait.annotate import host_marks, parameter_layouts, recompute_marks
+from plait.comm.dp import host_group_mesh
 from plait.comm.dtensor import build_device_mesh
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig, Recompute, Schedule, Search
@@ -37,6 +38,11 @@ from plait.mesh import MeshSpec
 from plait.planning import Plan
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.grad_sync import GradSync
+from plait.runtime.host import (
+    host_module_paths,
+    place_on_host,
+    plan_host_placement,
+)
 from plait.runtime.job import DeferredJob, Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
 from plait.runtime.meta_init import capture_on_device, check_meta_buffers, materialize_meta
@@ -65,7 +71,11 @@ def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
     """The config with what the model's modules and parameters say: modules marked by
     ``plait.recompute`` (MindSpore's ``Cell.recompute()``) added to ``recompute_modules`` (the
     config's own entries win), and parameters with ``parallel_optimizer = False`` (MindSpore's
-    flag) added to ``optimizer_shard_exclude``."""
+    flag) added to ``optimizer_shard_exclude``, and modules marked by ``plait.on_host`` added to
+    ``host_modules``."""
+    hosts = host_marks(model)
+    if hosts:
+        cfg = dataclasses.replace(cfg, host_modules=(*cfg.host_modules, *hosts))
     marks = recompute_marks(model)
     if marks:
         cfg = dataclasses.replace(
@@ -130,11 +140,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "optimizer shard groups smaller than the dp axis (HSDP)",
         ),
         (
-            bool(cfg.host_modules),
-            f"host_modules={cfg.host_modules!r}",
-            "modules kept and computed on the host (heterogeneous training)",
-        ),
-        (
             cfg.hardware is not None and not planned,
             f"hardware={cfg.hardware!r}",
             "a hardware profile outside mode 'auto'",
@@ -151,6 +156,20 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
                 f"ParallelConfig({given}): {feature} is not built in this version of plait yet; "
                 f"leave the field at its default (built so far: modes {list(_BUILT_MODES)!r})"
             )
+
+
+def _refuse_host_modules(cfg: ParallelConfig) -> None:
+    """Host modules run on the plain data-parallel path only (so far); anywhere else they are
+    refused by name, never ignored."""
+    if not cfg.host_modules:
+        return
+    raise NotBuiltError(
+        f"ParallelConfig(host_modules={cfg.host_modules!r}) with mode={cfg.mode!r}"
+        f"{', pipeline stages' if cfg.pipeline_stages > 1 else ''}: modules on the host run in "
+        "mode 'data_parallel' on a dp-only mesh without optimizer_shard, recompute, offload or "
+        "compile (the plain data-parallel path); on the per-rank program, in pipeline stages "
+        "and stand-alone they are not built yet. Drop those settings or host_modules"
+    )
 
 
 def _job_mesh(cfg: ParallelConfig, world_size: int) -> MeshSpec:
@@ -210,9 +229,11 @@ def parallelize(
     world = current_world()
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
+        _refuse_host_modules(config)
         return _pipeline_job(model, config, optimizer, loss_fn, example_batch)
     _stages_need_processes(config, world)
     if config.mode == "stand_alone":
+        _refuse_host_modules(config)
         return _stand_alone_job(model, config, optimizer, loss_fn)
     if world is None:
         raise ConfigError(
@@ -230,10 +251,12 @@ def parallelize(
         if _is_pure_data_parallel(config, mesh) and not _needs_program(config):
             plain_mesh = build_device_mesh(mesh, world.device_type)
             return _plain_job(model, config, mesh, plain_mesh, named, optimizer, loss_fn)
+        _refuse_host_modules(config)
         if config.mode == "hybrid":
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
     elif plan is None and config.plan is None and config.mesh is not None:
         mesh = _job_mesh(config, world.world_size)
+    _refuse_host_modules(config)
     # Every other job runs a plan: semi_auto plans from the annotations (unannotated ops data
     # parallel), auto searches, a plan file or Plan runs as it is. Without an example batch
     # the plan is made at the first step, on its batch; the mesh, when the config fixes it, is
@@ -315,8 +338,7 @@ def _planned_job(
                 raise  # a pipeline the user asked for: say why it cannot run
             # The same on every rank, before any collective: plan without stages instead.
             logger.warning(
-                "the plan's %d pipeline stages cannot run (%s); planning without pipeline "
-                "stages",
+                "the plan's %d pipeline stages cannot run (%s); planning without pipeline stages",
                 plan.pipeline_stages,
                 e,
             )
@@ -610,6 +632,10 @@ def _plain_job(
     materialize_meta(model, device)  # meta init: each rank holds the whole model, empty
     if device.type != "cpu":
         model.to(device)
+    host = None
+    if cfg.host_modules:
+        host = plan_host_placement(model, host_module_paths(model, cfg))
+        place_on_host(model, host, device)
     fresh_parameters(model)  # drops old hooks; simulated ranks: one private copy each
     plain = PlainDataParallel(
         group_mesh=device_mesh[dp],
@@ -620,15 +646,17 @@ def _plain_job(
         device=device,
     )
     trained = [p for p in model.parameters() if p.requires_grad]
-    grad_sync = (
-        PlainGradSync(trained, device_mesh[dp], cfg.comm_fusion or CommFusion())
-        if size > 1 and trained
-        else None
-    )
+    grad_sync = None
+    if size > 1 and trained:
+        host_mesh = host_group_mesh(device_mesh[dp], device_mesh, dp) if host else None
+        grad_sync = PlainGradSync(
+            trained, device_mesh[dp], cfg.comm_fusion or CommFusion(), host_mesh=host_mesh
+        )
     logger.info(
-        "parallelized %s on mesh %s (pure data parallel, plain tensors)",
+        "parallelized %s on mesh %s (pure data parallel, plain tensors%s)",
         type(model).__name__,
         mesh.as_dict(),
+        f"; {host.describe()}" if host else "",
     )
     return Job(
         model,

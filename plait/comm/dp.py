@@ -24,7 +24,15 @@ from torch.distributed.tensor import DTensor, Shard
 from plait._compat import LocalTensor, own_per_rank, simulated_ranks
 from plait.comm.dtensor import start_all_reduce, wait_for
 
-__all__ = ["gather_pieces", "host_group_mesh", "own_copy", "rank_slice", "start_sum", "wait_sum"]
+__all__ = [
+    "gather_pieces",
+    "gloo_axis_mesh",
+    "host_group_mesh",
+    "own_copy",
+    "rank_slice",
+    "start_sum",
+    "wait_sum",
+]
 
 
 def own_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,15 +93,20 @@ def gather_pieces(local: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
 
 def host_group_mesh(group_mesh: DeviceMesh, device_mesh: DeviceMesh, axis: str) -> DeviceMesh:
     """The 1-D mesh that sums host tensors over the ranks of ``group_mesh`` (host modules'
-    gradients, :mod:`plait.runtime.host`).
-
-    ``group_mesh`` itself when the world's collectives run on CPU tensors (gloo, simulated
-    ranks); else a gloo group over the same ranks, since NCCL moves device memory only. Every
-    rank makes the gloo group of every ``axis`` group of ``device_mesh``, in the same order, as
-    ``torch.distributed.new_group`` requires.
-    """
+    gradients, :mod:`plait.runtime.host`): ``group_mesh`` itself when the world's collectives
+    run on CPU tensors (gloo, simulated ranks), else :func:`gloo_axis_mesh` (NCCL moves device
+    memory only)."""
     if group_mesh.device_type == "cpu":
         return group_mesh
+    return gloo_axis_mesh(device_mesh, axis)
+
+
+def gloo_axis_mesh(device_mesh: DeviceMesh, axis: str) -> DeviceMesh:
+    """A CPU mesh over this rank's ``axis`` group of ``device_mesh``, on a new gloo group.
+
+    Every rank makes the gloo group of every ``axis`` group, in the same order, as
+    ``torch.distributed.new_group`` requires (a collective call of the whole world).
+    """
     names = list(device_mesh.mesh_dim_names or ())
     index = names.index(axis)
     grid = device_mesh.mesh

@@ -3,7 +3,9 @@
 Two gloo processes run, in one spawn, three trainings of the same MLP on the same global
 batches: plait with ``full_batch`` inputs, three index buckets and ``grad_accumulation=2``;
 plait with local slices on a model that was already parallelized once (the first job's hooks
-must not start collectives any more); and ``torch.nn.parallel.DistributedDataParallel``. Reference: plain PyTorch in the test
+must not start collectives any more); ``torch.nn.parallel.DistributedDataParallel``; and plait
+with the first layer on the host (``plait.on_host``), plus a sum over the gloo group an NCCL
+world would sum host gradients over. Reference: plain PyTorch in the test
 process on the global batches.
 """
 
@@ -16,6 +18,7 @@ from torch import nn
 
 import plait
 from plait import CommFusion, ParallelConfig
+from plait.comm.dp import gloo_axis_mesh, start_sum, wait_sum
 from plait.models import MLP, mlp_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
@@ -80,6 +83,14 @@ def _train() -> dict[str, Any]:
         dist.all_reduce(value)
         ddp_losses.append(value.item() / WORLD)
     out["ddp_losses"] = ddp_losses
+
+    model = _model()
+    plait.on_host(model.layers[0])  # on CPU processes the host is the device: numerics
+    job = plait.parallelize(model, ParallelConfig(), optimizer=_sgd, loss_fn=mlp_loss)
+    out["host"] = Run([job.step(b) for b in local], job.full_state_dict())
+    # the gloo group an NCCL world sums host gradients over, made and used on real processes
+    mesh = gloo_axis_mesh(job.device_mesh, "dp")
+    out["gloo_sum"] = wait_sum(start_sum(torch.full((3,), float(rank + 1)), mesh)).tolist()
     return out
 
 
@@ -95,3 +106,5 @@ def test_plain_data_parallel_on_two_gloo_processes():
         torch.testing.assert_close(
             torch.tensor(result["twice"].losses), torch.tensor(result["ddp_losses"])
         )
+        assert_same_run(expected, result["host"])
+        assert result["gloo_sum"] == [3.0, 3.0, 3.0]  # 1 + 2 over the two ranks

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import time
@@ -48,6 +49,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument("--fused", action="store_true", help="AdamW(fused=True) in every case")
     p.add_argument(
         "--cases", default=",".join(CASES), help="comma-separated cases, the first the baseline"
     )
@@ -65,8 +67,9 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4)
+def _adamw(params: Any, fused: bool = False) -> torch.optim.Optimizer:
+    # fused=True: torch's fused AdamW kernels, on the GPU and on the host alike
+    return torch.optim.AdamW(params, lr=1e-4, fused=fused or None)
 
 
 def main() -> None:
@@ -125,7 +128,7 @@ def _case(
     job = plait.parallelize(
         model,
         ParallelConfig(mesh={"dp": 1}, **settings),
-        optimizer=_adamw,
+        optimizer=functools.partial(_adamw, fused=args.fused),
         loss_fn=gpt_loss,
         example_batch=batches[0],
     )

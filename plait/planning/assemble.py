@@ -62,7 +62,7 @@ from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.search.problem import SearchProblem, gradient_layout, settled
 from plait.search.propagation import Decision
-from plait.search.stages import assign_stages
+from plait.search.stages import StageMemory, assign_stages, op_memory, stage_memory_figures
 
 __all__ = ["BACKWARD_FLOPS_FACTOR", "assemble_plan"]
 
@@ -146,7 +146,11 @@ def assemble_plan(
     chosen = {op.name: problem.candidates[op.name][decisions[op.name].index] for op in graph.ops}
     op_time = {op.name: _op_compute(problem, mesh, op, chosen[op.name]) for op in graph.ops}
     stages = cfg.pipeline_stages
-    stage_list = assign_stages(graph, op_time, stages) if stages > 1 else [0] * len(graph.ops)
+    stage_list = [0] * len(graph.ops)
+    if stages > 1:
+        memory = partition_memory(StepTrace(graph), [chosen[op.name] for op in graph.ops],
+                                  lambda t: math.prod(t.splits()), cfg, hardware)  # fmt: skip
+        stage_list = assign_stages(graph, op_time, stages, memory)
     stage_of = {op.name: s for op, s in zip(graph.ops, stage_list, strict=True)}
     ctx = _Context(graph, cfg, mesh, problem, chosen, stage_of)
     # With gradient accumulation the graph is one micro-step's: its activation collectives
@@ -190,6 +194,24 @@ def assemble_plan(
         dataset_strategy=cfg.dataset_strategy,
         comm_fusion=cfg.comm_fusion,
     )
+
+
+def partition_memory(
+    trace: StepTrace,
+    chosen: Sequence[OpStrategy],
+    pieces: Callable[[TensorLayout], int],
+    cfg: ParallelConfig,
+    hardware: Any,
+) -> StageMemory:
+    """The stage partitioner's memory figures (:func:`plait.search.stages.op_memory`) under
+    ``cfg``'s schedule, against the memory limit the outer planner holds plans to (the
+    profile's device memory when ``memory_limit`` is unset). Shared by
+    :mod:`plait.planning.estimate`, so both cut the same stages."""
+    figures = op_memory(
+        trace, chosen, pieces, cfg.precision, LOW_PRECISION_ACTIVATIONS[cfg.precision]
+    )
+    limit = cast("int | None", cfg.memory_limit) or getattr(hardware, "memory_bytes", None)
+    return stage_memory_figures(figures, cfg, limit)
 
 
 def _op_compute(problem: SearchProblem, mesh: MeshSpec, op: OpNode, strategy: OpStrategy) -> float:

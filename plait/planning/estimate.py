@@ -45,6 +45,7 @@ from plait.planning.assemble import (
     _bubble,
     _read_by_backward,
     activation_buffers,
+    partition_memory,
     recompute_regions,
     stage_memory,
 )
@@ -82,6 +83,13 @@ class GraphFacts:
         self._traces: dict[tuple[object, ...], StepTrace] = {}
         self._read_again: dict[tuple[object, ...], frozenset[str]] = {}
         self._read_sets: dict[frozenset[str], frozenset[str]] = {}
+
+    def plain_trace(self) -> StepTrace:
+        """The step's values without recompute (the stage partitioner's memory figures)."""
+        found = self._traces.get(())
+        if found is None:
+            found = self._traces[()] = StepTrace(self.graph, ())
+        return found
 
     def trace(self, cfg: ParallelConfig) -> StepTrace:
         """The step's values under ``cfg``'s recompute regions (the memory model's
@@ -178,10 +186,12 @@ class MeshEstimate:
         op_time = {
             op.name: op_compute(op, self._work_pieces(self.chosen[op.name])) for op in graph.ops
         }
-        stage_list = assign_stages(graph, op_time, stages) if stages > 1 else [0] * len(graph.ops)
+        self._setup, self._decisions, self._op_time = setup, decisions, op_time
+        self._others: dict[tuple[object, ...], MeshEstimate] = {}
+        self.chosen_list = [self.chosen[op.name] for op in graph.ops]
+        stage_list = self._partition(base)
         self.stage_of = dict(zip((op.name for op in graph.ops), stage_list, strict=True))
         self.stage_list = stage_list
-        self.chosen_list = [self.chosen[op.name] for op in graph.ops]
         ga = base.grad_accumulation
         self.compute = [0.0] * stages
         for op, s in zip(graph.ops, stage_list, strict=True):
@@ -204,6 +214,34 @@ class MeshEstimate:
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
+
+    def _partition(self, cfg: ParallelConfig) -> list[int]:
+        """Each op's pipeline stage under ``cfg``'s schedule and micro-batches (they weigh
+        in the partitioner's memory figures), as assemble_plan cuts them."""
+        graph = self.graph
+        if self.stages == 1:
+            return [0] * len(graph.ops)
+        trace = self.facts.plain_trace()
+        memory = partition_memory(trace, self.chosen_list, self._pieces, cfg,
+                                  self._setup.hardware)  # fmt: skip
+        return assign_stages(graph, self._op_time, self.stages, memory)
+
+    def _for_stages_of(self, cfg: ParallelConfig) -> MeshEstimate:
+        """The estimate whose stages are ``cfg``'s: this one, or (another schedule or
+        micro-batch count moving a cut) one built for them, kept."""
+        key = (cfg.schedule, cfg.micro_batches, cfg.virtual_stages)
+        if self.stages == 1 or key == (self.base.schedule, self.base.micro_batches,
+                                       self.base.virtual_stages):  # fmt: skip
+            return self
+        found = self._others.get(key)
+        if found is None:
+            found = self
+            if self._partition(cfg) != self.stage_list:
+                base = replace(self.base, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
+                               virtual_stages=cfg.virtual_stages)  # fmt: skip
+                found = MeshEstimate(self.facts, base, self._setup, self._decisions)
+            self._others[key] = found
+        return found
 
     # ------------------------------------------------------------------ shared per mesh
 
@@ -563,6 +601,9 @@ class MeshEstimate:
 
     def predict(self, cfg: ParallelConfig) -> Estimate:
         """Step time and peak memory of the plan ``assemble_plan`` would build for ``cfg``."""
+        other = self._for_stages_of(cfg)
+        if other is not self:
+            return other.predict(cfg)
         stages, m = self.stages, cfg.micro_batches
         level = self._level(cfg)
         pipe = self._pipeline(m) if stages > 1 else None

@@ -209,7 +209,9 @@ def auto_plan(
         else:
             done = searched[-1]
             with timing.phase("estimate"):
-                done.estimate = MeshEstimate(facts, base, setup, decisions)
+                # at the options' micro-batch count: it weighs in the stage partition
+                at_m = _with(base, micro_batches=variants[0][1].micro_batches)
+                done.estimate = MeshEstimate(facts, at_m, setup, decisions)
                 found = _escalate(len(searched) - 1, searched, limit, timing)
         trials += found
         fits = sorted(fits + [t.option.step_time_s for t in found if t.option.feasible])

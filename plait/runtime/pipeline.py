@@ -57,6 +57,7 @@ from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
 from plait.runtime.remat import kept_by_selective
+from plait.runtime.stage_balance import balanced_layer_starts as _balanced_starts
 
 __all__ = ["PipelineJob", "model_inputs", "stage_starts"]
 
@@ -70,10 +71,12 @@ def stage_starts(model: nn.Module, stages: int) -> list[str]:
     """The module each stage after the first begins with (``stages - 1`` names, model order).
 
     From ``plait.pipeline_stage`` marks when there are any, else the longest list of layers
-    (an ``nn.ModuleList`` or ``nn.Sequential``) cut into ``stages`` runs as even as possible.
+    (an ``nn.ModuleList`` or ``nn.Sequential``) cut where per-stage cost balances, the
+    embeddings counted in the first stage and the head in the last
+    (:mod:`plait.runtime.stage_balance`).
     """
     marks = pipeline_stage_marks(model)
-    return _starts_from_marks(model, marks, stages) if marks else _even_starts(model, stages)
+    return _starts_from_marks(model, marks, stages) if marks else _balanced_starts(model, stages)
 
 
 def _starts_from_marks(
@@ -110,45 +113,6 @@ def _starts_from_marks(
                 "the order the modules are defined"
             )
     return [next(n for n, k in top if k == s) for s in range(1, stages)]
-
-
-def _even_starts(model: nn.Module, stages: int) -> list[str]:
-    lists = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.ModuleList | nn.Sequential) and name
-    ]
-    if not lists:
-        raise ConfigError(
-            f"cannot cut {type(model).__name__} into {stages} pipeline stages automatically: "
-            "it has no nn.ModuleList or nn.Sequential of layers; mark the stages with "
-            "plait.pipeline_stage(module, k)"
-        )
-    name, layers = max(lists, key=lambda item: len(item[1]))
-    n = len(layers)
-    if n < stages:
-        raise ConfigError(
-            f"cannot cut {type(model).__name__} into {stages} pipeline stages: its longest "
-            f"list of layers, {name!r}, has {n}; a stage would have no layer. Use at most "
-            f"{n} stages (pipeline_stages x virtual_stages), or mark the stages with "
-            "plait.pipeline_stage(module, k)"
-        )
-    sizes = _even_sizes(n, stages)
-    starts, at = [], 0
-    for size in sizes[:-1]:
-        at += size
-        starts.append(f"{name}.{at}")
-    return starts
-
-
-def _even_sizes(n: int, stages: int) -> list[int]:
-    """Layers per stage: as even as possible, the extra ones in the middle stages (the first
-    stage also runs the embeddings and the last the head and the loss)."""
-    sizes = [n // stages] * stages
-    middle = sorted(range(stages), key=lambda s: (abs(s - (stages - 1) / 2), s))
-    for s in middle[: n % stages]:
-        sizes[s] += 1
-    return sizes
 
 
 # ------------------------------------------------------------------------ the loss function

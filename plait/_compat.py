@@ -40,6 +40,7 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
+    "unflatten_mesh_dim",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -335,3 +336,19 @@ def implicit_replication_active() -> bool:
     switch it off for the rest of the outer block: plait enters it only when it is off.
     """
     return bool(torch._C._get_dtensor_allow_implicit_replication())
+
+
+def unflatten_mesh_dim(device_mesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    """``device_mesh`` with mesh dim ``dim`` cut into ``names`` of ``sizes`` (row-major: the
+    last name's ranks are consecutive coordinates of ``dim``), sharing the root mesh.
+
+    Optimizer parallel's shard groups (HSDP) are the last of two such dims and the groups
+    across them the first; ``DeviceMesh._unflatten`` (private) builds both, with a process
+    group each, on every rank (real or simulated).
+    """
+    index = list(device_mesh.mesh_dim_names or ()).index(dim)
+    try:
+        unflatten = device_mesh._unflatten
+    except AttributeError as e:  # pragma: no cover
+        raise _fail("DeviceMesh._unflatten", "optimizer_weight_shard_size (HSDP)", e) from e
+    return unflatten(index, sizes, names)

@@ -51,6 +51,7 @@ __all__ = [
     "local_piece",
     "mesh_spec_of",
     "pin_grad_layout",
+    "replicate_placement",
     "start_all_reduce",
     "sync_grad",
     "to_dtensor_placements",
@@ -104,6 +105,11 @@ def _plain(p: TPlacement, ndim: int) -> Placement:
     if isinstance(p, TReplicate):
         return Replicate()
     raise LayoutError(f"DTensor placement {p!r} has no plait equivalent")
+
+
+def replicate_placement() -> TPlacement:
+    """DTensor's ``Replicate()``, for rooms that may not import ``torch.distributed``."""
+    return TReplicate()
 
 
 def from_dtensor_placements(

@@ -28,6 +28,7 @@ for large messages; gloo's ring all-reduce); tree and in-network reductions are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -193,6 +194,23 @@ class Topology:
         if axis not in self._axes:
             self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
         size, link = self._axes[axis]
+        return collective_seconds(kind, nbytes, size, link)
+
+    def subgroup_seconds(
+        self, kind: str, axis: str, nbytes: int, *, size: int, stride: int = 1
+    ) -> float:
+        """One collective over a group of ``size`` ranks of ``axis``, ``stride`` apart in its
+        coordinates: optimizer parallel's shard groups (HSDP: consecutive ranks, stride 1) and
+        the groups across them (stride the shard size).
+
+        The group stays inside a node when the ranks it spans fit one (ranks fill nodes in
+        order, as for whole axes); otherwise the inter-node link paces it. With ``size`` the
+        axis size and ``stride`` 1 this is :meth:`axis_seconds`.
+        """
+        index = self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
+        inner = math.prod(self.mesh.shape[index + 1 :])
+        intra = size * stride * inner <= self.node_size
+        link = self.hardware.intra_node if intra else self.hardware.inter_node
         return collective_seconds(kind, nbytes, size, link)
 
     def group_seconds(self, kind: str, axes: tuple[str, ...], nbytes: int) -> float:

@@ -167,7 +167,8 @@ def model_state_memory(
 
     Args:
         param_numel: parameter elements on this device after tensor/pipeline sharding.
-        shard_group: devices the optimizer shard splits over (the data-parallel size).
+        shard_group: devices the optimizer shard splits over (the data-parallel size, or
+            HSDP's shard group size, ``optimizer_weight_shard_size``).
         optimizer_shard: None, or ZeRO level 1, 2 or 3 (``ParallelConfig.optimizer_shard``).
         precision: "fp32", "bf16" or "fp16"; picks :meth:`StateBytes.for_precision`.
         state_bytes: overrides the per-element bytes.
@@ -374,9 +375,10 @@ class MemoryModel:
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> MemoryModel:
-        """Knobs of a :class:`~plait.ParallelConfig`; the shard group is its dp axis size."""
+        """Knobs of a :class:`~plait.ParallelConfig`; the shard group is its dp axis size, or
+        its HSDP shard groups' (``optimizer_weight_shard_size``) when set."""
         return cls(
-            shard_group=config.data_parallel_size,
+            shard_group=config.optimizer_weight_shard_size or config.data_parallel_size,
             optimizer_shard=config.optimizer_shard,
             precision=config.precision,
             # the config's "auto" is the planner's to resolve: __post_init__ refuses it here

@@ -4,7 +4,12 @@ Pure planning code: no process groups, no ``torch.distributed``.
 """
 
 from plait.layout.layout import Layout, TensorLayout
-from plait.layout.optimizer_shard import optimizer_shard_dim, optimizer_shard_layout, why_whole
+from plait.layout.optimizer_shard import (
+    optimizer_shard_dim,
+    optimizer_shard_layout,
+    shard_group_size,
+    why_whole,
+)
 from plait.layout.placement import Partial, Placement, Replicate, Shard
 from plait.layout.redistribute import (
     LOCAL_KINDS,
@@ -38,5 +43,6 @@ __all__ = [
     "plan_redistribution",
     "resolve_strategy",
     "resolve_tensor_strategy",
+    "shard_group_size",
     "why_whole",
 ]

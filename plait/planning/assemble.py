@@ -45,7 +45,7 @@ from plait.cost.memory import (
 )
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode
-from plait.layout import TensorLayout, optimizer_shard_dim, why_whole
+from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size, why_whole
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
 from plait.planning.records import (
@@ -104,13 +104,29 @@ class _Step:
         where: tuple[str, str, int],
         reason: str,
         count: int = 1,
+        *,
+        group: tuple[int, int] | None = None,
     ) -> None:
+        """``group``: (size, stride) of a group smaller than the one ``axes`` spans (HSDP's
+        shard groups and the groups across them: :meth:`Topology.subgroup_seconds`)."""
         phase, op, stage = where
-        seconds = sum(self.topology.axis_seconds(kind, a, nbytes) for a in axes)
+        if group is None:
+            seconds = sum(self.topology.axis_seconds(kind, a, nbytes) for a in axes)
+        else:
+            size, stride = group
+            seconds = sum(
+                self.topology.subgroup_seconds(kind, a, nbytes, size=size, stride=stride)
+                for a in axes
+            )
         count *= self.repeat
         if self.repeat > 1:
             reason += f" (each of {self.repeat} micro-steps)"
-        self.items.append(PlannedCollective(kind, axes, nbytes, seconds, count, phase, op, reason))
+        self.items.append(
+            PlannedCollective(
+                kind, axes, nbytes, seconds, count, phase, op, reason,
+                None if group is None else group[0],
+            )
+        )  # fmt: skip
         self.stage.append(stage)
 
     def seconds_of_stage(self, stage: int, phase: str | None = None) -> float:
@@ -178,6 +194,7 @@ def assemble_plan(
         virtual_stages=cfg.virtual_stages or 1,
         stage_compute_s=tuple(stage_compute) if stages > 1 else (),
         optimizer_shard=cfg.optimizer_shard,
+        optimizer_weight_shard_size=_weight_shard_size(cfg, mesh),
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
         offload=cfg.offload,
@@ -429,14 +446,31 @@ def _optimizer_shard(
             None,
             f"; optimizer shard: whole (its gradient is not a sum over {cfg.dp_axis!r} alone)",
         )
-    kw = {"itemsize": g.meta.itemsize, "threshold": int(cfg.optimizer_shard_threshold)}
+    k = _weight_shard_size(cfg, ctx.mesh)
+    kw: dict[str, Any] = {
+        "itemsize": g.meta.itemsize,
+        "threshold": int(cfg.optimizer_shard_threshold),
+        "shard_size": k,
+    }
     dim = optimizer_shard_dim(layout, g.meta.shape, cfg.dp_axis, **kw)
     if dim is None:
         return (
             None,
             f"; optimizer shard: whole ({why_whole(layout, g.meta.shape, cfg.dp_axis, **kw)})",
         )
-    return dim, f"; optimizer shard: dim {dim} of its piece split over {cfg.dp_axis!r}"
+    where = f"groups of {k} ranks of {cfg.dp_axis!r}" if k else repr(cfg.dp_axis)
+    return dim, f"; optimizer shard: dim {dim} of its piece split over {where}"
+
+
+def _weight_shard_size(cfg: ParallelConfig, mesh: MeshSpec) -> int | None:
+    """HSDP's shard group size on ``mesh`` (None: the whole dp axis, as without it).
+
+    Raises LayoutError when it does not divide the dp axis (a mesh the outer planner chose)."""
+    k, dp = cfg.optimizer_weight_shard_size, cfg.dp_axis
+    if k is None or cfg.optimizer_shard is None:
+        return None
+    n = mesh.axis_size(dp) if dp in mesh.axis_names else 1
+    return None if shard_group_size(dp, n, k) == n else k
 
 
 def _fused_reductions(
@@ -466,6 +500,9 @@ def _fused_reductions(
         per_stage.setdefault(stage, []).append((p, _local_bytes(g, p.layout)))
     level = ctx.cfg.optimizer_shard
     n = ctx.mesh.axis_size(dp)
+    group = _weight_shard_size(ctx.cfg, ctx.mesh) or n
+    # HSDP: shard groups of k consecutive dp ranks, and the n // k groups across them
+    inside, across = ((group, 1), (n // group, group)) if group != n else (None, None)
     read_again = _read_by_backward(ctx.graph, ctx.cfg) if level == 3 else set()
     for stage, entries in sorted(per_stage.items()):
         buckets = plan_buckets([size for _, size in entries], fusion)
@@ -490,13 +527,25 @@ def _fused_reductions(
             full = sum(size for _, size in sharded)
             first = sharded[0][0].name
             if level != 1:
+                over = f"groups of {group} ranks of {dp!r}" if inside else repr(dp)
                 step.add(
                     "reduce_scatter",
                     (dp,),
                     full,
                     ("backward", first, stage),
-                    f"gradients of {_names(sharded)} summed over {dp!r} and split, each rank "
+                    f"gradients of {_names(sharded)} summed over {over} and split, each rank "
                     f"keeping its shard (optimizer_shard={level}; {where})",
+                    group=inside,
+                )
+            if level != 1 and across:
+                step.add(
+                    "all_reduce",
+                    (dp,),
+                    full // group,
+                    ("backward", first, stage),
+                    f"gradient shards of {_names(sharded)} summed across the {n // group} shard "
+                    f"groups of {dp!r} (optimizer_weight_shard_size={group}; {where})",
+                    group=across,
                 )
             phases: tuple[str, ...] = ("optimizer",)
             if level == 3:
@@ -505,13 +554,15 @@ def _fused_reductions(
                 phases = ("forward", "backward") if read else ("forward",)
             for phase in phases:
                 what = "before use" if level == 3 else "after the update"
+                over = f"groups of {group} ranks of {dp!r}" if inside else repr(dp)
                 step.add(
                     "all_gather",
                     (dp,),
-                    full // n,
+                    full // group,
                     (phase, first, stage),
-                    f"shards of {_names(sharded)} gathered over {dp!r} {what} in {phase} "
+                    f"shards of {_names(sharded)} gathered over {over} {what} in {phase} "
                     f"(optimizer_shard={level}; {where})",
+                    group=inside,
                 )
 
 
@@ -827,6 +878,8 @@ def stage_memory(
     without pipeline stages; the stages still ahead under 1F1B: timeline.in_flight_micro_batches).
     Shared by :mod:`plait.planning.estimate`."""
     m = cfg.micro_batches
+    # optimizer parallel splits over HSDP's shard groups when they are set
+    dp = _weight_shard_size(cfg, MeshSpec((cfg.dp_axis,), (dp,))) or dp
     in_flight = (
         in_flight_micro_batches(
             cfg.schedule, stage, cfg.pipeline_stages, m, cfg.virtual_stages or 1

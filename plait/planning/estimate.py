@@ -38,7 +38,7 @@ from plait.config import CommFusion, ParallelConfig
 from plait.cost.memory import GradBucket, StageActivations, StageBuffers, StateBytes, StepTrace
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
-from plait.layout import TensorLayout, optimizer_shard_dim
+from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.planning.assemble import (
     PP_AXIS,
@@ -199,6 +199,8 @@ class MeshEstimate:
         self.dp = base.dp_axis
         self.dp_size = mesh.axis_size(self.dp) if self.dp in mesh.axis_names else 1
         self.fused = self.dp in mesh.axis_names and mesh.axis_size(self.dp) > 1
+        # HSDP's shard group size (assemble's _weight_shard_size; every option has the same)
+        self.shard_size = shard_group_size(self.dp, self.dp_size, base.optimizer_weight_shard_size)
         self._redistributions: dict[tuple[object, ...], tuple[float, ...]] = {}
         # the step's collectives in assemble_plan's order: ops' redistributions (repeated per
         # micro-step), parameters' own reductions, the buckets (per level), the loss, the
@@ -411,6 +413,15 @@ class MeshEstimate:
             items[self.stage_of[node.name]].append((seconds, True))
         return items
 
+    def _group_seconds(self, kind: str, nbytes: int, size: int, stride: int) -> float:
+        """One collective over a group of ``size`` dp ranks ``stride`` apart (the whole dp
+        axis when that is the group: assemble's _Step.add)."""
+        if size == self.dp_size:
+            return self._seconds(kind, self.dp, nbytes)
+        return float(
+            self.topology.subgroup_seconds(kind, self.dp, nbytes, size=size, stride=stride)
+        )
+
     # ------------------------------------------------------------------ per setting
 
     def _shard_dims(self, cfg: ParallelConfig) -> list[int | None]:
@@ -430,6 +441,7 @@ class MeshEstimate:
                     self.dp,
                     itemsize=p.g.meta.itemsize,
                     threshold=threshold,
+                    shard_size=self.shard_size,
                 )
                 for p in self.params
             ]
@@ -511,10 +523,14 @@ class MeshEstimate:
             out.append((self._seconds("all_reduce", dp, bucket.whole_bytes), False))
         if level is None or not bucket.split_names:
             return
-        full = bucket.split_bytes
+        full, k = bucket.split_bytes, self.shard_size
         if level != 1:
-            out.append((self._seconds("reduce_scatter", dp, full), False))
-        gather = self._seconds("all_gather", dp, full // self.dp_size)
+            out.append((self._group_seconds("reduce_scatter", full, k, 1), False))
+            if k != self.dp_size:  # HSDP: the shards summed across the shard groups
+                out.append(
+                    (self._group_seconds("all_reduce", full // k, self.dp_size // k, k), False)
+                )
+        gather = self._group_seconds("all_gather", full // k, k, 1)
         if level != 3:
             out.append((gather, False))  # after the update (the optimizer phase)
             return

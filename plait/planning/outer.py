@@ -90,6 +90,8 @@ def mesh_candidates(
             dp = devices // (pp * tp)
             if batch % dp:
                 continue
+            if dp % (cfg.optimizer_weight_shard_size or 1):
+                continue  # HSDP's shard groups must cut the dp axis evenly
             mesh = {"pp": pp, cfg.dp_axis: dp, "tp": tp}
             found.append({k: v for k, v in mesh.items() if v > 1 or k == cfg.dp_axis})
     if not found:

@@ -207,8 +207,12 @@ class PlannedCollective:
     phase: str
     op: str
     reason: str
+    group_size: int | None = None
+    """Ranks in one of its groups when smaller than the group its ``axes`` span: optimizer
+    parallel's shard groups (``optimizer_weight_shard_size``, HSDP) and the groups across
+    them; None: the whole axes."""
     file_order: ClassVar[tuple[str, ...]] = (
-        "kind", "axes", "phase", "op", "nbytes", "seconds", "count", "reason",
+        "kind", "axes", "phase", "op", "nbytes", "seconds", "count", "group_size", "reason",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -221,6 +225,8 @@ class PlannedCollective:
         check_int(f"{where}.count", self.count, 1)
         check_str(f"{where}.op", self.op)
         check_str(f"{where}.reason", self.reason)
+        if self.group_size is not None:
+            check_int(f"{where}.group_size", self.group_size, 1)
 
     @property
     def total_bytes(self) -> int:
@@ -357,12 +363,17 @@ class Plan:
     stage_compute_s: tuple[float, ...] = ()
     """Predicted compute seconds of each pipeline stage per step (forward and backward of every
     micro-batch): what :meth:`timeline` draws. Empty without pipeline stages."""
+    optimizer_weight_shard_size: int | None = None
+    """Ranks of ``dp_axis`` one parameter's shards spread over under ``optimizer_shard``
+    (``ParallelConfig.optimizer_weight_shard_size``, HSDP): shard groups of this many
+    consecutive ranks, each holding a whole copy; None: the whole axis."""
     schema_version: ClassVar[int] = 1
     # The file reads top-down: what was planned (model, batch, mesh, settings), what it costs,
     # then the long per-op and per-parameter lists.
     file_order: ClassVar[tuple[str, ...]] = (
         "model", "batch", "mesh", "mode", "search", "hardware", "precision", "micro_batches",
-        "pipeline_stages", "schedule", "virtual_stages", "optimizer_shard", "recompute",
+        "pipeline_stages", "schedule", "virtual_stages", "optimizer_shard",
+        "optimizer_weight_shard_size", "recompute",
         "memory_limit", "grad_accumulation", "dp_axis", "dataset_strategy", "comm_fusion",
         "offload", "recompute_regions", "predicted", "stages", "stage_compute_s", "ops",
         "parameters", "collectives", "options", "notes",
@@ -401,6 +412,7 @@ class Plan:
         check_int("Plan.pipeline_stages", self.pipeline_stages, 1)
         self._check_schedule()
         check_choice("Plan.optimizer_shard", self.optimizer_shard, (None, 1, 2, 3))
+        self._check_weight_shard_size()
         object.__setattr__(self, "recompute", check_recompute("Plan", self.recompute))
         check_choice("Plan.offload", self.offload, (None, "optimizer", "parameters", "activations"))
         regions = tuple(tuple(r) for r in self.recompute_regions)
@@ -412,6 +424,21 @@ class Plan:
         check_str("Plan.model", self.model)
         if self.memory_limit is not None:
             check_int("Plan.memory_limit", self.memory_limit, 1)
+
+    def _check_weight_shard_size(self) -> None:
+        size = self.optimizer_weight_shard_size
+        if size is None:
+            return
+        check_int("Plan.optimizer_weight_shard_size", size, 1)
+        if self.optimizer_shard is None:
+            raise fail("Plan.optimizer_weight_shard_size", size, "needs optimizer_shard",
+                       "give optimizer_shard 1, 2 or 3, or null")  # fmt: skip
+        axes = dict(zip(self.mesh.axis_names, self.mesh.shape, strict=True))
+        dp = axes.get(self.dp_axis, 1)
+        if dp % size:
+            raise fail("Plan.optimizer_weight_shard_size", size,
+                       f"must divide the {self.dp_axis!r} axis ({dp})",
+                       "give a divisor of it, or null")  # fmt: skip
 
     def _check_schedule(self) -> None:
         check_choice("Plan.schedule", self.schedule, get_args(Schedule))

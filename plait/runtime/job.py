@@ -272,12 +272,16 @@ class Job:
                     local_piece(self.model.get_buffer(name)).copy_(value)
             total = loss.detach() if total is None else total + loss.detach()
         assert grads is not None and total is not None
-        for p, g, placements in zip(trained, grads, program.grad_placements, strict=True):
+        meshes = program.grad_meshes  # HSDP's gradient shards: on the shard groups' mesh
+        for i, (p, g, placements) in enumerate(
+            zip(trained, grads, program.grad_placements, strict=True)
+        ):
             dp = cast(Any, p)  # a DTensor parameter: a plan job places every one
-            if placements == dp.placements:  # reduced (or never pending): the cheap wrapper
+            mesh = meshes.get(i, dp.device_mesh)
+            if placements == dp.placements and mesh is dp.device_mesh:  # the cheap wrapper
                 p.grad = dtensor_like(p, g)
             else:
-                p.grad = dtensor_from_local(g, dp.device_mesh, placements, p.shape, p.stride())
+                p.grad = dtensor_from_local(g, mesh, placements, p.shape, p.stride())
         shadows = getattr(self.optimizer, "_plait_shadows", None)
         zero = shadows if isinstance(shadows, ZeroOptimizer) else None
         self._reduce_gradients(program, trained, zero)

@@ -135,9 +135,9 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "offload for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
         ),
         (
-            cfg.optimizer_weight_shard_size is not None,
-            f"optimizer_weight_shard_size={cfg.optimizer_weight_shard_size}",
-            "optimizer shard groups smaller than the dp axis (HSDP)",
+            cfg.optimizer_weight_shard_size is not None and cfg.pipeline_stages > 1,
+            f"optimizer_weight_shard_size={cfg.optimizer_weight_shard_size} with pipeline stages",
+            "optimizer shard groups smaller than the dp axis (HSDP) inside pipeline stages",
         ),
         (
             cfg.hardware is not None and not planned,

@@ -99,8 +99,11 @@ from plait.runtime.predict import batch_key, meta_stand_ins
 from plait.runtime.program import Program, compile_program, strip_wrapper
 from plait.runtime.zero import (
     ShardedParameter,
+    ShardGroups,
     ZeroOptimizer,
     check_elementwise,
+    reshard_to_groups,
+    shard_groups,
     sharded_parameters,
     split_buckets,
 )
@@ -1292,9 +1295,12 @@ def build_plan_job(
     level = plan.optimizer_shard
     _warn_whole(plan)
     sharded = {}
+    groups = None
     if level is not None and grad_sync is not None:
+        # HSDP's shard groups (the whole dp axis without): process groups, built once
+        groups = shard_groups(device_mesh, cfg.dp_axis, plan.optimizer_weight_shard_size)
         sharded = sharded_parameters(
-            plan.parameters, model, program.trained, device_mesh, cfg.dp_axis
+            plan.parameters, model, program.trained, device_mesh, cfg.dp_axis, groups
         )
     buckets = [] if grad_sync is None else [b.params for b in grad_sync.buckets]
     whole, split = split_buckets(buckets, sharded if level != 1 else {})
@@ -1308,9 +1314,12 @@ def build_plan_job(
         whole=whole,
         split=split,
         gather=level == 3,
+        groups=groups,
     )
     passes(program, executor.plan)
-    if level == 3 and split:
+    if level == 3 and split and groups is not None and groups.replicate is not None:
+        reshard_to_groups(model, split)  # HSDP: on the groups' mesh (the layouts stay the plan's)
+    elif level == 3 and split:
         layouts = reshard_parameters(
             model, {m.name: m.placements for b in split for m in b}, device_mesh, layouts
         )
@@ -1331,6 +1340,7 @@ def build_plan_job(
             cfg.dp_axis,
             buckets,
             host=cfg.offload == "optimizer",
+            groups=groups,
         ),
         executor,
         cfg,
@@ -1355,6 +1365,7 @@ def _program_passes(
     whole: list[list[nn.Parameter]],
     split: list[list[ShardedParameter]],
     gather: bool,
+    groups: ShardGroups | None = None,
 ) -> Program:
     """The passes over a plan's freshly traced program, in order: the data-parallel gradient
     buckets reduced inside it (``reduce``: the plan has them; with accumulation the Job
@@ -1363,9 +1374,9 @@ def _program_passes(
     if reduce and cfg.grad_accumulation == 1:
         _fuse_buckets(program, model, whole, cfg.dp_axis)
         if split:
-            program.reduce_scatter_gradients(split, cfg.dp_axis)
+            program.reduce_scatter_gradients(split, cfg.dp_axis, groups)
     if gather and split:
-        program.gather_parameters(split, cfg.dp_axis)
+        program.gather_parameters(split, cfg.dp_axis, groups)
     if (gather and split) or plan.recompute_regions:
         program.rematerialize(plan.recompute_regions)
     if plan.offload == "activations":
@@ -1397,6 +1408,7 @@ def _optimizer(
     buckets: list[list[nn.Parameter]],
     *,
     host: bool = False,
+    groups: ShardGroups | None = None,
 ) -> torch.optim.Optimizer:
     """The user's optimizer on local pieces; under optimizer parallel, on this rank's shards;
     with ``offload="optimizer"``, on host copies of them."""
@@ -1410,6 +1422,7 @@ def _optimizer(
         device_mesh=device_mesh,
         axis=axis,
         host=host,
+        groups=groups,
     )
     optimizer = factory(zero.shadows)
     optimizer._plait_shadows = zero  # type: ignore[attr-defined]

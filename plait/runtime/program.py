@@ -59,6 +59,7 @@ from plait.runtime.remat import is_collective, recompute_policy, rematerialize, 
 from plait.runtime.remat import regions as region_map
 from plait.runtime.zero import (
     ShardedParameter,
+    ShardGroups,
     gather_inputs,
     parameter_derived,
     prefetch_regathers,
@@ -123,6 +124,9 @@ class Program:
         """Parameter names whose local gradients the program returns, in output order."""
         self.grad_placements = tuple(grad_placements)
         """DTensor placements of each returned gradient (pending sums still pending)."""
+        self.grad_meshes: dict[int, Any] = {}
+        """Position -> the mesh of a returned gradient not on :attr:`device_mesh` (HSDP's
+        shards: their placements are on the mesh with dp cut into replicate and shard dims)."""
         self.loss_placements = loss_placements
         self.buffers = tuple(buffers)
         """Buffers the forward updates, in output order."""
@@ -188,34 +192,50 @@ class Program:
         self._same_code = all(self.graphs[r].code == first for r in self._ranks[1:])
 
     def reduce_scatter_gradients(
-        self, buckets: Sequence[Sequence[ShardedParameter]], axis: str
+        self,
+        buckets: Sequence[Sequence[ShardedParameter]],
+        axis: str,
+        groups: ShardGroups | None = None,
     ) -> None:
         """A pass (optimizer parallel, levels 2 and 3): the gradients of each bucket's split
-        parameters are reduce-scattered inside the program; the program returns this rank's
-        shards (:func:`plait.runtime.zero.reduce_scatter_outputs`)."""
+        parameters are reduce-scattered inside the program (within HSDP's shard groups, then
+        summed across them, when ``groups`` has them); the program returns this rank's shards
+        (:func:`plait.runtime.zero.reduce_scatter_outputs`), on ``groups.mesh``
+        (:attr:`grad_meshes`)."""
         n, group = self._axis(axis)
+        replicate = None
+        if groups is not None:
+            n, group, replicate = groups.n, groups.group, groups.replicate
         index = list(self.device_mesh.mesh_dim_names).index(axis)
         grad_placements = list(self.grad_placements)
         for bucket in buckets:
             for m in bucket:
                 have = grad_placements[m.position]
-                if not _pending_only_over(have, m.placements, index):
+                if not _pending_only_over(have, m.whole_placements or m.placements, index):
                     raise PlanError(
                         f"optimizer_shard: the plan reduces the gradient of {m.name} over "
                         f"{axis!r} alone, but the program computes it as {have}; plan again"
                     )
                 grad_placements[m.position] = m.placements
+                if m.mesh is not None and m.mesh is not self.device_mesh:
+                    self.grad_meshes[m.position] = m.mesh
         for graph_module in self.graphs.values():
-            reduce_scatter_outputs(graph_module, buckets, n, group)
+            reduce_scatter_outputs(graph_module, buckets, n, group, replicate)
         self.grad_placements = tuple(grad_placements)
         self.fused_buckets += len(buckets)
         self._recheck_code()
 
-    def gather_parameters(self, buckets: Sequence[Sequence[ShardedParameter]], axis: str) -> None:
+    def gather_parameters(
+        self,
+        buckets: Sequence[Sequence[ShardedParameter]],
+        axis: str,
+        groups: ShardGroups | None = None,
+    ) -> None:
         """A pass (optimizer parallel level 3): the program takes the split parameters' shards
-        and all-gathers them before forward reads them; :meth:`rematerialize` then has backward
-        gather them again, so no whole parameter is kept between the two."""
-        n, group = self._axis(axis)
+        and all-gathers them (within HSDP's shard groups when ``groups`` has them) before
+        forward reads them; :meth:`rematerialize` then has backward gather them again, so no
+        whole parameter is kept between the two."""
+        n, group = self._axis(axis) if groups is None else (groups.n, groups.group)
         names = {m.name for b in buckets for m in b}
         for rank, graph_module in self.graphs.items():
             placeholders = self._placeholders(graph_module)

@@ -16,8 +16,14 @@ that out with MindSpore's levels (``ParallelConfig.optimizer_shard``):
   frees the whole values after forward, and gathers again before backward needs them (a
   rematerialization pass, :mod:`plait.runtime.remat`). The optimizer updates the shards in place.
 
+With shard groups (``ParallelConfig.optimizer_weight_shard_size``, MindSpore's HSDP) the
+shards spread over a group of ``k`` consecutive ranks of the dp axis instead of all of it, and
+each of the dp/k groups holds a whole copy (:class:`ShardGroups`): the reduce-scatter and the
+gathers run inside the group, and at levels 2 and 3 each reduced shard is then all-reduced
+across the groups (over the ranks holding the same shard). ``k`` = dp is the plain case.
+
 A bucket's tensors travel in one flat buffer laid out rank by rank: each parameter's piece is
-cut into dp chunks along its dim, and chunk ``r`` of every parameter sits in rank ``r``'s
+cut into ``k`` chunks along its dim, and chunk ``r`` of every parameter sits in rank ``r``'s
 segment, so one all-gather or reduce-scatter serves the whole bucket and each rank's result is
 exactly its shards. The packing and unpacking is written once (:func:`pack_chunks`,
 :func:`unpack_chunks`...) against an ``apply(op, *args)`` callback: run eagerly (gradient
@@ -32,22 +38,20 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 
 from plait._compat import simulation_suspended
-from plait.comm.dtensor import dtensor_from_local, local_piece
+from plait.comm.dtensor import dtensor_from_local, local_piece, replicate_placement
 from plait.errors import ConfigError
 from plait.runtime.local_optim import is_elementwise
 
-if TYPE_CHECKING:
-    from plait.comm.dtensor import DTensor
-
 __all__ = [
     "Apply",
+    "ShardGroups",
     "ShardedParameter",
     "ZeroOptimizer",
     "check_elementwise",
@@ -60,7 +64,9 @@ __all__ = [
     "prefetch_regathers",
     "reduce_scatter_accumulated",
     "reduce_scatter_outputs",
+    "reshard_to_groups",
     "shard_gradient",
+    "shard_groups",
     "sharded_parameters",
     "split_buckets",
     "start_gather",
@@ -86,7 +92,22 @@ class ShardedParameter:
     piece_shape: tuple[int, ...]
     """Its whole local piece's shape (after tensor parallel, before ZeRO)."""
     placements: tuple[Any, ...]
-    """Its DTensor placements with that dim also split over dp (ZeRO-3 keeps it so)."""
+    """Its DTensor placements with that dim also split over the shard group, on
+    :attr:`ShardGroups.mesh` (ZeRO-3 keeps it so)."""
+    whole_placements: tuple[Any, ...] = ()
+    """Its own placements on the job's mesh (whole over dp, as the plan lays it out)."""
+    mesh: Any = None
+    """The mesh :attr:`placements` are on: the job's, or HSDP's with dp cut in two."""
+    mesh_dim: int = 0
+    """The dim of :attr:`mesh` the shards split over."""
+
+    def replicated(self, piece: torch.Tensor, like: Any) -> Any:
+        """A whole local piece (of the parameter or its reduced gradient, ``like``) as a
+        DTensor on :attr:`mesh`, replicated over the shard group: redistributing it to
+        :attr:`placements` takes this rank's shard as a slice, with nothing sent."""
+        whole = list(self.placements)
+        whole[self.mesh_dim] = replicate_placement()
+        return dtensor_from_local(piece, self.mesh, tuple(whole), like.shape, like.stride())
 
     def shard_shape(self, n: int) -> tuple[int, ...]:
         shape = list(self.piece_shape)
@@ -95,6 +116,59 @@ class ShardedParameter:
 
     def shard_numel(self, n: int) -> int:
         return math.prod(self.piece_shape) // n
+
+
+@dataclass(frozen=True, slots=True)
+class ShardGroups:
+    """Where optimizer parallel's shards spread: the whole dp axis, or (HSDP) groups of ``n``
+    consecutive ranks of it, with a group across them for each position."""
+
+    n: int
+    """Ranks one parameter's shards spread over (the dp size without HSDP)."""
+    group: str
+    """Their process group (the functional collectives' group name)."""
+    replicate: str | None
+    """HSDP: the group of the ranks holding the same shard, one in each shard group, that
+    sums the reduced shards; None without HSDP."""
+    mesh: Any
+    """The mesh the shards' placements are on: the job's, or the job's with the dp axis cut
+    into (replicate, shard) dims (DTensor splits over one mesh dim, so a group within dp needs
+    its own dim)."""
+    axis: str
+    """The dim of :attr:`mesh` the shards split over."""
+
+    def split(
+        self, placements: Sequence[Any], dp_index: int, dim_placement: Any
+    ) -> tuple[Any, ...]:
+        """Placements on :attr:`mesh` from ``placements`` on the job's mesh, with the dp entry
+        (``dp_index``) replaced by ``dim_placement`` over the shard dim (and replicated over
+        the groups across, under HSDP)."""
+        if self.replicate is None:
+            return (*placements[:dp_index], dim_placement, *placements[dp_index + 1 :])
+        rest = placements[dp_index + 1 :]
+        return (*placements[:dp_index], replicate_placement(), dim_placement, *rest)
+
+
+def shard_groups(device_mesh: Any, axis: str, shard_size: int | None) -> ShardGroups:
+    """The shard groups of ``axis`` (``shard_size`` consecutive ranks each; None or the axis
+    size: the whole axis, as without HSDP). Every rank calls it: HSDP builds process groups."""
+    names = list(device_mesh.mesh_dim_names or ())
+    if axis not in names:
+        return ShardGroups(1, "", None, device_mesh, axis)
+    size = int(device_mesh.size(names.index(axis)))
+    if shard_size is None or shard_size == size:
+        return ShardGroups(size, device_mesh.get_group(axis).group_name, None, device_mesh, axis)
+    from plait._compat import unflatten_mesh_dim
+
+    across, within = f"{axis}_replicate", f"{axis}_shard"
+    cut = unflatten_mesh_dim(device_mesh, axis, (size // shard_size, shard_size), (across, within))
+    return ShardGroups(
+        shard_size,
+        cut.get_group(within).group_name,
+        cut.get_group(across).group_name,
+        cut,
+        within,
+    )
 
 
 def eager(op: Any, *args: Any) -> Any:
@@ -176,10 +250,18 @@ def start_reduce_scatter(
 
 
 def finish_reduce_scatter(
-    apply: Apply, started: Any, members: Sequence[ShardedParameter], n: int
+    apply: Apply,
+    started: Any,
+    members: Sequence[ShardedParameter],
+    n: int,
+    replicate: str | None = None,
 ) -> list[Any]:
-    """Wait for :func:`start_reduce_scatter` and return each member's gradient shard."""
+    """Wait for :func:`start_reduce_scatter` and return each member's gradient shard; under
+    HSDP (``replicate``: the group across the shard groups) the shards, summed within their
+    group, are then summed across the groups, one all-reduce per bucket."""
     done = apply(_F.wait_tensor.default, started)
+    if replicate is not None:
+        done = apply(_F.wait_tensor.default, apply(_F.all_reduce.default, done, "sum", replicate))
     sizes = [m.shard_numel(n) for m in members]
     parts = apply(_A.split_with_sizes.default, done, sizes)
     return [
@@ -229,13 +311,16 @@ class ZeroOptimizer:
         device_mesh: Any,
         axis: str,
         host: bool = False,
+        groups: ShardGroups | None = None,
     ) -> None:
         self.level = level
         self.device_mesh = device_mesh
         self.axis = axis
-        names = list(device_mesh.mesh_dim_names or ())
-        self.n = device_mesh.size(names.index(axis)) if axis in names else 1
-        self.group = device_mesh.get_group(axis).group_name if axis in names else ""
+        self.groups = groups if groups is not None else shard_groups(device_mesh, axis, None)
+        self.n = self.groups.n
+        self.group = self.groups.group
+        self.replicate = self.groups.replicate
+        self._coordinate = _coordinate_on(self.groups.mesh, self.groups.axis)
         self.by_name = {s.name: s for s in sharded}
         self.buckets = [list(b) for b in buckets]
         self.pairs: list[tuple[nn.Parameter, nn.Parameter, ShardedParameter | None]] = []
@@ -246,8 +331,7 @@ class ZeroOptimizer:
             split_copy = spec is not None and level in (1, 2)
             if split_copy:
                 assert spec is not None
-                whole = cast("DTensor", p.detach())  # a sharded parameter is a DTensor
-                piece = whole.redistribute(device_mesh, spec.placements).to_local().clone()
+                piece = self._own_shard(local_piece(p).detach(), spec, p).clone()
             else:
                 piece = local_piece(p).detach()
             if host and piece.device.type != "cpu":
@@ -258,7 +342,6 @@ class ZeroOptimizer:
         self._shadow_of = {s.name: sh for _, sh, s in self.pairs if s is not None}
         self.params = {s.name: p for p, _, s in self.pairs if s is not None}
         """Each split parameter by name."""
-        self._coordinate = _coordinate_on(device_mesh, axis)
 
     @property
     def shadows(self) -> list[nn.Parameter]:
@@ -272,19 +355,20 @@ class ZeroOptimizer:
                 shadow.grad = None
                 continue
             if spec is not None and self.level == 1:  # whole reduced gradient: take the chunk
-                local = self._chunk(local_piece(grad), spec, grad)
+                local = self._own_shard(local_piece(grad), spec, grad)
             else:
                 local = local_piece(grad)
             shadow.grad = local.to(shadow.device, non_blocking=True)
 
-    def _chunk(self, piece: torch.Tensor, spec: ShardedParameter, grad: Any) -> torch.Tensor:
-        """This rank's chunk of a whole local gradient along the split dim: a plain slice on a
-        real process; a simulated world (one LocalTensor for every rank, each with its own
-        chunk) takes it through DTensor."""
-        if self._coordinate is None:
-            return grad.redistribute(self.device_mesh, spec.placements).to_local()
-        size = spec.piece_shape[spec.dim] // self.n
-        return piece.narrow(spec.dim, self._coordinate * size, size)
+    def _own_shard(self, piece: torch.Tensor, spec: ShardedParameter, like: Any) -> torch.Tensor:
+        """This rank's shard of a whole local piece (of a parameter or its reduced gradient,
+        ``like``) along the split dim: a plain slice on a real process; a simulated world (one
+        LocalTensor for every rank, each with its own shard) takes it through DTensor, from
+        the piece replicated over the shard groups' mesh (a slice: nothing is sent)."""
+        if self._coordinate is not None:
+            size = spec.piece_shape[spec.dim] // self.n
+            return piece.narrow(spec.dim, self._coordinate * size, size)
+        return spec.replicated(piece, like).redistribute(spec.mesh, spec.placements).to_local()
 
     @torch.no_grad()
     def reload_from_parameters(self) -> None:
@@ -292,12 +376,7 @@ class ZeroOptimizer:
         parameters, after the parameters were overwritten (a checkpoint load)."""
         for k, (p, shadow, spec) in enumerate(self.pairs):
             if spec is not None and self.level in (1, 2):
-                if self._coordinate is None:
-                    whole = cast("DTensor", p.detach())  # a sharded parameter is a DTensor
-                    piece = whole.redistribute(self.device_mesh, spec.placements).to_local()
-                else:
-                    piece = self._chunk(local_piece(p), spec, p)
-                shadow.detach().copy_(piece)
+                shadow.detach().copy_(self._own_shard(local_piece(p).detach(), spec, p))
             elif k in self._copied:
                 shadow.detach().copy_(local_piece(p))
 
@@ -337,8 +416,10 @@ def _to_host(piece: torch.Tensor) -> torch.Tensor:
 
 
 def shard_gradient(grad: torch.Tensor, spec: ShardedParameter, param: Any) -> Any:
-    """A DTensor gradient from its local shard (dim ``spec.dim`` split over dp)."""
-    return dtensor_from_local(grad, param.device_mesh, spec.placements, param.shape, param.stride())
+    """A DTensor gradient from its local shard (dim ``spec.dim`` split over the shard group;
+    on HSDP's mesh, not the parameter's, at levels 1 and 2)."""
+    mesh = spec.mesh if spec.mesh is not None else param.device_mesh
+    return dtensor_from_local(grad, mesh, spec.placements, param.shape, param.stride())
 
 
 # --------------------------------------------------------------------------- program passes
@@ -349,12 +430,14 @@ def reduce_scatter_outputs(
     buckets: Sequence[Sequence[ShardedParameter]],
     n: int,
     group: str,
+    replicate: str | None = None,
 ) -> None:
     """A pass: each bucket's gradient outputs reduce-scattered inside the program, in place.
 
     The collective starts right after the bucket's last gradient is computed (it overlaps
-    the rest of backward); the wait and unpacking come just before the program returns, and
-    the outputs become this rank's gradient shards.
+    the rest of backward); the wait and unpacking (under HSDP with the all-reduce across the
+    shard groups, ``replicate``) come just before the program returns, and the outputs become
+    this rank's gradient shards.
     """
     graph = graph_module.graph
     output = next(node for node in graph.nodes if node.op == "output")
@@ -367,7 +450,7 @@ def reduce_scatter_outputs(
         with graph.inserting_before(last.next):
             started = start_reduce_scatter(apply, values, bucket, n, group)
         with graph.inserting_before(output):
-            shards = finish_reduce_scatter(apply, started, bucket, n)
+            shards = finish_reduce_scatter(apply, started, bucket, n, replicate)
         for m, shard in zip(bucket, shards, strict=True):
             outs[1 + m.position] = shard
     output.args = (tuple(outs),)
@@ -456,13 +539,21 @@ def _random(node: torch.fx.Node) -> bool:
 
 
 def sharded_parameters(
-    parameters: Sequence[Any], model: nn.Module, trained: Sequence[str], device_mesh: Any, axis: str
+    parameters: Sequence[Any],
+    model: nn.Module,
+    trained: Sequence[str],
+    device_mesh: Any,
+    axis: str,
+    groups: ShardGroups | None = None,
 ) -> dict[int, ShardedParameter]:
     """The plan's split parameters (``PlannedParameter.optimizer_shard_dim`` set), keyed by
-    ``id`` of the model's parameter; ``trained`` are the program's gradient outputs' names."""
+    ``id`` of the model's parameter; ``trained`` are the program's gradient outputs' names;
+    ``groups``: where the shards spread (default: the whole ``axis``)."""
     from plait.comm.dtensor import to_dtensor_placements
     from plait.layout import optimizer_shard_layout
 
+    groups = groups if groups is not None else shard_groups(device_mesh, axis, None)
+    index = list(device_mesh.mesh_dim_names or ()).index(axis)
     position = {id(model.get_parameter(name)): i for i, name in enumerate(trained)}
     out: dict[int, ShardedParameter] = {}
     for planned in parameters:
@@ -472,12 +563,16 @@ def sharded_parameters(
         if id(p) not in position:
             continue  # no gradient in the program: nothing to update
         split = optimizer_shard_layout(planned.layout, planned.optimizer_shard_dim, axis)
+        whole = tuple(to_dtensor_placements(planned.layout))
         out[id(p)] = ShardedParameter(
             planned.name,
             position[id(p)],
             planned.optimizer_shard_dim,
             planned.layout.local_shape(planned.shape),
-            tuple(to_dtensor_placements(split)),
+            groups.split(whole, index, to_dtensor_placements(split)[index]),
+            whole,
+            groups.mesh,
+            list(groups.mesh.mesh_dim_names).index(groups.axis),
         )
     return out
 
@@ -505,10 +600,33 @@ def reduce_scatter_accumulated(zero: ZeroOptimizer) -> None:
                 torch.zeros(m.piece_shape, dtype=p.dtype) if p.grad is None else local_piece(p.grad)
             )
         started = start_reduce_scatter(eager, grads, bucket, zero.n, zero.group)
-        for m, shard in zip(
-            bucket, finish_reduce_scatter(eager, started, bucket, zero.n), strict=True
-        ):
+        shards = finish_reduce_scatter(eager, started, bucket, zero.n, zero.replicate)
+        for m, shard in zip(bucket, shards, strict=True):
             params[m.name].grad = shard_gradient(shard, m, params[m.name])
+
+
+def reshard_to_groups(model: nn.Module, buckets: Sequence[Sequence[ShardedParameter]]) -> None:
+    """ZeRO-3 under HSDP: each split parameter becomes a DTensor on the shard groups' mesh
+    holding this rank's shard (in place; a tied parameter once).
+
+    The plan's mesh has no dim for a group within dp, so these parameters live on HSDP's mesh
+    (dp cut into replicate and shard dims): the piece is replicated over dp, so this rank's
+    shard is a slice of it, taken without communication.
+    """
+    by_name = {m.name: m for b in buckets for m in b}
+    names = {id(p): n for n, p in model.named_parameters()}
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            spec = by_name.get(names.get(id(p), "")) if p is not None else None
+            if spec is None or p is None:
+                continue
+            if id(p) not in done:
+                dt = spec.replicated(local_piece(p).detach(), p)
+                done[id(p)] = nn.Parameter(
+                    dt.redistribute(spec.mesh, spec.placements), p.requires_grad
+                )
+            module._parameters[attr] = done[id(p)]
 
 
 def prefetch_regathers(graph_module: torch.fx.GraphModule, gathered: set[torch.fx.Node]) -> int:

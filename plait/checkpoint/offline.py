@@ -210,6 +210,18 @@ def problems(path: str | os.PathLike[str]) -> list[str]:
     return files.verify(p, manifest, sorted(manifest["files"]))
 
 
+def _file_info(name: str, want: dict[str, Any]) -> dict[str, Any]:
+    """One file of the manifest for the report: name, bytes, the checksum with its algorithm
+    (both None when the entry carries none plait knows)."""
+    algorithm = files.algorithm_of(want)
+    return {
+        "name": name,
+        "bytes": want.get("bytes"),
+        "algorithm": algorithm,
+        "checksum": None if algorithm is None else want[algorithm],
+    }
+
+
 def inspect(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
     """What the checkpoint at ``path`` (or the latest in a directory of ``step-*``) holds.
 
@@ -218,9 +230,10 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, 
     ``torch``, ``created``), ``plan`` (None, or the plan in brief with its full ``summary``),
     ``extras`` (the optimizer's hyperparameters, which other state was saved), ``tensors``
     (one dict per tensor, as :class:`TensorInfo`, in saved order), ``totals`` per kind,
-    ``files`` (name, bytes, crc32 from the manifest), ``unlisted`` (files on disk the manifest
-    does not list), ``verified`` and ``problems``: sentences naming each damaged or unreadable
-    part (checksums only with ``verify=True``, which reads every file).
+    ``files`` (name, bytes, and the manifest's checksum: ``algorithm``, ``"xxh3_64"`` or, in
+    older checkpoints, ``"crc32"``, and ``checksum``, its hex digest), ``unlisted`` (files on
+    disk the manifest does not list), ``verified`` and ``problems``: sentences naming each
+    damaged or unreadable part (checksums only with ``verify=True``, which reads every file).
 
     Raises :class:`~plait.errors.CheckpointError` when ``path`` is no checkpoint; a damaged
     checkpoint is reported in ``problems``, not raised, so a broken one can be inspected.
@@ -251,7 +264,7 @@ def inspect(path: str | os.PathLike[str], *, verify: bool = False) -> dict[str, 
         "extras": extras,
         "tensors": [asdict(t) for t in tensors],
         "totals": _totals(tensors),
-        "files": [{"name": n, **listed[n]} for n in sorted(listed)],
+        "files": [_file_info(n, listed[n]) for n in sorted(listed)],
         "unlisted": sorted(set(files.files_of(p)) - set(listed)),
         "verified": verify,
         "problems": found,

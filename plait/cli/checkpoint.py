@@ -33,7 +33,8 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "inspect",
         help="what a checkpoint holds: step, world, plan, tensors, files (--verify: checksums)",
         description="Report a checkpoint: manifest, plan, tensors by kind and the largest, "
-        "files with CRC-32. PATH is a checkpoint or a directory of step-* checkpoints (the "
+        "files with their checksums (XXH3-64; CRC-32 in older checkpoints). PATH is a "
+        "checkpoint or a directory of step-* checkpoints (the "
         "latest is read).",
     )
     inspect.add_argument("path", metavar="PATH")
@@ -191,15 +192,23 @@ def _tensor_lines(report: dict[str, Any], shown: list[dict[str, Any]]) -> list[s
 
 def _file_lines(report: dict[str, Any]) -> list[str]:
     listed = report["files"]
-    rows = [[f["name"], f"{f['bytes']:,}", _bytes(f["bytes"]), f["crc32"]] for f in listed]
+    rows = [
+        [f["name"], f"{f['bytes']:,}", _bytes(f["bytes"]), _checksum(f["algorithm"], f["checksum"])]
+        for f in listed
+    ]
     total = sum(f["bytes"] for f in listed)
     lines = [
         f"files ({len(listed)}, {_bytes(total)})",
-        *_table(("name", "bytes", "", "crc32"), rows, {1, 2}),
+        *_table(("name", "bytes", "", "checksum"), rows, {1, 2}),
     ]
     if report["unlisted"]:
         lines.append(f"  not in the manifest (ignored by a load): {', '.join(report['unlisted'])}")
     return lines
+
+
+def _checksum(algorithm: str | None, digest: str | None) -> str:
+    """``xxh3_64 1f0c...``: a file's checksum with its algorithm (``-`` when it has none)."""
+    return "-" if algorithm is None else f"{algorithm} {digest}"
 
 
 def _status_lines(report: dict[str, Any]) -> list[str]:

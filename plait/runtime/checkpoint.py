@@ -369,7 +369,7 @@ def _commit(
     """On the coordinator, once every rank has written: the manifest from the checksums each
     rank made of the files it wrote, as it wrote them (a file none of them recorded is read
     once here), written last; then the rename into place."""
-    listed = {name: {"bytes": size, "crc32": f"{crc:08x}"} for name, (size, crc) in written.items()}
+    listed = {name: files.entry(size, digest) for name, (size, digest) in written.items()}
     for name in files.files_of(partial):
         if name not in listed:
             listed[name] = files.checksum(partial / name)

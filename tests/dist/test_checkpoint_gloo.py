@@ -213,7 +213,7 @@ def test_reshard_chain_and_exact_resume(tmp_path: Path) -> None:
     for r in results:
         assert r["resume"] == {"losses_equal": True, "bitwise": True, "rng": True,
                                "rank": r["resume"]["rank"]}  # fmt: skip
-    for case, says in (("shard", "CRC-32"), ("extras", "CRC-32")):
+    for case, says in (("shard", "XXH3-64"), ("extras", "XXH3-64")):
         seen = [r["damaged"][case] for r in results]
         assert len({s["error"] for s in seen}) == 1, seen  # the same error on every rank
         first = seen[0]

@@ -111,12 +111,12 @@ def test_exact_resume_with_loader_and_scheduler(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "damage, file, says",
     [
-        ("flip", "__0_0.distcp", "CRC-32"),  # checked in DCP's plan step, before it reads
+        ("flip", "__0_0.distcp", "XXH3-64"),  # checked in DCP's plan step, before it reads
         ("truncate", "__0_0.distcp", "bytes, the manifest says"),
         ("metadata", ".metadata", "' is missing"),
         ("extra", "extra/rank0.pt", "' is missing"),
-        ("flip_metadata", ".metadata", "CRC-32"),  # checked as it is read, before unpickling
-        ("flip_extra", "extra/rank0.pt", "CRC-32"),
+        ("flip_metadata", ".metadata", "XXH3-64"),  # checked as it is read, before unpickling
+        ("flip_extra", "extra/rank0.pt", "XXH3-64"),
     ],
 )
 def test_damaged_checkpoint_is_refused_by_file_and_nothing_loads(
@@ -151,9 +151,78 @@ def test_damage_found_before_reading_into_a_fresh_job(saved: Path, tmp_path: Pat
     shard.write_bytes(bytes(data))
     job = _job()
     before = _state(job)
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp' has CRC-32 .* \(corrupted\)"):
+    listed = json.loads((path / files.MANIFEST).read_text())["files"]["__0_0.distcp"]["xxh3_64"]
+    have = files.checksum(shard)["xxh3_64"]
+    # the file, the algorithm and both digests
+    with pytest.raises(
+        CheckpointError,
+        match=rf"__0_0\.distcp' has XXH3-64 {have}, the manifest says {listed} \(corrupted\)",
+    ):
         job.load(path)
+    assert have != listed and len(have) == len(listed) == 16
     assert _same(before, _state(job)) and job.steps_taken == 0 and not job.optimizer.state
+
+
+def _as_crc32(path: Path) -> dict:
+    """Rewrite the manifest of the checkpoint at ``path`` as plait wrote it before XXH3-64:
+    every file's ``{"bytes", "crc32": "%08x"}`` (zlib's CRC-32). Returns the manifest."""
+    import zlib
+
+    manifest = json.loads((path / files.MANIFEST).read_text())
+    for name, entry in manifest["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "xxh3_64": entry["xxh3_64"]}
+        manifest["files"][name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    files.write_manifest(path, manifest)
+    return manifest
+
+
+def test_a_checkpoint_with_crc32_checksums_loads(saved: Path, tmp_path: Path) -> None:
+    """Checkpoints written before XXH3-64 list CRC-32s: they load, verified with zlib."""
+    path = _copy(saved, tmp_path)
+    manifest = _as_crc32(path)
+    assert files.verify(path, manifest, sorted(manifest["files"])) == []
+    job = _job()
+    assert job.load(path) == 2
+    reference = _job()
+    assert reference.load(saved) == 2
+    assert _same(_state(reference), _state(job))
+    assert _same(_optimizer_state(reference), _optimizer_state(job))
+
+
+@pytest.mark.parametrize("file", ["__0_0.distcp", ".metadata", "extra/rank0.pt"])
+def test_a_flipped_byte_under_crc32_checksums_is_refused(
+    saved: Path, tmp_path: Path, file: str
+) -> None:
+    """In a checkpoint with CRC-32s, damage is found with CRC-32 and named as such, on every
+    path a load checks a file (DCP's plan step, the metadata and the small state as read)."""
+    path = _copy(saved, tmp_path)
+    manifest = _as_crc32(path)
+    target = path / file
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    have = files.checksum(target, "crc32")["crc32"]
+    listed = manifest["files"][file]["crc32"]
+    job = _job()
+    before = _state(job)
+    with pytest.raises(CheckpointError, match="nothing was loaded") as err:
+        job.load(path)
+    said = f"{str(target)!r} has CRC-32 {have}, the manifest says {listed} (corrupted)"
+    assert said in str(err.value) and have != listed
+    assert _same(before, _state(job)) and job.steps_taken == 0
+
+
+def test_a_manifest_entry_without_a_known_checksum_is_refused(saved: Path, tmp_path: Path) -> None:
+    """An entry with no checksum this plait knows (a newer algorithm, say) is not taken as
+    checked: the load names the file and the algorithms it knows."""
+    path = _copy(saved, tmp_path)
+    manifest = json.loads((path / files.MANIFEST).read_text())
+    entry = manifest["files"]["__0_0.distcp"]
+    manifest["files"]["__0_0.distcp"] = {"bytes": entry["bytes"], "blake9": "00"}
+    files.write_manifest(path, manifest)
+    with pytest.raises(CheckpointError, match="no checksum in the manifest that this plait knows"):
+        _job().load(path)
 
 
 def test_every_file_is_checked_by_some_rank_on_load() -> None:
@@ -182,11 +251,12 @@ def test_every_file_is_checked_by_some_rank_on_load() -> None:
 
 def test_manifest_checksums_made_while_writing_equal_the_files(saved: Path) -> None:
     """The save checksums the bytes as it writes them (no second read of the data): every file
-    is listed, and each size and CRC-32 equals a read of the file."""
+    is listed, and each size and XXH3-64 equals a read of the file."""
     manifest = json.loads((saved / files.MANIFEST).read_text())
     assert sorted(manifest["files"]) == files.files_of(saved)
     assert any(name.endswith(".distcp") for name in manifest["files"])
     for name, listed in manifest["files"].items():
+        assert set(listed) == {"bytes", "xxh3_64"} and len(listed["xxh3_64"]) == 16, listed
         assert files.checksum(saved / name) == listed, name
 
 
@@ -197,16 +267,17 @@ def test_dcp_files_are_checksummed_as_written(tmp_path: Path, numel: int) -> Non
     state = {"x": torch.arange(float(numel)), "y": torch.ones(7), "z": torch.randn(numel)}
     written = checkpoint_io.save_tensors(state, tmp_path)
     assert sorted(written) == [".metadata", "__0_0.distcp"]  # not left to a second read
-    for name, (size, crc) in written.items():
-        assert files.checksum(tmp_path / name) == {"bytes": size, "crc32": f"{crc:08x}"}
+    for name, (size, digest) in written.items():
+        assert files.checksum(tmp_path / name) == files.entry(size, digest)
+        assert files.entry(size, digest) == {"bytes": size, "xxh3_64": f"{digest:016x}"}
 
 
 def test_a_file_the_stream_cannot_vouch_for_is_read_at_commit(tmp_path: Path, monkeypatch) -> None:
-    """A file whose CRC the write stream could not make (a seek) is left out of what the rank
+    """A file whose checksum the write stream could not make (a seek) is left out of what the rank
     reports, and the commit reads it: the manifest still lists every file, right."""
     from plait.comm import checkpoint_io
 
-    monkeypatch.setattr(checkpoint_io._CrcStream, "result", lambda self: None)
+    monkeypatch.setattr(checkpoint_io._HashingStream, "result", lambda self: None)
     job = _job()
     job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
     job.save(tmp_path / "c")

@@ -91,8 +91,37 @@ def test_inspect_reports_step_tensors_and_files(saved) -> None:
     assert model["bytes"] == sum(v.numel() * v.element_size() for v in state.values())
     assert report["totals"]["optim.step"]["elements"] == len(params)  # scalars
     assert {f["name"] for f in report["files"]} >= {".metadata", "extra/rank0.pt"}
-    assert all(len(f["crc32"]) == 8 for f in report["files"])
+    assert all(f["algorithm"] == "xxh3_64" and len(f["checksum"]) == 16 for f in report["files"])
     assert (report["verified"], report["problems"], report["unlisted"]) == (True, [], [])
+
+
+def test_inspect_and_verify_a_checkpoint_with_crc32_checksums(
+    saved, tmp_path: Path, capsys
+) -> None:
+    """A checkpoint written before XXH3-64 (its manifest lists CRC-32s) reports them as such,
+    verifies with zlib, and names a flipped byte as a CRC-32 mismatch."""
+    import zlib
+
+    from plait.checkpoint import files
+
+    ck = _copy(saved[0], tmp_path)
+    manifest = json.loads((ck / files.MANIFEST).read_text())
+    for name in manifest["files"]:
+        data = (ck / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    files.write_manifest(ck, manifest)
+
+    report = offline.inspect(ck, verify=True)
+    assert report["problems"] == []
+    assert all(f["algorithm"] == "crc32" and len(f["checksum"]) == 8 for f in report["files"])
+    assert main(["checkpoint", "inspect", str(ck), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"crc32 {report['files'][0]['checksum']}" in out and "checksums OK" in out
+
+    data_file = next(ck.glob("*.distcp"))
+    _flip_byte(data_file)
+    found = offline.problems(ck)
+    assert len(found) == 1 and data_file.name in found[0] and "has CRC-32 " in found[0]
 
 
 def test_verify_names_a_flipped_byte(saved, tmp_path: Path, capsys) -> None:
@@ -101,7 +130,7 @@ def test_verify_names_a_flipped_byte(saved, tmp_path: Path, capsys) -> None:
     _flip_byte(data_file)
 
     found = offline.inspect(ck, verify=True)["problems"]
-    assert len(found) == 1 and data_file.name in found[0] and "CRC-32" in found[0]
+    assert len(found) == 1 and data_file.name in found[0] and "XXH3-64" in found[0]
     assert offline.inspect(ck)["problems"] == []  # without --verify nothing is read
 
     assert main(["checkpoint", "inspect", str(ck), "--verify"]) == 1
@@ -225,6 +254,8 @@ def test_cli_inspect_text_json_and_all(saved, capsys) -> None:
     out = capsys.readouterr().out
     assert "step 1, world size 1" in out and "optimizer AdamW" in out
     assert "largest 10 (--all for every tensor)" in out and "checksums not checked" in out
+    digest = offline.inspect(root)["files"][0]["checksum"]
+    assert f"xxh3_64 {digest}" in out  # each file's checksum with its algorithm
 
     assert main(["checkpoint", "inspect", str(root), "--verify", "--json", "--top", "3"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -266,7 +266,12 @@ class Job:
             flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
             out = program.run(weight, flat)
             loss, new = out[0], out[1 : 1 + len(trained)]
-            grads = new if grads is None else [a + b for a, b in zip(grads, new, strict=True)]
+            if grads is None:
+                grads = list(new)
+            else:  # summed in place: one set of summed gradients, not a third alongside
+                for a, b in zip(grads, new, strict=True):
+                    a.add_(b)
+                del b
             with torch.no_grad():
                 for name, value in zip(program.buffers, out[1 + len(trained) :], strict=True):
                     local_piece(self.model.get_buffer(name)).copy_(value)

@@ -1617,9 +1617,8 @@ def step_peak(
       throughout, and the reductions after the last: ``accumulation="in_place"`` (a
       pipeline's micro-batches, which autograd adds into ``.grad``), ``"summed"`` (gradient
       accumulation through the per-rank program: each micro-step's gradients are new
-      tensors, summed with the earlier ones after it, three sets alive at the sum, and the
-      last set and the sums still referenced while the buckets are reduced and the optimizer
-      updates);
+      tensors, added in place into the earlier ones' sums after it, two sets alive at the
+      sum; only the sums are left for the reductions and the update);
     * the optimizer step: every gradient, and the update's temporaries (ZeRO-1/2: the
       all-gather writing the updated shards back).
 
@@ -1655,17 +1654,14 @@ def step_peak(
             grads = g + t
         fixed = act.inputs + grads + (z + (gather_in if n == 0 else 0) if zero3 else 0)
         moments.append(("backward", others + a * den + fixed * unit, earlier))
-    if accumulation == "summed":  # earlier sums, this micro-step's, their new sums
-        moments.append(("gradient sum", (act.inputs + 2 * act.gradients) * unit, earlier))
+    if accumulation == "summed":  # the earlier sums, and this micro-step's added into them
+        moments.append(("gradient sum", (act.inputs + act.gradients) * unit, earlier))
     if accumulating:
         # after the last micro-batch the Job reduces each bucket: a flat copy, and the
-        # all-reduce's result (a reduce-scatter's is a shard); the program's last gradients
-        # are still referenced then
+        # all-reduce's result (a reduce-scatter's is a shard)
         reduce = largest_t + (math.ceil(largest_ts / dp) if level >= 2 else largest_t)
-        last = act.gradients if accumulation == "summed" else 0
-        moments.append(("reduction", (act.inputs + last + reduce) * unit, act.gradients))
-    # the Job still references the program's last gradients and the sums through the update
-    update = 2 * act.gradients if accumulation == "summed" else 0
+        moments.append(("reduction", (act.inputs + reduce) * unit, act.gradients))
+    update = 0
     if optimizer_on_device:
         piece = act.largest_whole, math.ceil(act.largest_split / dp) if level else act.largest_split
         temporaries = 2 * 4 * max(piece)  # single-tensor AdamW: two fp32 tensors of a piece

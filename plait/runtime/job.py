@@ -271,11 +271,11 @@ class Job:
             else:  # summed in place: one set of summed gradients, not a third alongside
                 for a, b in zip(grads, new, strict=True):
                     a.add_(b)
-                del b
             with torch.no_grad():
                 for name, value in zip(program.buffers, out[1 + len(trained) :], strict=True):
                     local_piece(self.model.get_buffer(name)).copy_(value)
             total = loss.detach() if total is None else total + loss.detach()
+            del out, new, loss  # the last micro-step's gradients die here, not after the update
         assert grads is not None and total is not None
         meshes = program.grad_meshes  # HSDP's gradient shards: on the shard groups' mesh
         for i, (p, g, placements) in enumerate(

@@ -12,7 +12,8 @@ reductions run over real gloo collectives. One spawn does both checks (a spawn c
 3. The saved plan once more with ``compile=True``: the per-rank program runs through
    ``torch.compile`` (inductor, CPU): the same result again.
 4. Memory passes over real collectives: ZeRO-3 with full recompute, and ZeRO-2 with gradient
-   accumulation (one reduce-scatter per step), semi_auto on the same mesh: the same result.
+   accumulation (one reduce-scatter per step), semi_auto on the same mesh; and HSDP (ZeRO-3 in
+   shard groups of 2 on a dp=4 mesh, data_parallel): the same result.
 5. A new batch shape plans again (plait.runtime.replan) from each rank's own slice: semi_auto
    planned at its first step, then a batch of 4 sequences of 6 tokens: equal to one device.
 
@@ -111,6 +112,21 @@ def _auto_then_replay(plan_path: str) -> dict:
             example_batch=batches[0],
         )
         memory[name] = _train(memory_job, batches)
+    # HSDP over real collectives: ZeRO-3 in shard groups of 2 on dp=4 (the model unannotated,
+    # the same weights: mode data_parallel takes no annotations)
+    torch.manual_seed(0)
+    hsdp_job = plait.parallelize(
+        TinyGPT(CFG),
+        ParallelConfig(
+            mode="data_parallel", mesh={"dp": 4}, optimizer_shard=3,
+            optimizer_weight_shard_size=2, optimizer_shard_threshold=0,
+        ),
+        optimizer=_sgd, loss_fn=gpt_loss, example_batch=batches[0],
+    )  # fmt: skip
+    rank = dist.get_rank()
+    memory["hsdp_zero3"] = parallel_steps(
+        hsdp_job, [(ids.chunk(4)[rank], targets.chunk(4)[rank]) for ids, targets in batches]
+    )
     lazy_job = plait.parallelize(
         copy.deepcopy(model), ParallelConfig(mode="semi_auto", mesh=MESH), optimizer=_sgd,
         loss_fn=gpt_loss,

@@ -9,7 +9,8 @@ six ways taking turns on the same device:
 * ``offload``: ``offload="optimizer"``: AdamW's states and step on the host;
 * ``act-host``: ``offload="activations"``: what backward reads waits in host memory;
 * ``host-emb``: ``host_modules=("tok",)``: the token embedding kept and computed on the host
-  with its gradient and AdamW states (MindSpore's heterogeneous training), on the plain path.
+  with its gradient and AdamW states (MindSpore's heterogeneous training), on the plain path;
+* ``compiled``: the per-rank program through ``torch.compile`` (``compile=True``).
 
 On CUDA each case's peak is ``torch.cuda.max_memory_allocated`` over its timed steps, and the
 bytes kept from forward for backward are the program's own count. Each case's losses must
@@ -64,6 +65,7 @@ CASES: dict[str, dict[str, Any]] = {
     "offload": {"mode": "semi_auto", "offload": "optimizer"},
     "act-host": {"mode": "semi_auto", "offload": "activations"},
     "host-emb": {"mode": "data_parallel", "host_modules": ("tok",)},
+    "compiled": {"mode": "semi_auto", "compile": True},
 }
 
 

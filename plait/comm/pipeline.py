@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-from plait._compat import tree_map
+from plait._compat import tree_map, unflatten_mesh_dim
 
 __all__ = [
     "SCHEDULES",
@@ -165,6 +165,19 @@ def shard_stage(
         ignored_params=set(whole) or None,
         mp_policy=policy if gather_dtype is not None else MixedPrecisionPolicy(),
     )
+
+
+def dp_shard_mesh(device_mesh: Any, dp_axis: str, shard_size: int | None) -> Any:
+    """The mesh FSDP2 shards a stage over: the dp sub-mesh, or under HSDP
+    (``optimizer_weight_shard_size``) the dp axis cut into a 2-D (replicate, shard) mesh,
+    FSDP2's hybrid sharding: shards in groups of ``shard_size`` consecutive dp ranks,
+    gradients reduce-scattered inside a group and all-reduced across the groups."""
+    dp = int(device_mesh[dp_axis].size())
+    if shard_size is None or shard_size == dp:
+        return device_mesh[dp_axis]
+    names = (f"{dp_axis}_replicate", f"{dp_axis}_shard")
+    cut = unflatten_mesh_dim(device_mesh, dp_axis, (dp // shard_size, shard_size), names)
+    return cut[names]
 
 
 def sum_over_group(value: torch.Tensor, group: Any) -> torch.Tensor:

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -135,11 +135,6 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
             "offload for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
         ),
         (
-            cfg.optimizer_weight_shard_size is not None and cfg.pipeline_stages > 1,
-            f"optimizer_weight_shard_size={cfg.optimizer_weight_shard_size} with pipeline stages",
-            "optimizer shard groups smaller than the dp axis (HSDP) inside pipeline stages",
-        ),
-        (
             cfg.hardware is not None and not planned,
             f"hardware={cfg.hardware!r}",
             "a hardware profile outside mode 'auto'",
@@ -156,6 +151,24 @@ def _refuse_unbuilt(cfg: ParallelConfig) -> None:
                 f"ParallelConfig({given}): {feature} is not built in this version of plait yet; "
                 f"leave the field at its default (built so far: modes {list(_BUILT_MODES)!r})"
             )
+
+
+def _pipeline_recompute(
+    model: nn.Module, config: ParallelConfig, loss_fn: LossFn, batch: Any
+) -> ParallelConfig:
+    """``recompute="auto"`` in a pipeline: the planner's choice for this model, mesh, schedule
+    and batch (the cheapest of none, selective and full whose predicted peak per device, the
+    schedule's micro-batches in flight included, fits ``memory_limit``), logged."""
+    if config.recompute != "auto":
+        return config
+    from plait.planning import plan as make_plan
+
+    chosen = make_plan(model, config, example_batch=batch, loss_fn=loss_fn)
+    logger.info(
+        "pipeline recompute='auto' chose %r (%s)", chosen.recompute, "; ".join(chosen.notes[-1:])
+    )
+    recompute = cast(Literal["none", "full", "selective"], chosen.recompute)  # a plan's choice
+    return dataclasses.replace(config, recompute=recompute)
 
 
 def _refuse_host_modules(cfg: ParallelConfig) -> None:
@@ -473,7 +486,7 @@ def _pipeline_job(
     def build(batch: Any) -> Job:
         return PipelineJob(
             model,
-            config,
+            _pipeline_recompute(model, config, loss_fn, batch),
             mesh=mesh,
             device_mesh=device_mesh,
             optimizer=optimizer,

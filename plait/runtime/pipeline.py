@@ -587,15 +587,17 @@ def shard_stages(
     gathered from a step's first forward to its last backward (FSDP2's ZeRO-2: the same
     traffic as level 1's whole all-reduce, and less memory, so level 1 runs so too).
     Parameters under ``optimizer_shard_threshold`` bytes or named in
-    ``optimizer_shard_exclude`` stay whole. Returns the parameters kept whole (the step
-    averages their gradients itself), or None without optimizer parallel."""
+    ``optimizer_shard_exclude`` stay whole. With ``optimizer_weight_shard_size`` (HSDP) the
+    dp sub-mesh is cut into (replicate, shard) dims and FSDP2 shards over groups of that many
+    ranks, replicated across the groups. Returns the parameters kept whole (the step averages
+    their gradients itself), or None without optimizer parallel."""
     level = config.optimizer_shard
     if level is None or dp == 1:
         return None
     threshold = int(config.optimizer_shard_threshold)
     excluded = set(config.optimizer_shard_exclude)
     kept: list[nn.Parameter] = []
-    dp_mesh = device_mesh[config.dp_axis]
+    dp_mesh = pp_comm.dp_shard_mesh(device_mesh, config.dp_axis, config.optimizer_weight_shard_size)
     for m in modules:
         whole = [
             p

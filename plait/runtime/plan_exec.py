@@ -102,6 +102,7 @@ from plait.runtime.zero import (
     ShardGroups,
     ZeroOptimizer,
     check_elementwise,
+    gathered_onto,
     reshard_to_groups,
     shard_groups,
     sharded_parameters,
@@ -937,6 +938,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
     ) -> torch.Tensor:
         if not is_dtensor(value):
             value = self.executor._replicated(value)
+        elif value.device_mesh.mesh_dim_names != self.executor.device_mesh.mesh_dim_names:
+            # HSDP's ZeRO-3 shards, on the mesh with dp cut in two
+            value = gathered_onto(value, self.executor.device_mesh)
         if value.placements == placements:  # type: ignore[attr-defined]
             return value  # already laid out as planned (the usual case)
         have = layout_of(value)  # type: ignore[arg-type]

@@ -60,6 +60,7 @@ __all__ = [
     "finish_gather",
     "finish_reduce_scatter",
     "gather_inputs",
+    "gathered_onto",
     "parameter_derived",
     "prefetch_regathers",
     "reduce_scatter_accumulated",
@@ -627,6 +628,22 @@ def reshard_to_groups(model: nn.Module, buckets: Sequence[Sequence[ShardedParame
                     dt.redistribute(spec.mesh, spec.placements), p.requires_grad
                 )
             module._parameters[attr] = done[id(p)]
+
+
+def gathered_onto(value: Any, device_mesh: Any) -> Any:
+    """A ZeRO-3 shard under HSDP (a DTensor on the shard groups' mesh) as a DTensor on the
+    job's mesh, gathered within its group: what evaluation and prediction, which run the plan
+    op by op on the job's mesh, read for the parameter."""
+    cut = list(value.device_mesh.mesh_dim_names)
+    names = list(device_mesh.mesh_dim_names)
+    whole = tuple(
+        p if n in names else replicate_placement()
+        for n, p in zip(cut, value.placements, strict=True)
+    )
+    local = value.redistribute(value.device_mesh, whole).to_local()
+    by_name = dict(zip(cut, whole, strict=True))
+    placements = tuple(by_name.get(n, replicate_placement()) for n in names)
+    return dtensor_from_local(local, device_mesh, placements, value.shape, value.stride())
 
 
 def prefetch_regathers(graph_module: torch.fx.GraphModule, gathered: set[torch.fx.Node]) -> int:

@@ -26,7 +26,7 @@ import torch
 import plait
 from plait import ParallelConfig
 from plait._compat import TorchDispatchMode, group_ranks
-from plait.comm.dtensor import is_dtensor
+from plait.comm.dtensor import is_dtensor, local_piece
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
@@ -350,6 +350,14 @@ def _three_axes(_: str) -> dict:
     )  # fmt: skip
     zero_job, losses = _train(zero3, megatron=True)  # FSDP2 over dp of tp-split stages (2-D)
     out["zero3"] = (losses, zero_job.full_state_dict())
+    hsdp = ParallelConfig(
+        mode="semi_auto", mesh={"pp": 2, "dp": 4}, micro_batches=2,
+        optimizer_shard=3, optimizer_shard_threshold=0, optimizer_weight_shard_size=2,
+    )  # fmt: skip
+    hsdp_job, losses = _train(hsdp)  # FSDP2's hybrid sharding: groups of 2 of dp=4
+    sharded = [p for m in hsdp_job.stage_modules for p in m.parameters() if is_dtensor(p)]
+    shards = (sum(local_piece(p).numel() for p in sharded), sum(p.numel() for p in sharded))
+    out["hsdp"] = (losses, hsdp_job.full_state_dict(), shards)
     job = one_f_one_b
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
         job.step(_local(job, _batches()[0]))
@@ -375,6 +383,16 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))
         for key, value in expected.state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=schedule + key)
+    # HSDP in the stages (pp=2 x dp=4, shard groups of 2): equal to one device, and each
+    # rank holds half of a sharded parameter (not a quarter)
+    plain = reference_run(_model(), gpt_loss, _sgd, _batches())
+    for r in results:
+        losses, state, shards = r["hsdp"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain.losses))
+        for key, value in plain.state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="hsdp " + key)
+        local, whole = shards  # this rank's stage: half of it (FSDP2 pads uneven dims)
+        assert whole and abs(2 * local - whole) <= 0.1 * whole, shards
     for rank, r in enumerate(results):
         inner, pg, _ = r["collectives"]
         tp_peers = (rank - rank % 2, rank - rank % 2 + 1)  # mesh (pp, dp, tp): tp is innermost

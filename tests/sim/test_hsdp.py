@@ -74,6 +74,7 @@ def _train(model, cfg, batches, world: int):
             with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
                 losses.append(job.step(batch))
         run = Run(losses, job.full_state_dict())
+        job.evaluated = job.evaluate(batches[0])  # op by op on the plan's mesh: shards gathered
     return job, run, log, debug
 
 
@@ -132,6 +133,10 @@ def test_shard_groups_of_two_on_dp4_match_one_device_with_the_plans_collectives(
     assert sum(debug_counts(debug).values()) == len(log.events)
     _check_states(job, level)
     assert_same_run(expected, run, rtol=RTOL, atol=1e-6)
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(expected.state)
+    with torch.no_grad():
+        assert job.evaluated == pytest.approx(float(gpt_loss(trained.eval(), batches[0])), rel=RTOL)
 
 
 def test_shard_groups_with_megatron_tp_on_eight_ranks(gpt_and_batches):

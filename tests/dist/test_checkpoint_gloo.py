@@ -6,9 +6,9 @@ One spawn of 4 workers (a spawn costs ~15 s) runs both checks:
    saves. The workers then hand the training along a chain of plans, each loading the last
    checkpoint, taking one step and saving: dp=2 x tp=2 (semi_auto, Megatron, planned at its
    first step: the load waits for the plan) -> ZeRO-3 on
-   dp=4 -> plain data parallel dp=4 -> pipeline pp=2 x tp=2 (semi_auto: tensor parallel inside
+   dp=4 -> ZeRO-3 in shard groups of 2 (HSDP) -> plain data parallel dp=4 -> pipeline pp=2 x tp=2 (semi_auto: tensor parallel inside
    the stages) -> dp=2 x tp=2 with ZeRO-1 -> ZeRO-2 on dp=4 with activations recomputed. Back here, one process loads the last checkpoint and takes the
-   final step. Every step's loss and the final parameters equal 9 steps of single-device
+   final step. Every step's loss and the final parameters equal 10 steps of single-device
    training (optimizer states included: AdamW's moments and step count travel through every
    layout).
 2. **Exact resume.** On plain data parallel over 4 processes, a job trains 3 steps from a ShardedLoader,
@@ -42,12 +42,16 @@ from plait.testing.equivalence import reference_run
 pytestmark = pytest.mark.dist
 
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2)
-STEPS = 9
+STEPS = 10
 SHARD_ALL = {"optimizer_shard_threshold": 0}  # the tiny model's parameters are all small
 
 CHAIN = [
     ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
     ParallelConfig(mode="data_parallel", mesh={"dp": 4}, optimizer_shard=3, **SHARD_ALL),
+    ParallelConfig(
+        mode="data_parallel", mesh={"dp": 4}, optimizer_shard=3, optimizer_weight_shard_size=2,
+        **SHARD_ALL,
+    ),  # fmt: skip
     ParallelConfig(mode="data_parallel", mesh={"dp": 4}),
     ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=2),
     ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, optimizer_shard=1, **SHARD_ALL),

@@ -81,6 +81,16 @@ class TensorLayout:
     partial: tuple[str, ...] = ()
     reduce_op: ReduceOp = "sum"
     _axis_dim: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False)
+
+    def __hash__(self) -> int:
+        # computed once: searches key their price caches on layouts, millions of lookups
+        return self._hash
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # rebuilt from its fields: the cached hash is not carried to another process (string
+        # hashes differ between processes)
+        return (TensorLayout, (self.mesh, self.dims, self.partial, self.reduce_op))
 
     def __post_init__(self) -> None:
         seen: dict[str, int] = {}
@@ -101,6 +111,8 @@ class TensorLayout:
                     "an axis does one of the two"
                 )
         object.__setattr__(self, "_axis_dim", seen)
+        key = (self.mesh, self.dims, self.partial, self.reduce_op)
+        object.__setattr__(self, "_hash", hash(key))
 
     @classmethod
     def build(cls, mesh: MeshSpec, dims: Sequence[DimSpec]) -> TensorLayout:

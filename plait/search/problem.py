@@ -50,8 +50,22 @@ def carries_gradient(meta: TensorMeta) -> bool:
 
 
 def settled(layout: TensorLayout) -> TensorLayout:
-    """The layout a consumer sees once pending sums are reduced (partial axes dropped)."""
-    return layout if not layout.partial else TensorLayout(layout.mesh, layout.dims)
+    """The layout a consumer sees once pending sums are reduced (partial axes dropped).
+
+    Equal layouts settle to one object (prices are cached by layout identity too).
+    """
+    return layout if not layout.partial else _settled(layout)
+
+
+@lru_cache(maxsize=1 << 14)
+def _settled(layout: TensorLayout) -> TensorLayout:
+    return _interned(TensorLayout(layout.mesh, layout.dims))
+
+
+@lru_cache(maxsize=1 << 16)
+def _interned(layout: TensorLayout) -> TensorLayout:
+    """The first layout seen equal to ``layout`` (one object per value)."""
+    return layout
 
 
 def gradient_values(graph: OpGraph) -> frozenset[str]:
@@ -131,20 +145,43 @@ def gradient_layout(strategy: OpStrategy, input_index: int) -> TensorLayout:
     gradient (e.g. a column-parallel linear's input gradient is a partial sum over ``tp``).
     """
     layout = strategy.inputs[input_index]
-    return layout.with_partial(grad_reduce_axes(strategy, input_index))
+    return _interned(layout.with_partial(grad_reduce_axes(strategy, input_index)))
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds for collectives on mesh axes and for ops' compute on one hardware profile."""
+    """Seconds for collectives on mesh axes and for ops' compute on one hardware profile.
+
+    Prices of redistributions and edges are cached on the model (every search of a problem
+    asks for the same pairs many times).
+    """
 
     axis_seconds: AxisSeconds
     op_compute: OpCompute
+    _moves: dict[tuple[object, ...], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    _edges: dict[tuple[object, ...], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def redistribution(
         self, src: TensorLayout, dst: TensorLayout, meta: TensorMeta
     ) -> Redistribution:
         return plan_redistribution(src, dst, meta.shape, meta.itemsize)
+
+    def move_seconds(self, src: TensorLayout, dst: TensorLayout, meta: TensorMeta) -> float:
+        """Seconds of the redistribution ``src -> dst`` of a tensor ``meta`` (0.0 if equal)."""
+        key = (src, dst, meta)
+        found = self._moves.get(key)
+        if found is None:
+            found = (
+                0.0
+                if src == dst
+                else self.redistribution(src, dst, meta).seconds(self.axis_seconds)
+            )
+            self._moves[key] = found
+        return found
 
     def edge_seconds(
         self, src: TensorLayout, dst: TensorLayout, grad: TensorLayout | None, meta: TensorMeta
@@ -153,27 +190,13 @@ class CostModel:
 
         ``grad`` is None when no gradient flows back along the edge.
         """
-        return _edge_seconds(self, src, dst, grad, meta)
-
-
-@lru_cache(maxsize=1 << 18)
-def _edge_seconds(
-    cost: CostModel,
-    src: TensorLayout,
-    dst: TensorLayout,
-    grad: TensorLayout | None,
-    meta: TensorMeta,
-) -> float:
-    fwd = 0.0 if src == dst else cost.redistribution(src, dst, meta).seconds(cost.axis_seconds)
-    if grad is None:
-        return fwd
-    back_dst = settled(src)
-    bwd = (
-        0.0
-        if grad == back_dst
-        else cost.redistribution(grad, back_dst, meta).seconds(cost.axis_seconds)
-    )
-    return fwd + bwd
+        key = (src, dst, grad, meta)
+        found = self._edges.get(key)
+        if found is None:
+            fwd = self.move_seconds(src, dst, meta)
+            found = fwd if grad is None else fwd + self.move_seconds(grad, settled(src), meta)
+            self._edges[key] = found
+        return found
 
 
 @dataclass

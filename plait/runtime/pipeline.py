@@ -732,13 +732,6 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             "pipeline stages running a searched plan (auto, plan files); use mode="
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
-        (
-            config.recompute == "auto",
-            f"recompute={config.recompute!r}",
-            "automatic recompute outside mode auto (recompute='full' and 'selective' run: "
-            "each stage's forward recomputed in its backward, all of it or its cheap ops; "
-            "so do recompute_modules)",
-        ),
         (config.offload is not None, f"offload={config.offload!r}", "offload"),
         (
             config.precision == "fp16",

@@ -5,7 +5,8 @@ schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each
 same weights and batches: every step's loss and the final parameters equal single-device
 training. A model whose LM head is its token embedding (one tensor read by the first and the
 last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly; one
-recomputes every stage's forward in its backward (``recompute="full"``).
+recomputes every stage's forward in its backward (``recompute="full"``), one takes the planner's
+choice (``recompute="auto"`` under a limit nothing fits: full).
 Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
@@ -128,6 +129,9 @@ def _workers(root: str) -> dict:
             out["saved_plain"] = _saved_tensors(job)
     job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
     out["recompute"] = (losses, job.full_state_dict())
+    # recompute="auto": nothing fits 1 KiB, so the planner's last resort, full recompute
+    job, losses = _train(ParallelConfig(**PIPE, recompute="auto", memory_limit="1KiB"))
+    out["recompute_auto"] = (losses, job.full_state_dict(), job.config.recompute)
     job, losses = _train(ParallelConfig(**PIPE, recompute="selective", schedule="gpipe"))
     out["selective"] = (losses, job.full_state_dict())
     per_module = {"blocks.0": "full", "blocks.3": "selective"}  # one in each stage
@@ -242,11 +246,12 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     # every schedule, marks, recompute, ties and ZeRO-3; and mode auto's pipeline plans (with
     # Megatron annotations the plan splits parameters over tp inside the stages)
     for name, ref in [
-        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "selective", "per_module", "auto_zero3")),
+        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "recompute_auto", "selective", "per_module", "auto_zero3")),
         ("tied", tied), ("zero3_tied", tied), ("auto_pp_tp", megatron_short),
     ]:  # fmt: skip
         _same_run(*results[0][name][:2], ref, name)
     assert results[0]["marked"][2] == ["blocks.1"]
+    assert results[0]["recompute_auto"][2] == "full"
     for rank, r in enumerate(results):  # per-module recompute keeps fewer tensors, each stage
         assert r["saved_per_module"] < r["saved_plain"], (rank, r["saved_per_module"])
     # bf16 (with ZeRO-2): one device under the same torch.autocast, to bf16's tolerance (its

@@ -94,8 +94,7 @@ def test_settings_refused_by_name() -> None:
         check_pipeline_config(ParallelConfig(**{**pipe, "mode": "auto", "micro_batches": 2}), mesh)
     check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="full"), mesh)
     check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="selective"), mesh)
-    with pytest.raises(NotBuiltError, match="automatic recompute outside mode auto"):
-        check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="auto"), mesh)
+    check_pipeline_config(ParallelConfig(**pipe, micro_batches=2, recompute="auto"), mesh)
 
     with pytest.raises(ConfigError, match="1f1b runs one stage a rank"):
         ParallelConfig(**pipe, virtual_stages=2)
@@ -124,3 +123,30 @@ def test_selective_recompute_keeps_products_and_recomputes_the_cheap_ops() -> No
         assert selective_policy(None, op) == CheckpointPolicy.MUST_SAVE, op
     for op in (aten.gelu.default, aten.native_layer_norm.default, aten._softmax.default):
         assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
+
+
+@pytest.mark.parametrize("limit_of", ["none", "selective", "full"])
+def test_recompute_auto_in_a_pipeline_takes_the_planners_choice(limit_of: str) -> None:
+    """recompute="auto" in a pipeline without a plan: the planner's choice, the cheapest
+    policy whose predicted peak per device (the schedule's micro-batches in flight included,
+    the stages cut to fit the limit where they can) fits memory_limit."""
+    from plait.runtime.parallelize import _pipeline_recompute
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=64, seq=64, width=32, heads=4, layers=4))
+    ids = torch.randint(0, 64, (16, 64), generator=torch.Generator().manual_seed(1))
+    batch = (ids, torch.roll(ids, -1, dims=1))
+    pipe = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 2}
+
+    def planned(**kw: object) -> plait.Plan:
+        return plait.plan(
+            model, ParallelConfig(**pipe, **kw), example_batch=batch, loss_fn=gpt_loss
+        )
+
+    peak = {r: planned(recompute=r).predicted.memory_bytes for r in ("none", "selective", "full")}
+    assert peak["full"] < peak["selective"] < peak["none"]  # each policy saves memory here
+    config = ParallelConfig(**pipe, recompute="auto", memory_limit=peak[limit_of])
+    chosen = _pipeline_recompute(model, config, gpt_loss, batch).recompute
+    assert chosen == planned(recompute="auto", memory_limit=peak[limit_of]).recompute
+    if limit_of != "selective":  # "none" fits its own peak; only full recompute fits full's
+        assert chosen == limit_of

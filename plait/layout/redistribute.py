@@ -258,6 +258,8 @@ def _plan_cached(
     total = math.prod(shape) * itemsize
     walk = _Walk(src, dst, total)
     walk.run()
+    if _greedy_is_cheapest(src, dst, total, walk.steps):
+        return Redistribution(src, dst, shape, itemsize, _fold_unit_axes(walk.steps, src, dst))
     better = _search(src, dst, shape, total, _objective(walk.steps))
     if better is not None:
         walk = _Walk(src, dst, total)
@@ -513,6 +515,85 @@ def _search(
                 heapq.heappush(heap, (new + space.floor(nxt), tie, nxt))
                 tie += 1
     return None
+
+
+def _greedy_is_cheapest(
+    src: TensorLayout, dst: TensorLayout, total: int, steps: Sequence[RedistStep]
+) -> bool:
+    """True when no plan of the search's moves is cheaper than the greedy ``steps``, so
+    :func:`_search` would return None: the greedy plan costs exactly :func:`_least_cost`.
+
+    Compared in exact arithmetic (costs times the mesh size are integers); only where the
+    floats of the search cannot tell a plan of equal cost from a cheaper one (its tolerance,
+    1e-6 bytes, exceeds the rounding error of any plan that could compete: at most
+    ``bound / STEP_BYTES`` collectives).
+    """
+    scale = src.mesh.size  # every group size divides it
+    bound = 0  # the greedy plan's cost, times scale
+    for s in steps:
+        n = s.group_size
+        if s.kind in LOCAL_KINDS or n == 1:
+            continue
+        num, den = _EXACT_TRAFFIC[s.kind](n)
+        bound += s.nbytes * num * (scale // den) + STEP_BYTES * scale
+    terms = bound / scale / STEP_BYTES + len(steps) + 4
+    if terms * (bound / scale) * 2.3e-16 > 1e-6:
+        return False
+    least = _least_cost(src, dst, total)
+    return least is not None and least >= bound
+
+
+_EXACT_TRAFFIC: dict[str, Callable[[int], tuple[int, int]]] = {
+    "all_gather": lambda n: (n - 1, 1),
+    "all_to_all": lambda n: (n - 1, n),
+    "reduce_scatter": lambda n: (n - 1, n),
+    "all_reduce": lambda n: (2 * (n - 1), n),
+}
+"""``_TRAFFIC`` of the collectives as (numerator, denominator)."""
+
+
+def _least_cost(src: TensorLayout, dst: TensorLayout, total: int) -> int | None:
+    """A lower bound, exact and times the mesh size, on the cost of any plan of
+    :func:`_search`'s moves (None when it would not search). Per axis that must leave its
+    place, the cheapest collective that can take it there, on the smallest piece it can hold
+    then (every axis the search may move split, besides the axes that stay in place):
+
+    - split -> not split (replicated or partial): only an all-gather unsplits, ``n - 1``;
+    - split -> split elsewhere (another dim, or the same dim under other outer axes): an
+      all-to-all or an all-gather, at least ``(n - 1) / n``;
+    - partial -> split: a reduce-scatter or an all-reduce, at least ``(n - 1) / n``;
+    - partial -> replicated: an all-reduce, ``2 (n - 1) / n``, or a reduce-scatter and then an
+      all-gather on a piece ``n`` times smaller, as much;
+    - replicated -> anything: a slice or a partition, free.
+
+    Each collective runs on one axis, so the sum over axes bounds a plan.
+    """
+    if src.partial and dst.partial and src.reduce_op != dst.reduce_op:
+        return None
+    space = _Space(src, dst, (), total)
+    if len(space.free) > _SEARCH_AXES:
+        return None
+    scale = src.mesh.size
+    free = set(space.free)
+    size = space.size
+    split_in_place = math.prod(size[a] for axes in src.dims for a in axes if a not in free)
+    every = split_in_place * math.prod(size[a] for a in free)
+    least = 0
+    for x in space.free:
+        n = size[x]
+        if n == 1:
+            continue
+        d, e = _dim_of(src, x), space.target_dim.get(x)
+        if d is not None:  # on the smallest piece with x split
+            piece = total // every
+            least += piece * (n - 1) * scale if e is None else piece * (n - 1) * (scale // n)
+        elif x in src.partial:  # on the smallest piece with x not split
+            piece = total // (every // n)
+            least += piece * (n - 1) * (scale // n) * (1 if e is not None else 2)
+        else:
+            continue
+        least += STEP_BYTES * scale
+    return least
 
 
 def _path(back: dict[_State, tuple[_State, _Move]], start: _State, goal: _State) -> list[_Move]:

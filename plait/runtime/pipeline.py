@@ -269,6 +269,8 @@ class PipelineJob(Job):
         self.inner_mesh = submesh
         """The device mesh of the axes inside a stage (tensor parallel); None without."""
         self._predicting = False
+        self._loss_scale = 1.0
+        """The fp16 loss scale of the step running (1 outside a training step)."""
         logger.info(
             "pipeline: %d stages (%s), this rank runs %s, schedule %s, %d micro-batches",
             count,
@@ -289,19 +291,34 @@ class PipelineJob(Job):
             return torch.zeros((), device=self._device)
         batch = self._micro_batches[int(index.reshape(-1)[0])]
         with autocast_for(self.config.precision, self._device.type):  # as one device's loss
-            return self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
+            loss = self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
+        # fp16: the loss scaled before the schedule's backward (exact: a power of two)
+        return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._start_mean_loss(self._run(batch, training=True))
-        params = [p for m in self.stage_modules for p in m.parameters()]
-        for p in params:  # tensor parallel in a stage: pending sums to the parameter's layout
+        scaler = self.loss_scaler
+        self._loss_scale = scaler.scale if scaler is not None else 1.0
+        try:
+            losses = self._run(batch, training=True)
+        finally:
+            scale, self._loss_scale = self._loss_scale, 1.0
+        if scale != 1.0:
+            losses = [x.detach() / scale for x in losses]
+        loss = self._start_mean_loss(losses)
+        stage_params = [p for m in self.stage_modules for p in m.parameters()]
+        for p in stage_params:  # tensor parallel in a stage: pending sums to the layout
             sync_grad(p)
         self._sync_ties()
-        if self._dp_averaged is not None:
-            params = self._dp_averaged
+        params = stage_params if self._dp_averaged is None else self._dp_averaged
         grads = [local_piece(p.grad) for p in params if p.grad is not None]
         pp_comm.mean_over_group(grads, self._dp_group, self._dp)
+        if scaler is not None:
+            # an inf or NaN on any stage of any replica skips the update on every rank
+            finite = scaler.unscale_and_check(stage_params, self.device_mesh)
+            scaler.update(finite)
+            if not finite:
+                return loss()
         self.optimizer.step()
         return loss()
 
@@ -623,7 +640,7 @@ def shard_stages(
 
 
 def autocast_stage(module: nn.Module, precision: str, device_type: str) -> None:
-    """Mixed precision for a stage (``precision="bf16"``): its forward runs under autocast, as
+    """Mixed precision for a stage (``precision="bf16"`` or ``"fp16"``): its forward runs under autocast, as
     one device's whole forward would, and its floating outputs leave in fp32, the dtype the
     stages were traced with and the pipeline's buffers hold (a bf16 value widened to fp32 is
     exact, and the next op's autocast narrows it again where one device's would). Parameters,
@@ -733,11 +750,6 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
         (config.offload is not None, f"offload={config.offload!r}", "offload"),
-        (
-            config.precision == "fp16",
-            f"precision={config.precision!r}",
-            "fp16 with its dynamic loss scaling (precision='bf16' runs: no loss scale needed)",
-        ),
         (
             config.grad_accumulation != 1,
             f"grad_accumulation={config.grad_accumulation}",

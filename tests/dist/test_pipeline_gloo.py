@@ -6,7 +6,9 @@ same weights and batches: every step's loss and the final parameters equal singl
 training. A model whose LM head is its token embedding (one tensor read by the first and the
 last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly; one
 recomputes every stage's forward in its backward (``recompute="full"``), one takes the planner's
-choice (``recompute="auto"`` under a limit nothing fits: full).
+choice (``recompute="auto"`` under a limit nothing fits: full). fp16 runs with dynamic loss
+scaling: an overflowing step is skipped on every rank, then training equals one device under
+the same autocast and scale.
 Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
@@ -167,6 +169,22 @@ def _workers(root: str) -> dict:
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
+    # fp16 with dynamic loss scaling: steps at a sane scale; then a step at a scale that
+    # overflows is skipped on every rank (scale halved, parameters untouched)
+    batches = _batches()
+    fp16 = plait.parallelize(
+        _model(), ParallelConfig(**PIPE, precision="fp16"), optimizer=_sgd, loss_fn=gpt_loss,
+        example_batch=batches[0],
+    )  # fmt: skip
+    fp16.loss_scaler.scale = 1024.0
+    losses = [fp16.step(_local(fp16, b)) for b in batches]
+    state = fp16.full_state_dict()
+    fp16.loss_scaler.scale = 2.0**40
+    with ProcessGroupLog() as log:
+        fp16.step(_local(fp16, batches[0]))
+    unchanged = all(torch.equal(v, fp16.full_state_dict()[k]) for k, v in state.items())
+    skipped = (fp16.loss_scaler.skipped_steps, fp16.loss_scaler.scale, dict(log.counts))
+    out["fp16"] = (losses, state, skipped, unchanged)
     # tensor parallel inside the stages: pp=2 x tp=2, Megatron annotations, mode semi_auto
     job, losses = _train(PP_TP, megatron=True)
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
@@ -216,18 +234,40 @@ def _workers(root: str) -> dict:
     return out
 
 
-def _autocast_reference(model: TinyGPT, batches: list) -> Run:
-    """One device, SGD, every forward and loss under ``torch.autocast`` with bfloat16."""
+def _autocast_reference(
+    model: TinyGPT, batches: list, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0
+) -> Run:
+    """One device, SGD, every forward and loss under ``torch.autocast`` with ``dtype``; the
+    loss multiplied by ``scale`` before backward and the gradients divided after (fp16)."""
     optimizer = _sgd(model.parameters())
     losses = []
     for batch in batches:
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             loss = gpt_loss(model, batch)
-        loss.backward()
+        (loss * scale).backward()
+        for p in model.parameters():
+            p.grad.div_(scale)
         optimizer.step()
         losses.append(loss.item())
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _check_fp16(results: list[dict]) -> None:
+    """fp16: one device under the same autocast and loss scale, to fp16's tolerance; the
+    overflowing step skipped everywhere, its scale halved, one all-reduce per mesh axis (pp,
+    dp) agreeing on it beside the step's usual sends, receives, gradient mean and loss."""
+    reference = _autocast_reference(_model(), _batches(), torch.float16, 1024.0)
+    for rank, r in enumerate(results):
+        losses, state, skipped, unchanged = r["fp16"]
+        assert skipped[:2] == (1, 2.0**39) and unchanged, (rank, skipped)
+        counts = {k: skipped[2].get(k, 0) for k in ("send", "recv_", "allreduce_", "all_reduce")}
+        assert counts == {"send": 4, "recv_": 4, "allreduce_": 2, "all_reduce": 2}, (rank, counts)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(reference.losses), rtol=2e-2, atol=2e-3
+        )
+        for key, value in reference.state.items():
+            torch.testing.assert_close(state[key], value, rtol=2e-2, atol=2e-3, msg="fp16 " + key)
 
 
 def _same_run(losses: list[float], state: dict, reference, name: str) -> None:
@@ -272,6 +312,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
             rank,
             r["bf16_collectives"],
         )
+    _check_fp16(results)
     assert results[0]["auto_pp_tp"][2] > 0
     assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its

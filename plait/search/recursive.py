@@ -87,9 +87,9 @@ Role = tuple[tuple[int, ...], tuple[int, ...]]
 
 def _axis_role(strategy: OpStrategy, axis: str) -> Role:
     def dim_of(layout: TensorLayout) -> int:
-        for d, axes in enumerate(layout.dims):
-            if axis in axes:
-                return d
+        d = layout._axis_dim.get(axis)  # an axis splits at most one dim
+        if d is not None:
+            return d
         return PARTIAL if axis in layout.partial else UNSPLIT
 
     return tuple(map(dim_of, strategy.inputs)), tuple(map(dim_of, strategy.outputs))
@@ -125,8 +125,17 @@ class _Roles:
     ordered: tuple[bool, ...]  # every layout lists its axes in mesh order
 
 
-def _roles_of(candidates: Sequence[OpStrategy], axes: tuple[str, ...]) -> _Roles:
-    per = tuple(tuple(_axis_role(s, a) for a in axes) for s in candidates)
+def _roles_of(
+    candidates: Sequence[OpStrategy],
+    axes: tuple[str, ...],
+    by_axis: Sequence[Mapping[str, Role]] | None = None,
+    ordered: tuple[bool, ...] | None = None,
+) -> _Roles:
+    """``by_axis`` (per candidate, axis -> role) and ``ordered``: as :func:`_axis_roles` and
+    :func:`_mesh_ordered` find them, when the caller has them already."""
+    if by_axis is None:
+        by_axis = _axis_roles(candidates, axes)
+    per = tuple(tuple(roles[a] for a in axes) for roles in by_axis)
     best: dict[tuple[Role, ...], tuple[int, int]] = {}
     labels: dict[tuple[int, Role], str] = {}
     for index, roles in enumerate(per):
@@ -140,10 +149,27 @@ def _roles_of(candidates: Sequence[OpStrategy], axes: tuple[str, ...]) -> _Roles
         if sum(used) == 1:
             r = used.index(True)
             labels.setdefault((r, roles[r]), candidates[index].label)
-    ordered = tuple(
-        all(layout.is_mesh_ordered() for layout in (*s.inputs, *s.outputs)) for s in candidates
-    )
+    if ordered is None:
+        ordered = _mesh_ordered(candidates)
     return _Roles(per, {p: k[1] for p, k in best.items()}, labels, ordered)
+
+
+def _axis_roles(candidates: Sequence[OpStrategy], axes: Sequence[str]) -> list[dict[str, Role]]:
+    """Per candidate, the role of each axis."""
+    return [{a: _axis_role(s, a) for a in axes} for s in candidates]
+
+
+def _mesh_ordered(candidates: Sequence[OpStrategy]) -> tuple[bool, ...]:
+    """Per candidate: every layout lists its axes in mesh order."""
+    seen: dict[int, bool] = {}  # layouts are shared between candidates: each asked once
+
+    def ordered(layout: TensorLayout) -> bool:
+        found = seen.get(id(layout))
+        if found is None:
+            found = seen[id(layout)] = layout.is_mesh_ordered()
+        return found
+
+    return tuple(all(map(ordered, (*s.inputs, *s.outputs))) for s in candidates)
 
 
 @lru_cache(maxsize=1 << 12)
@@ -361,6 +387,7 @@ class _Prices:
         }
         self.order = sorted(self.fold.nodes, key=lambda n: (-self.weight[n], position[n]))
         self._roles: dict[tuple[int, tuple[str, ...]], _Roles] = {}
+        self._axis_roles: dict[int, tuple[list[dict[str, Role]], tuple[bool, ...]]] = {}
         self._exact: dict[tuple[int, int, int], float] = {}
         self._alone: dict[tuple[int, int, bool], float] = {}
         # links between ops with the same candidate lists, slots and tensors share prices
@@ -437,7 +464,14 @@ class _Prices:
         key = (id(cands), axes)
         found = self._roles.get(key)
         if found is None:
-            found = self._roles[key] = _roles_of(cands, axes)
+            # what does not depend on the order is found once per list
+            per_list = self._axis_roles.get(id(cands))
+            if per_list is None:
+                per_list = self._axis_roles[id(cands)] = (
+                    _axis_roles(cands, self.problem.mesh.axis_names),
+                    _mesh_ordered(cands),
+                )
+            found = self._roles[key] = _roles_of(cands, axes, *per_list)
         return found
 
     def _neighbours_of(self, node: str) -> tuple[str, ...]:
@@ -463,13 +497,20 @@ class _Prices:
         key = (self._link_class[lid], src_index, dst_index)
         found = self._exact.get(key)
         if found is None:
-            link = self.fold.links[lid]
-            s = self.problem.candidates[link.src][src_index]
-            d = self.problem.candidates[link.dst][dst_index]
-            src = (s.outputs if link.kind == VALUE else s.inputs)[link.src_slot]
-            grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
-            seconds = self.cost.edge_seconds(src, d.inputs[link.dst_slot], grad, link.meta)
-            found = self._exact[key] = seconds * link.count
+            return self._exact_new(lid, key, src_index, dst_index)
+        return found
+
+    def _exact_new(
+        self, lid: int, key: tuple[int, int, int], src_index: int, dst_index: int
+    ) -> float:
+        """:meth:`exact` priced the first time."""
+        link = self.fold.links[lid]
+        s = self.problem.candidates[link.src][src_index]
+        d = self.problem.candidates[link.dst][dst_index]
+        src = (s.outputs if link.kind == VALUE else s.inputs)[link.src_slot]
+        grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
+        seconds = self.cost.edge_seconds(src, d.inputs[link.dst_slot], grad, link.meta)
+        found = self._exact[key] = seconds * link.count
         return found
 
     def alone(self, lid: int, index: int, as_src: bool) -> float:
@@ -698,14 +739,18 @@ class _Rounds:
         when the lookahead stops here (``ahead < 1``), to undecided ops.
         """
         prices = self.prices
+        exact = prices.exact
         seconds = 0.0
         for lid, other, as_src in prices.ends[node]:
             if other == parent:
-                seconds += prices.end_seconds(lid, as_src, index, parent_index)
+                seconds += (
+                    exact(lid, index, parent_index) if as_src else exact(lid, parent_index, index)
+                )
             elif other == node:
-                seconds += prices.exact(lid, index, index)
+                seconds += exact(lid, index, index)
             elif other in decided:
-                seconds += prices.end_seconds(lid, as_src, index, self.current[other])
+                at = self.current[other]
+                seconds += exact(lid, index, at) if as_src else exact(lid, at, index)
             elif ahead < 1 or other == root:
                 seconds += prices.alone(lid, index, as_src)
         return seconds

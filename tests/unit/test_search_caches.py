@@ -1,0 +1,140 @@
+"""Caches behind fast searches: equal keys share an entry, different meshes or shapes never do.
+
+- ``TensorLayout`` hashes once (its hash rebuilt, not carried, when it is pickled);
+- ``CostModel`` caches redistribution and edge seconds per (layouts, tensor);
+- gradient and settled layouts are interned (one object per value, per mesh);
+- the redistribution planner skips its A* search only where the search would keep the
+  greedy plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+from plait.graph import TensorMeta
+from plait.layout import TensorLayout
+from plait.layout import redistribute as rd
+from plait.mesh import MeshSpec
+from plait.rules.registry import OpStrategy
+from plait.search.problem import CostModel, gradient_layout, settled
+
+MESH = MeshSpec.from_dict({"dp": 2, "tp": 4})
+OTHER = MeshSpec.from_dict({"dp": 4, "tp": 2})
+
+
+def _seconds(kind: str, axis: str, nbytes: int) -> float:
+    return 1e-6 + nbytes * (2e-9 if axis == "tp" else 1e-8) * (2 if kind == "all_reduce" else 1)
+
+
+def _cost() -> CostModel:
+    return CostModel(_seconds, lambda op, pieces: 0.0)
+
+
+def test_layout_hash_is_its_value_and_survives_pickle() -> None:
+    a = TensorLayout(MESH, (("dp",), ("tp",)))
+    b = TensorLayout(MeshSpec.from_dict({"dp": 2, "tp": 4}), (("dp",), ("tp",)))
+    assert a == b and hash(a) == hash(b)
+    assert a != TensorLayout(OTHER, (("dp",), ("tp",)))  # same dims, another mesh
+    assert a != TensorLayout(MESH, (("dp",), ("tp",)), (), "max")  # the reduce op counts
+    back = pickle.loads(pickle.dumps(a))
+    assert back == a and hash(back) == hash(a) and {a: 1}[back] == 1
+    assert back._axis_dim == {"dp": 0, "tp": 1}
+
+
+def test_move_seconds_keys_on_mesh_and_shape() -> None:
+    cost = _cost()
+    meta, bigger = TensorMeta((8, 16)), TensorMeta((8, 32))
+    src, dst = TensorLayout(MESH, (("tp",), ())), TensorLayout(MESH, ((), ("tp",)))
+    src2, dst2 = TensorLayout(OTHER, (("tp",), ())), TensorLayout(OTHER, ((), ("tp",)))
+    for s, d, m in ((src, dst, meta), (src, dst, bigger), (src2, dst2, meta)):
+        fresh = rd.plan_redistribution(s, d, m.shape, m.itemsize).seconds(_seconds)
+        assert cost.move_seconds(s, d, m) == fresh
+    assert cost.move_seconds(src, dst, meta) != cost.move_seconds(src, dst, bigger)
+    assert cost.move_seconds(src, dst, meta) != cost.move_seconds(src2, dst2, meta)
+    assert len(cost._moves) == 3
+    assert cost.move_seconds(src, src, meta) == 0.0
+    # a new cost model (another hardware profile, another mesh) starts empty
+    assert _cost()._moves == {}
+
+
+def test_edge_seconds_is_forward_plus_backward() -> None:
+    cost = _cost()
+    meta = TensorMeta((8, 16))
+    src = TensorLayout(MESH, ((), ()), ("tp",))  # a pending sum
+    dst = TensorLayout(MESH, (("dp",), ()))
+    grad = TensorLayout(MESH, (("dp",), ()), ("tp",))
+    fwd = rd.plan_redistribution(src, dst, meta.shape).seconds(_seconds)
+    bwd = rd.plan_redistribution(grad, settled(src), meta.shape).seconds(_seconds)
+    assert cost.edge_seconds(src, dst, grad, meta) == fwd + bwd
+    assert cost.edge_seconds(src, dst, None, meta) == fwd
+    assert cost.edge_seconds(src, dst, grad, TensorMeta((8, 32))) != fwd + bwd
+
+
+def test_interned_layouts_are_one_object_per_value() -> None:
+    one = TensorLayout(MESH, ((), ("tp",)), ("dp",))
+    two = TensorLayout(MESH, ((), ("tp",)), ("dp",))
+    assert settled(one) is settled(two) and settled(one) == TensorLayout(MESH, ((), ("tp",)))
+    elsewhere = TensorLayout(OTHER, ((), ("tp",)), ("dp",))
+    assert settled(elsewhere) != settled(one) and settled(elsewhere).mesh == OTHER
+    plain = TensorLayout(MESH, ((), ()))
+    assert settled(plain) is plain
+
+    def linear(mesh: MeshSpec) -> OpStrategy:  # batch-split input, column-parallel weight
+        x = TensorLayout(mesh, (("dp",), ()))
+        w = TensorLayout(mesh, (("tp",), ()))
+        return OpStrategy((x, w), (TensorLayout(mesh, (("dp",), ("tp",))),), "col")
+
+    a, b = linear(MESH), linear(MeshSpec.from_dict({"dp": 2, "tp": 4}))
+    assert gradient_layout(a, 0) is gradient_layout(b, 0)
+    assert gradient_layout(a, 0) == TensorLayout(MESH, (("dp",), ()), ("tp",))
+    assert gradient_layout(a, 1) == TensorLayout(MESH, (("tp",), ()), ("dp",))
+    assert gradient_layout(linear(OTHER), 0).mesh == OTHER
+
+
+def _layouts(mesh: MeshSpec, ndim: int) -> list[TensorLayout]:
+    out = []
+    axes = mesh.axis_names
+    for states in itertools.product(range(ndim + 2), repeat=len(axes)):
+        for order in (axes, axes[::-1]):
+            dims: list[list[str]] = [[] for _ in range(ndim)]
+            partial = []
+            for a in order:
+                st = states[axes.index(a)]
+                if st == ndim + 1:
+                    partial.append(a)
+                elif st < ndim:
+                    dims[st].append(a)
+            out.append(TensorLayout(mesh, tuple(map(tuple, dims)), tuple(partial)))
+    return list(dict.fromkeys(out))
+
+
+def test_skipping_the_search_keeps_the_plan() -> None:
+    """Wherever the greedy plan costs the lower bound, the A* search finds nothing cheaper;
+    and the bound is a bound: no plan the search returns costs less."""
+    skipped = searched = 0
+    for mesh, shape in (
+        (MESH, (8, 16, 32)),
+        (MeshSpec.from_dict({"a": 2, "b": 2, "c": 2}), (8, 8)),
+    ):
+        scale = mesh.size
+        for src, dst in itertools.product(_layouts(mesh, len(shape)), repeat=2):
+            if src == dst:
+                continue
+            total = 8 * 16 * 32 * 4 if len(shape) == 3 else 8 * 8 * 4
+            walk = rd._Walk(src, dst, total)
+            walk.run()
+            bound = rd._objective(walk.steps)
+            better = rd._search(src, dst, shape, total, bound)
+            least = rd._least_cost(src, dst, total)
+            if rd._greedy_is_cheapest(src, dst, total, walk.steps):
+                skipped += 1
+                assert better is None, (src, dst)
+            else:
+                searched += 1
+            if better is not None and least is not None:
+                replay = rd._Walk(src, dst, total)
+                for move in better:
+                    replay.apply(*move)
+                assert rd._objective(replay.steps) * scale >= least - 1e-6 * scale
+    assert skipped > 100 and searched > 100

@@ -81,6 +81,13 @@ def plan(
         with timing.phase("capture"), in_mode(model, training=True):
             graph = capture(model, micro, loss_fn)
         result = _plan_graph(graph, config, None, model, hardware_file, False, timing)
+    if config.host_modules:
+        note = (
+            f"host_modules {', '.join(config.host_modules)}: kept and computed on the host when "
+            "run; this plan still counts their parameters, gradients and optimizer states (and "
+            "their ops' time) on the device"
+        )
+        result = dataclasses.replace(result, notes=(*result.notes, note))
     timing.total_s = time.perf_counter() - start
     _log.info("%s", timing.line())
     return result

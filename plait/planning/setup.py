@@ -17,7 +17,7 @@ from plait.config import ParallelConfig
 from plait.cost import HardwareProfile, get_profile
 from plait.cost.comm import Topology
 from plait.cost.compute import op_seconds
-from plait.errors import ConfigError
+from plait.errors import ConfigError, NotBuiltError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -42,11 +42,23 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def check_config(cfg: ParallelConfig) -> None:
-    """ConfigError unless ``cfg.mode`` is one plait plans (hybrid and PS are by hand)."""
+    """ConfigError unless ``cfg.mode`` is one plait plans (hybrid and PS are by hand);
+    NotBuiltError for host modules where ``parallelize`` would refuse them too."""
     if cfg.mode not in PLANNABLE_MODES:
         raise ConfigError(
             f"ParallelConfig.mode={cfg.mode!r}: plait.plan plans modes {', '.join(PLANNABLE_MODES)}; "
             "hybrid and parameter_server runs are written by hand, not planned"
+        )
+    plain = cfg.mode == "data_parallel" and cfg.pipeline_stages == 1
+    passes = (
+        cfg.optimizer_shard is not None or cfg.recompute != "none" or cfg.offload or cfg.compile
+    )
+    if cfg.host_modules and (not plain or passes):
+        raise NotBuiltError(
+            f"ParallelConfig(host_modules={cfg.host_modules!r}) with mode={cfg.mode!r}: modules "
+            "on the host run in mode 'data_parallel' without pipeline stages, optimizer_shard, "
+            "recompute, offload or compile (the plain data-parallel path); elsewhere they are "
+            "not built yet. Drop those settings or host_modules"
         )
 
 

@@ -127,3 +127,13 @@ def test_host_modules_off_the_plain_path_are_refused_by_name(config, gpt_and_bat
 def test_on_host_takes_a_bool():
     with pytest.raises(ConfigError, match="give True or False"):
         plait.on_host(nn.Linear(2, 2), host="yes")
+
+
+def test_plans_refuse_host_modules_where_runs_do_and_note_them_where_they_run(gpt_and_batches):
+    model, batches = gpt_and_batches
+    dp = ParallelConfig(mode="data_parallel", devices=2, host_modules=("tok",))
+    plan = plait.plan(model, dp, example_batch=batches[0], loss_fn=gpt_loss)
+    assert any(n.startswith("host_modules tok: kept and computed on the host") for n in plan.notes)
+    semi = ParallelConfig(mode="semi_auto", devices=2, host_modules=("tok",))
+    with pytest.raises(NotBuiltError, match=r"host_modules=\('tok',\)\) with mode='semi_auto'"):
+        plait.plan(model, semi, example_batch=batches[0], loss_fn=gpt_loss)

@@ -134,6 +134,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         help="parameters optimizer parallel keeps whole, comma-separated",
     )
+    cfg.add_argument(
+        "--optimizer-weight-shard-size",
+        type=int,
+        help="ranks a parameter's shards spread over (HSDP shard groups; default: the dp axis)",
+    )
     cfg.add_argument("--recompute", choices=get_args(Recompute), default="none")
     cfg.add_argument(
         "--recompute-modules",
@@ -144,6 +149,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument("--grad-accumulation", type=int, default=1)
     cfg.add_argument("--comm-fusion", type=_comm_fusion, help="size:MB or index:I,J")
     cfg.add_argument("--offload", choices=get_args(Offload))
+    cfg.add_argument(
+        "--host-modules",
+        type=lambda text: tuple(n.strip() for n in text.split(",") if n.strip()),
+        default=(),
+        help="modules kept and computed on the host, comma-separated (mode data_parallel)",
+    )
     cfg.add_argument("--precision", choices=get_args(Precision), default="fp32")
     cfg.add_argument("--hardware", choices=get_args(Hardware))
     cfg.add_argument("--memory-limit", help="per-device cap, e.g. 80GiB")
@@ -188,11 +199,13 @@ def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
         optimizer_shard=args.optimizer_shard,
         optimizer_shard_threshold=_bytes_or_int(args.optimizer_shard_threshold),
         optimizer_shard_exclude=args.optimizer_shard_exclude,
+        optimizer_weight_shard_size=args.optimizer_weight_shard_size,
         recompute=args.recompute,
         recompute_modules=args.recompute_modules,
         grad_accumulation=args.grad_accumulation,
         comm_fusion=args.comm_fusion,
         offload=args.offload,
+        host_modules=args.host_modules,
         precision=args.precision,
         hardware=args.hardware,
         memory_limit=args.memory_limit,

@@ -167,6 +167,8 @@ def _op_rows(plan: Plan) -> list[list[str]]:
 def _header_lines(plan: Plan) -> list[str]:
     mesh = " x ".join(f"{a}={s}" for a, s in plan.mesh.as_dict().items())
     zero = "off" if plan.optimizer_shard is None else f"level {plan.optimizer_shard}"
+    if plan.optimizer_shard is not None and plan.optimizer_weight_shard_size is not None:
+        zero += f" in groups of {plan.optimizer_weight_shard_size}"
     lines = [
         f"plan for {plan.model or 'model'} on mesh {mesh} ({plan.mesh.size} devices)",
         f"  mode {plan.mode}, search {plan.search or '-'}, hardware {plan.hardware}, "

@@ -8,6 +8,7 @@ and :func:`~plait.planning.assemble.assemble_plan` need for one graph on one mes
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ __all__ = [
     "SearchSetup",
     "check_config",
     "compute_model",
+    "cost_model",
     "hardware_of",
     "mesh_of",
     "prepare",
@@ -133,7 +135,36 @@ def prepare(
     hardware = hardware or hardware_of(cfg, hardware_file)
     dtype = _DTYPES[cfg.precision]
     topology = Topology(mesh, hardware)
-    op_compute = compute_model(hardware, cfg.precision)
+    cost = cost_model(mesh, hardware, cfg.precision)
+    candidates = _shared_candidates(graph, mesh)
+    inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
+    fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
+    problem = SearchProblem(graph, mesh, candidates, inputs, cost, fused_axis=fused)
+    constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters)
+    allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
+    return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
+
+
+_COST_MODELS_KEPT = 16  # a free-mesh plan weighs up to ~30 meshes; a replan reuses one
+_COST_MODELS: OrderedDict[tuple[MeshSpec, HardwareProfile, str], CostModel] = OrderedDict()
+
+
+def cost_model(mesh: MeshSpec, hardware: HardwareProfile, precision: str) -> CostModel:
+    """The search's prices on ``mesh`` (placed on ``hardware``) at ``precision``.
+
+    One :class:`CostModel` per (mesh, profile, precision), by value, shared by every
+    ``prepare`` that asks (the last ``_COST_MODELS_KEPT``): its cached redistribution and
+    edge seconds, and the price tables searchers keep on it, carry over from one problem to
+    the next (a replan, a second search of the same graph). Collective seconds depend on the
+    mesh and the profile, compute seconds on the profile and the precision: nothing else
+    enters a price, so another mesh, profile or precision never shares an entry.
+    """
+    key = (mesh, hardware, precision)
+    found = _COST_MODELS.get(key)
+    if found is not None:
+        _COST_MODELS.move_to_end(key)
+        return found
+    topology = Topology(mesh, hardware)
     collectives: dict[tuple[str, str, int], float] = {}
 
     def axis_seconds(kind: str, axis: str, nbytes: int) -> float:
@@ -143,14 +174,10 @@ def prepare(
             found = collectives[key] = topology.axis_seconds(kind, axis, nbytes)
         return found
 
-    cost = CostModel(axis_seconds, op_compute)
-    candidates = _candidates(graph, mesh)
-    inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
-    fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
-    problem = SearchProblem(graph, mesh, candidates, inputs, cost, fused_axis=fused)
-    constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters)
-    allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
-    return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
+    found = _COST_MODELS[key] = CostModel(axis_seconds, compute_model(hardware, precision))
+    while len(_COST_MODELS) > _COST_MODELS_KEPT:
+        _COST_MODELS.popitem(last=False)
+    return found
 
 
 def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode, int], float]:
@@ -181,6 +208,28 @@ def _compute_memo(hardware: HardwareProfile, dtype: str) -> dict[tuple[float, fl
         last = (hardware, dtype, {})
         _COMPUTE[:] = [last]
     return last[2]
+
+
+_CANDIDATES_KEPT = 16  # meshes whose candidates are kept, for the last graph asked about
+_CANDIDATES: list[tuple[OpGraph, dict[MeshSpec, dict[str, list[OpStrategy]]]]] = []
+
+
+def _shared_candidates(graph: OpGraph, mesh: MeshSpec) -> dict[str, list[OpStrategy]]:
+    """:func:`_candidates`, kept per mesh (by value) for the last graph (by identity, held)
+    asked about: ``prepare`` of the same graph on the same mesh gets the same lists (the
+    catalogue is read-only), so prices searchers keep per candidate list carry over. A copy
+    of the op -> list map is returned; the lists are shared and never changed."""
+    last = _CANDIDATES[0] if _CANDIDATES else None  # one read: another thread may replace it
+    if last is None or last[0] is not graph:
+        last = (graph, {})
+        _CANDIDATES[:] = [last]
+    per_mesh = last[1]
+    found = per_mesh.get(mesh)
+    if found is None:
+        if len(per_mesh) >= _CANDIDATES_KEPT:
+            per_mesh.clear()
+        found = per_mesh[mesh] = _candidates(graph, mesh)
+    return dict(found)
 
 
 def _op_key(op: OpNode) -> tuple[object, ...]:

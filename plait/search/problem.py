@@ -164,6 +164,10 @@ class CostModel:
     _edges: dict[tuple[object, ...], float] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
+    scratch: dict[tuple[object, ...], object] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+    """Price tables a searcher keeps on the model (keys start with the searcher's name)."""
 
     def redistribution(
         self, src: TensorLayout, dst: TensorLayout, meta: TensorMeta

@@ -62,6 +62,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import cast
 
 from plait.graph import OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout
@@ -353,6 +354,80 @@ def _fold(
 # --------------------------------------------------------------------------- the search
 
 
+_TABLES_KEPT = 1 << 12  # link classes kept per cost model (then the tables start again)
+_ROLE_LISTS_KEPT = 1 << 10  # candidate lists whose roles are kept (then they start again)
+
+LinkTables = tuple[dict[tuple[int, int], float], dict[tuple[int, bool], float]]
+_TableEntry = tuple[
+    Sequence[OpStrategy],
+    Sequence[OpStrategy],
+    dict[tuple[int, int], float],
+    dict[tuple[int, bool], float],
+]
+
+
+def _link_tables(problem: SearchProblem, link: _Link) -> LinkTables:
+    """The price tables of ``link``'s class: exact ``(src index, dst index) -> seconds`` and
+    one-sided ``(index, end is the source) -> seconds``, both times ``link.count``.
+
+    Kept on the problem's cost model (its prices are a pure function of the two candidate
+    lists, the slots, the tensor, whether a gradient flows back and the count), so searches
+    of problems sharing a cost model and candidate lists (``prepare`` shares both per graph,
+    mesh and profile) share them. Lists are keyed by identity and held by the entry, so an
+    id is never reused while its entry lives; another cost model never sees the entry.
+    """
+    src_list = problem.candidates[link.src]
+    dst_list = problem.candidates[link.dst]
+    key = (
+        "recursive_programming.link",
+        id(src_list),
+        id(dst_list),
+        link.kind,
+        link.src_slot,
+        link.dst_slot,
+        link.src == link.dst,
+        link.meta,
+        link.needs_grad,
+        link.count,
+    )
+    scratch = problem.cost.scratch
+    found = cast("_TableEntry | None", scratch.get(key))
+    if found is None or found[0] is not src_list or found[1] is not dst_list:
+        if len(scratch) >= _TABLES_KEPT:
+            scratch.clear()
+        found = scratch[key] = (src_list, dst_list, {}, {})
+    return found[2], found[3]
+
+
+_RoleEntry = tuple[
+    Sequence[OpStrategy], list[dict[str, Role]], tuple[bool, ...], dict[tuple[str, ...], _Roles]
+]
+_ROLE_LISTS: dict[tuple[int, tuple[str, ...]], _RoleEntry] = {}
+
+
+def _roles_for(
+    candidates: Sequence[OpStrategy], mesh_axes: tuple[str, ...], axes: tuple[str, ...]
+) -> _Roles:
+    """:func:`_roles_of` for one axis order, kept per candidate list (by identity, the list
+    held by its entry) and mesh axes: what does not depend on the order is found once."""
+    key = (id(candidates), mesh_axes)
+    entry = _ROLE_LISTS.get(key)
+    if entry is None or entry[0] is not candidates:
+        if len(_ROLE_LISTS) >= _ROLE_LISTS_KEPT:
+            _ROLE_LISTS.clear()
+        entry = _ROLE_LISTS[key] = (
+            candidates,
+            _axis_roles(candidates, mesh_axes),
+            _mesh_ordered(candidates),
+            {},
+        )
+    _, by_axis, ordered, per_order = entry
+    found = per_order.get(axes)
+    if found is None:
+        found = per_order[axes] = _roles_of(candidates, axes, by_axis, ordered)
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class _Pick:
     """One round's choice for one op, kept for its Decision's reason."""
@@ -386,30 +461,12 @@ class _Prices:
             for n in self.fold.nodes
         }
         self.order = sorted(self.fold.nodes, key=lambda n: (-self.weight[n], position[n]))
-        self._roles: dict[tuple[int, tuple[str, ...]], _Roles] = {}
-        self._axis_roles: dict[int, tuple[list[dict[str, Role]], tuple[bool, ...]]] = {}
-        self._exact: dict[tuple[int, int, int], float] = {}
-        self._alone: dict[tuple[int, int, bool], float] = {}
         # links between ops with the same candidate lists, slots and tensors share prices
-        # (the same edge in every unfolded layer): link id -> its class
-        classes: dict[tuple[object, ...], int] = {}
-        self._link_class = tuple(
-            classes.setdefault(
-                (
-                    link.kind,
-                    id(problem.candidates[link.src]),
-                    link.src_slot,
-                    id(problem.candidates[link.dst]),
-                    link.dst_slot,
-                    link.src == link.dst,
-                    link.meta,
-                    link.needs_grad,
-                    link.count,
-                ),
-                len(classes),
-            )
-            for link in self.fold.links
-        )
+        # (the same edge in every unfolded layer, and in every search on the same cost model
+        # and candidate lists): per link, its class's tables of exact and one-sided prices
+        tables = [_link_tables(problem, link) for link in self.fold.links]
+        self._exact_of = tuple(t[0] for t in tables)
+        self._alone_of = tuple(t[1] for t in tables)
         self._own: dict[tuple[str, int], float] = {}
         self.neighbours = {n: self._neighbours_of(n) for n in self.fold.nodes}
         # node -> (link id, the other end (the node itself for a self link), node is the source)
@@ -460,19 +517,7 @@ class _Prices:
 
     def roles(self, node: str, axes: tuple[str, ...]) -> _Roles:
         """Roles of the node's candidates for one axis order (shared by equal candidate lists)."""
-        cands = self.problem.candidates[node]
-        key = (id(cands), axes)
-        found = self._roles.get(key)
-        if found is None:
-            # what does not depend on the order is found once per list
-            per_list = self._axis_roles.get(id(cands))
-            if per_list is None:
-                per_list = self._axis_roles[id(cands)] = (
-                    _axis_roles(cands, self.problem.mesh.axis_names),
-                    _mesh_ordered(cands),
-                )
-            found = self._roles[key] = _roles_of(cands, axes, *per_list)
-        return found
+        return _roles_for(self.problem.candidates[node], self.problem.mesh.axis_names, axes)
 
     def _neighbours_of(self, node: str) -> tuple[str, ...]:
         seen: dict[str, None] = {}
@@ -494,14 +539,14 @@ class _Prices:
 
     def exact(self, lid: int, src_index: int, dst_index: int) -> float:
         """Seconds of a link, both ends decided (forward and backward)."""
-        key = (self._link_class[lid], src_index, dst_index)
-        found = self._exact.get(key)
+        table = self._exact_of[lid]
+        found = table.get((src_index, dst_index))
         if found is None:
-            return self._exact_new(lid, key, src_index, dst_index)
+            return self._exact_new(lid, table, src_index, dst_index)
         return found
 
     def _exact_new(
-        self, lid: int, key: tuple[int, int, int], src_index: int, dst_index: int
+        self, lid: int, table: dict[tuple[int, int], float], src_index: int, dst_index: int
     ) -> float:
         """:meth:`exact` priced the first time."""
         link = self.fold.links[lid]
@@ -510,7 +555,7 @@ class _Prices:
         src = (s.outputs if link.kind == VALUE else s.inputs)[link.src_slot]
         grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
         seconds = self.cost.edge_seconds(src, d.inputs[link.dst_slot], grad, link.meta)
-        found = self._exact[key] = seconds * link.count
+        found = table[(src_index, dst_index)] = seconds * link.count
         return found
 
     def alone(self, lid: int, index: int, as_src: bool) -> float:
@@ -520,8 +565,9 @@ class _Prices:
         work is split over an axis its input is not hands back a partial gradient to reduce
         ("cut j").
         """
-        key = (self._link_class[lid], index, as_src)
-        found = self._alone.get(key)
+        table = self._alone_of[lid]
+        key = (index, as_src)
+        found = table.get(key)
         if found is None:
             link = self.fold.links[lid]
             if as_src:
@@ -535,7 +581,7 @@ class _Prices:
                 need = d.inputs[link.dst_slot]
                 grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
                 seconds = self.cost.edge_seconds(need, need, grad, link.meta)
-            found = self._alone[key] = seconds * link.count
+            found = table[key] = seconds * link.count
         return found
 
     def base(self, node: str, index: int, axes: frozenset[str] | None) -> float:
@@ -620,22 +666,32 @@ class _Rounds:
         round_options: dict[str, list[Role]] = {
             n: self.options(n, r) for n in self.prices.fold.nodes if n not in decided
         }
+        # per undecided node, the candidate completing each of its options, in option order
+        # (prefixes of undecided nodes do not change during the round)
+        self._opts = {
+            n: [self.roles[n].completion[(*self.prefix[n], role)] for role in options]
+            for n, options in round_options.items()
+        }
+        self._bases: dict[str, list[float]] = {}
+        self._rows: dict[tuple[int, bool, int], list[float]] = {}
         for node in self.prices.order:
             if node in decided:
                 continue
-            # While one node is scored nothing is decided, so what its roles' lookaheads ask
-            # of the same neighbours at the same candidates has one answer: shared, unless a
-            # lookahead from this node could reach MAX_HOPS (then its answers depend on the
-            # path, and each role keeps its own memo as the search is defined)
-            shared: dict[tuple[str, str, int, int], float] | None = (
-                {} if self.prices.short_lookahead(node) else None
-            )
             scored: list[tuple[float, tuple[object, ...], Role]] = []
-            for role in round_options[node]:
-                index = self.roles[node].completion[(*self.prefix[node], role)]
-                memo = shared if shared is not None else {}
-                cost = self._score(node, index, decided, axis_set, round_options, memo)
-                scored.append((cost, _role_key(role), role))
+            if self.prices.short_lookahead(node):
+                # While one node is scored nothing is decided, so what its roles' lookaheads
+                # ask of the same neighbours at the same candidates has one answer: each
+                # lookahead is found once for every candidate of the op that asks (_vector)
+                costs = self._score_all(node, decided, axis_set)
+                for role, cost in zip(round_options[node], costs, strict=True):
+                    scored.append((cost, _role_key(role), role))
+            else:
+                # a lookahead from this node could reach MAX_HOPS: its answers depend on the
+                # path, and each role keeps its own memo as the search is defined
+                for role in round_options[node]:
+                    index = self.roles[node].completion[(*self.prefix[node], role)]
+                    cost = self._score(node, index, decided, axis_set, round_options, {})
+                    scored.append((cost, _role_key(role), role))
             scored.sort(key=lambda s: (s[0], s[1]))
             cost, _, role = scored[0]
             runner = (scored[1][2], scored[1][0]) if len(scored) > 1 else None
@@ -643,6 +699,149 @@ class _Rounds:
             self.prefix[node] = (*self.prefix[node], role)
             self.current[node] = self.roles[node].completion[self.prefix[node]]
             decided.add(node)
+
+    def _base_list(self, node: str, axes: frozenset[str]) -> list[float]:
+        """:meth:`_Prices.base` of each of the node's options this round."""
+        found = self._bases.get(node)
+        if found is None:
+            base = self.prices.base
+            found = self._bases[node] = [base(node, i, axes) for i in self._opts[node]]
+        return found
+
+    def _row(self, lid: int, as_src: bool, index: int, other: str) -> list[float]:
+        """Link ``lid`` from the end at ``index`` to each option of its other end ``other``."""
+        key = (lid, as_src, index)
+        found = self._rows.get(key)
+        if found is None:
+            exact = self.prices.exact
+            if as_src:
+                found = [exact(lid, index, j) for j in self._opts[other]]
+            else:
+                found = [exact(lid, j, index) for j in self._opts[other]]
+            self._rows[key] = found
+        return found
+
+    def _score_all(self, node: str, decided: set[str], axes: frozenset[str]) -> list[float]:
+        """:meth:`_score` of every option of ``node``, in option order (the same sums).
+
+        Only for a node whose lookaheads cannot reach MAX_HOPS (their answers do not depend on
+        the path, so one memo serves all its options).
+        """
+        prices = self.prices
+        exact = prices.exact
+        memo: dict[tuple[str, str, int], list[float]] = {}
+        looks = [
+            self._vector(other, node, LOOKAHEAD_DEPTH, node, decided, axes, memo)
+            for other in prices.neighbours[node]
+            if other not in decided
+        ]
+        bases = self._base_list(node, axes)
+        ends = prices.ends[node]
+        costs: list[float] = []
+        for k, index in enumerate(self._opts[node]):
+            seconds = bases[k]
+            for lid, other, as_src in ends:
+                if other == node:
+                    seconds += exact(lid, index, index)
+                elif other in decided:
+                    at = self.current[other]
+                    seconds += exact(lid, index, at) if as_src else exact(lid, at, index)
+            for look in looks:
+                seconds += look[k]
+            costs.append(seconds)
+        return costs
+
+    def _links_by_option(
+        self, node: str, parent: str, ahead: int, root: str, decided: set[str]
+    ) -> tuple[list[float], list[list[list[float]]]]:
+        """Per option of looked-at ``node``, what :meth:`_known_links` sums, split where its
+        first link to ``parent`` comes: the sum before it, then the rows (over the parent's
+        options) to add in link order (a link to another op: its price in every column)."""
+        prices = self.prices
+        exact = prices.exact
+        width = len(self._opts[parent])
+        ends = prices.ends[node]
+        heads: list[float] = []
+        tails: list[list[list[float]]] = []
+        for index in self._opts[node]:
+            head = 0.0
+            tail: list[list[float]] = []
+            for lid, other, as_src in ends:
+                if other == parent:
+                    tail.append(self._row(lid, as_src, index, parent))
+                    continue
+                if other == node:
+                    term = exact(lid, index, index)
+                elif other in decided:
+                    at = self.current[other]
+                    term = exact(lid, index, at) if as_src else exact(lid, at, index)
+                elif ahead < 1 or other == root:
+                    term = prices.alone(lid, index, as_src)
+                else:
+                    continue
+                if tail:
+                    tail.append([term] * width)
+                else:
+                    head += term
+            heads.append(head)
+            tails.append(tail)
+        return heads, tails
+
+    def _vector(
+        self,
+        node: str,
+        parent: str,
+        depth: int,
+        root: str,
+        decided: set[str],
+        axes: frozenset[str],
+        memo: dict[tuple[str, str, int], list[float]],
+    ) -> list[float]:
+        """:meth:`_lookahead` of undecided ``node`` for every option of ``parent``, in order.
+
+        The same sums in the same order as :meth:`_lookahead` (no hop limit: the caller
+        checked that none is reached): per option of ``node``, its base, plus its links summed
+        in link order (those to ``parent`` read from a row over the parent's options), plus
+        the lookaheads beyond it; the cheapest option per parent option, the first on ties,
+        stopping at 0 as :meth:`_lookahead` does. What does not depend on the parent's
+        option (base, other links, lookaheads beyond) is found once.
+        """
+        key = (node, parent, depth)
+        found = memo.get(key)
+        if found is not None:
+            return found
+        prices = self.prices
+        ahead = depth if node in prices.passing else depth - 1
+        beyond = (
+            [
+                self._vector(other, node, ahead, root, decided, axes, memo)
+                for other in prices.neighbours[node]
+                if other != parent and other != root and other not in decided
+            ]
+            if ahead >= 1
+            else []
+        )
+        bases = self._base_list(node, axes)
+        heads, tails = self._links_by_option(node, parent, ahead, root, decided)
+        width = len(self._opts[parent])
+        found = []
+        options = range(len(heads))
+        for p in range(width):
+            best = math.inf
+            for k in options:
+                links = heads[k]
+                for row in tails[k]:
+                    links += row[p]
+                seconds = bases[k] + links
+                for look in beyond:
+                    seconds += look[k]
+                if seconds < best:
+                    best = seconds
+                if best == 0.0:
+                    break
+            found.append(best)
+        memo[key] = found
+        return found
 
     def _score(
         self,

@@ -211,3 +211,35 @@ def test_a_parameter_no_dim_of_which_divides_by_the_group_stays_whole_naming_it(
     assert len(warned) == 1 and "2.bias" in warned[0]
     assert "optimizer_weight_shard_size=2" in warned[0] and "divisible by 2" in warned[0]
     assert_same_run(expected, run, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_groups_with_gradient_accumulation_reduce_once_per_step(gpt_and_batches):
+    """HSDP level 2 with grad_accumulation=2: the micro-steps' gradients are summed locally
+    and reduce-scattered in the groups once per step (as many reduce-scatters, and all-reduces
+    across the groups, as the plan's buckets, not twice that); training equals one device."""
+    model, batches, expected = gpt_and_batches
+    cfg = ParallelConfig(
+        mode="semi_auto",
+        mesh={"dp": 4},
+        optimizer_shard=2,
+        optimizer_shard_threshold=0,
+        optimizer_weight_shard_size=K,
+        grad_accumulation=2,
+    )
+    losses = []
+    with plait.testing.simulate(4):
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        losses.append(job.step(batches[0]))
+        with CollectiveLog(job.device_mesh) as log:
+            losses += [job.step(b) for b in batches[1:2]]
+        losses += [job.step(b) for b in batches[2:]]
+        run = Run(losses, job.full_state_dict())
+    plan = job.loss_fn.plan
+    buckets = sum(c.count for c in plan.collectives if c.kind == "reduce_scatter")
+    assert buckets >= 1
+    sizes = {job.optimizer._plait_shadows.groups.group: "group"}
+    scatters = [e for e in log.events if e.kind == "reduce_scatter"]
+    assert len(scatters) == buckets and all(e.axis in sizes for e in scatters)
+    assert_same_run(expected, run, rtol=RTOL, atol=1e-6)

@@ -125,17 +125,35 @@ def init(
     return _world
 
 
+_LEAVE_BARRIER = timedelta(seconds=10)
+"""How long a gloo rank waits at exit for the others before destroying its groups anyway."""
+
+
 def _leave() -> None:
-    """Destroy the default group if it is still there (no collective: it cannot hang)."""
+    """Destroy the default group if it is still there.
+
+    On gloo the ranks first meet at a bounded barrier (``monitored_barrier``, at most
+    ``_LEAVE_BARRIER``): a rank that destroys its groups while a peer's last operations are
+    still in flight can leave gloo's worker threads holding work that dies with the
+    interpreter, and the process aborts after a clean run ("terminate called without an
+    active exception", exit code 134; seen once in a loaded test run). A peer that never
+    comes (it failed) costs at most the bound; nothing waits unboundedly.
+    """
     global _world
     import torch.distributed as dist
 
     _world = None
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # exiting anyway: say so, do not mask the exit status
-            logger.warning("destroying the process group at exit failed: %s", e)
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            dist.monitored_barrier(timeout=_LEAVE_BARRIER, wait_all_ranks=True)
+    except Exception as e:  # a peer failed or left: destroy anyway
+        logger.debug("barrier at exit: %s", e)
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # exiting anyway: say so, do not mask the exit status
+        logger.warning("destroying the process group at exit failed: %s", e)
 
 
 def resolve_backend(backend: str | None, penv: ProcessEnv) -> Backend:

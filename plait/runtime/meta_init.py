@@ -21,7 +21,7 @@ Two things a file cannot give and this module checks or works around:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -104,30 +104,50 @@ def require_initialised(model: nn.Module, what: str = "job.step") -> None:
         )
 
 
-def materialize_meta(model: nn.Module, device: torch.device | str) -> bool:
+def materialize_meta(
+    model: nn.Module, device: torch.device | str, host_modules: Sequence[str] = ()
+) -> bool:
     """Meta parameters and persistent buffers -> uninitialised tensors on ``device`` (in place;
     tied parameters stay one tensor, which ``Module.to_empty`` does not keep); the model is
-    then marked uninitialised. For jobs where each rank holds the whole model. Returns whether
-    anything was on the meta device."""
+    then marked uninitialised. For jobs where each rank holds the whole model. The modules at
+    ``host_modules`` (paths) and inside them get theirs in host memory instead: a table kept
+    on the host is never allocated on the device. Returns whether anything was on the meta
+    device."""
     check_meta_buffers(model)
     if not has_meta_tensors(model):
         return False
     done: dict[int, nn.Parameter] = {}
     # Plain tensors even in a simulated world: the caller makes per-rank copies if it needs.
     with simulation_suspended():
-        for module in model.modules():
+        for path, module in model.named_modules():
+            where = "cpu" if _under(path, host_modules) else device
             for name, p in list(module._parameters.items()):
                 if p is None or not p.is_meta:
                     continue
                 if id(p) not in done:
-                    value = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    value = torch.empty(p.shape, dtype=p.dtype, device=where)
                     done[id(p)] = nn.Parameter(value, p.requires_grad)
                 module._parameters[name] = done[id(p)]
             for name, b in list(module._buffers.items()):
                 if b is not None and b.is_meta:
-                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=where)
     mark_uninitialised(model)
     return True
+
+
+def _under(path: str, paths: Sequence[str]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in paths)
+
+
+def move_to_device(model: nn.Module, device: torch.device, keep: Sequence[str] = ()) -> None:
+    """``model.to(device)``, except the modules at the paths ``keep`` and inside them, which
+    stay where they are (host modules: never copied to the device and back)."""
+    if not keep:
+        model.to(device)
+        return
+    for path, module in model.named_modules():
+        if not _under(path, keep):
+            module._apply(lambda t: t.to(device), recurse=False)
 
 
 @contextlib.contextmanager

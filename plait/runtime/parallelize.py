@@ -45,7 +45,12 @@ from plait.runtime.host import (
 )
 from plait.runtime.job import DeferredJob, Job, LossFn, OptimizerFactory
 from plait.runtime.local_optim import build_optimizer
-from plait.runtime.meta_init import capture_on_device, check_meta_buffers, materialize_meta
+from plait.runtime.meta_init import (
+    capture_on_device,
+    check_meta_buffers,
+    materialize_meta,
+    move_to_device,
+)
 from plait.runtime.placement import place_parameters
 
 __all__ = ["parallelize"]
@@ -642,12 +647,13 @@ def _plain_job(
     dp = cfg.dp_axis
     size = mesh.axis_size(dp)
     device = _device_of(world.device_type)
-    materialize_meta(model, device)  # meta init: each rank holds the whole model, empty
+    # host modules are made (meta init) and kept in host memory: never put on the device
+    paths = host_module_paths(model, cfg) if cfg.host_modules else ()
+    host = plan_host_placement(model, paths) if paths else None
+    materialize_meta(model, device, paths)  # meta init: each rank holds the whole model, empty
     if device.type != "cpu":
-        model.to(device)
-    host = None
-    if cfg.host_modules:
-        host = plan_host_placement(model, host_module_paths(model, cfg))
+        move_to_device(model, device, keep=paths)
+    if host is not None:
         place_on_host(model, host, device)
     fresh_parameters(model)  # drops old hooks; simulated ranks: one private copy each
     plain = PlainDataParallel(

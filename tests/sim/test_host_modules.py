@@ -137,3 +137,29 @@ def test_plans_refuse_host_modules_where_runs_do_and_note_them_where_they_run(gp
     semi = ParallelConfig(mode="semi_auto", devices=2, host_modules=("tok",))
     with pytest.raises(NotBuiltError, match=r"host_modules=\('tok',\)\) with mode='semi_auto'"):
         plait.plan(model, semi, example_batch=batches[0], loss_fn=gpt_loss)
+
+
+def test_host_modules_are_never_made_or_put_on_the_device():
+    """Meta init makes a host module's tensors in host memory, and the move to the device
+    leaves them there (a table larger than the device never visits it). The "device" here
+    is meta, the one other device a CPU machine has: what lands there was moved."""
+    from plait.runtime.meta_init import materialize_meta, move_to_device
+
+    def build() -> nn.Module:  # "0": the embedding table kept on the host
+        return nn.Sequential(nn.Embedding(64, 16), nn.LayerNorm(16), nn.Linear(16, 64))
+
+    with torch.device("meta"):
+        built_on_meta = build()
+    assert materialize_meta(built_on_meta, "meta", ("0",))
+    devices = {n: p.device.type for n, p in built_on_meta.named_parameters()}
+    assert devices == {
+        "0.weight": "cpu",
+        "1.weight": "meta",
+        "1.bias": "meta",
+        "2.weight": "meta",
+        "2.bias": "meta",
+    }
+
+    on_cpu = build()
+    move_to_device(on_cpu, torch.device("meta"), keep=("0",))
+    assert {n: p.device.type for n, p in on_cpu.named_parameters()} == devices

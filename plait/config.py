@@ -62,6 +62,13 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ConfigError(f"ParallelConfig.{name}={value!r} is not allowed; use an integer >= 1")
 
 
+def _sorted_names(name: str, given: Any, what: str) -> tuple[str, ...]:
+    """A field holding names: sorted, without repeats; a bare string or non-names refused."""
+    if isinstance(given, str) or not all(isinstance(n, str) for n in given):
+        raise ConfigError(f"ParallelConfig.{name}={given!r}: give a tuple of {what}")
+    return tuple(sorted(set(given)))
+
+
 def parse_bytes(text: str | int, where: str = "memory_limit") -> int:
     """``"80GiB"`` -> 85899345920; integers are bytes."""
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
@@ -208,27 +215,20 @@ class ParallelConfig:
         if self.memory_limit is not None:
             object.__setattr__(self, "memory_limit", parse_bytes(self.memory_limit))
         self._check_recompute_modules()
-        exclude = self.optimizer_shard_exclude
-        if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
-            raise ConfigError(
-                f"ParallelConfig.optimizer_shard_exclude={exclude!r}: give a tuple of parameter "
-                "names, e.g. ('tok.weight',)"
-            )
-        object.__setattr__(self, "optimizer_shard_exclude", tuple(sorted(set(exclude))))
+        exclude = _sorted_names("optimizer_shard_exclude", self.optimizer_shard_exclude,
+                                "parameter names, e.g. ('tok.weight',)")  # fmt: skip
+        object.__setattr__(self, "optimizer_shard_exclude", exclude)
         self._check_weight_shard_size()
-        hosts = self.host_modules
-        if isinstance(hosts, str) or not all(isinstance(n, str) for n in hosts):
-            raise ConfigError(
-                f"ParallelConfig.host_modules={hosts!r}: give a tuple of module paths, e.g. "
-                "('embedding',)"
-            )
+        hosts = _sorted_names(
+            "host_modules", self.host_modules, "module paths, e.g. ('embedding',)"
+        )
         if "" in hosts:
             raise ConfigError(
                 f"ParallelConfig.host_modules={hosts!r}: '' is the whole model (plait.on_host "
                 "on the model itself); that is training on the CPU alone. Name the sub-modules "
                 "to keep on the host, e.g. ('embedding',)"
             )
-        object.__setattr__(self, "host_modules", tuple(sorted(set(hosts))))
+        object.__setattr__(self, "host_modules", hosts)
         threshold = self.optimizer_shard_threshold
         if threshold != 0:
             threshold = parse_bytes(threshold, "optimizer_shard_threshold")

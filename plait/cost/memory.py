@@ -466,6 +466,16 @@ _ALIASING = frozenset(
         "adjoint",
     )
 )
+_CONVOLUTIONS = (
+    "convolution",
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+)
 # Selective recompute keeps the outputs of matrix products, convolutions, attention kernels and
 # embedding lookups (the one rule: plait/runtime/remat.py's pass and pipeline stages ask
 # :func:`kept_by_selective` too); random ops are never recomputed (their results are kept).
@@ -480,14 +490,7 @@ _SELECTIVE_KEEPS = frozenset(
         "matmul",
         "linear",
         "_scaled_mm",
-        "convolution",
-        "_convolution",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
+        *_CONVOLUTIONS,
         "embedding",
     )
 )
@@ -655,16 +658,7 @@ _RULES: dict[str, _Rule] = {
     **dict.fromkeys(_names("linear", "matmul", "mm", "bmm", "dot", "mv"), _cross((0, 1), (1, 0))),
     **dict.fromkeys(_names("addmm", "baddbmm", "addbmm", "addmv"), _cross((1, 2), (2, 1))),
     **dict.fromkeys(
-        _names(
-            "convolution",
-            "_convolution",
-            "conv1d",
-            "conv2d",
-            "conv3d",
-            "conv_transpose1d",
-            "conv_transpose2d",
-            "conv_transpose3d",
-        ),
+        _names(*_CONVOLUTIONS),
         _cross((0, 1), (1, 0)),
     ),
     **dict.fromkeys(_names("embedding", "embedding_bag"), _inputs_from(1)),

@@ -34,6 +34,7 @@ from plait._compat import tree_map
 from plait.annotate import host_marks
 from plait.config import ParallelConfig
 from plait.errors import ConfigError
+from plait.runtime.meta_init import under_paths
 
 __all__ = [
     "HostPlacement",
@@ -75,11 +76,7 @@ def host_module_paths(model: nn.Module, cfg: ParallelConfig) -> tuple[str, ...]:
                 f"ParallelConfig.host_modules names {path!r}, which is not a module of "
                 f"{type(model).__name__}{hint}; give paths as model.named_modules() spells them"
             )
-    return tuple(p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p))
-
-
-def _under(name: str, paths: Sequence[str]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in paths)
+    return tuple(p for p in paths if not under_paths(p, [q for q in paths if q != p]))
 
 
 def plan_host_placement(model: nn.Module, paths: Sequence[str]) -> HostPlacement:
@@ -91,7 +88,7 @@ def plan_host_placement(model: nn.Module, paths: Sequence[str]) -> HostPlacement
             host_ids.setdefault(id(p), f"{path}.{name}")
     for name, p in model.named_parameters(remove_duplicate=False):
         owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if id(p) in host_ids and not _under(owner, paths):
+        if id(p) in host_ids and not under_paths(owner, paths):
             raise ConfigError(
                 f"host_modules: parameter {host_ids[id(p)]} is also {name}, used by module "
                 f"{owner or type(model).__name__!r} which stays on the device (tied weights); "

@@ -41,8 +41,10 @@ __all__ = [
     "mark_uninitialised",
     "materialize_meta",
     "meta_view",
+    "move_to_device",
     "require_initialised",
     "retarget_devices",
+    "under_paths",
 ]
 
 _UNINITIALISED = "_plait_uninitialised"
@@ -120,7 +122,7 @@ def materialize_meta(
     # Plain tensors even in a simulated world: the caller makes per-rank copies if it needs.
     with simulation_suspended():
         for path, module in model.named_modules():
-            where = "cpu" if _under(path, host_modules) else device
+            where = "cpu" if under_paths(path, host_modules) else device
             for name, p in list(module._parameters.items()):
                 if p is None or not p.is_meta:
                     continue
@@ -135,7 +137,8 @@ def materialize_meta(
     return True
 
 
-def _under(path: str, paths: Sequence[str]) -> bool:
+def under_paths(path: str, paths: Sequence[str]) -> bool:
+    """Whether module ``path`` is one of ``paths`` or inside one."""
     return any(path == p or path.startswith(p + ".") for p in paths)
 
 
@@ -146,7 +149,7 @@ def move_to_device(model: nn.Module, device: torch.device, keep: Sequence[str] =
         model.to(device)
         return
     for path, module in model.named_modules():
-        if not _under(path, keep):
+        if not under_paths(path, keep):
             module._apply(lambda t: t.to(device), recurse=False)
 
 

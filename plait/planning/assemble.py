@@ -60,7 +60,13 @@ from plait.planning.timeline import BACKWARD_FLOPS_FACTOR, bubble_seconds, in_fl
 from plait.rules import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import SearchProblem, gradient_layout, settled
+from plait.search.problem import (
+    SearchProblem,
+    gradient_layout,
+    keeps_sum,
+    pending_kept,
+    settled,
+)
 from plait.search.propagation import Decision
 from plait.search.stages import StageMemory, assign_stages, op_memory, stage_memory_figures
 
@@ -80,6 +86,9 @@ class _Step:
     stage: list[int] = field(default_factory=list)
     moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
     reduced: set[tuple[str, TensorLayout]] = field(default_factory=set)  # backward fan-out
+    kept: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Op -> axes its output's gradient stays pending over into its parameters (reduced in
+    the fused buckets: :func:`plait.search.problem.pending_values`)."""
 
     def redistribute(
         self,
@@ -198,7 +207,7 @@ def assemble_plan(
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
         offload=cfg.offload,
-        ops=tuple(_planned_op(ctx, op, decisions[op.name]) for op in graph.ops),
+        ops=tuple(_planned_op(ctx, op, decisions[op.name], step.kept) for op in graph.ops),
         parameters=parameters,
         collectives=tuple(step.items),
         predicted=predicted,
@@ -247,7 +256,9 @@ def _stage_names(
     return tuple(tuple(n) for n in names)
 
 
-def _planned_op(ctx: _Context, op: OpNode, decision: Decision) -> PlannedOp:
+def _planned_op(
+    ctx: _Context, op: OpNode, decision: Decision, kept: Mapping[str, tuple[str, ...]]
+) -> PlannedOp:
     strategy = ctx.chosen[op.name]
     covered = default_catalogue().covers(op)
     candidates = ctx.problem.candidates[op.name]
@@ -262,6 +273,7 @@ def _planned_op(ctx: _Context, op: OpNode, decision: Decision) -> PlannedOp:
         covered=covered,
         reason=decision.reason if covered else "no rule in the catalogue: replicated",
         layer=op.layer,
+        pending_grad=kept.get(op.name, ()),
         alternatives=tuple(
             Alternative(candidates[i].label, candidates[i].cuts(), c)
             for i, c in decision.alternatives
@@ -308,6 +320,11 @@ def _op_collectives(
             step.redistribute(have, need, meta.shape, meta.itemsize, where, reason)
         if ctx.problem.needs_grad(ref):
             grad, back = gradient_layout(strategy, i), settled(have)
+            keep = ctx.problem.keeps_pending(ref)
+            if keep is not None and keeps_sum(grad, have, keep):
+                # reduced with the producer's parameter gradients, in the fused buckets
+                step.kept[graph.producer(ref)[0].name] = (keep,)  # type: ignore[union-attr]
+                grad = pending_kept(grad, keep)
             # Readers handing back the same pending sum are summed by autograd, then reduced
             # once (q, k and v reading one layer norm: one all-reduce, not three).
             if (ref, grad) in step.reduced:
@@ -377,6 +394,10 @@ def _parameters(
             )
             continue
         axes = grad_reduce_axes(strategy, i)
+        kept = tuple(a for a in step.kept.get(op, ()) if a not in axes)
+        if kept:  # its reader's output gradient came back pending: so does its own
+            axes = tuple(a for a in ctx.mesh.axis_names if a in axes or a in kept)
+            why += f"; its gradient stays pending over {', '.join(kept)} from {op}'s output"
         nbytes = _local_bytes(g, layout)
         stage = ctx.stage_of[op]
         for axis in axes:

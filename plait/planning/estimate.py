@@ -51,7 +51,7 @@ from plait.planning.assemble import (
 )
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import gradient_layout, settled
+from plait.search.problem import gradient_layout, keeps_sum, pending_kept, settled
 from plait.search.propagation import Decision
 from plait.search.stages import assign_stages
 
@@ -321,6 +321,7 @@ class MeshEstimate:
         graph, chosen = self.graph, self.chosen
         sums = [(0.0, 0.0)] * self.stages
         self.param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]] = {}
+        self.kept: dict[str, str] = {}  # op -> the axis its output's gradient stays pending over
         moved: set[tuple[str, int]] = set()
         reduced: set[tuple[str, int]] = set()
         for op in graph.ops:
@@ -338,6 +339,10 @@ class MeshEstimate:
                         forward += seconds * repeat
                 if self.problem.needs_grad(ref):
                     grad = self._gradient(strategy, i)
+                    keep = self.problem.keeps_pending(ref)
+                    if keep is not None and keeps_sum(grad, have, keep):  # into the buckets
+                        self.kept[self.graph.producer(ref)[0].name] = keep  # type: ignore[union-attr]
+                        grad = pending_kept(grad, keep)
                     if (ref, self._canon(grad)) in reduced:
                         continue
                     reduced.add((ref, self._canon(grad)))
@@ -393,6 +398,9 @@ class MeshEstimate:
             pieces = self._pieces(layout)
             numel, nbytes = g.meta.numel // pieces, g.meta.nbytes // pieces
             axes = self._reduce_axes(strategy, i) if g.requires_grad else ()
+            kept = self.kept.get(op)
+            if g.requires_grad and kept is not None and kept not in axes:  # assemble's _parameters
+                axes = tuple(a for a in self.mesh.axis_names if a in axes or a == kept)
             self.params.append(_Param(g, layout, strategy, axes, stage, numel, nbytes))
             for axis in axes:
                 if self.fused and axes == (self.dp,):

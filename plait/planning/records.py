@@ -103,10 +103,14 @@ class PlannedOp:
     reason: str
     layer: str | None = None
     alternatives: tuple[Alternative, ...] = ()
+    pending_grad: tuple[str, ...] = ()
+    """Mesh axes over which the gradient of this op's output comes back as a pending sum and
+    stays pending into the gradients of the op's parameters, which the data-parallel buckets
+    reduce (a position table added to a batch-split activation: no collective of its own)."""
     # Names first and the long lists last: the order people read an op in the file.
     file_order: ClassVar[tuple[str, ...]] = (
         "name", "target", "module_path", "layer", "label", "covered", "strategy", "inputs",
-        "outputs", "reason", "alternatives",
+        "outputs", "pending_grad", "reason", "alternatives",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -121,6 +125,8 @@ class PlannedOp:
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
         object.__setattr__(self, "alternatives", tuple(self.alternatives))
+        pending = check_names(f"{where}.pending_grad", self.pending_grad)
+        object.__setattr__(self, "pending_grad", pending)
         self._check_inputs(where)
 
     def _check_inputs(self, where: str) -> None:

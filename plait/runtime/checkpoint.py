@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from io import BytesIO
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -49,8 +49,25 @@ from plait.runtime.local_optim import LocalShadows
 from plait.runtime.meta_init import mark_initialised
 from plait.runtime.zero import ZeroOptimizer
 
-if TYPE_CHECKING:
-    from plait.runtime.job import Job
+
+class CheckpointedJob(Protocol):
+    """What saving and loading read and restore of a job (:class:`plait.runtime.job.Job` and
+    its subclasses are ones; this module is called by the job and does not import it)."""
+
+    model: nn.Module
+    optimizer: Any
+    loss_fn: Any
+    config: Any
+    loss_scaler: Any
+    mesh: Any
+    steps_taken: int
+
+    def state_modules(self) -> list[nn.Module]: ...
+
+    def wait_for_save(self) -> None: ...
+
+    def checkpoint_group(self) -> Any: ...
+
 
 __all__ = [
     "SaveHandle",
@@ -91,7 +108,7 @@ class _Slot:
 # ----------------------------------------------------------------------------- state of a job
 
 
-def _model_state(job: Job) -> dict[str, torch.Tensor]:
+def _model_state(job: CheckpointedJob) -> dict[str, torch.Tensor]:
     """What this process holds of ``model.state_dict()`` (a pipeline rank: its stages)."""
     if not _holds_part(job):
         return job.model.state_dict()
@@ -101,16 +118,16 @@ def _model_state(job: Job) -> dict[str, torch.Tensor]:
     return {k: v for m in job.state_modules() for k, v in m.state_dict().items() if k in names}
 
 
-def _holds_part(job: Job) -> bool:
+def _holds_part(job: CheckpointedJob) -> bool:
     """True when this process holds part of the model (a pipeline rank's stages)."""
     return job.state_modules() != [job.model]
 
 
-def _named_parameters(job: Job) -> list[tuple[str, nn.Parameter]]:
+def _named_parameters(job: CheckpointedJob) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for m in job.state_modules() for n, p in m.named_parameters()]
 
 
-def _slots(job: Job) -> list[_Slot]:
+def _slots(job: CheckpointedJob) -> list[_Slot]:
     optimizer = job.optimizer
     names = {id(p): n for n, p in _named_parameters(job)}
     shadows = getattr(optimizer, "_plait_shadows", None)
@@ -153,7 +170,7 @@ def _as_global(value: torch.Tensor, slot: _Slot, where: str) -> torch.Tensor:
     return dtensor_from_local(value, _layout(p)[0], slot.placements, p.shape, p.stride())
 
 
-def tensor_state(job: Job) -> dict[str, torch.Tensor]:
+def tensor_state(job: CheckpointedJob) -> dict[str, torch.Tensor]:
     """The flat tensor dict a checkpoint of ``job`` stores (sharing storage with the job)."""
     state: dict[str, torch.Tensor] = {MODEL + k: v for k, v in _model_state(job).items()}
     for slot in _slots(job):
@@ -164,7 +181,9 @@ def tensor_state(job: Job) -> dict[str, torch.Tensor]:
     return state
 
 
-def _extras(job: Job, loader: Stateful | None, stateful: Mapping[str, Stateful]) -> dict:
+def _extras(
+    job: CheckpointedJob, loader: Stateful | None, stateful: Mapping[str, Stateful]
+) -> dict:
     scaler = job.loss_scaler
     return {
         "step": job.steps_taken,
@@ -244,7 +263,7 @@ def _check_real(what: str) -> None:
 
 
 def save_job(
-    job: Job,
+    job: CheckpointedJob,
     path: str | os.PathLike[str],
     *,
     loader: Stateful | None = None,
@@ -267,7 +286,7 @@ def save_job(
     extras = _extras(job, loader, dict(stateful or {}))
     state = tensor_state(job)
     if async_save:
-        group = job._checkpoint_group()
+        group = job.checkpoint_group()
         state = _staged(state)  # training may change the live tensors from now on
         extras = _copied(extras)
     else:
@@ -302,7 +321,7 @@ def save_job(
     return handle
 
 
-def _plan_text(job: Job) -> str | None:
+def _plan_text(job: CheckpointedJob) -> str | None:
     """The plan file's text, made once per job (a plan never changes after the job is built;
     serialising a large one costs tens of milliseconds every save otherwise)."""
     plan = getattr(job.loss_fn, "plan", None)
@@ -337,7 +356,7 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def _manifest(job: Job, extras: dict[str, Any]) -> dict[str, Any]:
+def _manifest(job: CheckpointedJob, extras: dict[str, Any]) -> dict[str, Any]:
     mesh = job.mesh
     return {
         "format": files.FORMAT,
@@ -530,7 +549,10 @@ def _few(items: list[str], n: int = 4) -> str:
 
 
 def _optimizer_destinations(
-    job: Job, saved: Mapping[str, io.SavedTensor], saved_class: str, partial: bool = False
+    job: CheckpointedJob,
+    saved: Mapping[str, io.SavedTensor],
+    saved_class: str,
+    partial: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[tuple[_Slot, str, torch.Tensor]]]:
     """Fresh tensors to load the saved optimizer states into, laid out as this job's optimizer
     pieces, and where each goes once loaded."""
@@ -610,7 +632,7 @@ def _reusable(existing: Any, meta: io.SavedTensor, slot: _Slot) -> bool:
 
 
 def load_job(
-    job: Job,
+    job: CheckpointedJob,
     path: str | os.PathLike[str],
     *,
     loader: Stateful | None = None,

@@ -186,7 +186,7 @@ class Job:
         """
         from plait.runtime.pretrained import load_pretrained
 
-        return load_pretrained(self, path)
+        return load_pretrained(self.model, self.optimizer, path)
 
     def state_modules(self) -> list[nn.Module]:
         """The modules whose state this process holds and saves (the model; a pipeline job's
@@ -199,7 +199,7 @@ class Job:
             saving, self._saving = self._saving, None
             saving.wait()
 
-    def _checkpoint_group(self) -> Any:
+    def checkpoint_group(self) -> Any:
         """The process group background saves coordinate on (made at the first one)."""
         if self._save_group is None:
             from plait.comm.checkpoint_io import checkpoint_group
@@ -263,8 +263,12 @@ class Job:
         total: torch.Tensor | None = None
         flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
         for micro in split_micro_batches(batch, k):
-            flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
-            out = program.run(weight, flat)
+            # The program holds its own backward: no autograd graph is recorded around it
+            # (and a DTensor parameter's local piece is then its tensor, not a view with a
+            # backward of its own).
+            with torch.no_grad():
+                flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
+                out = program.run(weight, flat)
             loss, new = out[0], out[1 : 1 + len(trained)]
             if grads is None:
                 grads = list(new)
@@ -675,6 +679,23 @@ class DeferredJob(Job):
     def wait_for_save(self) -> None:
         if self._built is not None:
             self._built.wait_for_save()
+
+    def load_pretrained(self, path: str | os.PathLike[str]) -> list[str]:
+        """As :meth:`Job.load_pretrained`. Before the first step the whole model is loaded on
+        every rank (placement slices it at the first step); a meta model is refused."""
+        if self._built is not None:
+            return self._built.load_pretrained(path)
+        from plait.runtime.meta_init import has_meta_tensors
+        from plait.runtime.pretrained import load_pretrained
+
+        if has_meta_tensors(self.model):
+            raise CheckpointError(
+                f"job.load_pretrained({os.fspath(path)!r}) on a job planned at its first step, "
+                "whose model is on the meta device: its pieces are placed only once it is "
+                "planned, so there is nothing to load into yet. Pass example_batch= to "
+                "plait.parallelize (the global batch; meta tensors are fine) to plan at once"
+            )
+        return load_pretrained(self.model, None, path)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         if self._built is None:  # not planned yet: the model is still whole

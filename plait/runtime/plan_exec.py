@@ -747,8 +747,8 @@ class _NodeStep:
     outputs: tuple[tuple[Any, ...], ...] = ()
     """DTensor placements of each planned output layout."""
     settled: tuple[tuple[TensorLayout, tuple[Any, ...]], ...] = ()
-    """Per planned output: its layout with pending sums reduced (where its gradient is pinned)
-    and that layout's placements."""
+    """Per planned output: where its gradient is pinned (:func:`_gradient_pin`: its layout
+    with pending sums reduced) and that layout's placements."""
     mean_loss: tuple[str, ...] = ()
     """A mean class-index loss on a split batch: the mesh axes splitting it
     (:func:`_run_mean_class_loss`)."""
@@ -784,11 +784,19 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
             autocast=autocast,
             inputs=tuple(to_dtensor_placements(layout) for layout in ins),
             outputs=tuple(to_dtensor_placements(layout) for layout in outs),
-            settled=tuple(
-                (settled(layout), to_dtensor_placements(settled(layout))) for layout in outs
-            ),
+            settled=tuple(_gradient_pin(layout, op) for layout in outs),
         )
     return steps
+
+
+def _gradient_pin(layout: TensorLayout, op: PlannedOp | None) -> tuple[TensorLayout, Any]:
+    """Where the gradient of an output laid out as ``layout`` is pinned, with its placements:
+    pending sums reduced, but those the plan keeps pending into the op's parameters
+    (``PlannedOp.pending_grad``: the fused buckets reduce them)."""
+    pin = settled(layout)
+    if op is not None and op.pending_grad:
+        pin = pin.with_partial(op.pending_grad)
+    return pin, to_dtensor_placements(pin)
 
 
 def _local_op(op: PlannedOp) -> _LocalOp:
@@ -1010,8 +1018,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
                         actual, planned, tuple(value.shape), value.element_size()
                     )
                     value = execute_redistribution(value, redistribution)  # type: ignore[arg-type]
-            pinned = settled(layout_of(value))  # type: ignore[arg-type]
-            pinned_placements = to_dtensor_placements(pinned)
+            pinned, pinned_placements = _gradient_pin(layout_of(value), op)  # type: ignore[arg-type]
         if step.pin and value.requires_grad:
             _pin_gradient(value, pinned, pinned_placements)
         return value
@@ -1371,10 +1378,12 @@ def _program_passes(
     gather: bool,
     groups: ShardGroups | None = None,
 ) -> Program:
-    """The passes over a plan's freshly traced program, in order: the data-parallel gradient
-    buckets reduced inside it (``reduce``: the plan has them; with accumulation the Job
+    """The passes over a plan's freshly traced program, in order: collectives on the batch
+    alone issued first (the global target count), the data-parallel gradient buckets reduced
+    inside it (``reduce``: the plan has them; with accumulation the Job
     reduces after the last micro-step instead), ZeRO's reduce-scatters and, at level 3
     (``gather``), parameter gathers, recompute, activation offload, torch.compile."""
+    program.issue_batch_collectives_early()
     if reduce and cfg.grad_accumulation == 1:
         _fuse_buckets(program, model, whole, cfg.dp_axis)
         if split:

@@ -149,7 +149,10 @@ def _divides(batch: Any, parts: int) -> bool:
 
 
 def _predict_plain(
-    job: Job, plain: PlainDataParallel, batch: Any, precision: contextlib.AbstractContextManager[Any]
+    job: Job,
+    plain: PlainDataParallel,
+    batch: Any,
+    precision: contextlib.AbstractContextManager[Any],
 ) -> Any:
     batch = tree_map(lambda x: x.to(plain.device) if isinstance(x, torch.Tensor) else x, batch)
     if plain.size == 1 or not _divides(batch, plain.size):

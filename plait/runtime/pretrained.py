@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,11 +56,8 @@ from plait._compat import (
 )
 from plait.comm.dtensor import is_dtensor, layout_of, local_piece
 from plait.errors import CheckpointError
-from plait.runtime.meta_init import has_meta_tensors, mark_initialised
+from plait.runtime.meta_init import mark_initialised
 from plait.runtime.zero import ZeroOptimizer
-
-if TYPE_CHECKING:
-    from plait.runtime.job import Job
 
 __all__ = ["load_pretrained", "pretrained_files"]
 
@@ -406,21 +403,11 @@ def _copy(dest: torch.Tensor, value: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- entry point
 
 
-def load_pretrained(job: Job, path: str | os.PathLike[str]) -> list[str]:
-    """Load the pretrained weights at ``path`` into ``job`` (see the module docstring);
-    returns the ``state_dict`` names loaded. Every rank calls it; no rank waits on another."""
-    if isinstance(getattr(type(job), "built", None), property):  # a DeferredJob
-        built = job.built  # type: ignore[attr-defined]
-        if built is not None:
-            return load_pretrained(built, path)
-        if has_meta_tensors(job.model):
-            raise CheckpointError(
-                f"job.load_pretrained({os.fspath(path)!r}) on a job planned at its first step, "
-                "whose model is on the meta device: its pieces are placed only once it is "
-                "planned, so there is nothing to load into yet. Pass example_batch= to "
-                "plait.parallelize (the global batch; meta tensors are fine) to plan at once"
-            )
-    model = job.model
+def load_pretrained(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> list[str]:
+    """Load the pretrained weights at ``path`` into a job's ``model`` (see the module
+    docstring) and refresh ``optimizer``'s copies of them (ZeRO's shards; None before the job
+    is planned); returns the ``state_dict`` names loaded. Every rank calls it; no rank waits
+    on another."""
     files = pretrained_files(path)
     stored = _stored(files)
     entries = _entries(model, stored)
@@ -430,7 +417,6 @@ def load_pretrained(job: Job, path: str | os.PathLike[str]) -> list[str]:
         for entry in entries:
             _fill(entry, reader)
     mark_initialised(model)
-    optimizer = getattr(job, "optimizer", None)  # a job not planned yet has none
     shadows = getattr(optimizer, "_plait_shadows", None)
     if isinstance(shadows, ZeroOptimizer):
         shadows.reload_from_parameters()  # its shards and host copies are copies

@@ -181,10 +181,10 @@ class _Builder:
         meta = p.graph.meta(edge.ref)
         key: tuple[object, ...] = (id(producer), edge.output, id(consumer), edge.input)
         key += (edge.needs_grad, meta, self.choices[u], self.choices[v])
+        key += (p.keeps_pending(edge.ref),)
         found = self.cache.get(key)
         if found is not None:
             return found
-        sources = [producer[i].outputs[edge.output] for i in self.choices[u]]
         targets = [
             (
                 consumer[j].inputs[edge.input],
@@ -192,7 +192,22 @@ class _Builder:
             )
             for j in self.choices[v]
         ]
-        matrix = _tabulate(sources, targets, lambda s, t: p.cost.edge_seconds(s, t[0], t[1], meta))
+        keep = p.keeps_pending(edge.ref)
+        if keep is None:
+            sources = [producer[i].outputs[edge.output] for i in self.choices[u]]
+            matrix = _tabulate(
+                sources, targets, lambda s, t: p.cost.edge_seconds(s, t[0], t[1], meta)
+            )
+        else:  # the gradient stays pending into the producer's parameters (its buckets)
+            op = p.graph.op(edge.producer)
+            pending = [
+                (producer[i].outputs[edge.output], p.bucket_seconds(op, i)) for i in self.choices[u]
+            ]
+            matrix = _tabulate(
+                pending,
+                targets,
+                lambda s, t: p.cost.edge_seconds(s[0], t[0], t[1], meta, keep, s[1]),
+            )
         self.cache[key] = matrix
         return matrix
 

@@ -32,6 +32,9 @@ __all__ = [
     "carries_gradient",
     "gradient_layout",
     "gradient_values",
+    "keeps_sum",
+    "pending_kept",
+    "pending_values",
     "settled",
 ]
 
@@ -84,6 +87,37 @@ def gradient_values(graph: OpGraph) -> frozenset[str]:
     return frozenset(found)
 
 
+def pending_values(graph: OpGraph, grad_refs: frozenset[str]) -> frozenset[str]:
+    """Values whose gradient may stay a pending sum over the data-parallel axis into the
+    parameters of the op that makes them, reduced with them in the fused gradient buckets.
+
+    A value qualifies when its gradient can only reach parameters: the op that makes it has
+    one output, read by one op, and the op's inputs that take gradients are trainable
+    parameters no other op reads (a learned position table: its output added to a batch-split
+    activation comes back summed over dp from every rank; an op's backward is linear in the
+    output's gradient, so the table's gradient is the same pending sum, and the bucket that
+    reduces the other gradients reduces it, with no collective of its own).
+    """
+    readers: dict[str, int] = {}
+    for op in graph.ops:
+        for ref in op.inputs:
+            readers[ref] = readers.get(ref, 0) + 1
+    found: set[str] = set()
+    for op in graph.ops:
+        if len(op.outputs) != 1 or readers.get(op.name, 0) != 1 or op.name not in grad_refs:
+            continue
+        learned = [ref for ref in op.inputs if ref in grad_refs]
+        if learned and all(
+            (g := graph.graph_input(ref)) is not None
+            and g.kind == "parameter"
+            and g.trainable
+            and readers[ref] == 1
+            for ref in learned
+        ):
+            found.add(op.name)
+    return frozenset(found)
+
+
 @dataclass
 class _GraphFacts:
     """What every problem on one graph shares (the outer planner builds one per mesh)."""
@@ -91,6 +125,7 @@ class _GraphFacts:
     graph: OpGraph
     grad_refs: frozenset[str]
     signatures: dict[str, int] | None = None
+    pending: frozenset[str] | None = None
 
 
 _LAST_GRAPH: list[_GraphFacts] = []
@@ -107,6 +142,13 @@ def _facts(graph: OpGraph) -> _GraphFacts:
 
 def _gradient_values_of(graph: OpGraph) -> frozenset[str]:
     return _facts(graph).grad_refs
+
+
+def _pending_values_of(graph: OpGraph) -> frozenset[str]:
+    facts = _facts(graph)
+    if facts.pending is None:
+        facts.pending = pending_values(graph, facts.grad_refs)
+    return facts.pending
 
 
 def _signatures_of(graph: OpGraph) -> dict[str, int]:
@@ -135,6 +177,25 @@ def _signatures_of(graph: OpGraph) -> dict[str, int]:
             found[op.name] = numbers.setdefault(full, len(numbers))
         facts.signatures = found
     return facts.signatures
+
+
+def keeps_sum(grad: TensorLayout, src: TensorLayout, keep: str | None) -> bool:
+    """Whether a gradient laid out as ``grad`` keeps its pending sum over ``keep`` into the
+    producer's parameters: it has one, and the producer's output (``src``) does not involve
+    that axis (an output split over it, or pending over it, means parameters that are too)."""
+    return (
+        keep is not None
+        and keep in grad.partial
+        and keep not in src.partial
+        and all(keep not in axes for axes in src.dims)
+    )
+
+
+def pending_kept(grad: TensorLayout, keep: str) -> TensorLayout:
+    """``grad`` without its pending sum over ``keep``: what is left to reduce on an edge whose
+    gradient keeps that sum into the producer's parameters (:func:`pending_values`)."""
+    rest = tuple(a for a in grad.partial if a != keep)
+    return _interned(grad.with_partial(rest, grad.reduce_op)) if rest else settled(grad)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -188,17 +249,32 @@ class CostModel:
         return found
 
     def edge_seconds(
-        self, src: TensorLayout, dst: TensorLayout, grad: TensorLayout | None, meta: TensorMeta
+        self,
+        src: TensorLayout,
+        dst: TensorLayout,
+        grad: TensorLayout | None,
+        meta: TensorMeta,
+        keep: str | None = None,
+        bucket: float = 0.0,
     ) -> float:
         """Forward ``src -> dst`` plus backward ``grad -> settled(src)`` for one edge.
 
-        ``grad`` is None when no gradient flows back along the edge.
+        ``grad`` is None when no gradient flows back along the edge. ``keep`` names an axis
+        whose pending sum the gradient keeps into the producer's parameters (see
+        :func:`pending_values`): it is not reduced on the edge, and ``bucket`` (the
+        parameters' share of the fused buckets) is paid instead when the gradient has it.
         """
-        key = (src, dst, grad, meta)
+        key = (src, dst, grad, meta, keep, bucket)
         found = self._edges.get(key)
         if found is None:
             fwd = self.move_seconds(src, dst, meta)
-            found = fwd if grad is None else fwd + self.move_seconds(grad, settled(src), meta)
+            if grad is None:
+                found = fwd
+            elif keeps_sum(grad, src, keep):
+                kept = pending_kept(grad, keep)  # type: ignore[arg-type]
+                found = fwd + self.move_seconds(kept, settled(src), meta) + bucket
+            else:
+                found = fwd + self.move_seconds(grad, settled(src), meta)
             self._edges[key] = found
         return found
 
@@ -248,6 +324,38 @@ class SearchProblem:
             key = self._op_keys[op.name]
         return key
 
+    def keeps_pending(self, ref: str) -> str | None:
+        """The fused axis when value ``ref``'s gradient stays pending into its producer's
+        parameters (:func:`pending_values`), else None."""
+        axis = self.fused_axis
+        if axis is None or axis not in self.mesh.axis_names or self.mesh.axis_size(axis) == 1:
+            return None
+        return axis if ref in _pending_values_of(self.graph) else None
+
+    _buckets: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+
+    def bucket_seconds(self, op: OpNode, index: int) -> float:
+        """What candidate ``index`` of ``op`` adds to the fused buckets when its output's
+        gradient comes back pending over the fused axis: its parameters' bytes (no latency:
+        the bucket's collective runs anyway), except those it reduces over that axis itself."""
+        key = (self.signature(op), index)
+        found = self._buckets.get(key)
+        if found is None:
+            strategy = self.candidates[op.name][index]
+            found = 0.0
+            axis = self.fused_axis
+            for i, ref in enumerate(op.inputs):
+                source = self.graph.graph_input(ref)
+                if axis is None or source is None or source.kind != "parameter":
+                    continue
+                if not source.trainable or axis in grad_reduce_axes(strategy, i):
+                    continue
+                nbytes = source.meta.nbytes // math.prod(strategy.inputs[i].splits())
+                found += self.cost.axis_seconds("all_reduce", axis, nbytes)
+                found -= self.cost.axis_seconds("all_reduce", axis, 0)
+            self._buckets[key] = found
+        return found
+
     def _is_param(self, ref: str) -> bool:
         source = self.graph.graph_input(ref)
         return source is not None and source.kind == "parameter"
@@ -276,12 +384,19 @@ class SearchProblem:
         return seconds
 
     def input_edge_seconds(
-        self, op: OpNode, index: int, strategy: OpStrategy, source: TensorLayout
+        self,
+        op: OpNode,
+        index: int,
+        strategy: OpStrategy,
+        source: TensorLayout,
+        keep: str | None = None,
+        bucket: float = 0.0,
     ) -> float:
-        """Cost of feeding value ``op.inputs[index]``, laid out as ``source``, to ``strategy``."""
+        """Cost of feeding value ``op.inputs[index]``, laid out as ``source``, to ``strategy``
+        (``keep``, ``bucket``: as :meth:`CostModel.edge_seconds`, from the value's producer)."""
         meta = op.input_metas[index]
         grad = gradient_layout(strategy, index) if self.needs_grad(op.inputs[index]) else None
-        return self.cost.edge_seconds(source, strategy.inputs[index], grad, meta)
+        return self.cost.edge_seconds(source, strategy.inputs[index], grad, meta, keep, bucket)
 
     def edges(self) -> list[Edge]:
         """Every edge between two ops (producer output -> consumer input), in graph order."""
@@ -301,7 +416,11 @@ class SearchProblem:
         target = self.candidates[edge.consumer][consumer_index]
         grad = gradient_layout(target, edge.input) if edge.needs_grad else None
         meta = self.graph.meta(edge.ref)
-        return self.cost.edge_seconds(src, target.inputs[edge.input], grad, meta)
+        keep = self.keeps_pending(edge.ref)
+        if keep is None:
+            return self.cost.edge_seconds(src, target.inputs[edge.input], grad, meta)
+        bucket = self.bucket_seconds(self.graph.op(edge.producer), producer_index)
+        return self.cost.edge_seconds(src, target.inputs[edge.input], grad, meta, keep, bucket)
 
     def source_cost(self, op: OpNode, index: int) -> float:
         """Seconds of ``op``'s edges from values no op makes: the batch, shared parameters.

@@ -101,16 +101,25 @@ class _Walk:
             if known is None:
                 continue
             layout, meta, grad = known[0], op.input_metas[i], problem.needs_grad(ref)
-            key: tuple[object, ...] = (base, 0, i, id(layout), id(meta), grad)
+            keep, bucket = problem.keeps_pending(ref), 0.0
+            if keep is not None:  # its producer is decided: what it adds to the buckets
+                producer = self.producers[op.name][i][0]
+                assert producer is not None
+                bucket = problem.bucket_seconds(producer, self.decided[producer.name].index)
+            key: tuple[object, ...] = (base, 0, i, id(layout), id(meta), grad, keep, bucket)
             found = vectors.get(key)
             if found is None:
-                vector = [problem.input_edge_seconds(op, i, cands[j], layout) for j in at]
+                vector = [
+                    problem.input_edge_seconds(op, i, cands[j], layout, keep, bucket) for j in at
+                ]
                 found = vectors[key] = ((cands, layout, meta), vector)
             out.append((known[1], found[1]))
         cost = problem.cost
         for k, readers in enumerate(self.consumers[op.name]):
             meta = op.outputs[k]
-            grad = problem.needs_grad(op.name if k == 0 else f"{op.name}:{k}")
+            ref = op.name if k == 0 else f"{op.name}:{k}"
+            grad = problem.needs_grad(ref)
+            keep = problem.keeps_pending(ref)
             for consumer, i in readers:
                 decided = self.decided.get(consumer.name)
                 if decided is None:  # a pending sum is priced as if reduced for the consumer
@@ -122,11 +131,21 @@ class _Walk:
                     out.append((None, found[1]))
                     continue
                 target = problem.candidates[consumer.name][decided.index]
-                key = (base, 2, k, id(target), i, id(meta), grad)
+                key = (base, 2, k, id(target), i, id(meta), grad, keep)
                 found = vectors.get(key)
                 if found is None:
                     want, back = target.inputs[i], gradient_layout(target, i) if grad else None
-                    vector = [cost.edge_seconds(cands[j].outputs[k], want, back, meta) for j in at]
+                    vector = [
+                        cost.edge_seconds(
+                            cands[j].outputs[k],
+                            want,
+                            back,
+                            meta,
+                            keep,
+                            0.0 if keep is None else problem.bucket_seconds(op, j),
+                        )
+                        for j in at
+                    ]
                     found = vectors[key] = ((cands, target, meta), vector)
                 out.append((consumer.name, found[1]))
         key = (base, 3, problem.signature(op))

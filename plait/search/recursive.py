@@ -200,6 +200,7 @@ class _Link:
     dst_slot: int
     meta: TensorMeta
     needs_grad: bool
+    keep: str | None  # the axis whose pending gradient sum stays into src's parameters
     count: int
 
 
@@ -265,7 +266,7 @@ def _representatives(
     return node_of
 
 
-LinkKey = tuple[int, str, int, str, int, TensorMeta, bool]  # a _Link's fields but its count
+LinkKey = tuple[int, str, int, str, int, TensorMeta, bool, str | None]  # a _Link's but count
 SourceKey = tuple[str, int, TensorLayout, TensorMeta, bool]  # node, then a _Source's fields
 LinkCounts = dict[LinkKey, int]
 SourceCounts = dict[SourceKey, int]
@@ -283,6 +284,7 @@ def _value_links(problem: SearchProblem, node_of: Mapping[str, str]) -> LinkCoun
             e.input,
             problem.graph.meta(e.ref),
             e.needs_grad,
+            problem.keeps_pending(e.ref),
         )
         links[key] = links.get(key, 0) + 1
     return links
@@ -314,7 +316,7 @@ def _input_links(
                 first_reader[ref] = (node, i)
                 continue
             src, slot = first_reader[ref]
-            key = (PARAM, src, slot, node, i, meta, problem.needs_grad(ref))
+            key = (PARAM, src, slot, node, i, meta, problem.needs_grad(ref), None)
             links[key] = links.get(key, 0) + 1
     return sources
 
@@ -554,7 +556,12 @@ class _Prices:
         d = self.problem.candidates[link.dst][dst_index]
         src = (s.outputs if link.kind == VALUE else s.inputs)[link.src_slot]
         grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
-        seconds = self.cost.edge_seconds(src, d.inputs[link.dst_slot], grad, link.meta)
+        bucket = 0.0
+        if link.keep is not None:
+            bucket = self.problem.bucket_seconds(self.problem.graph.op(link.src), src_index)
+        seconds = self.cost.edge_seconds(
+            src, d.inputs[link.dst_slot], grad, link.meta, link.keep, bucket
+        )
         found = table[(src_index, dst_index)] = seconds * link.count
         return found
 
@@ -580,7 +587,8 @@ class _Prices:
                 d = self.problem.candidates[link.dst][index]
                 need = d.inputs[link.dst_slot]
                 grad = gradient_layout(d, link.dst_slot) if link.needs_grad else None
-                seconds = self.cost.edge_seconds(need, need, grad, link.meta)
+                # a sum kept pending adds the producer's bucket share: at least 0
+                seconds = self.cost.edge_seconds(need, need, grad, link.meta, link.keep)
             found = table[key] = seconds * link.count
         return found
 

@@ -151,9 +151,7 @@ def test_hugging_face_model_output_under_a_plan_and_data_parallel() -> None:
     device's."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4
-    )
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
     model.eval()

@@ -204,9 +204,12 @@ def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state(legacy=True)
     if not isinstance(np_state, tuple):  # pragma: no cover - legacy=True gives the tuple
         raise TypeError(f"numpy's RNG state is a {type(np_state).__name__}, not a tuple")
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
+        # Python's 625 state words as one tensor, not a tuple of ints: a load's weights-only
+        # unpickler takes 0.4 ms for the small state then, against 1.1 ms with the tuple.
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -216,11 +219,19 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
+    random.setstate(_python_rng(state["python"]))
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy(), *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _python_rng(saved: Any) -> tuple[Any, ...]:
+    """The state ``random.setstate`` takes, from either form a checkpoint holds: the words as
+    a tensor (:func:`_rng_state`), or as a tuple or list (checkpoints before that)."""
+    version, internal, gauss = saved
+    words = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    return (version, _tuples(words), gauss)
 
 
 def _tuples(value: Any) -> Any:
@@ -302,7 +313,12 @@ def save_job(
         def commit(written: dict[str, tuple[int, int]]) -> None:
             _commit(partial, final, manifest, written)
 
-        io.save_tensors(state, partial, group, files=small, fresh=True, commit=commit)
+        # A synchronous save owns the process while it writes: torch.save's own CRC-32 of
+        # each record, which nothing checks, is left out (io._zip_crc); a background one
+        # keeps it, since the training thread may save meanwhile.
+        io.save_tensors(
+            state, partial, group, files=small, fresh=True, commit=commit, zip_crc=async_save
+        )
 
     if not async_save:
         write()

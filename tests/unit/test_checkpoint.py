@@ -411,3 +411,96 @@ def test_async_save_writes_the_state_of_its_step(tmp_path: Path) -> None:
     fresh = _job()
     assert fresh.load(tmp_path / "a") == 1
     assert _same(at_save, _state(fresh))
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, (1 << 20) + 3])
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_checksum_of_a_mapped_file_equals_a_read_of_it(
+    tmp_path: Path, monkeypatch, size: int, algorithm: str
+) -> None:
+    """files.checksum hashes a file mapped from the page cache (no copy); an empty file, or one
+    that cannot be mapped, is read in chunks instead: the same size and digest every way."""
+    import zlib
+
+    import xxhash
+
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator()).numpy()
+    target = tmp_path / "f.bin"
+    target.write_bytes(data.tobytes())
+    digest = (
+        f"{xxhash.xxh3_64_intdigest(data.tobytes()):016x}"
+        if algorithm == "xxh3_64"
+        else f"{zlib.crc32(data.tobytes()):08x}"
+    )
+    want = {"bytes": size, algorithm: digest}
+    assert files.checksum(target, algorithm) == want
+    monkeypatch.setattr(files, "_mapped", lambda fd, size: None)  # e.g. no mmap there
+    assert files.checksum(target, algorithm) == want
+
+
+def test_a_sync_save_leaves_torch_saves_zip_crc_out_and_loads_with_plain_dcp(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A synchronous save writes DCP's pieces without torch.save's per-record zip CRC-32 (the
+    XXH3-64 of each file covers the bytes; torch.load never reads the CRC) and puts torch's
+    setting back; a background save keeps the CRC. Both load with plain DCP as with plait."""
+    import torch.distributed.checkpoint as dcp
+
+    from plait.runtime.checkpoint import tensor_state
+
+    seen: list[bool] = []
+    real_save = torch.save
+
+    def spy(*args, **kwargs):
+        seen.append(torch.serialization.get_crc32_options())
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", spy)
+    job = _job()
+    job.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
+    for async_save in (False, True):
+        seen.clear()
+        path = tmp_path / f"async-{async_save}"
+        job.save(path, async_save=async_save).wait()
+        assert torch.serialization.get_crc32_options()  # put back
+        pieces = len(tensor_state(job))
+        # one torch.save per piece in DCP's write, and the small state's (outside it, with CRC)
+        assert len(seen) == pieces + 1 and seen.count(False) == (0 if async_save else pieces)
+        plain = {k: torch.zeros_like(v) for k, v in tensor_state(job).items()}
+        dcp.load(plain, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        assert _same(plain, {k: v.detach() for k, v in tensor_state(job).items()})
+        fresh = _job()
+        assert fresh.load(path) == 1
+        assert _same(_state(job), _state(fresh))
+
+
+def test_torch_setting_is_put_back_when_a_save_fails(tmp_path: Path, monkeypatch) -> None:
+    """A save that fails while DCP writes still restores torch's zip-CRC setting."""
+    from plait.comm import checkpoint_io
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint_io.save_tensors({"x": torch.ones(3)}, tmp_path / "c", zip_crc=False)
+    assert torch.serialization.get_crc32_options()
+
+
+def test_python_rng_state_restores_from_either_saved_form() -> None:
+    """The small state keeps Python's RNG words as a tensor (quicker to unpickle); checkpoints
+    written before hold them as a tuple (a list after some round trips): all three restore."""
+    import random
+
+    from plait.runtime.checkpoint import _rng_state, _set_rng_state
+
+    random.seed(7)
+    old_tuple = random.getstate()
+    state = _rng_state()
+    assert isinstance(state["python"][1], torch.Tensor)
+    want = [random.random() for _ in range(3)]
+    version, words, gauss = old_tuple
+    for python in (state["python"], old_tuple, [version, list(words), gauss]):
+        random.seed(99)
+        _set_rng_state({**state, "python": python})
+        assert [random.random() for _ in range(3)] == want

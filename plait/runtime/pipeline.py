@@ -16,6 +16,11 @@ gradients are averaged over ``dp`` in one fused all-reduce, and the optimizer up
 The user's ``loss_fn(model, batch)`` is used as it is: the model's inputs are found by calling
 it with a stand-in model that records its arguments, and the last stage computes each
 micro-batch's loss by calling it with a stand-in that returns the pipeline's output.
+
+Offload: ``offload="optimizer"`` builds the optimizer over host copies of the stages'
+parameter pieces (:func:`stage_optimizer`, the per-rank program's ``ZeroOptimizer``);
+``offload="activations"`` runs each stage's forward and the loss under saved-tensor hooks that
+keep what backward reads in host memory (:class:`SavedOnHost`).
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from typing import Any, cast
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from plait._compat import dtensor_like, tree_leaves, tree_map
 from plait.annotate import pipeline_stage_marks
 from plait.comm import pipeline as pp_comm
 from plait.comm.dtensor import (
     distribute,
+    dtensor_from_local,
     full_value,
     implicit_replication,
     is_dtensor,
@@ -58,8 +65,9 @@ from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
 from plait.runtime.remat import kept_by_selective
 from plait.runtime.stage_balance import balanced_layer_starts as _balanced_starts
+from plait.runtime.zero import ZeroOptimizer, check_elementwise
 
-__all__ = ["PipelineJob", "model_inputs", "stage_starts"]
+__all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +198,8 @@ class PipelineJob(Job):
                 "which gloo cannot do (a rank cannot send to itself); use "
                 "schedule='zero_bubble' (interleaved zero bubble) on CPU, or NCCL on GPUs"
             )
+        if config.offload == "optimizer":  # each piece updated apart, on the host
+            check_elementwise(optimizer(list(model.parameters())), None)
         pp = mesh.axis_size("pp")
         dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
         virtual = config.virtual_stages or 1
@@ -222,18 +232,17 @@ class PipelineJob(Job):
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
-        if config.recompute in ("full", "selective"):
-            for m in modules:
-                recompute_stage(m, config.recompute)
-        recompute_modules_in_stages(model, modules, config)
-        if config.precision != "fp32":
-            for m in modules:
-                autocast_stage(m, config.precision, device_mesh.device_type)
+        offload = wrap_stages(model, modules, config, device)
         reduced_here = shard_stages(modules, config, device_mesh, dp)
-        params = [p for m in modules for p in m.parameters()]
         super().__init__(
             model,
-            optimizer(params),
+            stage_optimizer(
+                modules,
+                optimizer,
+                host=config.offload == "optimizer",
+                device_mesh=device_mesh,
+                dp_axis=config.dp_axis,
+            ),
             loss_fn,
             config,
             mesh=mesh,
@@ -268,6 +277,9 @@ class PipelineJob(Job):
         self._inner = inner
         self.inner_mesh = submesh
         """The device mesh of the axes inside a stage (tensor parallel); None without."""
+        self.activation_offload = offload
+        """``offload="activations"``: what keeps the stages' saved tensors on the host (its
+        ``moved`` and ``moved_bytes`` count the last training step's copies); None without."""
         self._predicting = False
         self._loss_scale = 1.0
         """The fp16 loss scale of the step running (1 outside a training step)."""
@@ -290,13 +302,20 @@ class PipelineJob(Job):
         if self._predicting:  # job.predict: outputs wanted, no loss (the batch has no labels)
             return torch.zeros((), device=self._device)
         batch = self._micro_batches[int(index.reshape(-1)[0])]
-        with autocast_for(self.config.precision, self._device.type):  # as one device's loss
+        offload = self.activation_offload
+        # the loss's own saved tensors (cross entropy's log-probabilities) wait on the host too
+        saving = offload.saving((output, batch)) if offload else contextlib.nullcontext()
+        with saving, autocast_for(self.config.precision, self._device.type):  # as one device's
             loss = self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
         # fp16: the loss scaled before the schedule's backward (exact: a power of two)
         return loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
+        for m in self.stage_modules:  # an offloaded optimizer's parameters are host copies
+            m.zero_grad(set_to_none=True)
+        if self.activation_offload is not None:
+            self.activation_offload.moved = self.activation_offload.moved_bytes = 0
         scaler = self.loss_scaler
         self._loss_scale = scaler.scale if scaler is not None else 1.0
         try:
@@ -319,8 +338,22 @@ class PipelineJob(Job):
             scaler.update(finite)
             if not finite:
                 return loss()
-        self.optimizer.step()
+        self._update()
         return loss()
+
+    def _update(self) -> None:
+        """The optimizer's step; with ``offload="optimizer"`` on host copies of this rank's
+        pieces: gradients copied to the host first, the new values back after."""
+        shadows = getattr(self.optimizer, "_plait_shadows", None)
+        if not isinstance(shadows, ZeroOptimizer):
+            self.optimizer.step()
+            return
+        shadows.load_grads()
+        if self._device.type == "cuda":
+            # the copies to the host are asynchronous: the host's step must not read them early
+            torch.cuda.current_stream(self._device).synchronize()
+        self.optimizer.step()
+        shadows.after_step()
 
     def _sync_ties(self) -> None:
         """Parameters the model ties (an embedding and its LM head) are one tensor split into
@@ -439,6 +472,29 @@ class PipelineJob(Job):
 
     def state_modules(self) -> list[nn.Module]:
         return list(self.stage_modules)
+
+    def save(self, path: Any, **kwargs: Any) -> Any:
+        self._refuse_checkpoint("job.save")
+        return super().save(path, **kwargs)
+
+    def load(self, path: Any, **kwargs: Any) -> int:
+        self._refuse_checkpoint("job.load")
+        return super().load(path, **kwargs)
+
+    def _refuse_checkpoint(self, what: str) -> None:
+        """Checkpoints name an offloaded optimizer's states by the DTensor layout of each
+        parameter (plait.runtime.checkpoint); a stage's parameters are plain tensors unless
+        tensor parallel or optimizer parallel split them, so the states would be lost or
+        misplaced: refused on every rank alike (the config decides), before any collective."""
+        if self.config.offload != "optimizer":
+            return
+        raise NotBuiltError(
+            f"{what} on a pipeline with ParallelConfig(offload='optimizer'): checkpoints of "
+            "optimizer states kept on the host beside pipeline stages are not built yet (the "
+            "checkpoint keys them by DTensor layouts, which a stage's plain parameters lack); "
+            "train without offload='optimizer' where you need checkpoints, or keep the weights "
+            "with job.full_state_dict()"
+        )
 
     def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
         """The last training step's measured schedule: each stage's forward, backward and
@@ -639,6 +695,180 @@ def shard_stages(
     return kept
 
 
+def wrap_stages(
+    model: nn.Module, modules: list[nn.Module], config: ParallelConfig, device: torch.device
+) -> SavedOnHost | None:
+    """What runs around each stage's forward, in place: recompute (the stage's, then each
+    named module's), autocast, and activation offload; returns the offload, if any."""
+    if config.recompute in ("full", "selective"):
+        for m in modules:
+            recompute_stage(m, config.recompute)
+    recompute_modules_in_stages(model, modules, config)
+    if config.precision != "fp32":
+        for m in modules:
+            autocast_stage(m, config.precision, device.type)
+    if config.offload != "activations":
+        return None
+    offload = SavedOnHost(device)
+    for m in modules:
+        offload.wrap(m)
+    return offload
+
+
+def stage_optimizer(
+    modules: Sequence[nn.Module],
+    factory: OptimizerFactory,
+    *,
+    host: bool,
+    device_mesh: Any,
+    dp_axis: str,
+) -> torch.optim.Optimizer:
+    """The user's optimizer over this rank's stages' parameters. ``host``
+    (``offload="optimizer"``, ZeRO-Offload): over host copies of their local pieces instead
+    (:class:`plait.runtime.zero.ZeroOptimizer`, the same object the per-rank program's
+    offload uses), so its states and its step live in host memory; under optimizer parallel
+    the pieces are FSDP2's shards, so each rank keeps only its shard's states there. On a
+    CPU device the host is the device: the pieces themselves, nothing copied."""
+    named = [(n, p) for m in modules for n, p in m.named_parameters()]
+    if not host:
+        return factory([p for _, p in named])
+    zero = ZeroOptimizer(
+        named, [], level=None, buckets=[], device_mesh=device_mesh, axis=dp_axis, host=True
+    )
+    optimizer = factory(zero.shadows)
+    optimizer._plait_shadows = zero  # type: ignore[attr-defined]
+    return optimizer
+
+
+HOST = torch.device("cpu")
+
+_View = tuple[tuple[int, ...], tuple[int, ...], int]
+"""(size, stride, storage offset) of a view."""
+
+
+@dataclass(frozen=True, slots=True)
+class _OnHost:
+    """A saved tensor waiting on the host: the host copy of the memory it views, and what
+    brings it back."""
+
+    copy: torch.Tensor
+    device: torch.device
+    view: _View | None
+    """(size, stride, offset into ``copy``) of a view of the copied tensor; None: the copy
+    is the saved tensor itself."""
+    dtensor: tuple[Any, tuple[Any, ...], tuple[int, ...], tuple[int, ...]] | None
+    """(device mesh, placements, shape, stride) of a DTensor (tensor parallel in the stage),
+    whose local piece moved."""
+
+
+class SavedOnHost:
+    """``offload="activations"`` in pipeline stages: each tensor a stage's forward (and the
+    last stage's loss) saves for backward is copied to host memory when it is saved and back
+    to the device when backward reads it (saved-tensor hooks, as torch's ``save_on_cpu``), so
+    between a micro-batch's forward and its backward the device holds none of it. The stages
+    run the user's modules under torch's pipelining, not the compiled program, so the
+    program's pass (:mod:`plait.runtime.offload`) cannot apply; the plan's rule is kept:
+
+    - values under ``min_bytes`` (1 MiB a micro-batch, the plan's threshold) stay;
+    - parameters, buffers and views of them stay (held anyway; FSDP2 frees and gathers its
+      own), and so do the forward's inputs (torch's stage holds them for the input gradient);
+    - one value is one copy, however many ops save it or reshaped views of it (the plan
+      counts one buffer per value): a view as large as its contiguous base is brought back
+      as that view of the base's copy.
+
+    Copies are pinned and asynchronous on CUDA (ordered on the compute stream). On a CPU
+    device the host is the device: the copies still run (the same numerics, and the device
+    value dies after forward), but save nothing.
+    """
+
+    def __init__(
+        self, device: torch.device, *, min_bytes: int = 1 << 20, host: torch.device = HOST
+    ) -> None:
+        self.device, self.host, self.min_bytes = device, host, min_bytes
+        self._pinned = device.type == "cuda" and host.type == "cpu"
+        self.moved = 0
+        """Values copied to the host since the counts were last reset (each training step)."""
+        self.moved_bytes = 0
+
+    def wrap(self, module: nn.Module) -> None:
+        """Run ``module``'s forward under :meth:`saving` (in place, as the other stage
+        wrappers); evaluation and prediction, which keep nothing, run as they are."""
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            with self.saving((args, kwargs), module):
+                return inner(*args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]
+
+    def saving(
+        self, held: Any, module: nn.Module | None = None
+    ) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks for one forward: ``held``'s tensors (its inputs) and
+        ``module``'s parameters and buffers, as they are when it starts (FSDP2's gathered
+        ones), stay where they are."""
+        tensors = [t for t in tree_leaves(held) if isinstance(t, torch.Tensor)]
+        if module is not None:
+            tensors += [*module.parameters(), *module.buffers()]
+        with torch.no_grad():
+            kept = {_storage_of(t) for t in tensors}
+        copies: Any = WeakIdKeyDictionary()  # each copied value's host copy, by the value
+
+        def pack(t: torch.Tensor) -> Any:
+            with torch.no_grad():
+                local = local_piece(t)
+                nbytes = local.numel() * local.element_size()
+                if nbytes < self.min_bytes or _storage_of(local) in kept:
+                    return t
+                value, view = _value_of(local)
+                copy = copies.get(value)
+                if copy is None:
+                    copy = copies[value] = self._to_host(value)
+                    self.moved += 1
+                    self.moved_bytes += nbytes
+                dtensor = None
+                if is_dtensor(t):
+                    dtensor = (t.device_mesh, tuple(t.placements), tuple(t.shape), t.stride())
+                return _OnHost(copy, local.device, view, dtensor)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return self._back(packed) if isinstance(packed, _OnHost) else packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _to_host(self, value: torch.Tensor) -> torch.Tensor:
+        copy = torch.empty_like(value, device=self.host, pin_memory=self._pinned)
+        return copy.copy_(value, non_blocking=self._pinned)
+
+    def _back(self, packed: _OnHost) -> torch.Tensor:
+        value = packed.copy.to(packed.device, non_blocking=self._pinned)
+        if packed.view is not None:
+            size, stride, offset = packed.view
+            value = value.as_strided(size, stride, offset)
+        if packed.dtensor is None:
+            return value
+        mesh, placements, shape, stride = packed.dtensor
+        return dtensor_from_local(value, mesh, placements, shape, stride)
+
+
+def _value_of(t: torch.Tensor) -> tuple[torch.Tensor, _View | None]:
+    """The tensor to copy for saved tensor ``t`` and where ``t`` lies in it: a reshaped view
+    (as large as its base, a contiguous one, so the copy keeps its strides) is its base, at
+    its size, stride and offset; anything else is itself (None)."""
+    base = t._base
+    if base is None or base.numel() != t.numel() or not base.is_contiguous():
+        return t, None
+    offset = int(t.storage_offset() - base.storage_offset())
+    return base, (tuple(t.size()), tuple(t.stride()), offset)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    """The address of the memory ``t`` (its local piece, for a DTensor) is a view of."""
+    return int(local_piece(t).untyped_storage().data_ptr())
+
+
 def autocast_stage(module: nn.Module, precision: str, device_type: str) -> None:
     """Mixed precision for a stage (``precision="bf16"`` or ``"fp16"``): its forward runs under autocast, as
     one device's whole forward would, and its floating outputs leave in fp32, the dtype the
@@ -749,7 +979,20 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             "pipeline stages running a searched plan (auto, plan files); use mode="
             "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
         ),
-        (config.offload is not None, f"offload={config.offload!r}", "offload"),
+        (
+            config.offload == "parameters",
+            f"offload={config.offload!r}",
+            "offloading parameters (offload='optimizer' and 'activations' are built)",
+        ),
+        (
+            config.offload == "activations" and "selective" in _recompute_modes(config),
+            f"offload='activations', recompute={config.recompute!r}, recompute_modules="
+            f"{dict(_recompute_pairs(config))!r}",
+            "activation offload beside selective recompute (torch's selective checkpoint keeps "
+            "the products it saves in a cache of its own, which saved-tensor hooks never see, "
+            "so the values the plan moves to the host would stay on the device); use "
+            "recompute='full' or 'none' (per module too) with offload='activations'",
+        ),
         (
             config.grad_accumulation != 1,
             f"grad_accumulation={config.grad_accumulation}",
@@ -760,8 +1003,8 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
         if refused:
             raise NotBuiltError(
                 f"ParallelConfig({given}) with pipeline_stages={config.pipeline_stages}: {what} "
-                "with pipeline parallel is not built yet; pipeline runs data parallel x pipeline "
-                "(x tensor parallel in mode semi_auto) on fp32 today"
+                "with pipeline parallel is not built yet (docs/pipeline.md lists what runs in "
+                "pipeline stages)"
             )
     if mesh.axis_size("pp") != config.pipeline_stages:
         raise ConfigError(
@@ -776,6 +1019,16 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             f"{config.micro_batches}): this schedule needs at least {minimum} micro-batches on "
             f"{config.pipeline_stages} stages ranks ({count} stages); raise micro_batches"
         )
+
+
+def _recompute_pairs(config: ParallelConfig) -> tuple[tuple[str, str], ...]:
+    """``recompute_modules`` as (module path, mode) pairs."""
+    return cast("tuple[tuple[str, str], ...]", tuple(config.recompute_modules))
+
+
+def _recompute_modes(config: ParallelConfig) -> set[str]:
+    """Every recompute mode the config asks for: the stages' and each module's."""
+    return {config.recompute, *(mode for _, mode in _recompute_pairs(config))}
 
 
 def _rows(batch: Any) -> set[int]:

@@ -8,7 +8,9 @@ last stage) trains as one device does. One run cuts the stages where ``plait.pip
 recomputes every stage's forward in its backward (``recompute="full"``), one takes the planner's
 choice (``recompute="auto"`` under a limit nothing fits: full). fp16 runs with dynamic loss
 scaling: an overflowing step is skipped on every rank, then training equals one device under
-the same autocast and scale.
+the same autocast and scale. Offload in the stages: the optimizer's states on the host (alone
+and with ZeRO-2) and the activations backward reads on the host (zero bubble, and ZeRO-3),
+each equal to one device.
 Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
@@ -99,12 +101,24 @@ def _local(job, batch):
     return tuple(x.chunk(size)[dp] for x in batch)
 
 
-def _train(config: ParallelConfig, marked: bool = False, tied: bool = False, megatron=False):
+def _momentum(params):
+    """SGD with momentum: a state per parameter, for the offloaded optimizer to keep."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _train(
+    config: ParallelConfig, marked: bool = False, tied: bool = False, megatron=False,
+    optimizer=_sgd, min_offload_bytes: int | None = None,
+):  # fmt: skip
+    """Two steps. ``min_offload_bytes``: activation offload's threshold (the tiny model's
+    values are all under the 1 MiB default, so the offload legs move everything)."""
     batches = _batches()
     job = plait.parallelize(
-        _model(marked, tied, megatron), config, optimizer=_sgd, loss_fn=gpt_loss,
+        _model(marked, tied, megatron), config, optimizer=optimizer, loss_fn=gpt_loss,
         example_batch=batches[0],
     )  # fmt: skip
+    if min_offload_bytes is not None:
+        job.activation_offload.min_bytes = min_offload_bytes
     losses = [job.step(_local(job, b)) for b in batches]
     return job, losses
 
@@ -169,6 +183,7 @@ def _workers(root: str) -> dict:
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
+    _offload_legs(out)
     # fp16 with dynamic loss scaling: steps at a sane scale; then a step at a scale that
     # overflows is skipped on every rank (scale halved, parameters untouched)
     batches = _batches()
@@ -232,6 +247,59 @@ def _workers(root: str) -> dict:
     fourth = again.step(_local(again, batches[STEPS + 1]))
     out["reshard"] = ([third, fourth], again.full_state_dict())
     return out
+
+
+def _offload_legs(out: dict) -> None:
+    """Offload in the stages. The optimizer on the host (SGD with momentum, a state per
+    parameter): alone and with ZeRO-2 (FSDP2's shards); the optimizer must update host
+    copies (ZeroOptimizer's shadows), not the stages' parameters. Activations saved for
+    backward on the host: on the zero-bubble schedule (its input- and weight-gradient passes
+    read them apart) and with ZeRO-3 (FSDP2 frees and gathers the parameters forward saves);
+    a third step under outer saved-tensor hooks sees nothing: every saved tensor went through
+    the offload's hooks."""
+    zero2 = {"optimizer_shard": 2, "optimizer_shard_threshold": 0}
+    for name, extra in (("offload_optimizer", {}), ("offload_optimizer_zero2", zero2)):
+        job, losses = _train(ParallelConfig(**PIPE, offload="optimizer", **extra),
+                             optimizer=_momentum)  # fmt: skip
+        zero = job.optimizer._plait_shadows
+        updated = {id(p) for g in job.optimizer.param_groups for p in g["params"]}
+        states = [t for s in job.optimizer.state.values() for t in s.values()]
+        wiring = (
+            type(zero).__name__,
+            updated == {id(s) for s in zero.shadows},
+            not updated & {id(p) for m in job.stage_modules for p in m.parameters()},
+            len(states) == len(updated),
+            {t.device.type for t in states},
+        )
+        out[name] = (losses, job.full_state_dict(), wiring)
+    zero3 = {"optimizer_shard": 3, "optimizer_shard_threshold": 0}
+    for name, extra in (("offload_activations_zb", {"schedule": "zero_bubble"}),
+                        ("offload_activations_zero3", zero3)):  # fmt: skip
+        job, losses = _train(
+            ParallelConfig(**PIPE, offload="activations", **extra), min_offload_bytes=0
+        )
+        moved = (job.activation_offload.moved, job.activation_offload.moved_bytes)
+        state = job.full_state_dict()
+        out[name] = (losses, state, moved, _saved_tensors(job))
+
+
+def _check_offload(results: list[dict]) -> None:
+    """Offload legs equal one device (fp32; the same tolerance as every leg here: the
+    micro-batches' gradients are summed in another order than one device's batch); each
+    rank's optimizer updates host copies holding one momentum state each (on this CPU
+    machine the host is the device: the wiring is what is checked); each rank's stages moved
+    saved tensors to the host, and none was saved past the offload's hooks."""
+    momentum = reference_run(_model(), gpt_loss, _momentum, _batches())
+    short = reference_run(_model(), gpt_loss, _sgd, _batches())
+    for rank, r in enumerate(results):
+        for name in ("offload_optimizer", "offload_optimizer_zero2"):
+            losses, state, wiring = r[name]
+            _same_run(losses, state, momentum, f"{name} rank {rank} ")
+            assert wiring == ("ZeroOptimizer", True, True, True, {"cpu"}), (name, rank, wiring)
+        for name in ("offload_activations_zb", "offload_activations_zero3"):
+            losses, state, (moved, nbytes), saved_past = r[name]
+            _same_run(losses, state, short, f"{name} rank {rank} ")
+            assert moved > 0 and nbytes > 0 and saved_past == 0, (name, rank, moved, saved_past)
 
 
 def _autocast_reference(
@@ -313,6 +381,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
             r["bf16_collectives"],
         )
     _check_fp16(results)
+    _check_offload(results)
     assert results[0]["auto_pp_tp"][2] > 0
     assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its
@@ -379,7 +448,8 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
 
 def _three_axes(_: str) -> dict:
     """pp=2 x dp=2 x tp=2 on 8 workers, every CPU schedule but zero bubble (refused with tp in
-    the stages), semi_auto Megatron: losses, the final parameters and the step's collectives."""
+    the stages), semi_auto Megatron: losses, the final parameters and the step's collectives;
+    ZeRO-3, HSDP and activation offload in the stages."""
     out = {}
     for schedule in SCHEDULES_TP:
         config = ParallelConfig(
@@ -404,6 +474,14 @@ def _three_axes(_: str) -> dict:
     sharded = [p for m in hsdp_job.stage_modules for p in m.parameters() if is_dtensor(p)]
     shards = (sum(local_piece(p).numel() for p in sharded), sum(p.numel() for p in sharded))
     out["hsdp"] = (losses, hsdp_job.full_state_dict(), shards)
+    # activation offload with tp in the stages: DTensors saved for backward wait on the
+    # host as their local pieces and come back as the same DTensors
+    offload = ParallelConfig(
+        mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4,
+        offload="activations",
+    )  # fmt: skip
+    offload_job, losses = _train(offload, megatron=True, min_offload_bytes=0)
+    out["offload"] = (losses, offload_job.full_state_dict(), offload_job.activation_offload.moved)
     job = one_f_one_b
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
         job.step(_local(job, _batches()[0]))
@@ -424,8 +502,9 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
     processes on a 2-core machine take about a minute."""
     results = run_workers(_three_axes, 8, str(tmp_path), timeout_s=600.0)
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
-    for schedule in (*SCHEDULES_TP, "zero3"):
-        losses, state = results[0][schedule]
+    assert all(r["offload"][2] > 0 for r in results)  # every rank's stage moved some
+    for schedule in (*SCHEDULES_TP, "zero3", "offload"):
+        losses, state = results[0][schedule][:2]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))
         for key, value in expected.state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=schedule + key)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -149,3 +152,108 @@ def test_recompute_auto_in_a_pipeline_takes_the_planners_choice(limit_of: str) -
     assert chosen == planned(recompute="auto", memory_limit=peak[limit_of]).recompute
     if limit_of != "selective":  # "none" fits its own peak; only full recompute fits full's
         assert chosen == limit_of
+
+
+def _tanh_between(offload: bool, min_bytes: int = 0) -> tuple[list[torch.Tensor], int, bool]:
+    """Linear -> tanh -> linear on CPU, its forward under SavedOnHost or not: (the gradients,
+    the tensors copied to the host, whether tanh's output outlived the forward)."""
+    from plait.runtime.pipeline import SavedOnHost
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    host = SavedOnHost(torch.device("cpu"), min_bytes=min_bytes)
+    if offload:
+        host.wrap(module)
+    seen: list[weakref.ref[torch.Tensor]] = []
+    module[1].register_forward_hook(lambda m, i, out: seen.append(weakref.ref(out)))
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = module(x).square().sum()
+    gc.collect()
+    alive = seen[0]() is not None
+    loss.backward()
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    return [g for g in grads if g is not None], host.moved, alive
+
+
+def test_activation_offload_keeps_a_copy_on_the_host_and_frees_the_device_value() -> None:
+    """offload="activations" in a stage: tanh's output, saved by tanh and by the next linear,
+    is copied to the host once and the value forward made dies with the forward (on this CPU
+    machine the host is the device: the copy and the release are what can be seen); the
+    input and the parameters stay, and the gradients are exactly the plain ones."""
+    plain, _, kept = _tanh_between(offload=False)
+    moved_grads, moved, alive = _tanh_between(offload=True)
+    assert kept and not alive and moved == 1
+    for a, b in zip(plain, moved_grads, strict=True):
+        assert torch.equal(a, b)
+    _, moved, alive = _tanh_between(offload=True, min_bytes=1 << 20)  # the 1 MiB default
+    assert moved == 0 and alive
+
+
+def test_offload_settings_in_a_pipeline() -> None:
+    """Optimizer and activation offload run in the stages; parameters stay refused, and
+    activation offload is refused beside selective recompute (whose kept products torch's
+    checkpoint holds where saved-tensor hooks cannot move them)."""
+    mesh = MeshSpec.from_dict({"pp": 2, "dp": 2})
+    pipe = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 2}
+    for offload in ("optimizer", "activations"):
+        check_pipeline_config(ParallelConfig(**pipe, offload=offload), mesh)
+        check_pipeline_config(ParallelConfig(**pipe, offload=offload, schedule="zero_bubble"), mesh)
+        check_pipeline_config(ParallelConfig(**pipe, offload=offload, optimizer_shard=3), mesh)
+        check_pipeline_config(ParallelConfig(**pipe, offload=offload, recompute="full"), mesh)
+    check_pipeline_config(ParallelConfig(**pipe, offload="optimizer", recompute="selective"), mesh)
+    with pytest.raises(NotBuiltError, match="offloading parameters"):
+        check_pipeline_config(ParallelConfig(**pipe, offload="parameters"), mesh)
+    for selective in ({"recompute": "selective"}, {"recompute_modules": {"blocks.1": "selective"}}):
+        with pytest.raises(NotBuiltError, match="activation offload beside selective recompute"):
+            check_pipeline_config(ParallelConfig(**pipe, offload="activations", **selective), mesh)
+
+
+# torch's pipeline split deep-copies tree specs, which warns from copyreg (not torch.*)
+@pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")
+def test_activation_offload_moves_what_the_plan_moves_but_the_received_input() -> None:
+    """What a stage copies to the host per micro-batch is what the plan's stage walk takes
+    off the device (``StepTrace.hold``: kept bytes without offload less kept bytes with it),
+    value for value at the 1 MiB default, except the value a stage receives and saves (here
+    the residual stream into stage 1's first norm): the plan counts it moved, but torch's
+    pipeline stage holds its input for the input gradient, so it stays on the device."""
+    from plait.comm import pipeline as pp_comm
+    from plait.cost.memory import StepTrace
+    from plait.runtime.pipeline import SavedOnHost, _Returns
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=512, seq=256, width=256, heads=4, layers=4))
+    ids = torch.randint(0, 512, (8, 256), generator=torch.Generator().manual_seed(1))
+    batch, micro = (ids, torch.roll(ids, -1, dims=1)), 2
+    moved_by_plan: list[int] = []
+    hold = StepTrace.hold
+
+    def both(self: StepTrace, **kw: object) -> object:
+        held = hold(self, **kw)
+        if kw.get("offload_min") is not None:
+            plain = hold(self, **{**kw, "offload_min": None})
+            moved_by_plan[:] = [a.kept - b.kept for a, b in zip(plain, held, strict=True)]
+        return held
+
+    config = ParallelConfig(
+        mode="data_parallel", mesh={"pp": 2}, micro_batches=micro, offload="activations"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepTrace, "hold", both)
+        plan = plait.plan(model, config, example_batch=batch, loss_fn=gpt_loss)
+    one = tuple(x[: len(ids) // micro] for x in batch)
+    args, kwargs = model_inputs(model, gpt_loss, one)
+    split = pp_comm.split_model(model, args, kwargs, stage_starts(model, 2)).split_gm
+    assert [s[0] for s in plan.stages] == ["embedding", "layer_norm_4"]  # the same cut
+    first, last = SavedOnHost(torch.device("cpu")), SavedOnHost(torch.device("cpu"))
+    first.wrap(split.submod_pp_0)
+    last.wrap(split.submod_pp_1)
+    received = split.submod_pp_0(*args).detach().requires_grad_()
+    out = split.submod_pp_1(received)
+    with last.saving((out, one)):
+        gpt_loss(_Returns(model, out), one)  # type: ignore[arg-type]
+    received_bytes = received.numel() * received.element_size()
+    assert received_bytes >= 1 << 20 and first.moved_bytes > 0
+    assert moved_by_plan == [
+        first.moved_bytes * micro,
+        (last.moved_bytes + received_bytes) * micro,
+    ]

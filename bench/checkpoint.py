@@ -19,9 +19,10 @@ directories under one temporary directory:
   storage_reader=FileSystemReader(path2))``, in place into the same job.
 
 plait and DCP take turns (which goes first alternates by repeat). Every op starts after a
-barrier and is timed on every rank; a repeat's time is the slowest rank's, and the table gives
-the median over repeats and the ratio plait / DCP (the issue's target: <= 1.10), and beside
-them the CPU time the op took on all ranks together (``time.process_time``, helper threads
+full ``gc.collect()`` (see ``timed``; ``--no-collect`` leaves it out, as earlier runs did)
+and a barrier and is timed on every rank; a repeat's time is the slowest rank's, and the
+table gives the median over repeats and the ratio plait / DCP (the issue's target: <= 1.10),
+and beside them the CPU time the op took on all ranks together (``time.process_time``, helper threads
 included; median over repeats), which other tenants of the machine move less than wall time.
 The files are read back from the page cache in both cases (each load reads the checkpoint its
 repeat just wrote). While plait's ops run, the functions its save and load call (DCP's write and
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -250,7 +252,17 @@ def dir_bytes(path: Path) -> int:
 # The timed ops: each after a barrier, on every rank.
 
 
+COLLECT = True
+"""Whether each op starts with ``gc.collect()`` (``--no-collect`` turns it off)."""
+
+
 def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn`` took on this rank, started after a barrier and, first, a full collection
+    by Python's GC: without it a generation-2 collection (a 0.2 to 0.5 s pause on the busy
+    2-core machine, due about every fifth op from the objects earlier ops left) lands inside
+    whichever op, on either side, crosses its threshold, and decides that round's ratio."""
+    if COLLECT:
+        gc.collect()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
@@ -310,8 +322,10 @@ def read_speed(path: Path) -> dict[str, float]:
     files.checksum(path)
     checksum = time.perf_counter() - t0
     t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        files._read_into(f, xxhash.xxh3_64())  # what files.checksum did before it mapped files
+    hasher, buffer = xxhash.xxh3_64(), memoryview(bytearray(1 << 20))
+    with open(path, "rb", buffering=0) as f:  # what files.checksum did before it mapped files
+        while n := f.readinto(buffer):
+            hasher.update(buffer[:n])
     buffered = time.perf_counter() - t0
     data = path.read_bytes()
     t0 = time.perf_counter()
@@ -444,6 +458,8 @@ def async_saves(
 
 
 def bench_worker(cfg: GPTConfig, args: argparse.Namespace, keys: list[str], root: str) -> Any:
+    global COLLECT
+    COLLECT = not args.no_collect
     torch.set_num_threads(args.threads)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     logging.getLogger("plait").setLevel(logging.ERROR)
@@ -580,6 +596,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="global batch (sequences)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--dir", default=None, help="where the temporary directory goes")
+    parser.add_argument(
+        "--no-collect",
+        action="store_true",
+        help="no gc.collect() before each timed save and load (as earlier runs did)",
+    )
     parser.add_argument(
         "--only",
         default=",".join(p.key for p in PLANS),

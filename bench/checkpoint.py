@@ -19,7 +19,7 @@ directories under one temporary directory:
   storage_reader=FileSystemReader(path2))``, in place into the same job.
 
 plait and DCP take turns (which goes first alternates by repeat). Every op starts after a
-full ``gc.collect()`` (see ``timed``; ``--no-collect`` leaves it out, as earlier runs did)
+full ``gc.collect()`` (see ``cpu_timed``; ``--no-collect`` leaves it out, as earlier runs did)
 and a barrier and is timed on every rank; a repeat's time is the slowest rank's, and the
 table gives the median over repeats and the ratio plait / DCP (the issue's target: <= 1.10),
 and beside them the CPU time the op took on all ranks together (``time.process_time``, helper threads
@@ -257,12 +257,6 @@ COLLECT = True
 
 
 def timed(fn: Callable[[], Any]) -> float:
-    """Seconds ``fn`` took on this rank, started after a barrier and, first, a full collection
-    by Python's GC: without it a generation-2 collection (a 0.2 to 0.5 s pause on the busy
-    2-core machine, due about every fifth op from the objects earlier ops left) lands inside
-    whichever op, on either side, crosses its threshold, and decides that round's ratio."""
-    if COLLECT:
-        gc.collect()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
@@ -270,7 +264,14 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def cpu_timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, its helper threads included)."""
+    """(wall seconds, CPU seconds of this process, its helper threads included).
+
+    First, outside both measures, a full collection by Python's GC: without it a
+    generation-2 collection (a 0.2 to 0.5 s pause on the busy 2-core machine, due about every
+    fifth op from the objects earlier ops left) lands inside whichever op, on either side,
+    crosses its threshold, and decides that round's ratio."""
+    if COLLECT:
+        gc.collect()
     c0 = time.process_time()
     seconds = timed(fn)
     return seconds, time.process_time() - c0

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import plait
 from plait import ParallelConfig
+from plait.cost.calibrate import worker_threads
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.runtime.measure import format_bytes, measure_step_memory, plan_of
 from plait.testing import run_workers
@@ -72,6 +73,8 @@ class Row:
     name: str
     plan: str
     predicted_s: float
+    split_s: tuple[float, float, float, float]
+    """Predicted compute, communication, optimizer and bubble seconds."""
     measured_s: float
     predicted_bytes: int
     measured_bytes: int
@@ -105,9 +108,15 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _worker(_: str, cfg: GPTConfig, batch: int, warmup: int, steps: int) -> list[Row]:
+def _worker(
+    _: str, cfg: GPTConfig, batch: int, warmup: int, steps: int, names: tuple[str, ...]
+) -> list[Row]:
+    # the threads `plait run` gives a worker, as the calibration measured with
+    torch.set_num_threads(worker_threads(dist.get_world_size()))
     rows = []
     for case in CASES:
+        if names and case.name not in names:
+            continue
         batches = _batches(cfg, batch, warmup + steps + 1)
         model = _model(cfg, case.megatron)
         job = plait.parallelize(
@@ -132,6 +141,12 @@ def _worker(_: str, cfg: GPTConfig, batch: int, warmup: int, steps: int) -> list
                 case.name,
                 ", ".join([mesh, *extra]),
                 float(plan.predicted.step_time_s),
+                (
+                    float(plan.predicted.compute_s),
+                    float(plan.predicted.communication_s),
+                    float(plan.predicted.optimizer_s),
+                    float(plan.predicted.bubble_s),
+                ),
                 float(report.measured_step_s or 0.0),
                 int(plan.predicted.memory_bytes),
                 int(memory.peak),
@@ -143,15 +158,18 @@ def _worker(_: str, cfg: GPTConfig, batch: int, warmup: int, steps: int) -> list
 
 def _table(rows: list[Row]) -> str:
     out = [
-        "| case | plan | predicted ms | measured ms | measured / predicted | within 25 % | "
+        "| case | plan | predicted ms (compute + comm + optimizer + bubble) | measured ms | "
+        "measured / predicted | within 25 % | "
         "predicted peak | measured peak | measured / predicted | within 15 % |",
         "|---|---|---:|---:|---:|:---:|---:|---:|---:|:---:|",
     ]
     for r in rows:
         t = r.measured_s / r.predicted_s
         m = r.measured_bytes / r.predicted_bytes
+        split = " + ".join(f"{x * 1e3:.1f}" for x in r.split_s)
         out.append(
-            f"| {r.name} | {r.plan} | {r.predicted_s * 1e3:.1f} | {r.measured_s * 1e3:.1f} | "
+            f"| {r.name} | {r.plan} | {r.predicted_s * 1e3:.1f} ({split}) | "
+            f"{r.measured_s * 1e3:.1f} | "
             f"{t:.2f} | {'yes' if abs(t - 1) <= 0.25 else 'no'} | "
             f"{format_bytes(r.predicted_bytes)} | {format_bytes(r.measured_bytes)} | {m:.2f} | "
             f"{'yes' if abs(m - 1) <= 0.15 else 'no'} |"
@@ -168,7 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument(
+        "--cases",
+        default="",
+        help="comma-separated case names to run (default: all): "
+        + ", ".join(c.name for c in CASES),
+    )
     args = parser.parse_args(argv)
+    names = tuple(n.strip() for n in args.cases.split(",") if n.strip())
+    unknown = [n for n in names if n not in {c.name for c in CASES}]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {[c.name for c in CASES]}")
     cfg = GPTConfig(vocab=256, seq=args.seq, width=args.width, heads=8, layers=args.layers)
     with tempfile.TemporaryDirectory() as home:
         os.environ["PLAIT_HOME"] = home  # the workers inherit it: they plan with this profile
@@ -179,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_profile(profile))
         started = datetime.datetime.now()
         results = run_workers(
-            _worker, 4, "", cfg, args.batch, args.warmup, args.steps, timeout_s=900.0
+            _worker, 4, "", cfg, args.batch, args.warmup, args.steps, names, timeout_s=900.0
         )
     print(
         f"\nGPT width {args.width}, {args.layers} layers, seq {args.seq}, vocab 256, global "

@@ -28,7 +28,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         metavar="N",
-        help="local processes for the all_reduce measurement (default 2)",
+        help="processes measuring together, as many as your job runs on this machine: each "
+        "figure is what one of them gets while the others run (default 2)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="smaller sizes and fewer repetitions (~20 s)"

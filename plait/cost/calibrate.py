@@ -1,13 +1,21 @@
 """``plait calibrate``: measure this machine and write the ``local`` hardware profile.
 
-What is measured (each the best of several timed repetitions, to see through the noise of a
-shared machine):
+Everything is measured inside the job's own world: ``world_size`` processes started
+together on this machine, each with the torch threads ``plait run`` gives a worker
+(``cores // world_size``, at least 1), all measuring at once, so a number is what one rank
+gets while the others run too (four ranks on two cores each see about half a core). The
+profile takes the median over ranks of each compute figure (the best of several timed
+repetitions on each rank) and the slowest rank of each collective:
 
     quantity                     how                                          profile field
     matmul FLOP/s per dtype      torch.mm of n x n matrices: 2 n^3 / seconds  peak_flops
     memory bandwidth             dst.copy_(src) of a large tensor: 2 B/s      memory_bandwidth
     op floor                     torch.add on one element                     kernel_latency
-    collective alpha and beta    gloo all_reduce between local processes,    intra_node
+    per-op host cost             forward and backward of a small stack of     op_overhead
+                                 layers on tiny tensors, per op the cost
+                                 model counts (3 per forward op), less the
+                                 floor
+    collective alpha and beta    gloo all_reduce between the processes,      intra_node
                                  small to large messages, fitted to
                                  t = 2(p-1) alpha + 2(p-1)/p * bytes / bw
 
@@ -27,7 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -48,6 +56,8 @@ __all__ = [
     "measure_copy_bandwidth",
     "measure_kernel_latency",
     "measure_matmul_flops",
+    "measure_op_overhead",
+    "worker_threads",
 ]
 
 
@@ -87,8 +97,13 @@ class CalibrationSettings:
         )
 
 
-def _best_seconds(fn: Callable[[], object], budget_s: float, min_reps: int = 2) -> float:
-    """Fastest of repeated calls (one warm-up first), repeating for about ``budget_s``."""
+def _seconds(
+    fn: Callable[[], object], budget_s: float, min_reps: int = 2, *, shared: bool = False
+) -> float:
+    """Seconds of one call of ``fn`` (one warm-up first), repeating for about ``budget_s``:
+    the fastest call alone, or with ``shared`` (other ranks measuring on the same cores) the
+    mean over the whole window, which is the throughput a rank gets while it shares them (the
+    fastest call there is one the scheduler happened to give a whole core)."""
     fn()
     best = float("inf")
     start = time.perf_counter()
@@ -98,29 +113,32 @@ def _best_seconds(fn: Callable[[], object], budget_s: float, min_reps: int = 2) 
         fn()
         best = min(best, time.perf_counter() - t0)
         reps += 1
-    return best
+    return (time.perf_counter() - start) / reps if shared else best
 
 
-def measure_matmul_flops(dtype: torch.dtype, n: int, budget_s: float = 0.3) -> float:
+def measure_matmul_flops(
+    dtype: torch.dtype, n: int, budget_s: float = 0.3, *, shared: bool = False
+) -> float:
     """Achieved FLOP/s of an n x n x n ``torch.mm`` in ``dtype`` on this CPU."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b, out=out), budget_s)
+    seconds = _seconds(lambda: torch.mm(a, b, out=out), budget_s, shared=shared)
     return 2 * n**3 / seconds
 
 
-def measure_copy_bandwidth(nbytes: int, budget_s: float = 0.3) -> float:
+def measure_copy_bandwidth(nbytes: int, budget_s: float = 0.3, *, shared: bool = False) -> float:
     """Achieved memory bandwidth in B/s: a copy reads and writes ``nbytes`` each."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), budget_s)
+    seconds = _seconds(lambda: dst.copy_(src), budget_s, shared=shared)
     return 2 * src.numel() * 4 / seconds
 
 
-def measure_kernel_latency(budget_s: float = 0.1) -> float:
-    """Median seconds of a one-element ``torch.add`` (the floor under any op)."""
+def measure_kernel_latency(budget_s: float = 0.1, *, shared: bool = False) -> float:
+    """Seconds of a one-element ``torch.add`` (the floor under any op): the median call, or
+    with ``shared`` the mean (see :func:`_seconds`)."""
     a, b = torch.ones(1), torch.ones(1)
     out = torch.empty(1)
     times: list[float] = []
@@ -129,16 +147,81 @@ def measure_kernel_latency(budget_s: float = 0.1) -> float:
         t0 = time.perf_counter()
         torch.add(a, b, out=out)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.fmean(times) if shared else statistics.median(times)
 
 
-def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
-    """Worker body (runs under :func:`plait.testing.run_workers`): median all_reduce seconds
-    per message size on this rank."""
+def _tiny_layers(width: int = 16, depth: int = 8) -> torch.nn.Module:
+    """A stack of transformer-like layers on tiny tensors: its step is all host cost."""
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [
+            torch.nn.LayerNorm(width),
+            torch.nn.Linear(width, 2 * width),
+            torch.nn.GELU(),
+            torch.nn.Linear(2 * width, width),
+        ]
+    return torch.nn.Sequential(*layers)
+
+
+def _forward_ops(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Aten ops one forward of ``model`` on ``x`` runs (what a capture turns into ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count():
+        model(x)
+    return Count.calls
+
+
+def measure_op_overhead(
+    kernel_latency: float, budget_s: float = 0.3, *, shared: bool = False
+) -> float:
+    """Host seconds per op beyond the floor: a forward and backward of :func:`_tiny_layers`
+    (tiny tensors: no arithmetic to speak of) divided over the ops the cost model charges
+    for it (each forward op, and twice for its backward), less ``kernel_latency``."""
+    model = _tiny_layers()
+    x = torch.randn(2, 4, 16)
+    ops = _forward_ops(model, x)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    seconds = _seconds(step, budget_s, min_reps=5, shared=shared)
+    return max(0.0, seconds / (3 * ops) - kernel_latency)
+
+
+def worker_threads(world_size: int) -> int:
+    """Torch threads a worker of a ``world_size`` job on this machine runs with, as ``plait
+    run`` (like torchrun) sets ``OMP_NUM_THREADS``: the cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str, Any]:
+    """Worker body (under :func:`plait.testing.run_workers`): this rank's compute figures,
+    measured while every other rank measures the same, then its all-reduce timings."""
     # The one torch.distributed use of the cost model: real collectives, inside a worker.
     import torch.distributed as dist  # noqa: TID251
 
-    torch.set_num_threads(1)  # the ranks share this machine's cores
+    torch.set_num_threads(threads)
+    local = _measure_local(settings, sync=dist.barrier, shared=True)
+    dist.barrier()
+    return {
+        "local": local,
+        "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
+    }
+
+
+def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
+    """Median all_reduce seconds per message size on this rank (inside a worker)."""
+    import torch.distributed as dist  # noqa: TID251
+
     medians = []
     for nbytes in message_bytes:
         buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
@@ -186,29 +269,61 @@ def _physical_memory() -> int:
         return local_defaults().memory_bytes
 
 
-def _measure_local(settings: CalibrationSettings) -> dict[str, Any]:
+def _measure_local(
+    settings: CalibrationSettings, sync: Callable[[], object] = lambda: None, shared: bool = False
+) -> dict[str, Any]:
+    """This process's compute figures; ``sync`` runs before each (a barrier in a world, so
+    the ranks measure each figure together, ``shared``: see :func:`_seconds`)."""
     n, budget = settings.matmul_size, settings.budget_s
+
+    def measured(fn: Callable[..., float], *args: Any) -> float:
+        sync()
+        return fn(*args, shared=shared)
+
+    latency = measured(measure_kernel_latency, min(budget, 0.1))
     return {
         "matmul_size": n,
         "peak_flops": {
-            "float32": measure_matmul_flops(torch.float32, n, budget),
-            "bfloat16": measure_matmul_flops(torch.bfloat16, n, budget),
-            "float16": measure_matmul_flops(torch.float16, max(64, n // 2), budget),
+            "float32": measured(measure_matmul_flops, torch.float32, n, budget),
+            "bfloat16": measured(measure_matmul_flops, torch.bfloat16, n, budget),
+            "float16": measured(measure_matmul_flops, torch.float16, max(64, n // 2), budget),
         },
         "copy_bytes": settings.copy_bytes,
-        "memory_bandwidth": measure_copy_bandwidth(settings.copy_bytes, budget),
-        "kernel_latency": measure_kernel_latency(min(budget, 0.1)),
+        "memory_bandwidth": measured(measure_copy_bandwidth, settings.copy_bytes, budget),
+        "kernel_latency": latency,
+        "op_overhead": measured(measure_op_overhead, latency, budget),
     }
 
 
-def _measure_collectives(settings: CalibrationSettings, world_size: int) -> list[float]:
+def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, Any]:
+    """Every rank's figures, measured together: the median rank's compute figures and the
+    slowest rank's all-reduce times (a collective is done when its slowest rank is)."""
     from plait.launch.local import run_workers  # spawns processes: import on use
 
-    per_rank = run_workers(
-        _all_reduce_times, world_size, settings.message_bytes, settings.collective_reps
-    )
-    # A collective is done when its slowest rank is.
-    return [max(times) for times in zip(*per_rank, strict=True)]
+    threads = worker_threads(world_size)
+    per_rank = run_workers(_rank_measurements, world_size, settings, threads)
+    locals_ = [r["local"] for r in per_rank]
+
+    def median(*keys: str) -> float:
+        values = []
+        for x in locals_:
+            for key in keys:
+                x = x[key]
+            values.append(float(cast(float, x)))
+        return statistics.median(values)
+
+    local = {
+        "matmul_size": settings.matmul_size,
+        "peak_flops": {dtype: median("peak_flops", dtype) for dtype in locals_[0]["peak_flops"]},
+        "copy_bytes": settings.copy_bytes,
+        "memory_bandwidth": median("memory_bandwidth"),
+        "kernel_latency": median("kernel_latency"),
+        "op_overhead": median("op_overhead"),
+        "threads_per_rank": threads,
+        "per_rank": locals_,
+    }
+    times = [max(t) for t in zip(*(r["all_reduce"] for r in per_rank), strict=True)]
+    return {"local": local, "all_reduce": times}
 
 
 def calibrate(
@@ -225,8 +340,8 @@ def calibrate(
             "processes, e.g. --world-size 2"
         )
     settings = settings or (CalibrationSettings.quick() if quick else CalibrationSettings.full())
-    local = _measure_local(settings)
-    times = _measure_collectives(settings, world_size)
+    world = _measure_world(settings, world_size)
+    local, times = world["local"], world["all_reduce"]
     link = fit_alpha_beta(settings.message_bytes, times, world_size)
     cpus = os.cpu_count() or 1
     measured = {
@@ -257,11 +372,14 @@ def calibrate(
         source=(
             f"measured by `plait calibrate{' --quick' if quick else ''}` on {platform.node()} "
             f"({platform.machine()}, {cpus} CPUs, torch {torch.__version__}) at "
-            f"{measured['when']}: torch.mm FLOP/s, tensor copy bandwidth, gloo all_reduce "
-            f"over {world_size} local processes fitted to alpha-beta; memory is the host's "
-            "RAM, shared by its processes; inter_node not measured (10 GbE default)"
+            f"{measured['when']}: per rank of {world_size} processes measuring together "
+            f"({local['threads_per_rank']} torch thread(s) each): torch.mm FLOP/s, tensor "
+            "copy bandwidth, the op floor and per-op host cost; gloo all_reduce among them "
+            "fitted to alpha-beta; memory is the host's RAM, shared by its processes; "
+            "inter_node not measured (10 GbE default)"
         ),
         kernel_latency=local["kernel_latency"],
+        op_overhead=local["op_overhead"],
         measured=measured,
     )
     save_profile(profile, out if out is not None else default_profile_path())
@@ -279,6 +397,7 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  memory:            {profile.memory_bytes / 2**30:.1f} GiB at "
             f"{profile.memory_bandwidth / 1e9:.2f} GB/s",
             f"  op floor:          {profile.kernel_latency * 1e6:.1f} us",
+            f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us",
             f"  intra-node link:   {intra.bandwidth / 1e9:.3f} GB/s, {intra.latency * 1e6:.1f} us "
             "per step",
             f"  inter-node link:   {inter.bandwidth / 1e9:.3f} GB/s, {inter.latency * 1e6:.1f} us "

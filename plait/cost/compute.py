@@ -5,9 +5,11 @@ One op on one device takes
     seconds = max(flops / (peak(dtype) * compute_efficiency),
                   nbytes / (memory_bandwidth * memory_efficiency),
                   kernel_latency)                       # only when the op does any work
+              + op_overhead                             # every op, views included
 
 i.e. it is bound either by arithmetic or by memory traffic, never faster than a kernel
-launch. The efficiencies and the floor come from the :class:`HardwareProfile` (0.7 and 7 us
+launch, plus the host's own cost of issuing it (0 on the datasheet GPUs, whose host work
+overlaps the kernels; measured on a CPU ``local`` profile, where it does not). The efficiencies and the floor come from the :class:`HardwareProfile` (0.7 and 7 us
 on the datasheet GPUs, as meta-pytorch/autoparallel assumes; 1.0 and measured on ``local``).
 
 Backward FLOPs: an op with a weight computes two products per forward product (dX and dW),
@@ -26,6 +28,7 @@ __all__ = [
     "backward_flops",
     "compute_dtype",
     "op_seconds",
+    "optimizer_seconds",
     "training_flops",
     "training_seconds",
 ]
@@ -62,10 +65,10 @@ def op_seconds(flops: float, nbytes: float, dtype: str, hardware: HardwareProfil
     _check_count("flops", flops)
     _check_count("nbytes", nbytes)
     if flops == 0 and nbytes == 0:
-        return 0.0
+        return hardware.op_overhead
     compute = flops / (hardware.peak(dtype) * hardware.compute_efficiency) if flops else 0.0
     memory = nbytes / (hardware.memory_bandwidth * hardware.memory_efficiency)
-    return max(compute, memory, hardware.kernel_latency)
+    return max(compute, memory, hardware.kernel_latency) + hardware.op_overhead
 
 
 def backward_flops(forward_flops: float, has_weight: bool = True) -> float:
@@ -100,3 +103,24 @@ def training_seconds(
         backward_flops(forward_flops, has_weight), forward_bytes * factor, dtype, hardware
     )
     return forward * (2 if recompute else 1) + backward
+
+
+ADAM_KERNELS = 12
+"""Elementwise kernels torch's single-tensor AdamW runs per parameter tensor (weight decay,
+two moment updates, bias corrections, the denominator, the update): each pays the host's
+``op_overhead``. Fused and foreach AdamW run fewer; on the datasheet profiles the overhead
+is 0 and only the bytes count."""
+ADAM_BYTES_PER_ELEMENT = 28
+"""fp32 AdamW reads the parameter, its gradient and two moments and writes the parameter and
+the moments back: 7 x 4 bytes per element, memory bound."""
+
+
+def optimizer_seconds(tensors: int, elements: float, hardware: HardwareProfile) -> float:
+    """One optimizer step over ``tensors`` local parameter tensors of ``elements`` elements
+    in all (AdamW, the optimizer plait's plans assume: see :data:`ADAM_KERNELS`)."""
+    _check_count("tensors", tensors)
+    _check_count("elements", elements)
+    bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
+    return tensors * ADAM_KERNELS * hardware.op_overhead + (
+        elements * ADAM_BYTES_PER_ELEMENT / bandwidth
+    )

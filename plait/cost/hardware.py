@@ -75,6 +75,11 @@ class HardwareProfile:
     """Fraction of ``memory_bandwidth`` that kernels reach."""
     kernel_latency: float = 0.0
     """Floor on one op's time, seconds (kernel launch; autoparallel uses 7 us on GPUs)."""
+    op_overhead: float = 0.0
+    """Host seconds every op (and every optimizer kernel) pays on top of its roofline time:
+    the framework's dispatch, autograd and Python around the kernel. It adds to a CPU's time
+    (the host is the device) where a GPU's host work overlaps its queue; ``plait calibrate``
+    measures it on ``local``, the datasheet profiles leave it 0."""
     measured: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Raw calibration data (sizes and timings), kept for reports; empty for built-ins."""
 
@@ -98,11 +103,13 @@ class HardwareProfile:
                 raise CostError(
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give an integer >= 1"
                 )
-        if not _is_number(self.kernel_latency) or self.kernel_latency < 0:
-            raise CostError(
-                f"HardwareProfile {self.name!r}: kernel_latency={self.kernel_latency!r} is not "
-                "allowed; give seconds >= 0"
-            )
+        for name in ("kernel_latency", "op_overhead"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise CostError(
+                    f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give "
+                    "seconds >= 0"
+                )
         if not isinstance(self.intra_node, Link) or not isinstance(self.inter_node, Link):
             raise CostError(
                 f"HardwareProfile {self.name!r}: intra_node and inter_node must be Link values"
@@ -155,6 +162,7 @@ class HardwareProfile:
             "compute_efficiency": self.compute_efficiency,
             "memory_efficiency": self.memory_efficiency,
             "kernel_latency": self.kernel_latency,
+            "op_overhead": self.op_overhead,
             "source": self.source,
             "measured": dict(self.measured),
         }
@@ -181,6 +189,7 @@ class HardwareProfile:
                 compute_efficiency=data.get("compute_efficiency", 1.0),
                 memory_efficiency=data.get("memory_efficiency", 1.0),
                 kernel_latency=data.get("kernel_latency", 0.0),
+                op_overhead=data.get("op_overhead", 0.0),
                 measured=data.get("measured", {}),
             )
         except (KeyError, TypeError) as e:

@@ -33,6 +33,7 @@ from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
+from plait.cost.compute import optimizer_seconds
 from plait.cost.memory import (
     GradBucket,
     PeakMemory,
@@ -86,9 +87,6 @@ class _Step:
     stage: list[int] = field(default_factory=list)
     moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
     reduced: set[tuple[str, TensorLayout]] = field(default_factory=set)  # backward fan-out
-    kept: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Op -> axes its output's gradient stays pending over into its parameters (reduced in
-    the fused buckets: :func:`plait.search.problem.pending_values`)."""
 
     def redistribute(
         self,
@@ -155,6 +153,9 @@ class _Context:
     problem: SearchProblem
     chosen: Mapping[str, OpStrategy]
     stage_of: Mapping[str, int]
+    kept: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Op -> axes its output's gradient stays pending over into its parameters (reduced with
+    them: :func:`plait.search.problem.pending_values`); filled by :func:`_op_collectives`."""
 
 
 def assemble_plan(
@@ -190,7 +191,7 @@ def assemble_plan(
     _loss_collective(ctx, step)
     if stages > 1:
         _pipeline_transfers(ctx, step)
-    predicted, stage_compute = _predict(ctx, op_time, step, param_layouts)
+    predicted, stage_compute = _predict(ctx, op_time, step, param_layouts, hardware)
     return Plan(
         mesh=mesh,
         mode=cfg.mode,
@@ -207,7 +208,7 @@ def assemble_plan(
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
         offload=cfg.offload,
-        ops=tuple(_planned_op(ctx, op, decisions[op.name], step.kept) for op in graph.ops),
+        ops=tuple(_planned_op(ctx, op, decisions[op.name], ctx.kept) for op in graph.ops),
         parameters=parameters,
         collectives=tuple(step.items),
         predicted=predicted,
@@ -323,7 +324,7 @@ def _op_collectives(
             keep = ctx.problem.keeps_pending(ref)
             if keep is not None and keeps_sum(grad, have, keep):
                 # reduced with the producer's parameter gradients, in the fused buckets
-                step.kept[graph.producer(ref)[0].name] = (keep,)  # type: ignore[union-attr]
+                ctx.kept[graph.producer(ref)[0].name] = (keep,)  # type: ignore[union-attr]
                 grad = pending_kept(grad, keep)
             # Readers handing back the same pending sum are summed by autograd, then reduced
             # once (q, k and v reading one layer norm: one all-reduce, not three).
@@ -393,10 +394,9 @@ def _parameters(
                 )
             )
             continue
-        axes = grad_reduce_axes(strategy, i)
-        kept = tuple(a for a in step.kept.get(op, ()) if a not in axes)
+        axes = _grad_axes(ctx, op, strategy, i)
+        kept = [a for a in axes if a not in grad_reduce_axes(strategy, i)]
         if kept:  # its reader's output gradient came back pending: so does its own
-            axes = tuple(a for a in ctx.mesh.axis_names if a in axes or a in kept)
             why += f"; its gradient stays pending over {', '.join(kept)} from {op}'s output"
         nbytes = _local_bytes(g, layout)
         stage = ctx.stage_of[op]
@@ -700,19 +700,22 @@ def _predict(
     op_time: Mapping[str, float],
     step: _Step,
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
+    hardware: Any,
 ) -> tuple[Prediction, list[float]]:
     """The step's prediction, and each pipeline stage's compute seconds per step."""
     stages = ctx.cfg.pipeline_stages
     compute = [0.0] * stages
     for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
         compute[ctx.stage_of[op.name]] += op_time[op.name] * ctx.cfg.grad_accumulation
-    busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s))
+    memories, updated = _memory(ctx, param_layouts)
+    update = [optimizer_seconds(n, e, hardware) for n, e in updated]
+    busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s) + update[s])
     compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
     bubble_s = _bubble(ctx.cfg, compute_s, step.seconds_of_stage(busiest, "forward"), comm_s)
-    memories = _memory(ctx, param_layouts)
     peak = max(memories, key=lambda mem: mem.peak)
     prediction = Prediction(
-        step_time_s=compute_s + comm_s + bubble_s,
+        step_time_s=compute_s + comm_s + bubble_s + update[busiest],
+        optimizer_s=update[busiest],
         compute_s=compute_s,
         communication_s=comm_s,
         bubble_s=bubble_s,
@@ -751,14 +754,18 @@ def _bubble(cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s
 def _memory(
     ctx: _Context,
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
-) -> list[PeakMemory]:
+) -> tuple[list[PeakMemory], list[tuple[int, float]]]:
     """Each pipeline stage's peak (docs/memory.md, "How the plan predicts memory"): the
-    model states by ZeRO level, and a walk through one step of what the program holds."""
+    model states by ZeRO level, and a walk through one step of what the program holds; and
+    what each stage's optimizer updates (tensors, elements: a ZeRO shard's share)."""
     graph, mesh, cfg = ctx.graph, ctx.mesh, ctx.cfg
     stages = cfg.pipeline_stages
     # frozen parameters: no gradient, no optimizer state; whole ones: not split by ZeRO
     sharded, whole, frozen = [0] * stages, [0] * stages, [0] * stages
     param_numel: dict[str, int] = {}
+    dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
+    shards = _weight_shard_size(cfg, mesh) or dp
+    updated: list[tuple[int, float]] = [(0, 0.0)] * stages
     for g in graph.inputs:
         if g.kind != "parameter":
             continue
@@ -767,17 +774,21 @@ def _memory(
         )
         stage = ctx.stage_of.get(op, 0)
         numel = g.meta.numel // math.prod(layout.splits())
+        split = False
         if not g.requires_grad:
             frozen[stage] += numel
         elif (
             strategy is not None
-            and _optimizer_shard(ctx, g, layout, grad_reduce_axes(strategy, i))[0] is not None
+            and _optimizer_shard(ctx, g, layout, _grad_axes(ctx, op, strategy, i))[0] is not None
         ):
             sharded[stage] += numel
+            split = True
         else:
             whole[stage] += numel
         if g.requires_grad and strategy is not None:
             param_numel[g.name] = numel
+            tensors, elements = updated[stage]
+            updated[stage] = (tensors + 1, elements + (numel / shards if split else numel))
     trace = StepTrace(graph, recompute_regions(graph, cfg))
     stage_list = [ctx.stage_of[op.name] for op in graph.ops]
     chosen = [ctx.chosen[op.name] for op in graph.ops]
@@ -785,10 +796,21 @@ def _memory(
     buckets = _memory_buckets(ctx, param_layouts)
     sb = StateBytes.for_precision(cfg.precision)
     walked = [h.with_gradients(param_numel, buckets[s], sb) for s, h in enumerate(held)]
-    dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
-    return [
+    memories = [
         stage_memory(cfg, s, walked[s], sharded[s], whole[s], frozen[s], dp) for s in range(stages)
     ]
+    return memories, updated
+
+
+def _grad_axes(ctx: _Context, op: str, strategy: OpStrategy, i: int) -> tuple[str, ...]:
+    """The axes the gradient of input ``i`` of ``op`` (a parameter) is summed over: those
+    the strategy splits the work over but not the parameter, and those the op's output
+    gradient kept pending into it (``ctx.kept``), in mesh order."""
+    axes = grad_reduce_axes(strategy, i)
+    kept = ctx.kept.get(op, ())
+    if not kept:
+        return axes
+    return tuple(a for a in ctx.mesh.axis_names if a in axes or a in kept)
 
 
 def _memory_buckets(
@@ -814,7 +836,7 @@ def _memory_buckets(
         layout, op, strategy, i = placed
         if any(dp in axes for axes in layout.dims):
             continue
-        axes = grad_reduce_axes(strategy, i)
+        axes = _grad_axes(ctx, op, strategy, i)
         split = _optimizer_shard(ctx, g, layout, axes)[0] is not None
         entry = (g.name, axes == (dp,), split, _local_bytes(g, layout))
         per_stage.setdefault(ctx.stage_of[op], []).append(entry)

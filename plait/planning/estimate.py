@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from plait.config import CommFusion, ParallelConfig
+from plait.cost.compute import optimizer_seconds
 from plait.cost.memory import GradBucket, StageActivations, StageBuffers, StateBytes, StepTrace
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
@@ -146,6 +147,8 @@ class _Level:
     items: list[list[_Item]]  # per stage: each collective's seconds x count, in plan order
     sharded_numel: list[int] = field(default_factory=list)
     whole_numel: list[int] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+    """Per stage, the optimizer step's seconds (assemble's _memory and _predict)."""
 
 
 class MeshEstimate:
@@ -469,18 +472,24 @@ class MeshEstimate:
         stages, level = self.stages, cfg.optimizer_shard
         dims = self._shard_dims(cfg) if level is not None else [None] * len(self.params)
         sharded, whole = [0] * stages, [0] * stages
+        tensors, elements = [0] * stages, [0.0] * stages
         for p, dim in zip(self.params, dims, strict=True):
             if p.g.requires_grad:
                 if dim is not None:
                     sharded[p.stage] += p.numel
                 else:
                     whole[p.stage] += p.numel
+                if p.strategy is not None:  # read by an op: it has a gradient to apply
+                    tensors[p.stage] += 1
+                    elements[p.stage] += p.numel / self.shard_size if dim is not None else p.numel
+        hardware = self._setup.hardware
+        update = [optimizer_seconds(n, e, hardware) for n, e in zip(tensors, elements, strict=True)]
         items: list[list[_Item]] = [[] for _ in range(stages)]
         if self.fused:
             read_again = self.facts.read_again(cfg) if level == 3 else frozenset()
             for bucket in self._bucket_list(cfg):
                 self._bucket(level, bucket, read_again, items[bucket.stage])
-        return _Level(items, sharded, whole)
+        return _Level(items, sharded, whole, update)
 
     def _bucket_list(self, cfg: ParallelConfig) -> list[_Bucket]:
         """Every dp bucket in plan order (assemble's _fused_reductions): the trainable
@@ -644,11 +653,11 @@ class MeshEstimate:
                         fwd += seconds
             comm.append(acc)
             forward.append(fwd)
-        compute = self.compute
-        busiest = max(range(stages), key=lambda s: compute[s] + comm[s])
+        compute, update = self.compute, level.update_s
+        busiest = max(range(stages), key=lambda s: compute[s] + comm[s] + update[s])
         compute_s, comm_s = compute[busiest], comm[busiest]
         bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)
-        step = compute_s + comm_s + bubble_s
+        step = compute_s + comm_s + bubble_s + update[busiest]
         return Estimate(step, self._memory(cfg, level))
 
     def _memory(self, cfg: ParallelConfig, level: _Level) -> int:

@@ -15,18 +15,18 @@ from plait.errors import PlaitError, PlanError
 from plait.planning.checks import PHASES, Strategy, close_matches, few
 from plait.planning.timeline import in_flight_micro_batches
 
-if TYPE_CHECKING:  # the records call this module; it only reads them
-    from plait.planning.records import Plan, PlannedOp, PlannedParameter
+if TYPE_CHECKING:  # reads a plan's contents (the Plan below calls this module)
+    from plait.planning.entries import PlanContents, PlannedOp, PlannedParameter
 
 __all__ = ["explain", "fmt_bytes", "fmt_flops", "fmt_seconds", "module_paths", "summary"]
 
 
-def summary(plan: Plan) -> str:
+def summary(plan: PlanContents) -> str:
     """A readable report: settings, prediction, ops (repeated layers grouped), collectives."""
     return "\n".join(_summary_lines(plan)) + "\n"
 
 
-def explain(plan: Plan, name: str) -> str:
+def explain(plan: PlanContents, name: str) -> str:
     """Why an op, a parameter (FQN) or a module path is laid out as it is, and what it costs.
 
     ``explain(plan, "mesh")`` shows the options the outer planner weighed and why the winner won.
@@ -109,7 +109,7 @@ def _layer_prefix(layer: str) -> str:
     return match.group(1) if match and match.group(1) else layer
 
 
-def _layer_groups(plan: Plan) -> dict[str, list[str]]:
+def _layer_groups(plan: PlanContents) -> dict[str, list[str]]:
     """Representative layer -> its identical members (itself first), in graph order.
 
     Layers are identical when their ops, read in order with module paths relative to the
@@ -137,7 +137,7 @@ def _layer_groups(plan: Plan) -> dict[str, list[str]]:
     return {members[0]: members for members in groups.values()}
 
 
-def _op_rows(plan: Plan) -> list[list[str]]:
+def _op_rows(plan: PlanContents) -> list[list[str]]:
     groups = _layer_groups(plan)
     rep_of = {m: rep for rep, members in groups.items() for m in members}
     rows: list[list[str]] = []
@@ -164,7 +164,7 @@ def _op_rows(plan: Plan) -> list[list[str]]:
     return rows
 
 
-def _header_lines(plan: Plan) -> list[str]:
+def _header_lines(plan: PlanContents) -> list[str]:
     mesh = " x ".join(f"{a}={s}" for a, s in plan.mesh.as_dict().items())
     zero = "off" if plan.optimizer_shard is None else f"level {plan.optimizer_shard}"
     if plan.optimizer_shard is not None and plan.optimizer_weight_shard_size is not None:
@@ -193,7 +193,7 @@ def _header_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _prediction_lines(plan: Plan) -> list[str]:
+def _prediction_lines(plan: PlanContents) -> list[str]:
     p = plan.predicted
     mem = f"  memory per device: {fmt_bytes(p.memory_bytes)} peak"
     if plan.memory_limit is not None:
@@ -211,7 +211,7 @@ def _prediction_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _pipeline_lines(plan: Plan) -> list[str]:
+def _pipeline_lines(plan: PlanContents) -> list[str]:
     """The schedule, its chunks a rank, its bubble and the activations it keeps in flight."""
     if plan.pipeline_stages < 2:
         return []
@@ -231,7 +231,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _uncovered_lines(plan: Plan) -> list[str]:
+def _uncovered_lines(plan: PlanContents) -> list[str]:
     by_target: dict[str, list[str]] = {}
     for op in plan.ops:
         if not op.covered:
@@ -245,7 +245,7 @@ def _uncovered_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _collective_lines(plan: Plan) -> list[str]:
+def _collective_lines(plan: PlanContents) -> list[str]:
     if not plan.collectives:
         return ["collectives: none"]
     totals: dict[tuple[str, str, tuple[str, ...]], list[float]] = {}
@@ -266,7 +266,7 @@ def _collective_lines(plan: Plan) -> list[str]:
     ]
 
 
-def _extra_lines(plan: Plan) -> list[str]:
+def _extra_lines(plan: PlanContents) -> list[str]:
     lines = []
     if plan.stages:
         lines.append("pipeline stages")
@@ -292,7 +292,7 @@ def _extra_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _summary_lines(plan: Plan) -> list[str]:
+def _summary_lines(plan: PlanContents) -> list[str]:
     rows = _op_rows(plan)
     shown = sum(1 for r in rows if not r[0].startswith("["))
     title = f"ops ({len(plan.ops)}"
@@ -312,7 +312,7 @@ def _summary_lines(plan: Plan) -> list[str]:
 # --------------------------------------------------------------------------- explain
 
 
-def _collectives_at(plan: Plan, names: Iterable[str]) -> list[str]:
+def _collectives_at(plan: PlanContents, names: Iterable[str]) -> list[str]:
     wanted = set(names)
     lines = []
     for c in plan.collectives:
@@ -326,7 +326,7 @@ def _collectives_at(plan: Plan, names: Iterable[str]) -> list[str]:
     return lines or ["  none"]
 
 
-def _explain_options(plan: Plan) -> list[str]:
+def _explain_options(plan: PlanContents) -> list[str]:
     lines = [f"mesh {plan.mesh.as_dict()!r}: why"]
     lines += [f"  {note}" for note in plan.notes]
     if plan.options:
@@ -341,7 +341,7 @@ def _explain_options(plan: Plan) -> list[str]:
     return lines
 
 
-def _explain_op(plan: Plan, op: PlannedOp) -> list[str]:
+def _explain_op(plan: PlanContents, op: PlannedOp) -> list[str]:
     lines = [
         f"op {op.name}: {op.target} in module {op.module_path or '(root)'}"
         + (f", layer {op.layer}" if op.layer else ""),
@@ -363,7 +363,7 @@ def _explain_op(plan: Plan, op: PlannedOp) -> list[str]:
     return [*lines, "collectives", *_collectives_at(plan, [op.name])]
 
 
-def _explain_param(plan: Plan, p: PlannedParameter, ops: dict[str, PlannedOp]) -> list[str]:
+def _explain_param(plan: PlanContents, p: PlannedParameter, ops: dict[str, PlannedOp]) -> list[str]:
     try:
         local = f", {p.layout.local_shape(p.shape)!r} per device"
     except PlaitError:
@@ -387,7 +387,7 @@ def _explain_param(plan: Plan, p: PlannedParameter, ops: dict[str, PlannedOp]) -
     return [*lines, "collectives", *_collectives_at(plan, [p.name])]
 
 
-def _explain_module(plan: Plan, module: str) -> list[str]:
+def _explain_module(plan: PlanContents, module: str) -> list[str]:
     ops = _module_ops(plan, module)
     params = [p for p in plan.parameters if _in_module(p.name.rpartition(".")[0], module)]
     lines = [f"module {module}: {len(ops)} ops, {len(params)} parameters"]
@@ -417,7 +417,7 @@ def _explain_module(plan: Plan, module: str) -> list[str]:
 # --------------------------------------------------------------------------- module paths
 
 
-def module_paths(plan: Plan) -> list[str]:
+def module_paths(plan: PlanContents) -> list[str]:
     """Every module path of the plan's ops and parameters, with all their prefixes, in order."""
     seen: dict[str, None] = {}
     paths = [op.module_path for op in plan.ops] + [
@@ -434,5 +434,5 @@ def _in_module(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
-def _module_ops(plan: Plan, module: str) -> list[PlannedOp]:
+def _module_ops(plan: PlanContents, module: str) -> list[PlannedOp]:
     return [op for op in plan.ops if _in_module(op.module_path, module)]

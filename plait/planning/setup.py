@@ -139,7 +139,9 @@ def prepare(
     candidates = _shared_candidates(graph, mesh)
     inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
     fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
-    problem = SearchProblem(graph, mesh, candidates, inputs, cost, fused_axis=fused)
+    problem = SearchProblem(
+        graph, mesh, candidates, inputs, cost, fused_axis=fused, dp_axis=cfg.dp_axis
+    )
     constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters)
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)

@@ -37,8 +37,8 @@ from plait.cost.memory import Schedule
 from plait.cost.memory import in_flight_micro_batches as _held_micro_batches
 from plait.errors import PlanError
 
-if TYPE_CHECKING:  # plan_timeline reads a Plan; the records import this module
-    from plait.planning.records import Plan
+if TYPE_CHECKING:  # plan_timeline reads a plan's contents; the Plan calls it
+    from plait.planning.entries import PlanContents
 
 __all__ = [
     "BACKWARD_FLOPS_FACTOR",
@@ -662,7 +662,7 @@ class Timeline:
 # --------------------------------------------------------------------------- from a plan
 
 
-def plan_timeline(plan: Plan) -> Timeline:
+def plan_timeline(plan: PlanContents) -> Timeline:
     """The predicted schedule of ``plan``'s pipeline, simulated on its per-stage times.
 
     A stage's compute per micro-batch is split by :data:`BACKWARD_FLOPS_FACTOR` (forward a
@@ -686,7 +686,7 @@ def plan_timeline(plan: Plan) -> Timeline:
     return simulate(plan.schedule, p, m, times, v, title=title)
 
 
-def _plan_stage_times(plan: Plan) -> list[StageTimes]:
+def _plan_stage_times(plan: PlanContents) -> list[StageTimes]:
     p, m = plan.pipeline_stages, plan.micro_batches
     # Files written before per-stage compute was recorded: every stage as the busiest.
     compute = list(plan.stage_compute_s) or [plan.predicted.compute_s] * p

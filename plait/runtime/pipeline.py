@@ -348,10 +348,7 @@ class PipelineJob(Job):
         if not isinstance(shadows, ZeroOptimizer):
             self.optimizer.step()
             return
-        shadows.load_grads()
-        if self._device.type == "cuda":
-            # the copies to the host are asynchronous: the host's step must not read them early
-            torch.cuda.current_stream(self._device).synchronize()
+        shadows.load_grads()  # waits for its copies to the host before the host's step
         self.optimizer.step()
         shadows.after_step()
 

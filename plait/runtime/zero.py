@@ -350,6 +350,7 @@ class ZeroOptimizer:
 
     def load_grads(self) -> None:
         """Point each shadow's gradient at its parameter's local gradient (or shard of it)."""
+        to_host = False
         for p, shadow, spec in self.pairs:
             grad = p.grad
             if grad is None:
@@ -359,7 +360,12 @@ class ZeroOptimizer:
                 local = self._own_shard(local_piece(grad), spec, grad)
             else:
                 local = local_piece(grad)
+            to_host |= local.device.type == "cuda" and shadow.device.type == "cpu"
             shadow.grad = local.to(shadow.device, non_blocking=True)
+        if to_host:
+            # A device-to-host copy with non_blocking returns before the bytes arrive; the
+            # host optimizer reads them next, so the copies are waited for (once, for all).
+            torch.cuda.current_stream().synchronize()
 
     def _own_shard(self, piece: torch.Tensor, spec: ShardedParameter, like: Any) -> torch.Tensor:
         """This rank's shard of a whole local piece (of a parameter or its reduced gradient,

@@ -292,6 +292,9 @@ class SearchProblem:
     """The axis whose gradient reductions the runtime fuses into buckets (the data-parallel
     axis without ZeRO-2/3): a parameter pays only the bytes of its share of a bucket, the
     per-collective latency is paid once per bucket, whatever the strategies."""
+    dp_axis: str | None = None
+    """The data-parallel axis, over which a gradient that can only reach parameters keeps its
+    pending sum into theirs (:meth:`keeps_pending`; bucketed with or without ZeRO)."""
     _op_cost: dict[tuple[object, int], float] = field(default_factory=dict, repr=False)
     _grad_refs: frozenset[str] | None = field(default=None, repr=False)
     _edges: list[Edge] | None = field(default=None, repr=False)
@@ -325,9 +328,9 @@ class SearchProblem:
         return key
 
     def keeps_pending(self, ref: str) -> str | None:
-        """The fused axis when value ``ref``'s gradient stays pending into its producer's
-        parameters (:func:`pending_values`), else None."""
-        axis = self.fused_axis
+        """The data-parallel axis when value ``ref``'s gradient stays pending into its
+        producer's parameters (:func:`pending_values`), else None."""
+        axis = self.dp_axis
         if axis is None or axis not in self.mesh.axis_names or self.mesh.axis_size(axis) == 1:
             return None
         return axis if ref in _pending_values_of(self.graph) else None
@@ -335,15 +338,16 @@ class SearchProblem:
     _buckets: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def bucket_seconds(self, op: OpNode, index: int) -> float:
-        """What candidate ``index`` of ``op`` adds to the fused buckets when its output's
-        gradient comes back pending over the fused axis: its parameters' bytes (no latency:
-        the bucket's collective runs anyway), except those it reduces over that axis itself."""
+        """What candidate ``index`` of ``op`` adds to the gradient reductions when its output's
+        gradient comes back pending over the data-parallel axis: its parameters' reductions
+        over it (as :meth:`param_grad_seconds` prices them: in a fused bucket, their bytes
+        alone), except those it reduces over that axis itself."""
         key = (self.signature(op), index)
         found = self._buckets.get(key)
         if found is None:
             strategy = self.candidates[op.name][index]
             found = 0.0
-            axis = self.fused_axis
+            axis = self.dp_axis
             for i, ref in enumerate(op.inputs):
                 source = self.graph.graph_input(ref)
                 if axis is None or source is None or source.kind != "parameter":
@@ -352,7 +356,8 @@ class SearchProblem:
                     continue
                 nbytes = source.meta.nbytes // math.prod(strategy.inputs[i].splits())
                 found += self.cost.axis_seconds("all_reduce", axis, nbytes)
-                found -= self.cost.axis_seconds("all_reduce", axis, 0)
+                if axis == self.fused_axis:  # in a bucket: the latency is not this parameter's
+                    found -= self.cost.axis_seconds("all_reduce", axis, 0)
             self._buckets[key] = found
         return found
 

@@ -36,17 +36,16 @@ def test_megatron_gpt_step_collectives(gpt_and_batches):
     readers first and reduced once (the plan pins each gradient to its producer's layout), and
     fc1's input once.
     dp: one fused all-reduce per gradient bucket (the default 25 MB bucket holds this whole
-    model), one for the loss value step() returns, one for the global count of the targets
-    the mean cross-entropy divides by (plait.comm.dispatch: exact with ignored targets), and
-    one inside DTensor's cross-entropy backward (its total weight, computed even for
-    reduction="none").
+    model, the position table's gradient too: its output's gradient stays pending over dp into
+    it), one for the loss value step() returns and one for the global count of the targets
+    the mean cross-entropy divides by (exact with ignored targets).
     """
     model, batches = gpt_and_batches
     annotate_megatron(model, 2)
     counts = _one_step(
         model, ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}), gpt_loss, batches[0], 4
     )
-    assert counts == {("all_reduce", "tp"): 2 + 2, ("all_reduce", "dp"): 1 + 3}
+    assert counts == {("all_reduce", "tp"): 2 + 2, ("all_reduce", "dp"): 1 + 2}
 
 
 def test_tp4_gpt_step_has_no_data_parallel_traffic(gpt_and_batches):

@@ -118,8 +118,11 @@ def test_frozen_parameter_gets_no_gradient_work(gpt) -> None:
     assert params["blocks.0.attn.q.weight"].layout.describe() == "[tp, None]"  # layout kept
     assert not any(c.op in frozen for c in plan.collectives)
     assert any(c.op == "blocks.0.attn.q.weight" for c in before.collectives)
-    # the positional embedding's output gradient was all-reduced over dp where it met the batch
-    assert any(c.op == "add" and c.phase == "backward" for c in before.collectives)
+    # trained, the positional table's gradient stays pending over dp from where its output met
+    # the batch (no collective at that add) into its own reduction in the dp buckets
+    assert before.parameter("pos.weight").grad_reduce_axes == ("dp",)
+    assert any(c.op == "pos.weight" and c.axes == ("dp",) for c in before.collectives)
+    assert not any(c.op == "add" and c.phase == "backward" for c in before.collectives)
     assert not any(c.op == "add" and c.phase == "backward" for c in plan.collectives)
     # no gradient and no optimizer state for them: 16 + 8 = 24 bytes less per local element
     local = 8 * 16 + 16 * 16 // 2

@@ -175,11 +175,15 @@ class _ScalarWalk(propagation._Walk):
         problem, graph = self.problem, self.graph
         strategy = problem.candidates[op.name][index]
         redist, heaviest, heaviest_cost = 0.0, "", -1.0
-        for i, _ref in enumerate(op.inputs):
+        for i, ref in enumerate(op.inputs):
             known = self.source_layout(op, i)
             if known is None:
                 continue
-            c = problem.input_edge_seconds(op, i, strategy, known[0])
+            keep, bucket = problem.keeps_pending(ref), 0.0
+            if keep is not None:  # a gradient kept pending into the producer's parameters
+                producer = graph.producer(ref)[0]
+                bucket = problem.bucket_seconds(producer, self.decided[producer.name].index)
+            c = problem.input_edge_seconds(op, i, strategy, known[0], keep, bucket)
             redist += c
             if c > heaviest_cost:
                 heaviest, heaviest_cost = known[1], c
@@ -193,7 +197,11 @@ class _ScalarWalk(propagation._Walk):
                     continue
                 target = self.strategy(consumer.name)
                 grad = gradient_layout(target, i) if problem.needs_grad(ref) else None
-                c = problem.cost.edge_seconds(out, target.inputs[i], grad, op.outputs[k])
+                keep = problem.keeps_pending(ref)
+                bucket = 0.0 if keep is None else problem.bucket_seconds(op, index)
+                c = problem.cost.edge_seconds(
+                    out, target.inputs[i], grad, op.outputs[k], keep, bucket
+                )
                 redist += c
                 if c > heaviest_cost:
                     heaviest, heaviest_cost = consumer.name, c

@@ -75,9 +75,11 @@ def test_megatron_semi_auto_gives_megatron_layouts_and_collectives() -> None:
         for c in plan.collectives
         if c.phase == "backward" and c.axes == ("dp",) and c.op != "cross_entropy_loss"
     ]
-    # The position ids (an arange) are not split, so the position embedding runs replicated and
-    # its output gradient is summed over dp where it meets the batch (op "add"), not its weight.
-    expected = {p.name for p in plan.parameters} - {"pos.weight"} | {"add"}
+    # The position ids (an arange) are not split, so the position embedding runs replicated;
+    # its output gradient, summed over dp where it meets the batch, stays pending into its
+    # weight (a learned table read once): reduced as the weight's, nothing at "add".
+    expected = {p.name for p in plan.parameters}
+    assert plan.parameter("pos.weight").grad_reduce_axes == ("dp",)
     assert {c.op for c in grads} == expected
     assert len(grads) == len(expected)
     assert all(c.kind == "all_reduce" for c in grads)
@@ -100,8 +102,10 @@ def test_data_parallel_plan_replicates_every_parameter() -> None:
     assert counts[("all_reduce", ("dp",))] == n_params + 2
     assert sum(counts.values()) == n_params + 2
     assert plan.predicted.communication_s > 0
-    assert plan.predicted.step_time_s == pytest.approx(
-        plan.predicted.compute_s + plan.predicted.communication_s + plan.predicted.bubble_s
+    predicted = plan.predicted
+    assert predicted.optimizer_s > 0  # AdamW over every (whole) parameter
+    assert predicted.step_time_s == pytest.approx(
+        predicted.compute_s + predicted.communication_s + predicted.bubble_s + predicted.optimizer_s
     )
 
 

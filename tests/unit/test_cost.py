@@ -176,6 +176,29 @@ def test_op_seconds_roofline() -> None:
     assert op_seconds(0, 0, "float32", a100) == 0.0
 
 
+def test_op_overhead_adds_to_every_op_and_the_optimizer_pays_it_per_kernel() -> None:
+    """A CPU host pays its per-op cost on top of the roofline, views included; the datasheet
+    profiles have none. AdamW: 12 kernels a tensor, 28 bytes an element."""
+    import dataclasses
+
+    from plait.cost.compute import ADAM_BYTES_PER_ELEMENT, ADAM_KERNELS, optimizer_seconds
+
+    a100 = get_profile("a100-80g")
+    assert a100.op_overhead == 0.0
+    host = dataclasses.replace(a100, name="host", op_overhead=5e-6)
+    flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 2
+    plain = op_seconds(flops, nbytes, "bfloat16", a100)
+    assert op_seconds(flops, nbytes, "bfloat16", host) == pytest.approx(plain + 5e-6)
+    assert op_seconds(10, 40, "float32", host) == pytest.approx(7e-6 + 5e-6)
+    assert op_seconds(0, 0, "float32", host) == 5e-6  # a view is dispatched too
+    n = 1_000_000
+    bytes_s = ADAM_BYTES_PER_ELEMENT * n / (2039e9 * 0.7)
+    assert optimizer_seconds(10, n, a100) == pytest.approx(bytes_s)
+    assert optimizer_seconds(10, n, host) == pytest.approx(bytes_s + 10 * ADAM_KERNELS * 5e-6)
+    with pytest.raises(CostError, match="op_overhead=-1"):
+        dataclasses.replace(a100, op_overhead=-1)
+
+
 def test_op_seconds_unknown_dtype_names_the_fix() -> None:
     with pytest.raises(CostError, match=r"'ascend-910' has no peak FLOP/s for dtype 'float32'"):
         op_seconds(1e9, 0, "float32", get_profile("ascend-910"))
@@ -252,6 +275,7 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
         inter_node=Link(bandwidth=1.25e9, latency=1e-4),
         devices_per_node=8,
         source="measured by a test",
+        op_overhead=4e-6,
         measured={"matmul_size": 512},
     )
     path = save_profile(measured, tmp_path / "sub" / "local.json")
@@ -260,6 +284,7 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
     assert loaded == measured
     assert loaded.measured["matmul_size"] == 512
     assert load_profile(path).intra_node.latency == 1.6e-4
+    assert load_profile(path).op_overhead == 4e-6
 
 
 def test_local_profile_default_path_and_fallback(tmp_path, monkeypatch) -> None:

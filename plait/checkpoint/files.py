@@ -138,7 +138,8 @@ def checksum(path: Path, algorithm: str = ALGORITHM) -> dict[str, Any]:
     not read into a buffer: the copy out of the page cache cost more than XXH3-64 itself
     (a 55 MB shard from the page cache: 4.0 ms read into a 1 MB buffer and hashed, 1.6 ms
     mapped and hashed). A file that cannot be mapped (an empty one; a file system without
-    mmap) is read in chunks instead."""
+    mmap) is read in chunks instead. (A file another process truncates while it is mapped
+    stops this process with SIGBUS; loads check every file's size before they hash.)"""
     hasher = _hasher(algorithm)
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size

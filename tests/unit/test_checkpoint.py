@@ -504,3 +504,46 @@ def test_python_rng_state_restores_from_either_saved_form() -> None:
         random.seed(99)
         _set_rng_state({**state, "python": python})
         assert [random.random() for _ in range(3)] == want
+
+
+def test_write_streams_coalesce_small_writes_and_sync_what_they_hold(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """DCP writes each file through a buffer above the hashing stream: torch.save's many small
+    writes reach the hash as a few; what the buffer holds is flushed before ``fileno()`` (DCP
+    fsyncs its metadata through it without a flush); the recorded size and XXH3-64 are the
+    file's."""
+    import os
+    import pickle
+
+    from plait.comm import checkpoint_io
+
+    calls = {"hashing": 0, "buffered": 0}
+    hashing_write = checkpoint_io._HashingStream.write
+
+    def count(self, data):
+        calls["hashing"] += 1
+        return hashing_write(self, data)
+
+    monkeypatch.setattr(checkpoint_io._HashingStream, "write", count)
+    fs = checkpoint_io._ChecksummingFileSystem(tmp_path)
+    with fs.create_stream(tmp_path / "piece", "wb") as stream:
+        real = stream.write
+
+        class Counting:  # what torch.save sees: counts its calls
+            def write(self, data):
+                calls["buffered"] += 1
+                return real(data)
+
+            def flush(self):
+                stream.flush()
+
+        torch.save(torch.arange(5000.0), Counting())
+    assert calls["buffered"] >= 10 and calls["hashing"] <= 3, calls
+    with fs.create_stream(tmp_path / "meta", "wb") as stream:
+        pickle.dump({"k": list(range(30))}, stream)  # smaller than the buffer
+        synced = os.fstat(stream.fileno()).st_size  # what an fsync through fileno() covers
+    assert synced == (tmp_path / "meta").stat().st_size
+    for name in ("piece", "meta"):
+        size, digest = fs.written[name]
+        assert files.checksum(tmp_path / name) == files.entry(size, digest)

@@ -987,6 +987,14 @@ class StepTrace:
                     kept.add(r)
         return frozenset(kept)
 
+    def recomputed(self) -> tuple[bool, ...]:
+        """Per op, whether backward runs its forward again: it lies in a recompute region and
+        not all it makes is kept (under "selective", matmul-like ops and random ones are)."""
+        return tuple(
+            mode is not None and not kept
+            for mode, kept in zip(self.mode, self.kept_op, strict=True)
+        )
+
     def producer(self, root: str) -> int:
         """Graph index of the op whose output ``root`` is."""
         return self.index[root.split(":")[0]]

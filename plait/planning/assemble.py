@@ -705,9 +705,19 @@ def _predict(
     """The step's prediction, and each pipeline stage's compute seconds per step."""
     stages = ctx.cfg.pipeline_stages
     compute = [0.0] * stages
+    ga = ctx.cfg.grad_accumulation
     for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
-        compute[ctx.stage_of[op.name]] += op_time[op.name] * ctx.cfg.grad_accumulation
-    memories, updated = _memory(ctx, param_layouts)
+        compute[ctx.stage_of[op.name]] += op_time[op.name] * ga
+    # an op recomputed in backward runs its forward (a third of its time) once more (summed
+    # as estimate.MeshEstimate sums it: the same floats)
+    again = [0.0] * stages
+    trace = StepTrace(ctx.graph, recompute_regions(ctx.graph, ctx.cfg))
+    for op, recomputed in zip(ctx.graph.ops, trace.recomputed(), strict=True):
+        if recomputed:
+            forward = op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
+            again[ctx.stage_of[op.name]] += forward * ga
+    compute = [c + a for c, a in zip(compute, again, strict=True)]
+    memories, updated = _memory(ctx, param_layouts, trace)
     update = [optimizer_seconds(n, e, hardware) for n, e in updated]
     busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s) + update[s])
     compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
@@ -754,6 +764,7 @@ def _bubble(cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s
 def _memory(
     ctx: _Context,
     param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
+    trace: StepTrace,
 ) -> tuple[list[PeakMemory], list[tuple[int, float]]]:
     """Each pipeline stage's peak (docs/memory.md, "How the plan predicts memory"): the
     model states by ZeRO level, and a walk through one step of what the program holds; and
@@ -789,7 +800,6 @@ def _memory(
             param_numel[g.name] = numel
             tensors, elements = updated[stage]
             updated[stage] = (tensors + 1, elements + (numel / shards if split else numel))
-    trace = StepTrace(graph, recompute_regions(graph, cfg))
     stage_list = [ctx.stage_of[op.name] for op in graph.ops]
     chosen = [ctx.chosen[op.name] for op in graph.ops]
     held = activation_buffers(trace, cfg, chosen, stage_list, lambda t: math.prod(t.splits()))

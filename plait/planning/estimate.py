@@ -42,6 +42,7 @@ from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.planning.assemble import (
+    BACKWARD_FLOPS_FACTOR,
     PP_AXIS,
     _bubble,
     _read_by_backward,
@@ -215,6 +216,7 @@ class MeshEstimate:
         self._frozen: list[int] | None = None
         self._stage_bytes: dict[tuple[object, ...], int] = {}
         self._walks: dict[tuple[object, ...], tuple[StageActivations, ...]] = {}
+        self._again: dict[int, list[float]] = {}
         self._held: dict[tuple[object, ...], tuple[StageBuffers, ...]] = {}
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
@@ -653,12 +655,28 @@ class MeshEstimate:
                         fwd += seconds
             comm.append(acc)
             forward.append(fwd)
-        compute, update = self.compute, level.update_s
+        again, update = self._recomputed_s(cfg), level.update_s
+        compute = [c + a for c, a in zip(self.compute, again, strict=True)]
         busiest = max(range(stages), key=lambda s: compute[s] + comm[s] + update[s])
         compute_s, comm_s = compute[busiest], comm[busiest]
         bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)
         step = compute_s + comm_s + bubble_s + update[busiest]
         return Estimate(step, self._memory(cfg, level))
+
+    def _recomputed_s(self, cfg: ParallelConfig) -> list[float]:
+        """Per stage, the forward seconds backward runs again under ``cfg``'s recompute
+        (assemble's _predict: a third of each recomputed op's time, per micro-step)."""
+        trace = self.facts.trace(cfg)
+        found = self._again.get(id(trace))
+        if found is None:
+            found = [0.0] * self.stages
+            ga = self.base.grad_accumulation
+            for op, again in zip(self.graph.ops, trace.recomputed(), strict=True):
+                if again:
+                    forward = self._op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
+                    found[self.stage_of[op.name]] += forward * ga
+            self._again[id(trace)] = found
+        return found
 
     def _memory(self, cfg: ParallelConfig, level: _Level) -> int:
         """Peak bytes per device over the stages (assemble's _memory, per stage)."""

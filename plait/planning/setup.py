@@ -22,7 +22,7 @@ from plait.errors import ConfigError, NotBuiltError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.planning.assemble import BACKWARD_FLOPS_FACTOR, PP_AXIS
+from plait.planning.assemble import BACKWARD_FLOPS_FACTOR, LOW_PRECISION_ACTIVATIONS, PP_AXIS
 from plait.rules import default_catalogue
 from plait.rules.registry import OpStrategy
 from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints
@@ -184,15 +184,20 @@ def cost_model(mesh: MeshSpec, hardware: HardwareProfile, precision: str) -> Cos
 
 def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode, int], float]:
     """Seconds of an op's forward and backward when its work is cut into ``pieces`` (the
-    roofline of ``hardware`` at ``precision``): the ``op_compute`` of every search's costs."""
+    roofline of ``hardware`` at ``precision``): the ``op_compute`` of every search's costs.
+
+    The graph is captured in fp32; under bf16 or fp16 the activations an op reads and writes
+    are half as many bytes (as the memory model counts them), so a memory-bound op is twice
+    as fast."""
     dtype = _DTYPES[precision]
     seconds = _compute_memo(hardware, dtype)
+    scale = LOW_PRECISION_ACTIVATIONS[precision]
 
     def op_compute(op: OpNode, pieces: int) -> float:
         key = (op.flops, op.bytes, pieces)
         found = seconds.get(key)
         if found is None:
-            forward = op_seconds(op.flops / pieces, op.bytes / pieces, dtype, hardware)
+            forward = op_seconds(op.flops / pieces, op.bytes * scale / pieces, dtype, hardware)
             found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
         return found
 

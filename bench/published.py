@@ -54,10 +54,10 @@ Assumptions, stated per row in the table:
   compute, communication (never overlapped), the schedule's bubble and the optimizer step.
 
 ``--detail`` prints, per row, where the busiest rank's predicted compute goes (flop-bound and
-memory-bound ops by their roofline, the attention-score ops among them, and the recomputed
-forward the prediction does not count), its collectives by kind, axis and phase, and two
-corrections computed from those terms (``what_if``: not the cost model, arithmetic to size the
-gaps).
+memory-bound ops by their roofline, the attention-score ops among them) and its collectives by
+kind, axis and phase. (Its first version also sized two gaps by arithmetic, the recomputed
+forward and fp16 activation bytes; both are in the cost model since commits 54e1669 and
+a09a590.)
 """
 
 from __future__ import annotations
@@ -227,8 +227,8 @@ def busiest_rank_ops(plan: Plan, graph: OpGraph) -> list[OpNode]:
 
 
 def compute_anatomy(plan: Plan, graph: OpGraph) -> dict[str, float]:
-    """The busiest rank's predicted compute seconds split by what bounds each op's roofline,
-    and the recomputed forward the prediction leaves out. Each op's share is its roofline
+    """The busiest rank's predicted compute seconds split by what bounds each op's roofline
+    (the attention-score ops among them). Each op's share is its roofline
     time on whole tensors (every op on these meshes is cut into the same dp x tp pieces, so
     shares equal those of the local pieces), scaled to ``Prediction.compute_s``."""
     from plait.cost import get_profile
@@ -244,8 +244,6 @@ def compute_anatomy(plan: Plan, graph: OpGraph) -> dict[str, float]:
         parts[bound] += t
         if op.module_path.endswith(".attn"):  # Attention.forward's own ops, not its linears
             parts["attention scores"] += t  # q k^T, scale, mask, softmax, scores v, views
-        if op.module_path.startswith("blocks."):
-            parts["recomputed forward"] += t / 3  # op_seconds x 3 is forward + backward
     scale = plan.predicted.compute_s / max(parts["flop-bound"] + parts["memory-bound"], 1e-30)
     return {k: v * scale for k, v in parts.items()}
 
@@ -321,43 +319,15 @@ def table_cells(row: Row, got: Planned) -> list[str]:
     ]
 
 
-def what_if(got: Planned) -> tuple[float, float]:
-    """Two corrections of the prediction, by arithmetic on its own terms (not the cost model):
-    (1) the recomputed forward counted, its compute and its tensor-parallel collectives (the
-    forward's again), the bubble scaled with the stage's time; (2) also activations at 2
-    bytes (fp16) instead of the captured fp32: memory-bound compute and the tensor- and
-    pipeline-parallel collectives halved."""
-    a = got.anatomy
-    tp_fwd = sum(v for k, v in got.comm_by_kind.items() if "(tp)" in k and "forward" in k)
-    acts = sum(v for k, v in got.comm_by_kind.items() if "(tp)" in k or "(pp)" in k)
-    busy = got.compute_s + got.comm_s
-
-    def step(compute: float, comm: float) -> float:
-        return compute + comm + got.bubble_s * (compute + comm) / busy + got.optimizer_s
-
-    grow = (got.compute_s + a["recomputed forward"]) / got.compute_s
-    first = step(got.compute_s * grow, got.comm_s + tp_fwd)
-    compute = (a["flop-bound"] + a["memory-bound"] / 2) * grow
-    second = step(compute, got.comm_s + tp_fwd - (acts + tp_fwd) / 2)
-    return first, second
-
-
 def detail_lines(row: Row, got: Planned) -> list[str]:
     a = got.anatomy
     lines = [
         f"  {row.name}: plan phases capture / cand. / search / estimate / assemble {got.phases} s",
         f"    compute {got.compute_s:.2f} s = flop-bound {a['flop-bound']:.2f} + memory-bound "
-        f"{a['memory-bound']:.2f} (attention scores {a['attention scores']:.2f}); recomputed "
-        f"forward not in it: {a['recomputed forward']:.2f} s",
+        f"{a['memory-bound']:.2f} (attention scores {a['attention scores']:.2f})",
         "    busiest stage's communication per step:",
     ]
-    pub = published_seconds(row)
-    first, second = what_if(got)
     lines += [f"      {k:<36} {v:8.3f} s" for k, v in got.comm_by_kind.items() if v >= 5e-4]
-    lines.append(
-        f"    what if (what_if): + recomputed forward {first:.2f} s ({first / pub:.2f} of "
-        f"published); and fp16 activations {second:.2f} s ({second / pub:.2f})"
-    )
     return lines
 
 

@@ -292,23 +292,9 @@ class PlanOption:
 
 @dataclass(frozen=True)
 class PlanContents:
-    """The fields of a :class:`~plait.planning.records.Plan`, checked at construction.
-
-    ``mode``, ``precision``, ``optimizer_shard`` and ``recompute`` take
-    :class:`~plait.config.ParallelConfig`'s values (``recompute`` also accepts MindSpore's
-    bool: True -> "full", False/None -> "none"); ``hardware`` names the cost profile;
-    ``stages[s]`` lists the op names or module paths of pipeline stage ``s``; ``options`` are
-    the configurations the outer planner weighed; ``memory_limit`` (bytes, optional) is the
-    per-device cap the summary compares the prediction with. Construction checks structure
-    (unique names, layouts on the plan's mesh, strategies matching layouts, references to
-    known ops); :meth:`validate` checks the plan against a model and a world.
-
-    Example:
-        >>> plan.save("gpt.plan.json")                       # doctest: +SKIP
-        >>> Plan.load("gpt.plan.json") == plan               # doctest: +SKIP
-        True
-        >>> print(plan.summary()); print(plan.explain("blocks.0.attn.q.weight"))  # doctest: +SKIP
-    """
+    """The fields of a :class:`~plait.planning.records.Plan` (what each means: its docstring)
+    and the structure checked at construction: unique names, layouts on the plan's mesh,
+    strategies matching layouts, references to known ops."""
 
     mesh: MeshSpec
     mode: str

@@ -1220,10 +1220,23 @@ class _StageWalk:
         self.on_device = {k for k in self.kept if k in self.freed_at} | self.returned
         self.offloaded: set[str] = set()
         if offload_min is not None:
+            # a value received from another stage stays: torch's stage holds its inputs
             self.offloaded = {
-                k for k in self.on_device if k in self.freed_at and self.size[k] >= offload_min
+                k
+                for k in self.on_device
+                if k in self.freed_at and self.size[k] >= offload_min and not self._received(k)
             }
             self.on_device -= self.offloaded
+
+    def _received(self, key: str) -> bool:
+        """Is ``key`` a value another stage produced, received here (``"root@stage"``)?"""
+        root, at, stage = key.rpartition("@")[0], "@" in key, key.rpartition("@")[2]
+        producer = self.t.producer_of.get(root) if at else None
+        return (
+            producer is not None
+            and stage == str(self.stage)
+            and self.stage_of[producer] != self.stage
+        )
 
     def _root_bytes(self, r: str) -> int:
         found = self.size.get(r)

@@ -12,16 +12,48 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from plait.checkpoint import files
 from plait.errors import ConfigError
 
-if TYPE_CHECKING:
-    from plait.runtime.checkpoint import Stateful
-    from plait.runtime.job import Job
+__all__ = ["ENV_DIR", "Checkpoints", "Stateful"]
 
-__all__ = ["ENV_DIR", "Checkpoints"]
+
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict(state)`` (a data loader, an LR
+    scheduler...)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Job(Protocol):
+    """What a directory of checkpoints asks of a job (:class:`plait.runtime.job.Job` is one;
+    this module sits below the runtime and does not import it)."""
+
+    @property
+    def steps_taken(self) -> int: ...
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+        async_save: bool = False,
+    ) -> Any: ...
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        loader: Stateful | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
+    ) -> int: ...
+
+    def wait_for_save(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 

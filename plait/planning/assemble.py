@@ -27,7 +27,7 @@ Communication is not assumed to overlap compute: the prediction is an upper boun
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -61,13 +61,7 @@ from plait.planning.timeline import BACKWARD_FLOPS_FACTOR, bubble_seconds, in_fl
 from plait.rules import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import (
-    SearchProblem,
-    gradient_layout,
-    keeps_sum,
-    pending_kept,
-    settled,
-)
+from plait.search.problem import SearchProblem, gradient_layout, kept_gradient, settled
 from plait.search.propagation import Decision
 from plait.search.stages import StageMemory, assign_stages, op_memory, stage_memory_figures
 
@@ -322,10 +316,11 @@ def _op_collectives(
         if ctx.problem.needs_grad(ref):
             grad, back = gradient_layout(strategy, i), settled(have)
             keep = ctx.problem.keeps_pending(ref)
-            if keep is not None and keeps_sum(grad, have, keep):
+            kept = kept_gradient(grad, have, keep)
+            if keep is not None and kept is not None:
                 # reduced with the producer's parameter gradients, in the fused buckets
                 ctx.kept[graph.producer(ref)[0].name] = (keep,)  # type: ignore[union-attr]
-                grad = pending_kept(grad, keep)
+                grad = kept
             # Readers handing back the same pending sum are summed by autograd, then reduced
             # once (q, k and v reading one layer norm: one all-reduce, not three).
             if (ref, grad) in step.reduced:
@@ -708,14 +703,8 @@ def _predict(
     ga = ctx.cfg.grad_accumulation
     for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
         compute[ctx.stage_of[op.name]] += op_time[op.name] * ga
-    # an op recomputed in backward runs its forward (a third of its time) once more (summed
-    # as estimate.MeshEstimate sums it: the same floats)
-    again = [0.0] * stages
     trace = StepTrace(ctx.graph, recompute_regions(ctx.graph, ctx.cfg))
-    for op, recomputed in zip(ctx.graph.ops, trace.recomputed(), strict=True):
-        if recomputed:
-            forward = op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
-            again[ctx.stage_of[op.name]] += forward * ga
+    again = recomputed_seconds(trace, op_time, ctx.stage_of, stages, ga)
     compute = [c + a for c, a in zip(compute, again, strict=True)]
     memories, updated = _memory(ctx, param_layouts, trace)
     update = [optimizer_seconds(n, e, hardware) for n, e in updated]
@@ -741,6 +730,31 @@ def _predict(
         ),
     )
     return prediction, compute
+
+
+def recomputed_seconds(
+    trace: StepTrace,
+    op_time: Mapping[str, float],
+    stage_of: Mapping[str, int],
+    stages: int,
+    grad_accumulation: int,
+) -> list[float]:
+    """Per stage, the seconds backward spends running forwards again: a third of each
+    recomputed op's time (its forward), per micro-step. One function for the plan and the
+    outer planner's estimate, so both sum the same floats."""
+    again = [0.0] * stages
+    for op, recomputed in zip(trace.graph.ops, trace.recomputed(), strict=True):
+        if recomputed:
+            forward = op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
+            again[stage_of[op.name]] += forward * grad_accumulation
+    return again
+
+
+def with_kept_axes(mesh: MeshSpec, axes: tuple[str, ...], kept: Iterable[str]) -> tuple[str, ...]:
+    """A parameter's gradient axes with those its reader's output kept pending into it
+    (``PlannedOp.pending_grad``), in mesh order."""
+    extra = set(kept)
+    return tuple(a for a in mesh.axis_names if a in axes or a in extra)
 
 
 def _bubble(cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s: float) -> float:
@@ -818,9 +832,7 @@ def _grad_axes(ctx: _Context, op: str, strategy: OpStrategy, i: int) -> tuple[st
     gradient kept pending into it (``ctx.kept``), in mesh order."""
     axes = grad_reduce_axes(strategy, i)
     kept = ctx.kept.get(op, ())
-    if not kept:
-        return axes
-    return tuple(a for a in ctx.mesh.axis_names if a in axes or a in kept)
+    return with_kept_axes(ctx.mesh, axes, kept) if kept else axes
 
 
 def _memory_buckets(

@@ -42,18 +42,19 @@ from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.planning.assemble import (
-    BACKWARD_FLOPS_FACTOR,
     PP_AXIS,
     _bubble,
     _read_by_backward,
     activation_buffers,
     partition_memory,
     recompute_regions,
+    recomputed_seconds,
     stage_memory,
+    with_kept_axes,
 )
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import gradient_layout, keeps_sum, pending_kept, settled
+from plait.search.problem import gradient_layout, kept_gradient, settled
 from plait.search.propagation import Decision
 from plait.search.stages import assign_stages
 
@@ -345,9 +346,10 @@ class MeshEstimate:
                 if self.problem.needs_grad(ref):
                     grad = self._gradient(strategy, i)
                     keep = self.problem.keeps_pending(ref)
-                    if keep is not None and keeps_sum(grad, have, keep):  # into the buckets
+                    kept = kept_gradient(grad, have, keep)
+                    if keep is not None and kept is not None:  # into the buckets
                         self.kept[self.graph.producer(ref)[0].name] = keep  # type: ignore[union-attr]
-                        grad = pending_kept(grad, keep)
+                        grad = kept
                     if (ref, self._canon(grad)) in reduced:
                         continue
                     reduced.add((ref, self._canon(grad)))
@@ -405,7 +407,7 @@ class MeshEstimate:
             axes = self._reduce_axes(strategy, i) if g.requires_grad else ()
             kept = self.kept.get(op)
             if g.requires_grad and kept is not None and kept not in axes:  # assemble's _parameters
-                axes = tuple(a for a in self.mesh.axis_names if a in axes or a == kept)
+                axes = with_kept_axes(self.mesh, axes, (kept,))
             self.params.append(_Param(g, layout, strategy, axes, stage, numel, nbytes))
             for axis in axes:
                 if self.fused and axes == (self.dp,):
@@ -669,13 +671,9 @@ class MeshEstimate:
         trace = self.facts.trace(cfg)
         found = self._again.get(id(trace))
         if found is None:
-            found = [0.0] * self.stages
-            ga = self.base.grad_accumulation
-            for op, again in zip(self.graph.ops, trace.recomputed(), strict=True):
-                if again:
-                    forward = self._op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
-                    found[self.stage_of[op.name]] += forward * ga
-            self._again[id(trace)] = found
+            found = self._again[id(trace)] = recomputed_seconds(
+                trace, self._op_time, self.stage_of, self.stages, self.base.grad_accumulation
+            )
         return found
 
     def _memory(self, cfg: ParallelConfig, level: _Level) -> int:

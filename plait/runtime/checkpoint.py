@@ -42,6 +42,7 @@ from torch import nn
 
 from plait._compat import TORCH_VERSION, simulated_ranks
 from plait.checkpoint import files
+from plait.checkpoint.manager import Stateful
 from plait.comm import checkpoint_io as io
 from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
 from plait.errors import CheckpointError
@@ -81,15 +82,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MODEL, OPTIM = files.MODEL, files.OPTIM
-
-
-class Stateful(Protocol):
-    """Anything with ``state_dict()`` and ``load_state_dict(state)`` (a data loader, an LR
-    scheduler...)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

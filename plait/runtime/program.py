@@ -544,6 +544,7 @@ def _traced_step(
 
 
 _A = torch.ops.aten
+_F = torch.ops._c10d_functional
 _VIEWS = frozenset(
     {
         _A.detach.default,
@@ -615,9 +616,11 @@ def issue_early(graph_module: torch.fx.GraphModule, batch: set[int], *, max_node
         for n in cone:
             anchor.prepend(n)
         moved += 1
+    # waits only move down, before a reader: the other nodes keep their order
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is _F.wait_tensor.default and node.users:
-            first = min(node.users, key=_position(graph))
+            first = min(node.users, key=order.__getitem__)
             if first is not node.next:
                 first.prepend(node)
     graph.lint()
@@ -625,16 +628,9 @@ def issue_early(graph_module: torch.fx.GraphModule, batch: set[int], *, max_node
     return moved
 
 
-_F = torch.ops._c10d_functional
-
-
 def _is_collective_start(node: torch.fx.Node) -> bool:
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and node.target.namespace == "_c10d_functional"
-        and node.target is not _F.wait_tensor.default
-    )
+    """A functional collective (not the wait on one)."""
+    return is_collective(node) and node.target is not _F.wait_tensor.default
 
 
 def _batch_cone(
@@ -659,11 +655,6 @@ def _batch_cone(
         return True
 
     return out if visit(start) else None
-
-
-def _position(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 _RESHAPES = frozenset({_A.view.default, _A._unsafe_view.default})

@@ -32,8 +32,7 @@ __all__ = [
     "carries_gradient",
     "gradient_layout",
     "gradient_values",
-    "keeps_sum",
-    "pending_kept",
+    "kept_gradient",
     "pending_values",
     "settled",
 ]
@@ -179,21 +178,18 @@ def _signatures_of(graph: OpGraph) -> dict[str, int]:
     return facts.signatures
 
 
-def keeps_sum(grad: TensorLayout, src: TensorLayout, keep: str | None) -> bool:
-    """Whether a gradient laid out as ``grad`` keeps its pending sum over ``keep`` into the
-    producer's parameters: it has one, and the producer's output (``src``) does not involve
-    that axis (an output split over it, or pending over it, means parameters that are too)."""
-    return (
-        keep is not None
-        and keep in grad.partial
-        and keep not in src.partial
-        and all(keep not in axes for axes in src.dims)
-    )
-
-
-def pending_kept(grad: TensorLayout, keep: str) -> TensorLayout:
-    """``grad`` without its pending sum over ``keep``: what is left to reduce on an edge whose
-    gradient keeps that sum into the producer's parameters (:func:`pending_values`)."""
+def kept_gradient(grad: TensorLayout, src: TensorLayout, keep: str | None) -> TensorLayout | None:
+    """What is left to reduce on an edge whose gradient (laid out as ``grad``) keeps its
+    pending sum over ``keep`` into the producer's parameters (:func:`pending_values`); None
+    when it keeps nothing: no such sum, or the producer's output (``src``) involves that axis
+    (an output split or pending over it means parameters that are too)."""
+    if (
+        keep is None
+        or keep not in grad.partial
+        or keep in src.partial
+        or any(keep in axes for axes in src.dims)
+    ):
+        return None
     rest = tuple(a for a in grad.partial if a != keep)
     return _interned(grad.with_partial(rest, grad.reduce_op)) if rest else settled(grad)
 
@@ -268,10 +264,10 @@ class CostModel:
         found = self._edges.get(key)
         if found is None:
             fwd = self.move_seconds(src, dst, meta)
+            kept = None if grad is None else kept_gradient(grad, src, keep)
             if grad is None:
                 found = fwd
-            elif keeps_sum(grad, src, keep):
-                kept = pending_kept(grad, keep)  # type: ignore[arg-type]
+            elif kept is not None:
                 found = fwd + self.move_seconds(kept, settled(src), meta) + bucket
             else:
                 found = fwd + self.move_seconds(grad, settled(src), meta)
@@ -354,10 +350,7 @@ class SearchProblem:
                     continue
                 if not source.trainable or axis in grad_reduce_axes(strategy, i):
                     continue
-                nbytes = source.meta.nbytes // math.prod(strategy.inputs[i].splits())
-                found += self.cost.axis_seconds("all_reduce", axis, nbytes)
-                if axis == self.fused_axis:  # in a bucket: the latency is not this parameter's
-                    found -= self.cost.axis_seconds("all_reduce", axis, 0)
+                found = self._add_reduction(found, source, strategy.inputs[i], axis)
             self._buckets[key] = found
         return found
 
@@ -380,12 +373,20 @@ class SearchProblem:
         if not param.trainable:
             return 0.0
         layout = strategy.inputs[index]
-        nbytes = param.meta.nbytes // math.prod(layout.splits())
         seconds = 0.0
         for axis in grad_reduce_axes(strategy, index):
-            seconds += self.cost.axis_seconds("all_reduce", axis, nbytes)
-            if axis == self.fused_axis:  # in a bucket: the latency is not this parameter's
-                seconds -= self.cost.axis_seconds("all_reduce", axis, 0)
+            seconds = self._add_reduction(seconds, param, layout, axis)
+        return seconds
+
+    def _add_reduction(
+        self, seconds: float, param: GraphInput, layout: TensorLayout, axis: str
+    ) -> float:
+        """``seconds`` plus the all-reduce of ``param``'s local gradient (laid out as
+        ``layout``) over ``axis``."""
+        nbytes = param.meta.nbytes // math.prod(layout.splits())
+        seconds += self.cost.axis_seconds("all_reduce", axis, nbytes)
+        if axis == self.fused_axis:  # in a bucket: the latency is not this parameter's
+            seconds -= self.cost.axis_seconds("all_reduce", axis, 0)
         return seconds
 
     def input_edge_seconds(
@@ -422,9 +423,9 @@ class SearchProblem:
         grad = gradient_layout(target, edge.input) if edge.needs_grad else None
         meta = self.graph.meta(edge.ref)
         keep = self.keeps_pending(edge.ref)
-        if keep is None:
-            return self.cost.edge_seconds(src, target.inputs[edge.input], grad, meta)
-        bucket = self.bucket_seconds(self.graph.op(edge.producer), producer_index)
+        bucket = 0.0
+        if keep is not None:  # what the producer adds to the buckets when the sum is kept
+            bucket = self.bucket_seconds(self.graph.op(edge.producer), producer_index)
         return self.cost.edge_seconds(src, target.inputs[edge.input], grad, meta, keep, bucket)
 
     def source_cost(self, op: OpNode, index: int) -> float:

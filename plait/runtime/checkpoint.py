@@ -124,19 +124,23 @@ def _slots(job: CheckpointedJob) -> list[_Slot]:
     names = {id(p): n for n, p in _named_parameters(job)}
     shadows = getattr(optimizer, "_plait_shadows", None)
     if isinstance(shadows, ZeroOptimizer):
-        return [
-            _Slot(
-                names[id(p)],
-                p,
-                s,
-                spec.placements if spec is not None and shadows.level in (1, 2) else _layout(p)[1],
-            )
-            for p, s, spec in shadows.pairs
-        ]
+        return [_Slot(names[id(p)], p, s, _zero_placements(shadows, p, spec)) for p, s, spec in shadows.pairs]
     if isinstance(shadows, LocalShadows):
         return [_Slot(names[id(p)], p, s, _layout(p)[1]) for p, s in shadows.pairs]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     return [_Slot(n, p, p, None) for n, p in _named_parameters(job) if id(p) in in_optimizer]
+
+
+def _zero_placements(zero: ZeroOptimizer, p: torch.Tensor, spec: Any) -> tuple[Any, ...] | None:
+    """Placements of the piece a :class:`ZeroOptimizer` shadow holds of parameter ``p``: its
+    shard's under optimizer parallel levels 1 and 2 (the shadow is a copy of it), else the
+    parameter's own (the shadow is its local piece, or a host copy of it). A plain parameter
+    (a pipeline stage's under ``offload="optimizer"``, neither tp nor FSDP2 splitting it) has
+    none: its shadow is the whole tensor, so its states are saved as plain tensors of its
+    shape, the same entries a job without offload saves."""
+    if spec is not None and zero.level in (1, 2):
+        return tuple(spec.placements)
+    return _layout(p)[1] if is_dtensor(p) else None
 
 
 def _layout(p: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
@@ -621,7 +625,9 @@ def _destination(
             local = torch.zeros_like(local_piece(p), dtype=meta.dtype)
             t = dtensor_from_local(local, p.device_mesh, p.placements, p.shape, p.stride())
             return t, t
-        t = torch.zeros_like(p, dtype=meta.dtype)
+        # Like the tensor the optimizer keys its states by: under offload a host copy of
+        # the parameter, so the states live on the host beside it, not on the device.
+        t = torch.zeros_like(slot.key, dtype=meta.dtype)
         return t, t
     local = torch.zeros(slot.key.shape, dtype=meta.dtype, device=slot.key.device)
     target = dtensor_from_local(local, _layout(p)[0], slot.placements, p.shape, p.stride())

@@ -401,7 +401,11 @@ def _pipeline_of_plan(
     """A plan with pipeline stages (the outer planner's pp x dp x tp, or a plan file) run as
     pipeline parallel: its mesh, stage split, micro-batches, schedule, ZeRO level and
     recompute, and its parameters' layouts inside each stage (:mod:`plait.runtime.pipeline`)."""
-    from plait.runtime.pipeline import PipelineJob, check_pipeline_config
+    from plait.runtime.pipeline import (
+        PipelineJob,
+        check_pipeline_config,
+        check_pipeline_optimizer,
+    )
 
     world = current_world()
     if world is None or world.simulated:
@@ -422,7 +426,9 @@ def _pipeline_of_plan(
         recompute=cast(Recompute, plan.recompute),
         plan=None,
     )
-    check_pipeline_config(pipe, plan.mesh, planned=True)  # refusals before anything changes
+    # refusals before anything changes
+    check_pipeline_config(pipe, plan.mesh, planned=True, device_type=world.device_type)
+    check_pipeline_optimizer(model, pipe, optimizer)
     materialize_meta(model, _device_of(world.device_type))
     logger.info(
         "running the plan's %d pipeline stages (%s, %d micro-batches) on mesh %s",
@@ -469,7 +475,11 @@ def _pipeline_job(
 ) -> Job:
     """Pipeline parallel (``runtime/pipeline.py``): stages built now on ``example_batch``, or
     at the first step on its batch."""
-    from plait.runtime.pipeline import PipelineJob, check_pipeline_config
+    from plait.runtime.pipeline import (
+        PipelineJob,
+        check_pipeline_config,
+        check_pipeline_optimizer,
+    )
 
     world = current_world()
     if world is None or world.simulated:
@@ -484,7 +494,9 @@ def _pipeline_job(
             f"pipeline_stages={config.pipeline_stages} needs a mesh with a 'pp' axis, e.g. "
             f"mesh={{'pp': {config.pipeline_stages}, 'dp': ...}}; got {dict(mesh.as_dict())}"
         )
-    check_pipeline_config(config, mesh)  # before anything waits for the first batch
+    # before anything waits (the device mesh's groups, the first batch)
+    check_pipeline_config(config, mesh, device_type=world.device_type)
+    check_pipeline_optimizer(model, config, optimizer)
     materialize_meta(model, _device_of(world.device_type))
     device_mesh = build_device_mesh(mesh, world.device_type)
 

@@ -190,16 +190,11 @@ class PipelineJob(Job):
         example_batch: Any,
         plan: Plan | None = None,
     ) -> None:
-        check_pipeline_config(config, mesh, planned=plan is not None)
-        if config.schedule == "zero_bubble_v" and device_mesh.device_type == "cpu":
-            raise NotBuiltError(
-                "ParallelConfig(schedule='zero_bubble_v') on CPU processes: the V schedule "
-                "hands activations between a rank's own two stages through the process group, "
-                "which gloo cannot do (a rank cannot send to itself); use "
-                "schedule='zero_bubble' (interleaved zero bubble) on CPU, or NCCL on GPUs"
-            )
-        if config.offload == "optimizer":  # each piece updated apart, on the host
-            check_elementwise(optimizer(list(model.parameters())), None)
+        # parallelize ran these before building the mesh; again here for a job built directly
+        check_pipeline_config(
+            config, mesh, planned=plan is not None, device_type=device_mesh.device_type
+        )
+        check_pipeline_optimizer(model, config, optimizer)
         pp = mesh.axis_size("pp")
         dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
         virtual = config.virtual_stages or 1
@@ -469,29 +464,6 @@ class PipelineJob(Job):
 
     def state_modules(self) -> list[nn.Module]:
         return list(self.stage_modules)
-
-    def save(self, path: Any, **kwargs: Any) -> Any:
-        self._refuse_checkpoint("job.save")
-        return super().save(path, **kwargs)
-
-    def load(self, path: Any, **kwargs: Any) -> int:
-        self._refuse_checkpoint("job.load")
-        return super().load(path, **kwargs)
-
-    def _refuse_checkpoint(self, what: str) -> None:
-        """Checkpoints name an offloaded optimizer's states by the DTensor layout of each
-        parameter (plait.runtime.checkpoint); a stage's parameters are plain tensors unless
-        tensor parallel or optimizer parallel split them, so the states would be lost or
-        misplaced: refused on every rank alike (the config decides), before any collective."""
-        if self.config.offload != "optimizer":
-            return
-        raise NotBuiltError(
-            f"{what} on a pipeline with ParallelConfig(offload='optimizer'): checkpoints of "
-            "optimizer states kept on the host beside pipeline stages are not built yet (the "
-            "checkpoint keys them by DTensor layouts, which a stage's plain parameters lack); "
-            "train without offload='optimizer' where you need checkpoints, or keep the weights "
-            "with job.full_state_dict()"
-        )
 
     def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
         """The last training step's measured schedule: each stage's forward, backward and
@@ -943,9 +915,23 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return policy.MUST_SAVE if keep else policy.PREFER_RECOMPUTE
 
 
-def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bool = False) -> None:
+def check_pipeline_config(
+    config: ParallelConfig,
+    mesh: MeshSpec,
+    *,
+    planned: bool = False,
+    device_type: str | None = None,
+) -> None:
     """What the pipeline runs with today, refused by name otherwise (before anything waits).
-    ``planned``: the stages run a plan of mode auto (or a plan file)."""
+    ``planned``: the stages run a plan of mode auto (or a plan file); ``device_type``: the
+    world's (``"cpu"``: gloo), None when not known yet."""
+    if config.schedule == "zero_bubble_v" and device_type == "cpu":
+        raise NotBuiltError(
+            "ParallelConfig(schedule='zero_bubble_v') on CPU processes: the V schedule "
+            "hands activations between a rank's own two stages through the process group, "
+            "which gloo cannot do (a rank cannot send to itself); use "
+            "schedule='zero_bubble' (interleaved zero bubble) on CPU, or NCCL on GPUs"
+        )
     inner = inner_axes(mesh, config)
     refusals = [
         (
@@ -1016,6 +1002,16 @@ def check_pipeline_config(config: ParallelConfig, mesh: MeshSpec, *, planned: bo
             f"{config.micro_batches}): this schedule needs at least {minimum} micro-batches on "
             f"{config.pipeline_stages} stages ranks ({count} stages); raise micro_batches"
         )
+
+
+def check_pipeline_optimizer(
+    model: nn.Module, config: ParallelConfig, optimizer: OptimizerFactory
+) -> None:
+    """``offload="optimizer"`` updates each piece of a parameter apart, on the host: the
+    user's optimizer must be elementwise (:func:`plait.runtime.zero.check_elementwise`; built
+    once over the model's parameters to see its class, meta ones included)."""
+    if config.offload == "optimizer":
+        check_elementwise(optimizer(list(model.parameters())), None)
 
 
 def _recompute_pairs(config: ParallelConfig) -> tuple[tuple[str, str], ...]:

@@ -183,7 +183,7 @@ def _workers(root: str) -> dict:
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
-    _offload_legs(out)
+    _offload_legs(out, root)
     # fp16 with dynamic loss scaling: steps at a sane scale; then a step at a scale that
     # overflows is skipped on every rank (scale halved, parameters untouched)
     batches = _batches()
@@ -249,15 +249,17 @@ def _workers(root: str) -> dict:
     return out
 
 
-def _offload_legs(out: dict) -> None:
+def _offload_legs(out: dict, root: str) -> None:
     """Offload in the stages. The optimizer on the host (SGD with momentum, a state per
     parameter): alone and with ZeRO-2 (FSDP2's shards); the optimizer must update host
-    copies (ZeroOptimizer's shadows), not the stages' parameters. Activations saved for
+    copies (ZeroOptimizer's shadows), not the stages' parameters; their checkpoints
+    (:func:`_offload_checkpoints`). Activations saved for
     backward on the host: on the zero-bubble schedule (its input- and weight-gradient passes
     read them apart) and with ZeRO-3 (FSDP2 frees and gathers the parameters forward saves);
     a third step under outer saved-tensor hooks sees nothing: every saved tensor went through
     the offload's hooks."""
     zero2 = {"optimizer_shard": 2, "optimizer_shard_threshold": 0}
+    host = {}
     for name, extra in (("offload_optimizer", {}), ("offload_optimizer_zero2", zero2)):
         job, losses = _train(ParallelConfig(**PIPE, offload="optimizer", **extra),
                              optimizer=_momentum)  # fmt: skip
@@ -272,6 +274,10 @@ def _offload_legs(out: dict) -> None:
             {t.device.type for t in states},
         )
         out[name] = (losses, job.full_state_dict(), wiring)
+        host[name] = job
+    out["offload_checkpoints"] = _offload_checkpoints(
+        host["offload_optimizer"], host["offload_optimizer_zero2"], Path(root)
+    )
     zero3 = {"optimizer_shard": 3, "optimizer_shard_threshold": 0}
     for name, extra in (("offload_activations_zb", {"schedule": "zero_bubble"}),
                         ("offload_activations_zero3", zero3)):  # fmt: skip
@@ -283,6 +289,38 @@ def _offload_legs(out: dict) -> None:
         out[name] = (losses, state, moved, _saved_tensors(job))
 
 
+def _offload_checkpoints(host, host_zero2, root: Path) -> dict:
+    """Checkpoints of a pipeline whose optimizer is on the host, after its 2 steps (SGD with
+    momentum: the states must travel). Saved, a third step taken, loaded back into the same
+    job and the third step taken again: the same loss and parameters, bit for bit (as if it
+    had not stopped). The same checkpoint into a pipeline without offload: its third step
+    the same, bit for bit. That job's checkpoint after the third step into the ZeRO-2
+    pipeline with the optimizer on the host (FSDP2's shards): a fourth step, both ways."""
+    batches = _batches(STEPS + 2)
+    third, fourth = batches[STEPS], batches[STEPS + 1]
+    host.save(root / "host")
+    go_on = (host.step(_local(host, third)), host.full_state_dict())
+    loaded = host.load(root / "host")
+    again = (host.step(_local(host, third)), host.full_state_dict())
+    plain = plait.parallelize(
+        _model(), ParallelConfig(**PIPE), optimizer=_momentum, loss_fn=gpt_loss,
+        example_batch=batches[0],
+    )  # fmt: skip
+    loaded_plain = plain.load(root / "host")
+    plain_third = (plain.step(_local(plain, third)), plain.full_state_dict())
+    plain.save(root / "no_offload")
+    plain_fourth = plain.step(_local(plain, fourth))
+    loaded_zero2 = host_zero2.load(root / "no_offload")
+    zero2_fourth = host_zero2.step(_local(host_zero2, fourth))
+    return {
+        "steps": (loaded, loaded_plain, loaded_zero2),
+        "resumed": (go_on, again),
+        "into_plain": plain_third,
+        "fourth": ([plain_third[0], plain_fourth], plain.full_state_dict()),
+        "fourth_zero2": ([plain_third[0], zero2_fourth], host_zero2.full_state_dict()),
+    }
+
+
 def _check_offload(results: list[dict]) -> None:
     """Offload legs equal one device (fp32; the same tolerance as every leg here: the
     micro-batches' gradients are summed in another order than one device's batch); each
@@ -290,8 +328,22 @@ def _check_offload(results: list[dict]) -> None:
     machine the host is the device: the wiring is what is checked); each rank's stages moved
     saved tensors to the host, and none was saved past the offload's hooks."""
     momentum = reference_run(_model(), gpt_loss, _momentum, _batches())
+    longer = reference_run(_model(), gpt_loss, _momentum, _batches(STEPS + 2))
+    longer = Run(longer.losses[STEPS:], longer.state)  # steps 3 and 4, the final state
     short = reference_run(_model(), gpt_loss, _sgd, _batches())
     for rank, r in enumerate(results):
+        # checkpoints of the optimizer on the host: back into the same job exactly, into a
+        # pipeline without offload exactly, and back with ZeRO-2 as one device
+        ck = r["offload_checkpoints"]
+        assert ck["steps"] == (STEPS, STEPS, STEPS + 1), (rank, ck["steps"])
+        (go_on, go_on_state), resumed = ck["resumed"]
+        for name, (loss, state) in (("resumed", resumed), ("into_plain", ck["into_plain"])):
+            assert loss == go_on, (name, rank, loss, go_on)
+            assert state.keys() == go_on_state.keys()
+            for key, value in go_on_state.items():
+                assert torch.equal(state[key], value), (name, rank, key)
+        for name in ("fourth", "fourth_zero2"):
+            _same_run(*ck[name], longer, f"offload checkpoint {name} rank {rank} ")
         for name in ("offload_optimizer", "offload_optimizer_zero2"):
             losses, state, wiring = r[name]
             _same_run(losses, state, momentum, f"{name} rank {rank} ")

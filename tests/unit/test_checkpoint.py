@@ -547,3 +547,42 @@ def test_write_streams_coalesce_small_writes_and_sync_what_they_hold(
     for name in ("piece", "meta"):
         size, digest = fs.written[name]
         assert files.checksum(tmp_path / name) == files.entry(size, digest)
+
+
+def test_an_offloaded_optimizer_over_plain_parameters_names_its_states_by_parameter() -> None:
+    """A pipeline stage's plain parameters under ``offload="optimizer"``: the optimizer
+    updates ZeroOptimizer's shadows (host copies of whole tensors), so their states are saved
+    as plain tensors under the parameter's name, the entries a job without offload saves;
+    a load makes fresh states like the shadow (on the host), not like the parameter."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from plait.comm.checkpoint_io import SavedTensor
+    from plait.runtime.checkpoint import _destination, _Slot, _slots, tensor_state
+    from plait.runtime.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    stage = nn.Linear(4, 3)
+    zero = ZeroOptimizer(
+        list(stage.named_parameters()), [], level=None, buckets=[],
+        device_mesh=SimpleNamespace(mesh_dim_names=("pp",)), axis="dp", host=True,
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(zero.shadows, lr=0.1, momentum=0.9)
+    optimizer._plait_shadows = zero  # type: ignore[attr-defined]
+    job = SimpleNamespace(model=stage, optimizer=optimizer, state_modules=lambda: [stage])
+    stage(torch.ones(2, 4)).sum().backward()
+    zero.load_grads()
+    optimizer.step()
+    zero.after_step()
+    assert [(s.name, s.placements) for s in _slots(job)] == [("weight", None), ("bias", None)]
+    state = tensor_state(job)
+    for slot in _slots(job):
+        saved = state[f"{files.OPTIM}{slot.name}.momentum_buffer"]
+        assert type(saved) is torch.Tensor and saved.shape == slot.param.shape
+        assert saved is optimizer.state[slot.key]["momentum_buffer"]
+    # a parameter on the device (meta here), its shadow on the host: the state goes to the host
+    param = nn.Parameter(torch.empty(3, 4, device="meta"))
+    slot = _Slot("weight", param, nn.Parameter(torch.zeros(3, 4)), None)
+    held, target = _destination(slot, SavedTensor((3, 4), torch.float32, 1), None)
+    assert held is target and held.device.type == "cpu" and held.shape == (3, 4)

@@ -13,7 +13,12 @@ import plait
 from plait import ConfigError, NotBuiltError, ParallelConfig
 from plait.mesh import MeshSpec
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.runtime.pipeline import check_pipeline_config, model_inputs, stage_starts
+from plait.runtime.pipeline import (
+    check_pipeline_config,
+    check_pipeline_optimizer,
+    model_inputs,
+    stage_starts,
+)
 
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=6)
 
@@ -103,6 +108,13 @@ def test_settings_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="V schedule runs exactly 2 stages"):
         ParallelConfig(**pipe, schedule="zero_bubble_v", virtual_stages=3)
     assert ParallelConfig(**pipe, schedule="interleaved_1f1b").virtual_stages == 2
+    # the V schedule sends within a rank, which gloo cannot: refused on CPU worlds, by the
+    # config check parallelize runs before it builds the device mesh
+    v = ParallelConfig(**pipe, schedule="zero_bubble_v", micro_batches=2)
+    with pytest.raises(NotBuiltError, match=r"schedule=.zero_bubble. .* on CPU"):
+        check_pipeline_config(v, mesh, device_type="cpu")
+    check_pipeline_config(v, mesh, device_type="cuda")
+    check_pipeline_config(v, mesh)  # the world's device not known yet
 
 
 def test_model_inputs_are_what_the_loss_function_passes() -> None:
@@ -206,6 +218,15 @@ def test_offload_settings_in_a_pipeline() -> None:
     for selective in ({"recompute": "selective"}, {"recompute_modules": {"blocks.1": "selective"}}):
         with pytest.raises(NotBuiltError, match="activation offload beside selective recompute"):
             check_pipeline_config(ParallelConfig(**pipe, offload="activations", **selective), mesh)
+    # the offloaded optimizer updates each piece apart: it must be elementwise (checked on
+    # the model's parameters, meta ones too, before any process waits)
+    with torch.device("meta"):
+        model = TinyGPT(CFG)
+    host = ParallelConfig(**pipe, offload="optimizer")
+    check_pipeline_optimizer(model, host, lambda ps: torch.optim.AdamW(ps))
+    with pytest.raises(ConfigError, match=r"offload=.optimizer.*with optimizer LBFGS"):
+        check_pipeline_optimizer(model, host, lambda ps: torch.optim.LBFGS(ps))
+    check_pipeline_optimizer(model, ParallelConfig(**pipe), lambda ps: torch.optim.LBFGS(ps))
 
 
 # torch's pipeline split deep-copies tree specs, which warns from copyreg (not torch.*)

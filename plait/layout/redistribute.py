@@ -256,17 +256,42 @@ def _plan_cached(
     if src == dst:
         return Redistribution(src, dst, shape, itemsize, ())
     total = math.prod(shape) * itemsize
+    steps = _steps_cached(src, dst, total, _divisibility(shape, src.mesh.size))
+    return Redistribution(src, dst, shape, itemsize, steps)
+
+
+def _divisibility(shape: tuple[int, ...], mesh_size: int) -> tuple[int, ...]:
+    """Per dim, ``gcd(size, mesh_size)``: all the plan needs to know of the shape.
+
+    A dim's split is the product of distinct mesh axes, which divides the mesh size, so it
+    divides the dim exactly when it divides this gcd: every ``fits`` test of the search has
+    the same answer on the gcds as on the shape.
+    """
+    return tuple(math.gcd(n, mesh_size) for n in shape)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _steps_cached(
+    src: TensorLayout, dst: TensorLayout, total: int, fits: tuple[int, ...]
+) -> tuple[RedistStep, ...]:
+    """The steps from ``src`` to ``dst`` of a tensor of ``total`` bytes whose dims divide as
+    ``fits`` (:func:`_divisibility`).
+
+    The plan depends on the shape only through these two: the walk, the bound and every
+    cost of the search through the bytes of a piece (``total`` over the splits), the
+    search's moves through which splits divide a dim. So tensors of one size (q, k and v
+    viewed as heads ``(b, h, s, d)`` or ``(b, s, h, d)``) share one plan.
+    """
     walk = _Walk(src, dst, total)
     walk.run()
     if _greedy_is_cheapest(src, dst, total, walk.steps):
-        return Redistribution(src, dst, shape, itemsize, _fold_unit_axes(walk.steps, src, dst))
-    better = _search(src, dst, shape, total, _objective(walk.steps))
+        return _fold_unit_axes(walk.steps, src, dst)
+    better = _search(src, dst, fits, total, _objective(walk.steps))
     if better is not None:
         walk = _Walk(src, dst, total)
         for kind, axis, to_dim in better:
             walk.apply(kind, axis, to_dim)
-    steps = _fold_unit_axes(walk.steps, src, dst)
-    return Redistribution(src, dst, shape, itemsize, steps)
+    return _fold_unit_axes(walk.steps, src, dst)
 
 
 def _check_inputs(
@@ -292,8 +317,18 @@ def _check_inputs(
         raise LayoutError(
             f"redistribution itemsize={itemsize!r}: give bytes per element, an integer >= 1"
         )
-    src.check_shape(shape, f"redistribution source layout {src.describe()}")
-    dst.check_shape(shape, f"redistribution target layout {dst.describe()}")
+    # the messages are built only for a shape that does not fit (describe() is not free)
+    if not _divides(src, shape):
+        src.check_shape(shape, f"redistribution source layout {src.describe()}")
+    if not _divides(dst, shape):
+        dst.check_shape(shape, f"redistribution target layout {dst.describe()}")
+
+
+def _divides(layout: TensorLayout, shape: tuple[int, ...]) -> bool:
+    """``layout.check_shape(shape)`` would pass: one entry per dim, each split evenly."""
+    return len(shape) == layout.ndim and not any(
+        n % k for n, k in zip(shape, layout.splits(), strict=True)
+    )
 
 
 def _dim_of(layout: TensorLayout, axis: str) -> int | None:

@@ -51,7 +51,8 @@ Assumptions, stated per row in the table:
   head and no key bias; Megatron ties the head to the embedding: V h more parameters here (7%
   of the 1.7B model's gradient bytes, 0.1% of the 1T model's), the same FLOPs.
 - The published time includes everything (data loading, optimizer, logging); plait's includes
-  compute, communication (never overlapped), the schedule's bubble and the optimizer step.
+  compute, communication (less the data-parallel reductions hidden behind the last micro-batch's
+  backward: ``Prediction.overlapped_s``), the schedule's bubble and the optimizer step.
 
 ``--detail`` prints, per row, where the busiest rank's predicted compute goes (flop-bound and
 memory-bound ops by their roofline, the attention-score ops among them) and its collectives by
@@ -163,6 +164,7 @@ class Planned:
     step_s: float
     compute_s: float
     comm_s: float
+    hidden_s: float
     bubble_s: float
     optimizer_s: float
     memory_gib: float
@@ -279,6 +281,7 @@ def plan_row(row: Row) -> Planned:
         step_s=p.step_time_s,
         compute_s=p.compute_s,
         comm_s=p.communication_s,
+        hidden_s=p.overlapped_s,
         bubble_s=p.bubble_s,
         optimizer_s=p.optimizer_s,
         memory_gib=p.memory_bytes / 2**30,
@@ -294,7 +297,7 @@ def plan_row(row: Row) -> Planned:
 
 HEAD = [
     "model", "mesh pp x dp x tp", "m (mbs), schedule", "predicted s/iter",
-    "compute / comm / bubble / optimizer", "published s/iter", "predicted / published",
+    "compute / comm (hidden) / bubble / optimizer", "published s/iter", "predicted / published",
     "within 15%", "TFLOP/s/GPU pred. / pub.", "memory", "plan time",
 ]  # fmt: skip
 
@@ -309,7 +312,8 @@ def table_cells(row: Row, got: Planned) -> list[str]:
         f"{row.pp} x {row.dp} x {row.tp} ({row.gpus})",
         f"{row.micro_batches} ({row.micro_batch_size}), {sched}",
         f"**{got.step_s:.2f}**",
-        f"{got.compute_s:.2f} / {got.comm_s:.2f} / {got.bubble_s:.2f} / {got.optimizer_s:.3f}",
+        f"{got.compute_s:.2f} / {got.comm_s:.2f} ({got.hidden_s:.2f}) / {got.bubble_s:.2f} / "
+        f"{got.optimizer_s:.3f}",
         f"{pub:.2f}",
         f"**{ratio:.2f}**",
         "yes" if abs(ratio - 1) <= TOLERANCE else "no",

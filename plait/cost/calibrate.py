@@ -18,6 +18,11 @@ repetitions on each rank) and the slowest rank of each collective:
     collective alpha and beta    gloo all_reduce between the processes,      intra_node
                                  small to large messages, fitted to
                                  t = 2(p-1) alpha + 2(p-1)/p * bytes / bw
+    overlap                      the largest all_reduce started async while   comm_overlap
+                                 matmuls of about its length run: the share
+                                 of the shorter of the two that the pair
+                                 saves against running them one after the
+                                 other
 
 Not measured: the inter-node link (one machine cannot see it); the profile keeps the
 uncalibrated 10 GbE default and says so in ``source``. Numbers are achieved throughput, so
@@ -215,6 +220,7 @@ def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str,
     return {
         "local": local,
         "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
+        "overlap": _overlap_fraction(max(settings.message_bytes), settings.collective_reps),
     }
 
 
@@ -234,6 +240,47 @@ def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
             times.append(time.perf_counter() - t0)
         medians.append(statistics.median(times))
     return medians
+
+
+def _overlap_fraction(nbytes: int, reps: int) -> float:
+    """How much of an all_reduce of ``nbytes`` hides behind matmuls of about its length that
+    run while it is in flight (inside a worker): ``(comm + compute - both) / min(comm,
+    compute)``, medians of ``reps`` timings each, in [0, 1]. gloo runs a collective on its
+    own threads, so on spare cores it hides entirely; on cores the ranks' compute already
+    fills, little does."""
+    import torch.distributed as dist  # noqa: TID251
+
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    a = torch.randn(128, 128)
+
+    def timed(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    dist.all_reduce(buf)  # warm-up
+    comm = timed(lambda: dist.all_reduce(buf))
+    one = timed(lambda: torch.mm(a, a))
+    matmuls = max(1, round(comm / max(one, 1e-9)))
+    # every rank runs the same collectives in the same order; only the matmul count differs
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    alone = timed(compute)
+    together = timed(both)
+    saved = comm + alone - together
+    return min(1.0, max(0.0, saved / max(min(comm, alone), 1e-12)))
 
 
 def fit_alpha_beta(message_bytes: Sequence[int], seconds: Sequence[float], group_size: int) -> Link:
@@ -323,7 +370,12 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
         "per_rank": locals_,
     }
     times = [max(t) for t in zip(*(r["all_reduce"] for r in per_rank), strict=True)]
-    return {"local": local, "all_reduce": times}
+    local["overlap_per_rank"] = [r["overlap"] for r in per_rank]
+    return {
+        "local": local,
+        "all_reduce": times,
+        "overlap": statistics.median(r["overlap"] for r in per_rank),
+    }
 
 
 def calibrate(
@@ -375,11 +427,12 @@ def calibrate(
             f"{measured['when']}: per rank of {world_size} processes measuring together "
             f"({local['threads_per_rank']} torch thread(s) each): torch.mm FLOP/s, tensor "
             "copy bandwidth, the op floor and per-op host cost; gloo all_reduce among them "
-            "fitted to alpha-beta; memory is the host's RAM, shared by its processes; "
+            "fitted to alpha-beta, and how much of it hides behind matmuls; memory is the host's RAM, shared by its processes; "
             "inter_node not measured (10 GbE default)"
         ),
         kernel_latency=local["kernel_latency"],
         op_overhead=local["op_overhead"],
+        comm_overlap=world["overlap"],
         measured=measured,
     )
     save_profile(profile, out if out is not None else default_profile_path())
@@ -398,6 +451,7 @@ def format_profile(profile: HardwareProfile) -> str:
             f"{profile.memory_bandwidth / 1e9:.2f} GB/s",
             f"  op floor:          {profile.kernel_latency * 1e6:.1f} us",
             f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us",
+            f"  comm overlap:      {profile.comm_overlap:.2f} of a collective hides behind compute",
             f"  intra-node link:   {intra.bandwidth / 1e9:.3f} GB/s, {intra.latency * 1e6:.1f} us "
             "per step",
             f"  inter-node link:   {inter.bandwidth / 1e9:.3f} GB/s, {inter.latency * 1e6:.1f} us "

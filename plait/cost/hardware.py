@@ -80,6 +80,12 @@ class HardwareProfile:
     the framework's dispatch, autograd and Python around the kernel. It adds to a CPU's time
     (the host is the device) where a GPU's host work overlaps its queue; ``plait calibrate``
     measures it on ``local``, the datasheet profiles leave it 0."""
+    comm_overlap: float = 0.0
+    """Fraction of a collective's seconds that hide behind compute running at the same time
+    (data-parallel reductions beside backward, prefetched ZeRO-3 gathers:
+    :mod:`plait.planning.overlap`), in [0, 1]. 1 on the datasheet GPUs (NCCL's kernels run on
+    their own stream); measured by ``plait calibrate`` on ``local``, where the cores that
+    compute also run gloo's threads; 0 (nothing hides) when not measured."""
     measured: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Raw calibration data (sizes and timings), kept for reports; empty for built-ins."""
 
@@ -110,6 +116,11 @@ class HardwareProfile:
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give "
                     "seconds >= 0"
                 )
+        if not _is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
+            raise CostError(
+                f"HardwareProfile {self.name!r}: comm_overlap={self.comm_overlap!r} is not "
+                "allowed; give the fraction of communication that hides behind compute, in [0, 1]"
+            )
         if not isinstance(self.intra_node, Link) or not isinstance(self.inter_node, Link):
             raise CostError(
                 f"HardwareProfile {self.name!r}: intra_node and inter_node must be Link values"
@@ -163,6 +174,7 @@ class HardwareProfile:
             "memory_efficiency": self.memory_efficiency,
             "kernel_latency": self.kernel_latency,
             "op_overhead": self.op_overhead,
+            "comm_overlap": self.comm_overlap,
             "source": self.source,
             "measured": dict(self.measured),
         }
@@ -190,6 +202,7 @@ class HardwareProfile:
                 memory_efficiency=data.get("memory_efficiency", 1.0),
                 kernel_latency=data.get("kernel_latency", 0.0),
                 op_overhead=data.get("op_overhead", 0.0),
+                comm_overlap=data.get("comm_overlap", 0.0),
                 measured=data.get("measured", {}),
             )
         except (KeyError, TypeError) as e:
@@ -214,6 +227,11 @@ _NCCL = (
 )
 _EFF = "efficiency 0.7 and 7 us kernel floor as in meta-pytorch/autoparallel's estimator"
 _HBM = "HBM capacity: vendor 'GB' taken as GiB (HBM stacks are binary)"
+_OVERLAP = (
+    "communication overlaps compute fully (comm_overlap 1): collectives run on their own "
+    "stream, as PyTorch DDP overlaps its bucket all-reduces with backward (Li et al., VLDB "
+    "2020); the slowdown the two cause each other is not modelled"
+)
 
 _NVLINK3 = Link(bandwidth=300e9, latency=0.6e-6, overhead=6.6e-6)  # 600 GB/s total
 _NVLINK4 = Link(bandwidth=450e9, latency=0.6e-6, overhead=6.6e-6)  # 900 GB/s total
@@ -234,11 +252,12 @@ def _a100(name: str, memory_gib: int, bandwidth: float) -> HardwareProfile:
             f"{_NV_A100}: dense fp16/bf16 312, TF32 156, FP32 19.5 TFLOP/s; {memory_gib} GB HBM "
             f"at {bandwidth / 1e9:g} GB/s; NVLink3 600 GB/s total (300 per direction); "
             "DGX A100: 8 GPUs, 8 x InfiniBand HDR 200 Gb/s (25 GB/s) per node (Megatron-LM "
-            f"SC21, Selene). {_NCCL}. {_EFF}. {_HBM}."
+            f"SC21, Selene). {_NCCL}. {_EFF}. {_HBM}. {_OVERLAP}."
         ),
         compute_efficiency=0.7,
         memory_efficiency=0.7,
         kernel_latency=7e-6,
+        comm_overlap=1.0,
     )
 
 
@@ -255,11 +274,12 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, confidence: str) -> Ha
             f"{_NV_H100}{confidence}: dense bf16/fp16 989, TF32 494.7, FP32 66.9 TFLOP/s; "
             f"{memory_gib} GB HBM at {bandwidth / 1e12:g} TB/s; NVLink4 900 GB/s total (450 per "
             "direction); DGX H100: 8 GPUs, 8 x NDR 400 Gb/s (50 GB/s) per node. "
-            f"{_NCCL}. {_EFF}. {_HBM}."
+            f"{_NCCL}. {_EFF}. {_HBM}. {_OVERLAP}."
         ),
         compute_efficiency=0.7,
         memory_efficiency=0.7,
         kernel_latency=7e-6,
+        comm_overlap=1.0,
     )
 
 
@@ -279,11 +299,12 @@ def _ascend_910() -> HardwareProfile:
             "(30 GB/s per link; one link per ring neighbour); 2 x 100 Gb/s RoCE v2 (25 GB/s) "
             "across nodes. Atlas 800 servers hold 8 devices in two HCCS groups of 4; the "
             "profile treats the 8 as one node. Latencies: no published figure; NCCL's network "
-            f"constants assumed. {_EFF}. {_HBM}."
+            f"constants assumed. {_EFF}. {_HBM}. {_OVERLAP}."
         ),
         compute_efficiency=0.7,
         memory_efficiency=0.7,
         kernel_latency=7e-6,
+        comm_overlap=1.0,
     )
 
 

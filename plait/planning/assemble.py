@@ -21,7 +21,9 @@ Given one strategy per op, this module writes down what a training step does and
   holds (plait.cost.memory.StepTrace, docs/memory.md), with the model states it holds after
   the step by kind and the rest alive at the peak as activations.
 
-Communication is not assumed to overlap compute: the prediction is an upper bound, stated so.
+Communication overlaps compute where the runtime lets it: data-parallel gradient reductions
+beside backward, ZeRO-3 gathers prefetched (:mod:`plait.planning.overlap`, at the hardware's
+``comm_overlap``); ``Prediction.overlapped_s`` is what hides, the rest adds to the step.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ from plait.graph import GraphInput, OpGraph, OpNode
 from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size, why_whole
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
+from plait.planning.overlap import (
+    GATHER_BACKWARD,
+    GATHER_FORWARD,
+    REDUCE,
+    Overlappable,
+    StageClock,
+)
 from plait.planning.records import (
     Alternative,
     Plan,
@@ -81,6 +90,8 @@ class _Step:
     stage: list[int] = field(default_factory=list)
     moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
     reduced: set[tuple[str, TensorLayout]] = field(default_factory=set)  # backward fan-out
+    overlappable: list[tuple[int, Overlappable]] = field(default_factory=list)
+    """(stage, item) of the collectives that may run beside compute (plait.planning.overlap)."""
 
     def redistribute(
         self,
@@ -107,9 +118,11 @@ class _Step:
         count: int = 1,
         *,
         group: tuple[int, int] | None = None,
+        overlap: tuple[str, tuple[str, ...]] | None = None,
     ) -> None:
         """``group``: (size, stride) of a group smaller than the one ``axes`` spans (HSDP's
-        shard groups and the groups across them: :meth:`Topology.subgroup_seconds`)."""
+        shard groups and the groups across them: :meth:`Topology.subgroup_seconds`).
+        ``overlap``: (role, bucket members) of a collective that may run beside compute."""
         phase, op, stage = where
         if group is None:
             seconds = sum(self.topology.axis_seconds(kind, a, nbytes) for a in axes)
@@ -129,6 +142,9 @@ class _Step:
             )
         )  # fmt: skip
         self.stage.append(stage)
+        if overlap is not None:
+            role, members = overlap
+            self.overlappable.append((stage, Overlappable(role, members, seconds * count)))
 
     def seconds_of_stage(self, stage: int, phase: str | None = None) -> float:
         """Seconds of the collectives ``stage`` issues per step (of one ``phase``, or all)."""
@@ -537,11 +553,13 @@ def _fused_reductions(
                     ("backward", summed[0][0].name, stage),
                     f"gradients of {_names(summed)} summed over {dp!r} in one fused all-reduce "
                     f"({where})",
+                    overlap=(REDUCE, _values(by_name, summed)),
                 )
             if not sharded:
                 continue
             full = sum(size for _, size in sharded)
             first = sharded[0][0].name
+            values = _values(by_name, sharded)
             if level != 1:
                 over = f"groups of {group} ranks of {dp!r}" if inside else repr(dp)
                 step.add(
@@ -552,6 +570,7 @@ def _fused_reductions(
                     f"gradients of {_names(sharded)} summed over {over} and split, each rank "
                     f"keeping its shard (optimizer_shard={level}; {where})",
                     group=inside,
+                    overlap=(REDUCE, values),
                 )
             if level != 1 and across:
                 step.add(
@@ -562,6 +581,7 @@ def _fused_reductions(
                     f"gradient shards of {_names(sharded)} summed across the {n // group} shard "
                     f"groups of {dp!r} (optimizer_weight_shard_size={group}; {where})",
                     group=across,
+                    overlap=(REDUCE, values),
                 )
             phases: tuple[str, ...] = ("optimizer",)
             if level == 3:
@@ -579,7 +599,20 @@ def _fused_reductions(
                     f"shards of {_names(sharded)} gathered over {over} {what} in {phase} "
                     f"(optimizer_shard={level}; {where})",
                     group=inside,
+                    overlap=(role, values) if (role := _GATHER_ROLES.get(phase)) else None,
                 )
+
+
+_GATHER_ROLES = {"forward": GATHER_FORWARD, "backward": GATHER_BACKWARD}
+"""A ZeRO gather's overlap role by phase: prefetched before forward and backward (level 3),
+not after the update (levels 1 and 2: the next forward needs every parameter at once)."""
+
+
+def _values(
+    by_name: Mapping[str, GraphInput], members: Sequence[tuple[PlannedParameter, int]]
+) -> tuple[str, ...]:
+    """The graph values of a bucket's parameters (what ops read)."""
+    return tuple(by_name[p.name].name for p, _ in members)
 
 
 # (op, tensor input position) whose backward never reads that input's value: an embedding's
@@ -704,19 +737,27 @@ def _predict(
     for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
         compute[ctx.stage_of[op.name]] += op_time[op.name] * ga
     trace = StepTrace(ctx.graph, recompute_regions(ctx.graph, ctx.cfg))
-    again = recomputed_seconds(trace, op_time, ctx.stage_of, stages, ga)
+    recomputed = trace.recomputed()
+    again = recomputed_seconds(trace, op_time, ctx.stage_of, stages, ga, recomputed)
     compute = [c + a for c, a in zip(compute, again, strict=True)]
     memories, updated = _memory(ctx, param_layouts, trace)
     update = [optimizer_seconds(n, e, hardware) for n, e in updated]
-    busiest = max(range(stages), key=lambda s: compute[s] + step.seconds_of_stage(s) + update[s])
-    compute_s, comm_s = compute[busiest], step.seconds_of_stage(busiest)
+    clock = StageClock(ctx.graph, ctx.stage_of, op_time, recomputed, stages, ctx.cfg.micro_batches)
+    hidden = [
+        clock.hidden(s, [i for t, i in step.overlappable if t == s], hardware.comm_overlap)
+        for s in range(stages)
+    ]
+    comm = [step.seconds_of_stage(s) for s in range(stages)]
+    busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
+    compute_s, comm_s = compute[busiest], comm[busiest]
     bubble_s = _bubble(ctx.cfg, compute_s, step.seconds_of_stage(busiest, "forward"), comm_s)
     peak = max(memories, key=lambda mem: mem.peak)
     prediction = Prediction(
-        step_time_s=compute_s + comm_s + bubble_s + update[busiest],
+        step_time_s=compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest],
         optimizer_s=update[busiest],
         compute_s=compute_s,
         communication_s=comm_s,
+        overlapped_s=hidden[busiest],
         bubble_s=bubble_s,
         memory_bytes=peak.peak,
         memory_by_kind={
@@ -738,13 +779,16 @@ def recomputed_seconds(
     stage_of: Mapping[str, int],
     stages: int,
     grad_accumulation: int,
+    recomputed: Sequence[bool] | None = None,
 ) -> list[float]:
     """Per stage, the seconds backward spends running forwards again: a third of each
     recomputed op's time (its forward), per micro-step. One function for the plan and the
-    outer planner's estimate, so both sum the same floats."""
+    outer planner's estimate, so both sum the same floats. ``recomputed``: the trace's
+    ``recomputed()``, when the caller has it already."""
     again = [0.0] * stages
-    for op, recomputed in zip(trace.graph.ops, trace.recomputed(), strict=True):
-        if recomputed:
+    flags = trace.recomputed() if recomputed is None else recomputed
+    for op, recomputed_op in zip(trace.graph.ops, flags, strict=True):
+        if recomputed_op:
             forward = op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
             again[stage_of[op.name]] += forward * grad_accumulation
     return again

@@ -242,9 +242,16 @@ class Prediction:
     optimizer_s: float = 0.0
     """The optimizer step's seconds on the busiest stage (AdamW over this device's pieces;
     ``plait.cost.compute.optimizer_seconds``), part of ``step_time_s``."""
+    overlapped_s: float = 0.0
+    """Seconds of ``communication_s`` that run beside compute (data-parallel reductions in
+    backward, ZeRO-3's prefetched gathers: :mod:`plait.planning.overlap`), taken off
+    ``step_time_s``."""
 
     def __post_init__(self) -> None:
-        for attr in ("step_time_s", "compute_s", "communication_s", "bubble_s", "optimizer_s"):
+        for attr in (
+            "step_time_s", "compute_s", "communication_s", "bubble_s", "optimizer_s",
+            "overlapped_s",
+        ):  # fmt: skip
             object.__setattr__(self, attr, check_seconds(f"Prediction.{attr}", getattr(self, attr)))
         check_int("Prediction.memory_bytes", self.memory_bytes)
         check_int("Prediction.flops_per_step", self.flops_per_step)

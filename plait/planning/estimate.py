@@ -52,6 +52,13 @@ from plait.planning.assemble import (
     stage_memory,
     with_kept_axes,
 )
+from plait.planning.overlap import (
+    GATHER_BACKWARD,
+    GATHER_FORWARD,
+    REDUCE,
+    Overlappable,
+    StageClock,
+)
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
 from plait.search.problem import gradient_layout, kept_gradient, settled
@@ -151,6 +158,8 @@ class _Level:
     whole_numel: list[int] = field(default_factory=list)
     update_s: list[float] = field(default_factory=list)
     """Per stage, the optimizer step's seconds (assemble's _memory and _predict)."""
+    overlappable: list[list[Overlappable]] = field(default_factory=list)
+    """Per stage, the bucket collectives that may run beside compute (plait.planning.overlap)."""
 
 
 class MeshEstimate:
@@ -218,6 +227,7 @@ class MeshEstimate:
         self._stage_bytes: dict[tuple[object, ...], int] = {}
         self._walks: dict[tuple[object, ...], tuple[StageActivations, ...]] = {}
         self._again: dict[int, list[float]] = {}
+        self._clocks: dict[tuple[int, int], StageClock] = {}
         self._held: dict[tuple[object, ...], tuple[StageBuffers, ...]] = {}
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
@@ -489,11 +499,14 @@ class MeshEstimate:
         hardware = self._setup.hardware
         update = [optimizer_seconds(n, e, hardware) for n, e in zip(tensors, elements, strict=True)]
         items: list[list[_Item]] = [[] for _ in range(stages)]
+        overlappable: list[list[Overlappable]] = [[] for _ in range(stages)]
         if self.fused:
             read_again = self.facts.read_again(cfg) if level == 3 else frozenset()
             for bucket in self._bucket_list(cfg):
-                self._bucket(level, bucket, read_again, items[bucket.stage])
-        return _Level(items, sharded, whole, update)
+                self._bucket(
+                    level, bucket, read_again, items[bucket.stage], overlappable[bucket.stage]
+                )
+        return _Level(items, sharded, whole, update, overlappable)
 
     def _bucket_list(self, cfg: ParallelConfig) -> list[_Bucket]:
         """Every dp bucket in plan order (assemble's _fused_reductions): the trainable
@@ -531,33 +544,45 @@ class MeshEstimate:
         return self._buckets
 
     def _bucket(
-        self, level: int | None, bucket: _Bucket, read_again: frozenset[str], out: list[_Item]
+        self,
+        level: int | None,
+        bucket: _Bucket,
+        read_again: frozenset[str],
+        out: list[_Item],
+        overlappable: list[Overlappable],
     ) -> None:
         """One bucket's collectives: an all-reduce of its whole members (all of them without
         ZeRO and at level 1); the split members reduce-scattered (levels 2, 3) and gathered
         after the update (levels 1, 2) or before forward, and before backward when backward
-        reads them (3)."""
+        reads them (3). Those that may run beside compute go to ``overlappable`` too."""
         dp = self.dp
+
+        def add(seconds: float, in_forward: bool, role: str, members: tuple[str, ...]) -> None:
+            out.append((seconds, in_forward))
+            if role:
+                overlappable.append(Overlappable(role, members, seconds))
+
+        split = tuple(n for n in bucket.names if n in bucket.split_names)
         if level in (None, 1) and bucket.members:  # no member is split without ZeRO
-            out.append((self._seconds("all_reduce", dp, bucket.all_bytes), False))
+            add(self._seconds("all_reduce", dp, bucket.all_bytes), False, REDUCE, bucket.names)
         elif level in (2, 3) and bucket.whole:
-            out.append((self._seconds("all_reduce", dp, bucket.whole_bytes), False))
+            whole = tuple(n for n in bucket.names if n not in bucket.split_names)
+            add(self._seconds("all_reduce", dp, bucket.whole_bytes), False, REDUCE, whole)
         if level is None or not bucket.split_names:
             return
         full, k = bucket.split_bytes, self.shard_size
         if level != 1:
-            out.append((self._group_seconds("reduce_scatter", full, k, 1), False))
+            add(self._group_seconds("reduce_scatter", full, k, 1), False, REDUCE, split)
             if k != self.dp_size:  # HSDP: the shards summed across the shard groups
-                out.append(
-                    (self._group_seconds("all_reduce", full // k, self.dp_size // k, k), False)
-                )
+                seconds = self._group_seconds("all_reduce", full // k, self.dp_size // k, k)
+                add(seconds, False, REDUCE, split)
         gather = self._group_seconds("all_gather", full // k, k, 1)
         if level != 3:
-            out.append((gather, False))  # after the update (the optimizer phase)
+            add(gather, False, "", split)  # after the update (the optimizer phase)
             return
-        out.append((gather, True))  # before forward
+        add(gather, True, GATHER_FORWARD, split)  # before forward
         if not bucket.split_names.isdisjoint(read_again):
-            out.append((gather, False))  # and again before backward
+            add(gather, False, GATHER_BACKWARD, split)  # and again before backward
 
     def _pipeline(self, m: int) -> list[list[_Item]]:
         """Values crossing a stage boundary, once per micro-batch each way."""
@@ -659,11 +684,26 @@ class MeshEstimate:
             forward.append(fwd)
         again, update = self._recomputed_s(cfg), level.update_s
         compute = [c + a for c, a in zip(self.compute, again, strict=True)]
-        busiest = max(range(stages), key=lambda s: compute[s] + comm[s] + update[s])
+        clock, overlap = self._clock(cfg), self._setup.hardware.comm_overlap
+        hidden = [clock.hidden(s, level.overlappable[s], overlap) for s in range(stages)]
+        busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
         compute_s, comm_s = compute[busiest], comm[busiest]
         bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)
-        step = compute_s + comm_s + bubble_s + update[busiest]
+        step = compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest]
         return Estimate(step, self._memory(cfg, level))
+
+    def _clock(self, cfg: ParallelConfig) -> StageClock:
+        """When each op runs inside a micro-step under ``cfg``'s recompute (assemble's
+        _predict), for what hides behind compute."""
+        trace = self.facts.trace(cfg)
+        key = (id(trace), cfg.micro_batches)
+        found = self._clocks.get(key)
+        if found is None:
+            found = self._clocks[key] = StageClock(
+                self.graph, self.stage_of, self._op_time, trace.recomputed(), self.stages,
+                cfg.micro_batches,
+            )  # fmt: skip
+        return found
 
     def _recomputed_s(self, cfg: ParallelConfig) -> list[float]:
         """Per stage, the forward seconds backward runs again under ``cfg``'s recompute

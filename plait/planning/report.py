@@ -204,7 +204,10 @@ def _prediction_lines(plan: PlanContents) -> list[str]:
     return [
         "predicted",
         f"  step time {fmt_seconds(p.step_time_s)}: compute {fmt_seconds(p.compute_s)}, "
-        f"communication {fmt_seconds(p.communication_s)}, bubble {fmt_seconds(p.bubble_s)}",
+        f"communication {fmt_seconds(p.communication_s)}"
+        + (f" ({fmt_seconds(p.overlapped_s)} of it beside compute)" if p.overlapped_s else "")
+        + f", bubble {fmt_seconds(p.bubble_s)}"
+        + (f", optimizer {fmt_seconds(p.optimizer_s)}" if p.optimizer_s else ""),
         *_pipeline_lines(plan),
         mem + (f": {kinds}" if kinds else ""),
         f"  FLOPs per step {fmt_flops(p.flops_per_step)}",

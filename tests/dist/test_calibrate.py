@@ -38,6 +38,11 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, capsys) -> None:
     assert profile.memory_bandwidth > 1e7 and profile.memory_bytes > 2**20
     assert profile.intra_node.bandwidth > 1e6 and profile.intra_node.latency > 0
     assert 0 < profile.kernel_latency < 0.01
+    measured = json.loads(out.read_text())["measured"]
+    assert len(measured["overlap_per_rank"]) == 2
+    assert 0 <= min(measured["overlap_per_rank"]) <= profile.comm_overlap
+    assert profile.comm_overlap <= max(measured["overlap_per_rank"]) <= 1
+    assert "comm overlap:" in printed
 
     # The raw timings are kept, and the fitted link predicts the largest all_reduce within
     # a factor of 3 (a shared 2-core machine is noisy; the fit itself is tested exactly in

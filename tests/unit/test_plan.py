@@ -247,7 +247,7 @@ def test_file_has_the_documented_fields():
     assert list(data["mesh"].items()) == [("dp", 2), ("tp", 2)]
     assert set(data["predicted"]) == {
         "step_time_s", "compute_s", "communication_s", "bubble_s", "memory_bytes",
-        "memory_by_kind", "flops_per_step", "optimizer_s",
+        "memory_by_kind", "flops_per_step", "optimizer_s", "overlapped_s",
     }  # fmt: skip
     assert list(data["predicted"]["memory_by_kind"]) == [
         "parameters",

@@ -10,7 +10,8 @@ choice (``recompute="auto"`` under a limit nothing fits: full). fp16 runs with d
 scaling: an overflowing step is skipped on every rank, then training equals one device under
 the same autocast and scale. Offload in the stages: the optimizer's states on the host (alone
 and with ZeRO-2) and the activations backward reads on the host (zero bubble, and ZeRO-3),
-each equal to one device.
+each equal to one device; the host optimizer's checkpoint resumes its job bit for bit, loads
+into a pipeline without offload bit for bit, and that job's back into ZeRO-2 with offload.
 Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
@@ -295,7 +296,8 @@ def _offload_checkpoints(host, host_zero2, root: Path) -> dict:
     job and the third step taken again: the same loss and parameters, bit for bit (as if it
     had not stopped). The same checkpoint into a pipeline without offload: its third step
     the same, bit for bit. That job's checkpoint after the third step into the ZeRO-2
-    pipeline with the optimizer on the host (FSDP2's shards): a fourth step, both ways."""
+    pipeline with the optimizer on the host (FSDP2's shards), and a fourth step. (Each step
+    of 4 processes costs about a second on 2 cores: 4 steps here, one job built.)"""
     batches = _batches(STEPS + 2)
     third, fourth = batches[STEPS], batches[STEPS + 1]
     host.save(root / "host")
@@ -309,14 +311,12 @@ def _offload_checkpoints(host, host_zero2, root: Path) -> dict:
     loaded_plain = plain.load(root / "host")
     plain_third = (plain.step(_local(plain, third)), plain.full_state_dict())
     plain.save(root / "no_offload")
-    plain_fourth = plain.step(_local(plain, fourth))
     loaded_zero2 = host_zero2.load(root / "no_offload")
     zero2_fourth = host_zero2.step(_local(host_zero2, fourth))
     return {
         "steps": (loaded, loaded_plain, loaded_zero2),
         "resumed": (go_on, again),
         "into_plain": plain_third,
-        "fourth": ([plain_third[0], plain_fourth], plain.full_state_dict()),
         "fourth_zero2": ([plain_third[0], zero2_fourth], host_zero2.full_state_dict()),
     }
 
@@ -325,8 +325,10 @@ def _check_offload(results: list[dict]) -> None:
     """Offload legs equal one device (fp32; the same tolerance as every leg here: the
     micro-batches' gradients are summed in another order than one device's batch); each
     rank's optimizer updates host copies holding one momentum state each (on this CPU
-    machine the host is the device: the wiring is what is checked); each rank's stages moved
-    saved tensors to the host, and none was saved past the offload's hooks."""
+    machine the host is the device: the wiring is what is checked); the host optimizer's
+    checkpoints continue bit for bit where the plan is the same but for offload, and as one
+    device into ZeRO-2; each rank's stages moved saved tensors to the host, and none was
+    saved past the offload's hooks."""
     momentum = reference_run(_model(), gpt_loss, _momentum, _batches())
     longer = reference_run(_model(), gpt_loss, _momentum, _batches(STEPS + 2))
     longer = Run(longer.losses[STEPS:], longer.state)  # steps 3 and 4, the final state
@@ -342,8 +344,7 @@ def _check_offload(results: list[dict]) -> None:
             assert state.keys() == go_on_state.keys()
             for key, value in go_on_state.items():
                 assert torch.equal(state[key], value), (name, rank, key)
-        for name in ("fourth", "fourth_zero2"):
-            _same_run(*ck[name], longer, f"offload checkpoint {name} rank {rank} ")
+        _same_run(*ck["fourth_zero2"], longer, f"offload checkpoint to ZeRO-2 rank {rank} ")
         for name in ("offload_optimizer", "offload_optimizer_zero2"):
             losses, state, wiring = r[name]
             _same_run(losses, state, momentum, f"{name} rank {rank} ")

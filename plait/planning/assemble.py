@@ -35,7 +35,7 @@ from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
-from plait.cost.compute import optimizer_seconds
+from plait.cost.compute import compute_dtype, op_seconds, optimizer_seconds
 from plait.cost.memory import (
     GradBucket,
     PeakMemory,
@@ -252,8 +252,39 @@ def partition_memory(
 
 
 def _op_compute(problem: SearchProblem, mesh: MeshSpec, op: OpNode, strategy: OpStrategy) -> float:
-    pieces = math.prod(mesh.axis_size(a) for a in strategy.used_axes())
-    return problem.cost.op_compute(op, pieces)
+    return problem.cost.op_compute(op, _work_pieces(mesh, strategy))
+
+
+def _work_pieces(mesh: MeshSpec, strategy: OpStrategy) -> int:
+    return math.prod(mesh.axis_size(a) for a in strategy.used_axes())
+
+
+def micro_batch_seconds(
+    graph: OpGraph,
+    stage_of: Mapping[str, int],
+    pieces: Mapping[str, int],
+    hardware: Any,
+    cfg: ParallelConfig,
+    stages: int,
+) -> list[float]:
+    """Per stage, what running the batch as ``cfg.micro_batches`` micro-batches one after
+    another adds to its compute: each op runs once per micro-batch on a ``1 / m`` share, paying
+    its fixed costs (the kernel floor, the host's per-op cost) ``m`` times; its FLOP- or
+    byte-bound time is unchanged. ``m x roofline(work / m) - roofline(work)`` per op, forward
+    and backward, per micro-step. One function for the plan and the outer planner's estimate."""
+    extra = [0.0] * stages
+    m = cfg.micro_batches
+    if m == 1:
+        return extra
+    dtype = compute_dtype(cfg.precision)
+    scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
+    passes = (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
+    for op in graph.ops:
+        p = pieces[op.name]
+        whole = op_seconds(op.flops / p, op.bytes * scale / p, dtype, hardware)
+        each = op_seconds(op.flops / (p * m), op.bytes * scale / (p * m), dtype, hardware)
+        extra[stage_of[op.name]] += max(0.0, each * m - whole) * passes
+    return extra
 
 
 def _stage_names(
@@ -740,6 +771,9 @@ def _predict(
     recomputed = trace.recomputed()
     again = recomputed_seconds(trace, op_time, ctx.stage_of, stages, ga, recomputed)
     compute = [c + a for c, a in zip(compute, again, strict=True)]
+    pieces = {op.name: _work_pieces(ctx.mesh, ctx.chosen[op.name]) for op in ctx.graph.ops}
+    split = micro_batch_seconds(ctx.graph, ctx.stage_of, pieces, hardware, ctx.cfg, stages)
+    compute = [c + e for c, e in zip(compute, split, strict=True)]
     memories, updated = _memory(ctx, param_layouts, trace)
     update = [optimizer_seconds(n, e, hardware) for n, e in updated]
     clock = StageClock(ctx.graph, ctx.stage_of, op_time, recomputed, stages, ctx.cfg.micro_batches)

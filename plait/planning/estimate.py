@@ -46,6 +46,7 @@ from plait.planning.assemble import (
     _bubble,
     _read_by_backward,
     activation_buffers,
+    micro_batch_seconds,
     partition_memory,
     recompute_regions,
     recomputed_seconds,
@@ -228,6 +229,7 @@ class MeshEstimate:
         self._walks: dict[tuple[object, ...], tuple[StageActivations, ...]] = {}
         self._again: dict[int, list[float]] = {}
         self._clocks: dict[tuple[int, int], StageClock] = {}
+        self._split: dict[tuple[object, ...], list[float]] = {}
         self._held: dict[tuple[object, ...], tuple[StageBuffers, ...]] = {}
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
@@ -684,6 +686,7 @@ class MeshEstimate:
             forward.append(fwd)
         again, update = self._recomputed_s(cfg), level.update_s
         compute = [c + a for c, a in zip(self.compute, again, strict=True)]
+        compute = [c + e for c, e in zip(compute, self._micro_batched_s(cfg), strict=True)]
         clock, overlap = self._clock(cfg), self._setup.hardware.comm_overlap
         hidden = [clock.hidden(s, level.overlappable[s], overlap) for s in range(stages)]
         busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
@@ -691,6 +694,17 @@ class MeshEstimate:
         bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)
         step = compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest]
         return Estimate(step, self._memory(cfg, level))
+
+    def _micro_batched_s(self, cfg: ParallelConfig) -> list[float]:
+        """Per stage, the fixed op costs micro-batches pay again (assemble's _predict)."""
+        key = (cfg.micro_batches, cfg.precision, cfg.grad_accumulation)
+        found = self._split.get(key)
+        if found is None:
+            pieces = {op.name: self._work_pieces(self.chosen[op.name]) for op in self.graph.ops}
+            found = self._split[key] = micro_batch_seconds(
+                self.graph, self.stage_of, pieces, self._setup.hardware, cfg, self.stages
+            )
+        return found
 
     def _clock(self, cfg: ParallelConfig) -> StageClock:
         """When each op runs inside a micro-step under ``cfg``'s recompute (assemble's

@@ -35,9 +35,10 @@ from typing import cast
 from torch import nn
 
 from plait.config import ParallelConfig
+from plait.cost import HardwareProfile
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
-from plait.planning.assemble import PP_AXIS, _bubble, assemble_plan
+from plait.planning.assemble import PP_AXIS, _bubble, assemble_plan, micro_batch_seconds
 from plait.planning.estimate import GraphFacts, MeshEstimate
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
@@ -189,7 +190,7 @@ def auto_plan(
             for v in _variants(cfg, pp, replica_batch)
         ]  # fmt: skip
         if prune and len(fits) >= 2:
-            bound = _lower_bound(graph, variants[0][1], op_compute)
+            bound = _lower_bound(graph, variants[0][1], op_compute, hardware)
             if bound > fits[1] * (1 + 1e-9):
                 pruned.append((mesh, bound, fits[1]))
                 timing.pruned += 1
@@ -258,19 +259,26 @@ def auto_plan(
     return plan
 
 
-def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> float:
+def _lower_bound(
+    graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute, hardware: HardwareProfile
+) -> float:
     """No option of ``cfg``'s mesh (at its micro-batch count) predicts a faster step.
 
     Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
-    the stage's devices (an op's roofline time only falls as its pieces grow); communication
-    adds to that; and with 1F1B or GPipe the bubble grows with the stage's time, so it is at
-    least the bubble of that much compute alone (assemble's ``_bubble``). Other schedules get
-    no bubble in the bound.
+    the stage's devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp``
+    of the fixed costs micro-batches pay again, each op at worst whole (what an op pays again
+    only grows as its pieces do: :func:`~plait.planning.assemble.micro_batch_seconds`);
+    communication adds to that; and with 1F1B or GPipe the bubble grows with the stage's
+    time, so it is at least the bubble of that much compute alone (assemble's ``_bubble``).
+    Other schedules get no bubble in the bound.
     """
     pp = cfg.pipeline_stages
     pieces = math.prod(n for a, n in cfg.mesh_dict.items() if a != PP_AXIS)
     total = sum(op_compute(op, pieces) for op in graph.ops) * cfg.grad_accumulation
-    compute = total / pp
+    whole = {op.name: 1 for op in graph.ops}
+    one_stage = dict.fromkeys(whole, 0)
+    again = micro_batch_seconds(graph, one_stage, whole, hardware, cfg, 1)[0]
+    compute = (total + again) / pp
     if pp > 1 and cfg.schedule in ("1f1b", "gpipe"):
         return compute + _bubble(cfg, compute, 0.0, 0.0)
     return compute

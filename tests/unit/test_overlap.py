@@ -118,3 +118,24 @@ def test_a_plan_takes_what_hides_off_its_step(extra) -> None:
 def test_comm_overlap_outside_0_1_is_refused_by_name() -> None:
     with pytest.raises(CostError, match=r"comm_overlap=1.5 .* in \[0, 1\]"):
         dataclasses.replace(get_profile("h100"), comm_overlap=1.5)
+
+
+@pytest.mark.parametrize(("overhead", "floor"), [(1e-3, 0.0), (0.0, 1e-3)])
+def test_micro_batches_pay_each_ops_fixed_costs_again(overhead, floor) -> None:
+    """Four micro-batches run every op four times on a quarter of the work: its byte- and
+    FLOP-bound time is the same, its per-op host cost (or the kernel floor of an op below it)
+    is paid three times more, forward and backward (3 passes), per micro-step."""
+    from plait.cost.hardware import local_defaults
+    from plait.planning.assemble import micro_batch_seconds
+
+    graph, _ = _three_linears()
+    hw = dataclasses.replace(local_defaults(), op_overhead=overhead, kernel_latency=floor)
+    stage_of = {op.name: 0 for op in graph.ops}
+    pieces = {op.name: 1 for op in graph.ops}
+    cfg = ParallelConfig(micro_batches=4, grad_accumulation=2)
+    (extra,) = micro_batch_seconds(graph, stage_of, pieces, hw, cfg, 1)
+    working = sum(1 for op in graph.ops if op.flops or op.bytes)
+    counted = len(graph.ops) if overhead else working  # the floor only where there is work
+    assert extra == pytest.approx(counted * 3 * 1e-3 * 3 * 2)
+    one = dataclasses.replace(cfg, micro_batches=1)
+    assert micro_batch_seconds(graph, stage_of, pieces, hw, one, 1) == [0.0]

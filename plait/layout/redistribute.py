@@ -69,6 +69,7 @@ from typing import Literal, get_args
 from plait.errors import LayoutError
 from plait.layout.layout import TensorLayout
 from plait.layout.placement import ReduceOp
+from plait.mesh import MeshSpec
 
 __all__ = [
     "LOCAL_KINDS",
@@ -282,16 +283,46 @@ def _steps_cached(
     search's moves through which splits divide a dim. So tensors of one size (q, k and v
     viewed as heads ``(b, h, s, d)`` or ``(b, s, h, d)``) share one plan.
     """
-    walk = _Walk(src, dst, total)
+    greedy = _with_bytes(_greedy_chain(src, dst), total)
+    if _greedy_is_cheapest(src, dst, total, greedy):
+        return _fold_unit_axes(greedy, src, dst)
+    better = _search(src, dst, fits, total, _objective(greedy))
+    if better is None:
+        return _fold_unit_axes(greedy, src, dst)
+    return _fold_unit_axes(_with_bytes(_replayed_chain(src, dst, tuple(better)), total), src, dst)
+
+
+# A walk's steps without their bytes: (kind, axis, before, after, pieces of the tensor before
+# the step). Which steps a walk takes and the layouts it passes do not depend on the tensor's
+# size, so one chain serves every size; a step's bytes are the size over its pieces.
+_Chain = tuple[tuple[CollectiveKind, str, TensorLayout, TensorLayout, int], ...]
+
+
+def _chain_of(steps: Sequence[RedistStep]) -> _Chain:
+    return tuple((s.kind, s.axis, s.before, s.after, math.prod(s.before.splits())) for s in steps)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _greedy_chain(src: TensorLayout, dst: TensorLayout) -> _Chain:
+    """The greedy walk from ``src`` to ``dst`` (its order never looks at the bytes)."""
+    walk = _Walk(src, dst, 0)
     walk.run()
-    if _greedy_is_cheapest(src, dst, total, walk.steps):
-        return _fold_unit_axes(walk.steps, src, dst)
-    better = _search(src, dst, fits, total, _objective(walk.steps))
-    if better is not None:
-        walk = _Walk(src, dst, total)
-        for kind, axis, to_dim in better:
-            walk.apply(kind, axis, to_dim)
-    return _fold_unit_axes(walk.steps, src, dst)
+    return _chain_of(walk.steps)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _replayed_chain(src: TensorLayout, dst: TensorLayout, moves: tuple[_Move, ...]) -> _Chain:
+    """The steps of ``moves`` (a plan the search found) from ``src``."""
+    walk = _Walk(src, dst, 0)
+    for kind, axis, to_dim in moves:
+        walk.apply(kind, axis, to_dim)
+    return _chain_of(walk.steps)
+
+
+def _with_bytes(chain: _Chain, total: int) -> list[RedistStep]:
+    """The steps of ``chain`` for a tensor of ``total`` bytes (a local piece is exact: the
+    layouts split every dim evenly)."""
+    return [RedistStep(kind, axis, a, b, total // pieces) for kind, axis, a, b, pieces in chain]
 
 
 def _check_inputs(
@@ -640,8 +671,51 @@ def _path(back: dict[_State, tuple[_State, _Move]], start: _State, goal: _State)
     return out[::-1]
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _free_axes(
+    src: TensorLayout, dst: TensorLayout
+) -> tuple[tuple[str, ...], dict[str, int], frozenset[str]]:
+    """The axes the search may move (mesh order), the target dim of each split axis and the
+    target's partial axes, for one pair of layouts.
+
+    Fixed: axes already in place (a common outer prefix of a dim, a pending reduction both
+    layouts share) and axes replicated in both layouts: a plan sends nothing over a link that
+    the change does not involve (it may cross nodes; the plan does not know link speeds).
+    """
+    fixed: set[str] = set()
+    for s_axes, d_axes in zip(src.dims, dst.dims, strict=True):
+        for a, b in zip(s_axes, d_axes, strict=False):
+            if a != b:
+                break
+            fixed.add(a)
+    fixed |= set(src.partial) & set(dst.partial)
+    moving = {a for axes in src.dims + dst.dims for a in axes} | set(src.partial + dst.partial)
+    fixed |= set(src.mesh.axis_names) - moving
+    free = tuple(a for a in src.mesh.axis_names if a not in fixed)
+    target_dim = {a: d for d, axes in enumerate(dst.dims) for a in axes}
+    return free, target_dim, frozenset(dst.partial)
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_rates(mesh: MeshSpec) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per step kind and mesh axis, (share of the piece sent, start-up charge): a step costs
+    ``piece * share + charge``, the same floats as ``_TRAFFIC`` and ``_step_penalty``."""
+    sizes = mesh.as_dict()
+    return {
+        kind: {a: (traffic(n), _step_penalty(kind, n)) for a, n in sizes.items()}
+        for kind, traffic in _TRAFFIC.items()
+    }
+
+
 class _Space:
-    """The moves the search may make from a state, with their costs."""
+    """The moves the search may make from a state, with their costs.
+
+    What a step costs on each axis comes from :func:`_axis_rates` (once per mesh), which
+    axes move from :func:`_free_axes` (once per pair of layouts), and each state's floor is
+    kept for the search (states are reached from many others). The moves come in a fixed order (pops by dim, each gather before its all-to-alls by
+    target dim; then per free axis in mesh order its reduction, partition and pushes by dim),
+    which the heap's ties follow.
+    """
 
     def __init__(
         self, src: TensorLayout, dst: TensorLayout, shape: tuple[int, ...], total: int
@@ -650,33 +724,24 @@ class _Space:
         self.size = mesh.as_dict()
         self.shape = shape
         self.total = total
-        self.target_dim = {a: d for d, axes in enumerate(dst.dims) for a in axes}
-        self.target_partial = frozenset(dst.partial)
-        fixed: set[str] = set()
-        for s_axes, d_axes in zip(src.dims, dst.dims, strict=True):
-            for a, b in zip(s_axes, d_axes, strict=False):
-                if a != b:
-                    break
-                fixed.add(a)
-        fixed |= set(src.partial) & set(dst.partial)
-        # Axes replicated in both layouts stay out: a plan sends nothing over a link that the
-        # change does not involve (it may cross nodes; the plan does not know link speeds).
-        moving = {a for axes in src.dims + dst.dims for a in axes} | set(src.partial + dst.partial)
-        fixed |= set(mesh.axis_names) - moving
-        self.free = tuple(a for a in mesh.axis_names if a not in fixed)
+        self.free, self.target_dim, self.target_partial = _free_axes(src, dst)
         smallest = total / mesh.size
-        self.least = {
-            a: smallest * _TRAFFIC["reduce_scatter"](n) + _step_penalty("all_gather", n)
-            for a, n in self.size.items()
-        }
+        self._rates = _axis_rates(mesh)
+        share, charge = self._rates["reduce_scatter"], self._rates["all_gather"]
+        self.least = {a: smallest * share[a][0] + charge[a][1] for a in self.size}
+        self._floors: dict[_State, float] = {}
 
     def floor(self, state: _State) -> float:
         """A lower bound on the cost left: one collective per axis that must still leave.
 
         An axis that splits a dim its target does not, or holds a pending reduction its
         target does not, needs a collective on its own group; the smallest piece any step
-        can carry is the tensor split over the whole mesh.
+        can carry is the tensor split over the whole mesh. Kept per state (states are
+        reached from many others).
         """
+        found = self._floors.get(state)
+        if found is not None:
+            return found
         dims, partial = state
         need = 0.0
         for d, axes in enumerate(dims):
@@ -686,6 +751,7 @@ class _Space:
         for a in partial:
             if a in self.free and a not in self.target_partial:
                 need += self.least[a]
+        self._floors[state] = need
         return need
 
     def fits(self, dims: tuple[tuple[str, ...], ...], e: int) -> bool:
@@ -693,60 +759,68 @@ class _Space:
 
     def moves(self, state: _State) -> list[tuple[float, _Move, _State]]:
         dims, partial = state
-        local = self.total // math.prod(self.size[a] for axes in dims for a in axes)
-        out = self._pops(dims, partial, local)
+        size = self.size
+        splits = [math.prod(size[a] for a in axes) for axes in dims]
+        local = self.total // math.prod(splits)
+        out = self._pops(dims, partial, local, splits)
         split = {a for axes in dims for a in axes}
         for x in self.free:
             if x not in split:
-                out += self._unsplit(x, dims, partial, local)
+                self._unsplit(x, dims, partial, local, splits, out)
         return out
 
-    def _cost(self, kind: str, x: str, local: int) -> float:
-        n = self.size[x]
-        return local * _TRAFFIC[kind](n) + _step_penalty(kind, n)
-
     def _pops(
-        self, dims: tuple[tuple[str, ...], ...], partial: frozenset[str], local: int
+        self,
+        dims: tuple[tuple[str, ...], ...],
+        partial: frozenset[str],
+        local: int,
+        splits: list[int],
     ) -> list[tuple[float, _Move, _State]]:
         out: list[tuple[float, _Move, _State]] = []
+        free, shape, size = self.free, self.shape, self.size
+        gathers, swaps = self._rates["all_gather"], self._rates["all_to_all"]
+        ndim = len(dims)
         for d, axes in enumerate(dims):
-            if not axes or axes[-1] not in self.free:
+            if not axes or axes[-1] not in free:
                 continue
             x = axes[-1]
-            popped = tuple(a[:-1] if i == d else a for i, a in enumerate(dims))
-            out.append(
-                (self._cost("all_gather", x, local), ("all_gather", x, None), (popped, partial))
-            )
-            for e in range(len(dims)):
-                moved = tuple((*a, x) if i == e else a for i, a in enumerate(popped))
-                if e != d and self.fits(moved, e):
-                    out.append(
-                        (self._cost("all_to_all", x, local), ("all_to_all", x, e), (moved, partial))
-                    )
+            popped = (*dims[:d], axes[:-1], *dims[d + 1 :])
+            share, charge = gathers[x]
+            out.append((local * share + charge, ("all_gather", x, None), (popped, partial)))
+            share, charge = swaps[x]
+            n = size[x]
+            for e in range(ndim):
+                if e != d and shape[e] % (splits[e] * n) == 0:
+                    moved = (*popped[:e], (*popped[e], x), *popped[e + 1 :])
+                    out.append((local * share + charge, ("all_to_all", x, e), (moved, partial)))
         return out
 
     def _unsplit(
-        self, x: str, dims: tuple[tuple[str, ...], ...], partial: frozenset[str], local: int
-    ) -> list[tuple[float, _Move, _State]]:
-        out: list[tuple[float, _Move, _State]] = []
+        self,
+        x: str,
+        dims: tuple[tuple[str, ...], ...],
+        partial: frozenset[str],
+        local: int,
+        splits: list[int],
+        out: list[tuple[float, _Move, _State]],
+    ) -> None:
+        """Append the moves of ``x``, an axis that splits nothing now, to ``out``."""
         if x in partial and x in self.target_partial:
-            return out  # partitioned on the way: in place
+            return  # partitioned on the way: in place
+        rest = partial - {x}
         if x in partial:
             if x not in self.target_partial:
-                out.append(
-                    (
-                        self._cost("all_reduce", x, local),
-                        ("all_reduce", x, None),
-                        (dims, partial - {x}),
-                    )
-                )
+                share, charge = self._rates["all_reduce"][x]
+                out.append((local * share + charge, ("all_reduce", x, None), (dims, rest)))
             kind = "reduce_scatter"
         else:
             if x in self.target_partial:
                 out.append((0.0, ("partition", x, None), (dims, partial | {x})))
             kind = "slice"
+        share, charge = self._rates[kind][x]
+        weight = local * share + charge
+        n, shape = self.size[x], self.shape
         for e in range(len(dims)):
-            pushed = tuple((*a, x) if i == e else a for i, a in enumerate(dims))
-            if self.fits(pushed, e):
-                out.append((self._cost(kind, x, local), (kind, x, e), (pushed, partial - {x})))
-        return out
+            if shape[e] % (splits[e] * n) == 0:
+                pushed = (*dims[:e], (*dims[e], x), *dims[e + 1 :])
+                out.append((weight, (kind, x, e), (pushed, rest)))  # type: ignore[arg-type]

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -299,7 +300,7 @@ _Chain = tuple[tuple[CollectiveKind, str, TensorLayout, TensorLayout, int], ...]
 
 
 def _chain_of(steps: Sequence[RedistStep]) -> _Chain:
-    return tuple((s.kind, s.axis, s.before, s.after, math.prod(s.before.splits())) for s in steps)
+    return tuple((s.kind, s.axis, s.before, s.after, math.prod(_splits(s.before))) for s in steps)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -358,8 +359,14 @@ def _check_inputs(
 def _divides(layout: TensorLayout, shape: tuple[int, ...]) -> bool:
     """``layout.check_shape(shape)`` would pass: one entry per dim, each split evenly."""
     return len(shape) == layout.ndim and not any(
-        n % k for n, k in zip(shape, layout.splits(), strict=True)
+        n % k for n, k in zip(shape, _splits(layout), strict=True)
     )
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _splits(layout: TensorLayout) -> tuple[int, ...]:
+    """``layout.splits()``, kept per layout (a search meets the same few layouts often)."""
+    return layout.splits()
 
 
 def _dim_of(layout: TensorLayout, axis: str) -> int | None:
@@ -469,7 +476,7 @@ class _Walk:
     # -- applying a step ----------------------------------------------------------------------
     def apply(self, kind: str, axis: str, to_dim: int | None) -> None:
         before = self.layout
-        nbytes = self.total_bytes // math.prod(before.splits())
+        nbytes = self.total_bytes // math.prod(_splits(before))
         for axes in self.dims:
             if axis in axes:
                 axes.remove(axis)  # always the innermost: see _pop_candidates
@@ -619,47 +626,115 @@ _EXACT_TRAFFIC: dict[str, Callable[[int], tuple[int, int]]] = {
 
 
 def _least_cost(src: TensorLayout, dst: TensorLayout, total: int) -> int | None:
-    """A lower bound, exact and times the mesh size, on the cost of any plan of
-    :func:`_search`'s moves (None when it would not search). Per axis that must leave its
-    place, the cheapest collective that can take it there, on the smallest piece it can hold
-    then (every axis the search may move split, besides the axes that stay in place):
+    """A lower bound, exact (rounded down) and times the mesh size, on the cost of any plan
+    of :func:`_search`'s moves; None when it would not search.
+
+    Each axis the search may move that must change its state (a *leg*) does so by its own
+    collective, on its own group. The piece a step carries is at least the tensor split over
+    every axis that can be split then: the axes that stay in place, and the free axes
+    except those still holding a pending sum (an axis that is partial splits nothing until
+    it is reduced). So the bound depends on the order in which the pending sums are
+    reduced; it is the least over the orders of the legs (at most ``_SEARCH_AXES!``) of the
+    larger of two sums, each a lower bound of every plan that takes the legs in that order
+    (:func:`_legs_by_step`, :func:`_legs_by_growth`).
+    """
+    if src.partial and dst.partial and src.reduce_op != dst.reduce_op:
+        return None
+    free, target_dim, _ = _free_axes(src, dst)
+    if len(free) > _SEARCH_AXES:
+        return None
+    scale = src.mesh.size
+    size = src.mesh.as_dict()
+    split_in_place = math.prod(size[a] for axes in src.dims for a in axes if a not in free)
+    every = split_in_place * math.prod(size[a] for a in free)
+    legs: list[tuple[str, int]] = []
+    for x in free:
+        n = size[x]
+        if n == 1:
+            continue  # moves nothing, charges nothing
+        d, e = _dim_of(src, x), target_dim.get(x)
+        if d is not None:
+            legs.append(("gather" if e is None else "move", n))
+        elif x in src.partial:
+            legs.append(("reduce" if e is not None else "reduce_all", n))
+        elif e is not None:
+            legs.append(("slice", n))
+    # a piece over the splits of every axis that can be split, times the mesh size
+    unit = total * (scale // every)
+    # the change of a device's piece from the source to the target, times the mesh size
+    net = total * (scale // math.prod(_splits(src))) - total * (scale // math.prod(_splits(dst)))
+    starts = STEP_BYTES * scale * sum(1 for kind, _ in legs if kind != "slice")
+    least: int | None = None
+    for order in itertools.permutations(legs):
+        found = max(_legs_by_step(order, unit), _legs_by_growth(order, unit) - net) + starts
+        least = found if least is None else min(least, found)
+    return starts if least is None else least
+
+
+def _pending_after(order: Sequence[tuple[str, int]]) -> list[int]:
+    """Per leg, the product of the sizes of the pending sums not reduced before it (its own
+    included): axes that split nothing when the leg's step runs."""
+    out: list[int] = []
+    for k in range(len(order)):
+        out.append(math.prod(n for kind, n in order[k:] if kind.startswith("reduce")))
+    return out
+
+
+def _legs_by_step(order: Sequence[tuple[str, int]], unit: int) -> int:
+    """Bytes sent (times the mesh size) by the leg steps alone, in ``order``: per leg its
+    cheapest collective on the smallest piece it can carry then.
 
     - split -> not split (replicated or partial): only an all-gather unsplits, ``n - 1``;
     - split -> split elsewhere (another dim, or the same dim under other outer axes): an
       all-to-all or an all-gather, at least ``(n - 1) / n``;
     - partial -> split: a reduce-scatter or an all-reduce, at least ``(n - 1) / n``;
-    - partial -> replicated: an all-reduce, ``2 (n - 1) / n``, or a reduce-scatter and then an
-      all-gather on a piece ``n`` times smaller, as much;
-    - replicated -> anything: a slice or a partition, free.
-
-    Each collective runs on one axis, so the sum over axes bounds a plan.
+    - partial -> replicated: an all-reduce, ``2 (n - 1) / n``, or a reduce-scatter and later
+      an all-gather on a piece at least ``unit``;
+    - replicated -> split: a slice, free.
     """
-    if src.partial and dst.partial and src.reduce_op != dst.reduce_op:
-        return None
-    space = _Space(src, dst, (), total)
-    if len(space.free) > _SEARCH_AXES:
-        return None
-    scale = src.mesh.size
-    free = set(space.free)
-    size = space.size
-    split_in_place = math.prod(size[a] for axes in src.dims for a in axes if a not in free)
-    every = split_in_place * math.prod(size[a] for a in free)
-    least = 0
-    for x in space.free:
-        n = size[x]
-        if n == 1:
-            continue
-        d, e = _dim_of(src, x), space.target_dim.get(x)
-        if d is not None:  # on the smallest piece with x split
-            piece = total // every
-            least += piece * (n - 1) * scale if e is None else piece * (n - 1) * (scale // n)
-        elif x in src.partial:  # on the smallest piece with x not split
-            piece = total // (every // n)
-            least += piece * (n - 1) * (scale // n) * (1 if e is not None else 2)
-        else:
-            continue
-        least += STEP_BYTES * scale
-    return least
+    sent = 0
+    for (kind, n), pending in zip(order, _pending_after(order), strict=True):
+        piece = unit * pending
+        if kind == "gather":
+            sent += piece * (n - 1)
+        elif kind == "move":
+            sent += piece * (n - 1) // n
+        elif kind == "reduce":
+            sent += piece // n * (n - 1)
+        elif kind == "reduce_all":
+            sent += min(2 * (piece // n * (n - 1)), piece // n * (n - 1) + unit * (n - 1))
+    return sent
+
+
+def _legs_by_growth(order: Sequence[tuple[str, int]], unit: int) -> int:
+    """A second bound on the bytes sent (times the mesh size), plus the net change of the
+    piece (``net`` in :func:`_least_cost`), in ``order``.
+
+    An all-gather sends what the piece grows by, a reduce-scatter what it shrinks by, a
+    slice shrinks it for free, and no other step changes it. So the bytes sent are the net
+    growth of the piece, plus what slices cut, plus twice what reduce-scatters send, plus
+    what all-to-alls and all-reduces send. Per leg, the least its own steps add to the
+    last three (a gather leg adds nothing beyond the net growth):
+
+    - a pending sum is reduced by a reduce-scatter (twice ``(n - 1) / n``) or an all-reduce
+      (``2 (n - 1) / n``) of its piece;
+    - an axis that moves to another place leaves by an all-to-all (``(n - 1) / n`` of its
+      piece) or by an all-gather, and is split again later by a slice or a reduce-scatter
+      that cuts ``(n - 1) / n`` of a piece the axis does not split (``(n - 1)`` times at
+      least ``unit``);
+    - an axis replicated in the source and split in the target is split by such a slice or
+      reduce-scatter, on a piece the axis does not split yet.
+    """
+    added = 0
+    for (kind, n), pending in zip(order, _pending_after(order), strict=True):
+        piece = unit * pending
+        if kind.startswith("reduce"):
+            added += 2 * (piece // n * (n - 1))
+        elif kind == "move":
+            added += min(piece * (n - 1) // n, unit * (n - 1))
+        elif kind == "slice":
+            added += piece * (n - 1)
+    return added
 
 
 def _path(back: dict[_State, tuple[_State, _Move]], start: _State, goal: _State) -> list[_Move]:

@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import cast
 
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout
@@ -205,6 +206,10 @@ def gradient_layout(strategy: OpStrategy, input_index: int) -> TensorLayout:
     return _interned(layout.with_partial(grad_reduce_axes(strategy, input_index)))
 
 
+_OpPrices = tuple[OpGraph, Sequence[OpStrategy], dict[tuple[int, int], float]]
+"""A graph, one of its candidate lists, and (signature, index) -> op seconds."""
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds for collectives on mesh axes and for ops' compute on one hardware profile.
@@ -311,7 +316,28 @@ class SearchProblem:
         key = (self.signature(op), index)
         found = self._op_cost.get(key)
         if found is None:
-            found = self._op_cost[key] = self._price_op(op, self.candidates[op.name][index])
+            found = self._op_cost[key] = self._shared_op_seconds(op, key)
+        return found
+
+    def _shared_op_seconds(self, op: OpNode, key: tuple[int, int]) -> float:
+        """:meth:`_price_op` of candidate ``key[1]`` of ``op`` (signature ``key[0]``), kept on
+        the cost model for every problem of the same graph, mesh, fused axis and candidate
+        list (``prepare`` shares the cost model and the lists: a second search of a graph
+        on a mesh prices no op again). The entry holds the graph and the list it is keyed
+        by (an id is never reused while the entry lives); an entry that is not the asker's
+        is replaced, not read."""
+        cands = self.candidates[op.name]
+        graph = self.graph
+        at = ("SearchProblem.op_seconds", id(graph), id(cands), self.mesh, self.fused_axis)
+        scratch = self.cost.scratch
+        entry = cast("_OpPrices | None", scratch.get(at))
+        if entry is None or entry[0] is not graph or entry[1] is not cands:
+            entry = (graph, cands, {})
+            scratch[at] = entry
+        prices = entry[2]
+        found = prices.get(key)
+        if found is None:
+            found = prices[key] = self._price_op(op, cands[key[1]])
         return found
 
     def signature(self, op: OpNode) -> int:

@@ -440,6 +440,114 @@ class _Pick:
     options: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Structure:
+    """What a search derives from its problem and constraints alone, before any price of a
+    candidate: the folded graph, the allowed and configured candidates of its nodes, their
+    weights and order, each link's price tables, and who neighbours whom."""
+
+    fold: _Folded
+    allowed: dict[str, tuple[int, ...]]
+    configured: dict[str, int]
+    weight: dict[str, float]
+    order: list[str]
+    exact_of: tuple[dict[tuple[int, int], float], ...]
+    alone_of: tuple[dict[tuple[int, bool], float], ...]
+    neighbours: dict[str, tuple[str, ...]]
+    # node -> (link id, the other end (the node itself for a self link), node is the source)
+    ends: dict[str, tuple[tuple[int, str, bool], ...]]
+    passing: frozenset[str]
+    short: dict[str, bool]  # root -> its lookaheads stop before MAX_HOPS (filled as asked)
+
+
+def _structure(
+    problem: SearchProblem, allowed: Mapping[str, Sequence[int]], configured: Mapping[str, str]
+) -> _Structure:
+    """:class:`_Structure` of a problem, kept on its cost model per graph, candidate lists,
+    constraints, batch layouts and data-parallel axis: all it is made of (``prepare`` of a
+    graph on a mesh shares the cost model and the lists, so a second search of the graph
+    folds nothing again). The entry holds the graph and the candidate map it is keyed by
+    (ids are never reused while it lives); an entry that is not the asker's is replaced."""
+    graph = problem.graph
+    lists = tuple(id(problem.candidates[op.name]) for op in graph.ops)
+    key = (
+        "recursive_programming.structure",
+        id(graph),
+        lists,
+        tuple((name, tuple(at)) for name, at in allowed.items()),
+        frozenset(configured),
+        tuple(problem.input_layouts.items()),
+        problem.dp_axis,
+        problem.mesh,
+    )
+    scratch = problem.cost.scratch
+    entry = cast(
+        "tuple[OpGraph, Mapping[str, Sequence[OpStrategy]], _Structure] | None", scratch.get(key)
+    )
+    if entry is None or entry[0] is not graph:
+        if len(scratch) >= _TABLES_KEPT:
+            scratch.clear()
+        entry = scratch[key] = (
+            graph,
+            problem.candidates,
+            _build_structure(problem, allowed, configured),
+        )
+    return entry[2]
+
+
+def _build_structure(
+    problem: SearchProblem, allowed: Mapping[str, Sequence[int]], configured: Mapping[str, str]
+) -> _Structure:
+    graph = problem.graph
+    fold = _fold(problem, allowed, configured)
+    allowed_of: dict[str, tuple[int, ...]] = {
+        n: tuple(allowed.get(n) or range(len(problem.candidates[n]))) for n in fold.nodes
+    }
+    position = {name: k for k, name in enumerate(fold.nodes)}
+    weight = {n: fold.count[n] * problem.cost.op_compute(graph.op(n), 1) for n in fold.nodes}
+    # links between ops with the same candidate lists, slots and tensors share prices
+    # (the same edge in every unfolded layer, and in every search on the same cost model
+    # and candidate lists): per link, its class's tables of exact and one-sided prices
+    tables = [_link_tables(problem, link) for link in fold.links]
+    neighbours = {n: _neighbours_of(fold, n) for n in fold.nodes}
+    ends = {
+        n: tuple(
+            (
+                lid,
+                fold.links[lid].dst if fold.links[lid].src == n else fold.links[lid].src,
+                fold.links[lid].src == n,
+            )
+            for lid in fold.links_of[n]
+        )
+        for n in fold.nodes
+    }
+    return _Structure(
+        fold=fold,
+        allowed=allowed_of,
+        configured={n: allowed_of[n][0] for n in fold.nodes if n in configured},
+        weight=weight,
+        order=sorted(fold.nodes, key=lambda n: (-weight[n], position[n])),
+        exact_of=tuple(t[0] for t in tables),
+        alone_of=tuple(t[1] for t in tables),
+        neighbours=neighbours,
+        ends=ends,
+        passing=frozenset(
+            n for n in fold.nodes if graph.op(n).flops == 0 and len(neighbours[n]) <= 2
+        ),
+        short={},
+    )
+
+
+def _neighbours_of(fold: _Folded, node: str) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for lid in fold.links_of[node]:
+        link = fold.links[lid]
+        other = link.dst if link.src == node else link.src
+        if other != node:
+            seen.setdefault(other, None)
+    return tuple(seen)
+
+
 class _Prices:
     """The folded graph and every price a search asks for, cached (shared by all axis orders)."""
 
@@ -451,47 +559,21 @@ class _Prices:
     ) -> None:
         self.problem = problem
         self.graph: OpGraph = problem.graph
-        self.fold = _fold(problem, allowed, configured)
         self.cost = problem.cost
-        self.allowed: dict[str, tuple[int, ...]] = {
-            n: tuple(allowed.get(n) or range(len(problem.candidates[n]))) for n in self.fold.nodes
-        }
-        self.configured = {n: self.allowed[n][0] for n in self.fold.nodes if n in configured}
-        position = {name: k for k, name in enumerate(self.fold.nodes)}
-        self.weight = {
-            n: self.fold.count[n] * self.cost.op_compute(self.graph.op(n), 1)
-            for n in self.fold.nodes
-        }
-        self.order = sorted(self.fold.nodes, key=lambda n: (-self.weight[n], position[n]))
-        # links between ops with the same candidate lists, slots and tensors share prices
-        # (the same edge in every unfolded layer, and in every search on the same cost model
-        # and candidate lists): per link, its class's tables of exact and one-sided prices
-        tables = [_link_tables(problem, link) for link in self.fold.links]
-        self._exact_of = tuple(t[0] for t in tables)
-        self._alone_of = tuple(t[1] for t in tables)
+        shape = _structure(problem, allowed, configured)
+        self.fold = shape.fold
+        self.allowed = shape.allowed
+        self.configured = shape.configured
+        self.weight = shape.weight
+        self.order = shape.order
+        self._exact_of = shape.exact_of
+        self._alone_of = shape.alone_of
+        self.neighbours = shape.neighbours
+        self.ends = shape.ends
+        self.passing = shape.passing
+        self._short = shape.short
         self._own: dict[tuple[str, int], float] = {}
-        self.neighbours = {n: self._neighbours_of(n) for n in self.fold.nodes}
-        # node -> (link id, the other end (the node itself for a self link), node is the source)
-        self.ends: dict[str, tuple[tuple[int, str, bool], ...]] = {
-            n: tuple(
-                (
-                    lid,
-                    self.fold.links[lid].dst
-                    if self.fold.links[lid].src == n
-                    else self.fold.links[lid].src,
-                    self.fold.links[lid].src == n,
-                )
-                for lid in self.fold.links_of[n]
-            )
-            for n in self.fold.nodes
-        }
         self._base: dict[tuple[str, int, frozenset[str] | None], float] = {}
-        self._short: dict[str, bool] = {}
-        self.passing = frozenset(
-            n
-            for n in self.fold.nodes
-            if self.graph.op(n).flops == 0 and len(self.neighbours[n]) <= 2
-        )
 
     def short_lookahead(self, root: str) -> bool:
         """Does every lookahead from ``root`` stop before MAX_HOPS, whatever is decided?"""
@@ -520,15 +602,6 @@ class _Prices:
     def roles(self, node: str, axes: tuple[str, ...]) -> _Roles:
         """Roles of the node's candidates for one axis order (shared by equal candidate lists)."""
         return _roles_for(self.problem.candidates[node], self.problem.mesh.axis_names, axes)
-
-    def _neighbours_of(self, node: str) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for lid in self.fold.links_of[node]:
-            link = self.fold.links[lid]
-            other = link.dst if link.src == node else link.src
-            if other != node:
-                seen.setdefault(other, None)
-        return tuple(seen)
 
     def own(self, node: str, index: int) -> float:
         """Compute share plus parameter-gradient reduction, times the ops the node stands for."""
@@ -645,6 +718,10 @@ class _Prices:
         return total
 
 
+# what a link of a looked-at op is, for its sums (_Rounds._links_by_option)
+_TO_PARENT, _TO_ITSELF, _TO_DECIDED, _ALONE = range(4)
+
+
 class _Rounds:
     """One search for one axis order: per node its roles so far and its completion."""
 
@@ -681,7 +758,7 @@ class _Rounds:
             for n, options in round_options.items()
         }
         self._bases: dict[str, list[float]] = {}
-        self._rows: dict[tuple[int, bool, int], list[float]] = {}
+        self._rows_of: dict[tuple[int, bool], list[list[float]]] = {}
         for node in self.prices.order:
             if node in decided:
                 continue
@@ -716,17 +793,19 @@ class _Rounds:
             found = self._bases[node] = [base(node, i, axes) for i in self._opts[node]]
         return found
 
-    def _row(self, lid: int, as_src: bool, index: int, other: str) -> list[float]:
-        """Link ``lid`` from the end at ``index`` to each option of its other end ``other``."""
-        key = (lid, as_src, index)
-        found = self._rows.get(key)
+    def _rows(self, lid: int, as_src: bool, node: str, other: str) -> list[list[float]]:
+        """Per option of ``node``, link ``lid`` from it to each option of its other end
+        ``other`` (this round's options of both)."""
+        key = (lid, as_src)
+        found = self._rows_of.get(key)
         if found is None:
             exact = self.prices.exact
+            columns = self._opts[other]
             if as_src:
-                found = [exact(lid, index, j) for j in self._opts[other]]
+                found = [[exact(lid, i, j) for j in columns] for i in self._opts[node]]
             else:
-                found = [exact(lid, j, index) for j in self._opts[other]]
-            self._rows[key] = found
+                found = [[exact(lid, j, i) for j in columns] for i in self._opts[node]]
+            self._rows_of[key] = found
         return found
 
     def _score_all(self, node: str, decided: set[str], axes: frozenset[str]) -> list[float]:
@@ -764,29 +843,39 @@ class _Rounds:
     ) -> tuple[list[float], list[list[list[float]]]]:
         """Per option of looked-at ``node``, what :meth:`_known_links` sums, split where its
         first link to ``parent`` comes: the sum before it, then the rows (over the parent's
-        options) to add in link order (a link to another op: its price in every column)."""
+        options) to add in link order (a link to another op: its price in every column).
+
+        What each link is (to the parent, to itself, to a decided op, priced from this side
+        alone, or left to the lookahead) does not depend on the option: found once."""
         prices = self.prices
         exact = prices.exact
+        alone = prices.alone
         width = len(self._opts[parent])
-        ends = prices.ends[node]
+        kinds: list[tuple[int, int, bool, int]] = []  # (what, link id, node is source, other at)
+        for lid, other, as_src in prices.ends[node]:
+            if other == parent:
+                kinds.append((_TO_PARENT, lid, as_src, 0))
+            elif other == node:
+                kinds.append((_TO_ITSELF, lid, as_src, 0))
+            elif other in decided:
+                kinds.append((_TO_DECIDED, lid, as_src, self.current[other]))
+            elif ahead < 1 or other == root:
+                kinds.append((_ALONE, lid, as_src, 0))
         heads: list[float] = []
         tails: list[list[list[float]]] = []
-        for index in self._opts[node]:
+        for k, index in enumerate(self._opts[node]):
             head = 0.0
             tail: list[list[float]] = []
-            for lid, other, as_src in ends:
-                if other == parent:
-                    tail.append(self._row(lid, as_src, index, parent))
+            for what, lid, as_src, at in kinds:
+                if what == _TO_PARENT:
+                    tail.append(self._rows(lid, as_src, node, parent)[k])
                     continue
-                if other == node:
+                if what == _TO_ITSELF:
                     term = exact(lid, index, index)
-                elif other in decided:
-                    at = self.current[other]
+                elif what == _TO_DECIDED:
                     term = exact(lid, index, at) if as_src else exact(lid, at, index)
-                elif ahead < 1 or other == root:
-                    term = prices.alone(lid, index, as_src)
                 else:
-                    continue
+                    term = alone(lid, index, as_src)
                 if tail:
                     tail.append([term] * width)
                 else:

@@ -458,15 +458,18 @@ class _Structure:
     ends: dict[str, tuple[tuple[int, str, bool], ...]]
     passing: frozenset[str]
     short: dict[str, bool]  # root -> its lookaheads stop before MAX_HOPS (filled as asked)
+    # prices of a node's candidates alone (filled as asked; see _Prices.own and .base)
+    own: dict[tuple[str, int], float]
+    base: dict[tuple[str, int, frozenset[str] | None], float]
 
 
 def _structure(
     problem: SearchProblem, allowed: Mapping[str, Sequence[int]], configured: Mapping[str, str]
 ) -> _Structure:
     """:class:`_Structure` of a problem, kept on its cost model per graph, candidate lists,
-    constraints, batch layouts and data-parallel axis: all it is made of (``prepare`` of a
-    graph on a mesh shares the cost model and the lists, so a second search of the graph
-    folds nothing again). The entry holds the graph and the candidate map it is keyed by
+    constraints, batch layouts, data-parallel and fused axes: all it and its nodes' own
+    prices are made of (``prepare`` of a graph on a mesh shares the cost model and the
+    lists, so a second search of the graph folds and prices no node again). The entry holds the graph and the candidate map it is keyed by
     (ids are never reused while it lives); an entry that is not the asker's is replaced."""
     graph = problem.graph
     lists = tuple(id(problem.candidates[op.name]) for op in graph.ops)
@@ -478,6 +481,7 @@ def _structure(
         frozenset(configured),
         tuple(problem.input_layouts.items()),
         problem.dp_axis,
+        problem.fused_axis,
         problem.mesh,
     )
     scratch = problem.cost.scratch
@@ -535,6 +539,8 @@ def _build_structure(
             n for n in fold.nodes if graph.op(n).flops == 0 and len(neighbours[n]) <= 2
         ),
         short={},
+        own={},
+        base={},
     )
 
 
@@ -572,8 +578,8 @@ class _Prices:
         self.ends = shape.ends
         self.passing = shape.passing
         self._short = shape.short
-        self._own: dict[tuple[str, int], float] = {}
-        self._base: dict[tuple[str, int, frozenset[str] | None], float] = {}
+        self._own = shape.own
+        self._base = shape.base
 
     def short_lookahead(self, root: str) -> bool:
         """Does every lookahead from ``root`` stop before MAX_HOPS, whatever is decided?"""
@@ -718,8 +724,9 @@ class _Prices:
         return total
 
 
-# what a link of a looked-at op is, for its sums (_Rounds._links_by_option)
-_TO_PARENT, _TO_ITSELF, _TO_DECIDED, _ALONE = range(4)
+# in place of a candidate index (_Rounds._terms): a link of an op to itself, or one priced
+# from one side alone
+_ITSELF, _ALONE = -1, -2
 
 
 class _Rounds:
@@ -759,6 +766,7 @@ class _Rounds:
         }
         self._bases: dict[str, list[float]] = {}
         self._rows_of: dict[tuple[int, bool], list[list[float]]] = {}
+        self._terms_of: dict[tuple[int, bool, int], list[float]] = {}
         for node in self.prices.order:
             if node in decided:
                 continue
@@ -846,43 +854,56 @@ class _Rounds:
         options) to add in link order (a link to another op: its price in every column).
 
         What each link is (to the parent, to itself, to a decided op, priced from this side
-        alone, or left to the lookahead) does not depend on the option: found once."""
-        prices = self.prices
-        exact = prices.exact
-        alone = prices.alone
+        alone, or left to the lookahead) does not depend on the option, and its prices over
+        the options are kept for the round (:meth:`_terms`, :meth:`_rows`)."""
         width = len(self._opts[parent])
-        kinds: list[tuple[int, int, bool, int]] = []  # (what, link id, node is source, other at)
-        for lid, other, as_src in prices.ends[node]:
+        # per link in order: its rows (a link to the parent) or its prices, per option
+        links: list[tuple[list[list[float]] | None, list[float]]] = []
+        for lid, other, as_src in self.prices.ends[node]:
             if other == parent:
-                kinds.append((_TO_PARENT, lid, as_src, 0))
+                links.append((self._rows(lid, as_src, node, parent), []))
             elif other == node:
-                kinds.append((_TO_ITSELF, lid, as_src, 0))
+                links.append((None, self._terms(lid, as_src, node, _ITSELF)))
             elif other in decided:
-                kinds.append((_TO_DECIDED, lid, as_src, self.current[other]))
+                links.append((None, self._terms(lid, as_src, node, self.current[other])))
             elif ahead < 1 or other == root:
-                kinds.append((_ALONE, lid, as_src, 0))
+                links.append((None, self._terms(lid, as_src, node, _ALONE)))
         heads: list[float] = []
         tails: list[list[list[float]]] = []
-        for k, index in enumerate(self._opts[node]):
+        for k in range(len(self._opts[node])):
             head = 0.0
             tail: list[list[float]] = []
-            for what, lid, as_src, at in kinds:
-                if what == _TO_PARENT:
-                    tail.append(self._rows(lid, as_src, node, parent)[k])
-                    continue
-                if what == _TO_ITSELF:
-                    term = exact(lid, index, index)
-                elif what == _TO_DECIDED:
-                    term = exact(lid, index, at) if as_src else exact(lid, at, index)
+            for rows, terms in links:
+                if rows is not None:
+                    tail.append(rows[k])
+                elif tail:
+                    tail.append([terms[k]] * width)
                 else:
-                    term = alone(lid, index, as_src)
-                if tail:
-                    tail.append([term] * width)
-                else:
-                    head += term
+                    head += terms[k]
             heads.append(head)
             tails.append(tail)
         return heads, tails
+
+    def _terms(self, lid: int, as_src: bool, node: str, at: int) -> list[float]:
+        """Per option of ``node``, link ``lid`` to its other end at candidate ``at`` (a decided
+        op), or (``_ITSELF``) a link of the node to itself, or (``_ALONE``) priced from this
+        side alone; kept for the round."""
+        key = (lid, as_src, at)
+        found = self._terms_of.get(key)
+        if found is None:
+            prices = self.prices
+            exact = prices.exact
+            options = self._opts[node]
+            if at == _ITSELF:
+                found = [exact(lid, i, i) for i in options]
+            elif at == _ALONE:
+                found = [prices.alone(lid, i, as_src) for i in options]
+            elif as_src:
+                found = [exact(lid, i, at) for i in options]
+            else:
+                found = [exact(lid, at, i) for i in options]
+            self._terms_of[key] = found
+        return found
 
     def _vector(
         self,

@@ -237,7 +237,9 @@ def plan_redistribution(
     """Plan how a tensor of ``shape`` (``itemsize`` bytes per element) goes from ``src`` to ``dst``.
 
     Both layouts must be on the same mesh and split every dim evenly. Deterministic, and
-    cached on its arguments: search calls it for the same pairs many times.
+    cached on its arguments: search calls it for the same pairs many times. The steps are
+    also shared by tensors of one size whose dims the mesh's axes divide alike
+    (:func:`_steps_cached`), and the greedy walk by every size (:func:`_greedy_chain`).
 
     Example:
         >>> from plait import Layout

@@ -794,9 +794,9 @@ class _Space:
 
     What a step costs on each axis comes from :func:`_axis_rates` (once per mesh), which
     axes move from :func:`_free_axes` (once per pair of layouts), and each state's floor is
-    kept for the search (states are reached from many others). The moves come in a fixed order (pops by dim, each gather before its all-to-alls by
-    target dim; then per free axis in mesh order its reduction, partition and pushes by dim),
-    which the heap's ties follow.
+    kept for the search (states are reached from many others). The moves come in a fixed
+    order (pops by dim, each gather before its all-to-alls by target dim; then per free axis
+    in mesh order its reduction, partition and pushes by dim), which the heap's ties follow.
     """
 
     def __init__(

@@ -442,9 +442,10 @@ class _Pick:
 
 @dataclass(frozen=True, slots=True)
 class _Structure:
-    """What a search derives from its problem and constraints alone, before any price of a
-    candidate: the folded graph, the allowed and configured candidates of its nodes, their
-    weights and order, each link's price tables, and who neighbours whom."""
+    """What a search derives from its problem and constraints alone, whatever it decides: the
+    folded graph, the allowed and configured candidates of its nodes, their weights and order,
+    who neighbours whom, each link's price tables and each node's own prices (the last two
+    filled as the searches ask)."""
 
     fold: _Folded
     allowed: dict[str, tuple[int, ...]]
@@ -469,8 +470,9 @@ def _structure(
     """:class:`_Structure` of a problem, kept on its cost model per graph, candidate lists,
     constraints, batch layouts, data-parallel and fused axes: all it and its nodes' own
     prices are made of (``prepare`` of a graph on a mesh shares the cost model and the
-    lists, so a second search of the graph folds and prices no node again). The entry holds the graph and the candidate map it is keyed by
-    (ids are never reused while it lives); an entry that is not the asker's is replaced."""
+    lists, so a second search of the graph folds and prices no node again). The entry holds
+    the graph and the candidate map it is keyed by (ids are never reused while it lives); an
+    entry that is not the asker's is replaced."""
     graph = problem.graph
     lists = tuple(id(problem.candidates[op.name]) for op in graph.ops)
     key = (
@@ -566,20 +568,20 @@ class _Prices:
         self.problem = problem
         self.graph: OpGraph = problem.graph
         self.cost = problem.cost
-        shape = _structure(problem, allowed, configured)
-        self.fold = shape.fold
-        self.allowed = shape.allowed
-        self.configured = shape.configured
-        self.weight = shape.weight
-        self.order = shape.order
-        self._exact_of = shape.exact_of
-        self._alone_of = shape.alone_of
-        self.neighbours = shape.neighbours
-        self.ends = shape.ends
-        self.passing = shape.passing
-        self._short = shape.short
-        self._own = shape.own
-        self._base = shape.base
+        structure = _structure(problem, allowed, configured)
+        self.fold = structure.fold
+        self.allowed = structure.allowed
+        self.configured = structure.configured
+        self.weight = structure.weight
+        self.order = structure.order
+        self._exact_of = structure.exact_of
+        self._alone_of = structure.alone_of
+        self.neighbours = structure.neighbours
+        self.ends = structure.ends
+        self.passing = structure.passing
+        self._short = structure.short
+        self._own = structure.own
+        self._base = structure.base
 
     def short_lookahead(self, root: str) -> bool:
         """Does every lookahead from ``root`` stop before MAX_HOPS, whatever is decided?"""

@@ -9,6 +9,9 @@ repetitions on each rank) and the slowest rank of each collective:
 
     quantity                     how                                          profile field
     matmul FLOP/s per dtype      torch.mm of n x n matrices: 2 n^3 / seconds  peak_flops
+    matmul share by shape        fp32 torch.mm with one dimension d small     matmul_efficiency
+                                 (512 x d x 512 and 512 x 512 x d), over
+                                 the n x n rate
     memory bandwidth             dst.copy_(src) of a large tensor: 2 B/s      memory_bandwidth
     op floor                     torch.add on one element                     kernel_latency
     per-op host cost             forward and backward of a small stack of     op_overhead
@@ -34,6 +37,7 @@ the efficiencies are 1.0. The collective measurement runs real processes through
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -80,6 +84,8 @@ class CalibrationSettings:
     """All-reduce message sizes, small (latency) to large (bandwidth)."""
     collective_reps: int
     """All-reduces timed per message size."""
+    thin_dims: tuple[int, ...] = (16, 32, 64, 128, 256)
+    """The small dimension d of the thin matmuls (``matmul_efficiency``), below matmul_size."""
 
     @classmethod
     def quick(cls) -> CalibrationSettings:
@@ -89,6 +95,7 @@ class CalibrationSettings:
             budget_s=0.3,
             message_bytes=(4, 4096, 65536, 2**20, 4 * 2**20),
             collective_reps=8,
+            thin_dims=(32, 128),
         )
 
     @classmethod
@@ -131,6 +138,24 @@ def measure_matmul_flops(
     out = torch.empty(n, n, dtype=dtype)
     seconds = _seconds(lambda: torch.mm(a, b, out=out), budget_s, shared=shared)
     return 2 * n**3 / seconds
+
+
+def measure_matmul_shares(
+    dims: Sequence[int], peak: float, budget_s: float = 0.3, *, shared: bool = False
+) -> dict[int, float]:
+    """Per small dimension ``d``: the fp32 FLOP/s of ``512 x d x 512`` and ``512 x 512 x d``
+    products (mean of the two) over ``peak`` (the n x n rate), at most 1."""
+    shares = {}
+    for d in dims:
+        rates = []
+        for m, k, n in ((512, d, 512), (512, 512, d)):
+            gen = torch.Generator().manual_seed(0)
+            a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+            out = torch.empty(m, n)
+            seconds = _seconds(functools.partial(torch.mm, a, b, out=out), budget_s, shared=shared)
+            rates.append(2 * m * n * k / seconds)
+        shares[d] = min(1.0, statistics.mean(rates) / peak)
+    return shares
 
 
 def measure_copy_bandwidth(nbytes: int, budget_s: float = 0.3, *, shared: bool = False) -> float:
@@ -328,10 +353,15 @@ def _measure_local(
         return fn(*args, shared=shared)
 
     latency = measured(measure_kernel_latency, min(budget, 0.1))
+    fp32 = measured(measure_matmul_flops, torch.float32, n, budget)
+    dims = [d for d in settings.thin_dims if d < n]
+    sync()
+    shares = measure_matmul_shares(dims, fp32, budget / (2 * max(1, len(dims))), shared=shared)
     return {
         "matmul_size": n,
+        "matmul_shares": {str(d): f for d, f in shares.items()},
         "peak_flops": {
-            "float32": measured(measure_matmul_flops, torch.float32, n, budget),
+            "float32": fp32,
             "bfloat16": measured(measure_matmul_flops, torch.bfloat16, n, budget),
             "float16": measured(measure_matmul_flops, torch.float16, max(64, n // 2), budget),
         },
@@ -362,6 +392,7 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
     local = {
         "matmul_size": settings.matmul_size,
         "peak_flops": {dtype: median("peak_flops", dtype) for dtype in locals_[0]["peak_flops"]},
+        "matmul_shares": {d: median("matmul_shares", d) for d in locals_[0]["matmul_shares"]},
         "copy_bytes": settings.copy_bytes,
         "memory_bandwidth": median("memory_bandwidth"),
         "kernel_latency": median("kernel_latency"),
@@ -426,17 +457,25 @@ def calibrate(
             f"({platform.machine()}, {cpus} CPUs, torch {torch.__version__}) at "
             f"{measured['when']}: per rank of {world_size} processes measuring together "
             f"({local['threads_per_rank']} torch thread(s) each): torch.mm FLOP/s, tensor "
-            "copy bandwidth, the op floor and per-op host cost; gloo all_reduce among them "
+            "copy bandwidth, thin fp32 products against the square one, the op floor and "
+            "per-op host cost; gloo all_reduce among them "
             "fitted to alpha-beta, and how much of it hides behind matmuls; memory is the host's RAM, shared by its processes; "
             "inter_node not measured (10 GbE default)"
         ),
         kernel_latency=local["kernel_latency"],
         op_overhead=local["op_overhead"],
         comm_overlap=world["overlap"],
+        matmul_efficiency=_share_points(local["matmul_shares"], settings.matmul_size),
         measured=measured,
     )
     save_profile(profile, out if out is not None else default_profile_path())
     return profile
+
+
+def _share_points(shares: dict[str, float], square: int) -> tuple[tuple[int, float], ...]:
+    """The thin products' shares by dimension, then the square product's (1 by definition)."""
+    points = sorted((int(d), f) for d, f in shares.items())
+    return (*points, (square, 1.0))
 
 
 def format_profile(profile: HardwareProfile) -> str:
@@ -452,6 +491,13 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  op floor:          {profile.kernel_latency * 1e6:.1f} us",
             f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us",
             f"  comm overlap:      {profile.comm_overlap:.2f} of a collective hides behind compute",
+            "  matmul share:      "
+            + (
+                ", ".join(f"d={d} {f:.2f}" for d, f in profile.matmul_efficiency)
+                + " (of the peak, by smallest dimension)"
+                if profile.matmul_efficiency
+                else "every shape at the peak x compute_efficiency"
+            ),
             f"  intra-node link:   {intra.bandwidth / 1e9:.3f} GB/s, {intra.latency * 1e6:.1f} us "
             "per step",
             f"  inter-node link:   {inter.bandwidth / 1e9:.3f} GB/s, {inter.latency * 1e6:.1f} us "

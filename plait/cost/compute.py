@@ -20,13 +20,21 @@ dX: 1x. Full recomputation runs the forward once more.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from plait.cost.errors import CostError
+from plait.cost.flops import matmul_dims
 from plait.cost.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    from plait.graph.opgraph import TensorMeta
 
 __all__ = [
     "PRECISION_DTYPES",
     "backward_flops",
     "compute_dtype",
+    "matmul_share",
     "op_seconds",
     "optimizer_seconds",
     "training_flops",
@@ -53,8 +61,12 @@ def _check_count(name: str, value: object) -> None:
         raise CostError(f"{name}={value!r} is not allowed; give a number >= 0")
 
 
-def op_seconds(flops: float, nbytes: float, dtype: str, hardware: HardwareProfile) -> float:
+def op_seconds(
+    flops: float, nbytes: float, dtype: str, hardware: HardwareProfile, share: float = 1.0
+) -> float:
     """Roofline time of one op on one device (its local share of FLOPs and bytes).
+    ``share``: the part of the peak its shape reaches (a matmul's
+    :meth:`~plait.cost.hardware.HardwareProfile.matmul_share`; 1 for other ops).
 
     Example:
         >>> from plait.cost.hardware import get_profile
@@ -66,9 +78,25 @@ def op_seconds(flops: float, nbytes: float, dtype: str, hardware: HardwareProfil
     _check_count("nbytes", nbytes)
     if flops == 0 and nbytes == 0:
         return hardware.op_overhead
-    compute = flops / (hardware.peak(dtype) * hardware.compute_efficiency) if flops else 0.0
+    rate = hardware.peak(dtype) * hardware.compute_efficiency * share
+    compute = flops / rate if flops else 0.0
     memory = nbytes / (hardware.memory_bandwidth * hardware.memory_efficiency)
     return max(compute, memory, hardware.kernel_latency) + hardware.op_overhead
+
+
+def matmul_share(
+    target: str,
+    input_metas: Sequence[TensorMeta],
+    outputs: Sequence[TensorMeta],
+    hardware: HardwareProfile,
+) -> float:
+    """The share of the peak an op reaches by its shape: a matmul's by its smallest dimension
+    (:func:`~plait.cost.flops.matmul_dims`, the whole op's: a split rarely cuts the smallest),
+    1 for any other op or on a profile without per-shape figures."""
+    if not hardware.matmul_efficiency:
+        return 1.0
+    dims = matmul_dims(target, input_metas, outputs)
+    return 1.0 if dims is None else hardware.matmul_share(min(dims))
 
 
 def backward_flops(forward_flops: float, has_weight: bool = True) -> float:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from plait.graph.opgraph import TensorMeta
 
-__all__ = ["op_bytes", "op_flops"]
+__all__ = ["matmul_dims", "op_bytes", "op_flops"]
 
 # Ops that only reinterpret memory: no arithmetic and no traffic.
 _VIEWS = frozenset(
@@ -171,6 +171,29 @@ def op_flops(
     if name in _PER_INPUT_ELEMENT:
         return _PER_INPUT_ELEMENT[name] * (ins[0].numel if ins else out_numel)
     return sum(o.numel for o in outputs)
+
+
+def matmul_dims(
+    target: str, input_metas: Sequence[TensorMeta], outputs: Sequence[TensorMeta]
+) -> tuple[int, int, int] | None:
+    """``(M, N, K)`` of one product of a matmul-like op (linear, matmul, mm, bmm, addmm,
+    baddbmm; batch dims and a linear's leading dims folded into ``M``), or None for any other
+    op: what a matmul's efficiency by shape is read from (``HardwareProfile.matmul_efficiency``)."""
+    name = _packet(target)
+    ins = input_metas
+    if not outputs or not ins:
+        return None
+    if name == "linear" and len(ins) >= 2 and ins[1].ndim == 2:
+        x, w = ins[0], ins[1]
+        k = x.shape[-1] if x.ndim else 1
+        return (x.numel // max(k, 1), w.shape[0], k)
+    a_at = {"matmul": 0, "mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}.get(name)
+    if a_at is None or len(ins) < a_at + 2:
+        return None
+    a, b, out = ins[a_at], ins[a_at + 1], outputs[0]
+    if a.ndim < 2 or b.ndim < 2 or out.ndim < 2:
+        return None  # a vector product: no tile to speak of
+    return (out.shape[-2], out.shape[-1], a.shape[-1])
 
 
 def _nbytes(meta: TensorMeta) -> int:

@@ -17,7 +17,9 @@ come from :class:`plait.cost.comm.Topology`.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,6 +88,13 @@ class HardwareProfile:
     :mod:`plait.planning.overlap`), in [0, 1]. 1 on the datasheet GPUs (NCCL's kernels run on
     their own stream); measured by ``plait calibrate`` on ``local``, where the cores that
     compute also run gloo's threads; 0 (nothing hides) when not measured."""
+    matmul_efficiency: tuple[tuple[int, float], ...] = ()
+    """A matmul's share of the peak by its smallest dimension: ``(dim, fraction)`` points,
+    dims rising, read linearly in ``log2(dim)`` between them and flat beyond (a thin product,
+    e.g. one attention head's ``128 x 32 x 128``, reaches less of the peak than a square one).
+    Measured by ``plait calibrate`` on ``local`` (fp32, against its square ``n x n`` product);
+    empty on the datasheet profiles, whose ``compute_efficiency`` alone stands for every
+    shape (no per-shape figures published for them are used)."""
     measured: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Raw calibration data (sizes and timings), kept for reports; empty for built-ins."""
 
@@ -116,6 +125,7 @@ class HardwareProfile:
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give "
                     "seconds >= 0"
                 )
+        self._check_matmul_efficiency()
         if not _is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
             raise CostError(
                 f"HardwareProfile {self.name!r}: comm_overlap={self.comm_overlap!r} is not "
@@ -127,6 +137,36 @@ class HardwareProfile:
             )
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
+
+    def _check_matmul_efficiency(self) -> None:
+        points = tuple(tuple(p) for p in self.matmul_efficiency)
+        dims = [p[0] for p in points if len(p) == 2]
+        ok = len(dims) == len(points) and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims
+        )
+        ok = ok and dims == sorted(set(dims))
+        ok = ok and all(_is_number(f) and 0 < f <= 1 for _, f in points)
+        if not ok:
+            raise CostError(
+                f"HardwareProfile {self.name!r}: matmul_efficiency={self.matmul_efficiency!r} "
+                "is not allowed; give (dim, fraction) pairs, dims distinct integers >= 1 in "
+                "rising order, fractions in (0, 1], e.g. ((32, 0.6), (128, 0.9))"
+            )
+        object.__setattr__(self, "matmul_efficiency", tuple((int(d), float(f)) for d, f in points))
+
+    def matmul_share(self, smallest_dim: int) -> float:
+        """The share of the peak a matmul whose smallest dimension is ``smallest_dim``
+        reaches (:attr:`matmul_efficiency`; 1 without points)."""
+        points = self.matmul_efficiency
+        if not points or smallest_dim >= points[-1][0]:
+            return points[-1][1] if points else 1.0
+        if smallest_dim <= points[0][0]:
+            return points[0][1]
+        for (d0, f0), (d1, f1) in itertools.pairwise(points):
+            if smallest_dim <= d1:
+                t = (math.log2(smallest_dim) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
+                return f0 + t * (f1 - f0)
+        return points[-1][1]  # not reached: the last point caught it
 
     def _check_peaks(self) -> None:
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
@@ -175,6 +215,7 @@ class HardwareProfile:
             "kernel_latency": self.kernel_latency,
             "op_overhead": self.op_overhead,
             "comm_overlap": self.comm_overlap,
+            "matmul_efficiency": [list(p) for p in self.matmul_efficiency],
             "source": self.source,
             "measured": dict(self.measured),
         }
@@ -203,6 +244,7 @@ class HardwareProfile:
                 kernel_latency=data.get("kernel_latency", 0.0),
                 op_overhead=data.get("op_overhead", 0.0),
                 comm_overlap=data.get("comm_overlap", 0.0),
+                matmul_efficiency=tuple(tuple(p) for p in data.get("matmul_efficiency", ())),
                 measured=data.get("measured", {}),
             )
         except (KeyError, TypeError) as e:

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
-from plait.cost.compute import compute_dtype, op_seconds, optimizer_seconds
+from plait.cost.compute import compute_dtype, matmul_share, op_seconds, optimizer_seconds
 from plait.cost.memory import (
     GradBucket,
     PeakMemory,
@@ -281,8 +281,9 @@ def micro_batch_seconds(
     passes = (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
     for op in graph.ops:
         p = pieces[op.name]
-        whole = op_seconds(op.flops / p, op.bytes * scale / p, dtype, hardware)
-        each = op_seconds(op.flops / (p * m), op.bytes * scale / (p * m), dtype, hardware)
+        share = matmul_share(op.target, op.input_metas, op.outputs, hardware) if op.flops else 1.0
+        whole = op_seconds(op.flops / p, op.bytes * scale / p, dtype, hardware, share)
+        each = op_seconds(op.flops / (p * m), op.bytes * scale / (p * m), dtype, hardware, share)
         extra[stage_of[op.name]] += max(0.0, each * m - whole) * passes
     return extra
 

@@ -17,7 +17,7 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.cost import HardwareProfile, get_profile
 from plait.cost.comm import Topology
-from plait.cost.compute import op_seconds
+from plait.cost.compute import matmul_share, op_seconds
 from plait.errors import ConfigError, NotBuiltError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
@@ -188,26 +188,36 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
 
     The graph is captured in fp32; under bf16 or fp16 the activations an op reads and writes
     are half as many bytes (as the memory model counts them), so a memory-bound op is twice
-    as fast."""
+    as fast. A matmul reaches the share of the peak its shape does (``matmul_share``)."""
     dtype = _DTYPES[precision]
     seconds = _compute_memo(hardware, dtype)
     scale = LOW_PRECISION_ACTIVATIONS[precision]
+    by_shape = bool(hardware.matmul_efficiency)
 
     def op_compute(op: OpNode, pieces: int) -> float:
-        key = (op.flops, op.bytes, pieces)
+        share = (
+            matmul_share(op.target, op.input_metas, op.outputs, hardware)
+            if by_shape and op.flops
+            else 1.0
+        )
+        key = (op.flops, op.bytes, pieces, share)
         found = seconds.get(key)
         if found is None:
-            forward = op_seconds(op.flops / pieces, op.bytes * scale / pieces, dtype, hardware)
+            forward = op_seconds(
+                op.flops / pieces, op.bytes * scale / pieces, dtype, hardware, share
+            )
             found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
         return found
 
     return op_compute
 
 
-_COMPUTE: list[tuple[HardwareProfile, str, dict[tuple[float, float, int], float]]] = []
+_COMPUTE: list[tuple[HardwareProfile, str, dict[tuple[float, float, int, float], float]]] = []
 
 
-def _compute_memo(hardware: HardwareProfile, dtype: str) -> dict[tuple[float, float, int], float]:
+def _compute_memo(
+    hardware: HardwareProfile, dtype: str
+) -> dict[tuple[float, float, int, float], float]:
     """Seconds of an op's compute by (FLOPs, bytes, pieces), shared by every mesh planned on
     the same profile and dtype (the last ones asked about)."""
     last = _COMPUTE[0] if _COMPUTE else None  # one read: another thread may replace it

@@ -42,7 +42,11 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, capsys) -> None:
     assert len(measured["overlap_per_rank"]) == 2
     assert 0 <= min(measured["overlap_per_rank"]) <= profile.comm_overlap
     assert profile.comm_overlap <= max(measured["overlap_per_rank"]) <= 1
-    assert "comm overlap:" in printed
+    assert "comm overlap:" in printed and "matmul share:" in printed
+    # thin products' shares (quick: d = 32 and 128) against the square 512 one, which is 1
+    assert [d for d, _ in profile.matmul_efficiency] == [32, 128, 512]
+    assert all(0 < f <= 1 for _, f in profile.matmul_efficiency)
+    assert profile.matmul_efficiency[-1] == (512, 1.0)
 
     # The raw timings are kept, and the fitted link predicts the largest all_reduce within
     # a factor of 3 (a shared 2-core machine is noisy; the fit itself is tested exactly in

@@ -276,6 +276,8 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
         devices_per_node=8,
         source="measured by a test",
         op_overhead=4e-6,
+        comm_overlap=0.25,
+        matmul_efficiency=((16, 0.5), (64, 0.9), (512, 1.0)),
         measured={"matmul_size": 512},
     )
     path = save_profile(measured, tmp_path / "sub" / "local.json")
@@ -285,6 +287,7 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
     assert loaded.measured["matmul_size"] == 512
     assert load_profile(path).intra_node.latency == 1.6e-4
     assert load_profile(path).op_overhead == 4e-6
+    assert loaded.comm_overlap == 0.25 and loaded.matmul_efficiency[0] == (16, 0.5)
 
 
 def test_local_profile_default_path_and_fallback(tmp_path, monkeypatch) -> None:
@@ -326,3 +329,63 @@ def test_fit_alpha_beta_recovers_the_ring_model() -> None:
         assert math.isclose(collective_seconds("all_reduce", n, p, link), t, rel_tol=1e-6)
     with pytest.raises(CostError, match="group_size"):
         fit_alpha_beta(sizes, times, 1)
+
+
+def test_a_matmul_reaches_the_share_of_the_peak_its_smallest_dimension_does() -> None:
+    """Read linearly in log2 of the dimension between the measured points, flat beyond them;
+    an op's roofline divides its FLOP-bound time by the share; no points: every shape at 1."""
+    import dataclasses
+
+    from plait.cost.compute import matmul_share
+    from plait.graph.opgraph import TensorMeta
+
+    hw = dataclasses.replace(local_defaults(), matmul_efficiency=((16, 0.5), (64, 0.9), (512, 1.0)))
+    assert hw.matmul_share(8) == 0.5 and hw.matmul_share(16) == 0.5
+    assert hw.matmul_share(32) == pytest.approx(0.7)  # halfway between 16 and 64 in log2
+    assert hw.matmul_share(512) == 1.0 and hw.matmul_share(4096) == 1.0
+    assert local_defaults().matmul_share(8) == 1.0
+    # one attention head's product q k^T: 32 x (128 x 32) @ (32 x 128); smallest dim 32
+    q, k = TensorMeta((32, 128, 32), "float32"), TensorMeta((32, 32, 128), "float32")
+    out = TensorMeta((32, 128, 128), "float32")
+    assert matmul_share("aten.bmm.default", (q, k), (out,), hw) == pytest.approx(0.7)
+    x, w = TensorMeta((4, 128, 256), "float32"), TensorMeta((768, 256), "float32")
+    y = TensorMeta((4, 128, 768), "float32")
+    assert matmul_share("aten.linear.default", (x, w), (y,), hw) == pytest.approx(
+        0.9 + (math.log2(256) - 6) / 3 * 0.1
+    )
+    assert matmul_share("aten.gelu.default", (y,), (y,), hw) == 1.0
+    flops = 2 * 32 * 128 * 128 * 32
+    slow = op_seconds(flops, 0, "float32", hw, share=0.7)
+    assert slow == pytest.approx(flops / (hw.peak("float32") * 0.7) + hw.op_overhead)
+
+
+@pytest.mark.parametrize(
+    "points",
+    [((64, 0.9), (16, 0.5)), ((16, 1.5),), ((16, 0.0),), ((0, 0.5),), ((16, 0.5), (16, 0.6))],
+)
+def test_bad_matmul_efficiency_is_refused_by_name(points) -> None:
+    import dataclasses
+
+    with pytest.raises(
+        CostError, match=r"matmul_efficiency=.* rising order, fractions in \(0, 1\]"
+    ):
+        dataclasses.replace(local_defaults(), matmul_efficiency=points)
+
+
+def test_matmul_dims_of_each_product_kind() -> None:
+    from plait.cost.flops import matmul_dims
+    from plait.graph.opgraph import TensorMeta
+
+    def m(*shape: int) -> TensorMeta:
+        return TensorMeta(shape, "float32")
+
+    assert matmul_dims("aten.linear.default", (m(4, 8, 16), m(32, 16)), (m(4, 8, 32),)) == (
+        32,
+        32,
+        16,
+    )
+    assert matmul_dims("aten.mm.default", (m(8, 16), m(16, 4)), (m(8, 4),)) == (8, 4, 16)
+    assert matmul_dims("aten.bmm.default", (m(2, 8, 16), m(2, 16, 4)), (m(2, 8, 4),)) == (8, 4, 16)
+    assert matmul_dims("aten.addmm.default", (m(4), m(8, 16), m(16, 4)), (m(8, 4),)) == (8, 4, 16)
+    assert matmul_dims("aten.matmul.default", (m(16), m(16, 4)), (m(4),)) is None  # a vector
+    assert matmul_dims("aten.add.Tensor", (m(8, 4), m(8, 4)), (m(8, 4),)) is None

@@ -54,6 +54,7 @@ from plait.mesh import MeshSpec
 from plait.planning.overlap import (
     GATHER_BACKWARD,
     GATHER_FORWARD,
+    P2P,
     REDUCE,
     Overlappable,
     StageClock,
@@ -743,7 +744,10 @@ def _pipeline_transfers(ctx: _Context, step: _Step) -> None:
             layout = settled(ctx.chosen[node.name].outputs[k])
             local = node.outputs[k].nbytes // math.prod(layout.splits()) // m
             why = f"{ref} from stage {src} to stage {dst} ({op.name}), once per micro-batch"
-            step.add("send_recv", (PP_AXIS,), local, ("forward", op.name, dst), why, count=m)
+            step.add(
+                "send_recv", (PP_AXIS,), local, ("forward", op.name, dst), why, count=m,
+                overlap=(P2P, ()),
+            )  # fmt: skip
             if ctx.problem.needs_grad(ref):
                 step.add(
                     "send_recv",
@@ -752,6 +756,7 @@ def _pipeline_transfers(ctx: _Context, step: _Step) -> None:
                     ("backward", node.name, src),
                     "gradient of " + why,
                     count=m,
+                    overlap=(P2P, ()),
                 )
 
 

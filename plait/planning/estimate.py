@@ -56,6 +56,7 @@ from plait.planning.assemble import (
 from plait.planning.overlap import (
     GATHER_BACKWARD,
     GATHER_FORWARD,
+    P2P,
     REDUCE,
     Overlappable,
     StageClock,
@@ -70,6 +71,13 @@ if TYPE_CHECKING:
     from plait.planning.setup import SearchSetup
 
 __all__ = ["Estimate", "GraphFacts", "MeshEstimate"]
+
+
+def _sends(pipe: list[list[_Item]] | None, stage: int) -> list[Overlappable]:
+    """A stage's pipeline transfers as the overlap model takes them (assemble's
+    _pipeline_transfers: role P2P, no bucket members)."""
+    return [] if pipe is None else [Overlappable(P2P, (), seconds) for seconds, _ in pipe[stage]]
+
 
 _Item = tuple[float, bool]  # a collective's seconds x count per step; is it in forward?
 
@@ -688,7 +696,9 @@ class MeshEstimate:
         compute = [c + a for c, a in zip(self.compute, again, strict=True)]
         compute = [c + e for c, e in zip(compute, self._micro_batched_s(cfg), strict=True)]
         clock, overlap = self._clock(cfg), self._setup.hardware.comm_overlap
-        hidden = [clock.hidden(s, level.overlappable[s], overlap) for s in range(stages)]
+        hidden = [
+            clock.hidden(s, level.overlappable[s] + _sends(pipe, s), overlap) for s in range(stages)
+        ]
         busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
         compute_s, comm_s = compute[busiest], comm[busiest]
         bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)

@@ -14,9 +14,15 @@ What overlaps, and how the runtime gets it:
   the order they are needed, back to back; compute waits where a bucket's gather is not done
   when its first reader runs. Simulated within one micro-step.
 
+- **Pipeline transfers** (torch's schedules send asynchronously and receive a micro-batch's
+  activation or gradient while the stage computes another one). In the steady state every
+  micro-batch's transfer but one hides behind the passes between: of ``m`` transfers each
+  way, ``m - 1`` hide. The one that does not is on the path every micro-batch waits for, and
+  the fill and drain are the schedule's bubble, which counts each pass with its transfers
+  (:func:`plait.planning.timeline.bubble_seconds`).
+
 Not overlapped: tensor-parallel collectives (their result is the next op's input), the loss
-reduction, gathers after the optimizer step (ZeRO-1 and 2), and pipeline transfers, which
-the schedule's passes count (:func:`plait.planning.timeline.bubble_seconds`).
+reduction and gathers after the optimizer step (ZeRO-1 and 2).
 
 How much of what could hide does is the hardware's ``comm_overlap`` (eta): the exposed
 seconds are ``(1 - eta) * total + eta * simulated``. Datasheet GPUs overlap fully (NCCL's
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 from plait.graph import OpGraph
 from plait.planning.timeline import BACKWARD_FLOPS_FACTOR
 
-__all__ = ["GATHER_BACKWARD", "GATHER_FORWARD", "REDUCE", "Overlappable", "StageClock"]
+__all__ = ["GATHER_BACKWARD", "GATHER_FORWARD", "P2P", "REDUCE", "Overlappable", "StageClock"]
 
 REDUCE = "reduce"
 """A data-parallel gradient reduction: starts once backward has made its bucket."""
@@ -43,7 +49,9 @@ GATHER_FORWARD = "gather_forward"
 """ZeRO-3's gather of a bucket before forward: needed when its first reader runs."""
 GATHER_BACKWARD = "gather_backward"
 """ZeRO-3's gather of a bucket again before backward: needed when backward reaches it."""
-ROLES = (REDUCE, GATHER_FORWARD, GATHER_BACKWARD)
+P2P = "p2p"
+"""A pipeline transfer between stages, once per micro-batch: all but one hide."""
+ROLES = (REDUCE, GATHER_FORWARD, GATHER_BACKWARD, P2P)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,4 +149,6 @@ class StageClock:
                 done += seconds
                 wait = max(wait, done - need / n)
             hidden += max(0.0, sum(seconds for _, seconds in gathers) - wait)
+        sent = sorted(i.seconds for i in items if i.role == P2P)  # one order for every caller
+        hidden += sum(seconds - seconds / n for seconds in sent)
         return overlap * hidden

@@ -17,6 +17,7 @@ from plait.planning.assemble import assemble_plan
 from plait.planning.overlap import (
     GATHER_BACKWARD,
     GATHER_FORWARD,
+    P2P,
     REDUCE,
     Overlappable,
     StageClock,
@@ -139,3 +140,35 @@ def test_micro_batches_pay_each_ops_fixed_costs_again(overhead, floor) -> None:
     assert extra == pytest.approx(counted * 3 * 1e-3 * 3 * 2)
     one = dataclasses.replace(cfg, micro_batches=1)
     assert micro_batch_seconds(graph, stage_of, pieces, hw, one, 1) == [0.0]
+
+
+def test_all_but_one_pipeline_transfer_each_way_hide() -> None:
+    """Four micro-batches: a stage's four activations received and four gradients sent; in
+    the steady state three of each arrive while it computes other micro-batches."""
+    graph, _ = _three_linears()
+    clock = _clock(graph, {}, micro_batches=4)
+    sends = [Overlappable(P2P, (), 8.0), Overlappable(P2P, (), 4.0)]  # 4 transfers of 2 s, of 1 s
+    assert clock.hidden(0, sends, 1.0) == pytest.approx(6.0 + 3.0)
+    assert _clock(graph, {}, micro_batches=1).hidden(0, sends, 1.0) == 0.0
+
+
+def test_a_pipeline_plan_hides_its_steady_state_transfers() -> None:
+    from plait.models import ModelSpec, build
+
+    spec = ModelSpec(kind="gpt", layers=4, hidden=64, heads=4, seq=32, vocab=128, batch=16)
+    with torch.device("meta"):
+        model, batch, loss = build(spec)
+    graph = capture(model, batch, loss)
+    cfg = ParallelConfig(
+        mode="auto", mesh={"pp": 2, "tp": 2}, pipeline_stages=2, micro_batches=4,
+        hardware="a100-80g",
+    )  # fmt: skip
+    setup = prepare(graph, cfg, model=model)
+    decisions = sharding_propagation(setup.problem, setup.allowed, setup.configured)
+    plan = assemble_plan(
+        graph, cfg, setup.mesh, setup.problem, decisions, setup.topology, setup.hardware
+    )
+    sends = [c for c in plan.collectives if c.kind == "send_recv"]
+    assert sends and all(c.count == 4 for c in sends)
+    p = plan.predicted
+    assert 0 < p.overlapped_s < p.communication_s

@@ -208,13 +208,16 @@ def storage_bytes(tensors: Iterable[torch.Tensor], rank: int | None = None) -> i
 def model_state_tensors(job: Any) -> dict[str, list[torch.Tensor]]:
     """The job's model states by kind: ``{"parameters", "gradients", "optimizer"}``.
 
-    Parameters are the model's; the optimizer's are its states and the tensors it updates
+    Parameters are those of the modules this process holds (the model; a pipeline rank's stages); the optimizer's are its states and the tensors it updates
     (under optimizer parallel: shard copies, or the ZeRO-3 pieces themselves, which share the
     parameters' storage and so count once, as parameters); gradients are both sides'.
     """
-    model: torch.nn.Module = job.model
     optimizer: torch.optim.Optimizer = job.optimizer
-    params = list(model.parameters())
+    # the modules whose state this process holds (a pipeline rank: its stages)
+    modules: list[torch.nn.Module] = (
+        job.state_modules() if hasattr(job, "state_modules") else [job.model]
+    )
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
     updated = [p for group in optimizer.param_groups for p in group["params"]]
     states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     grads = [p.grad for p in [*params, *updated] if p.grad is not None]

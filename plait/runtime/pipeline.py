@@ -259,6 +259,7 @@ class PipelineJob(Job):
         self._micro_batches: list[Any] = []
         self._schedule = pp_comm.make_schedule(config.schedule, stages, micro, self._micro_loss)
         self._ties = tied_copies(model, modules)
+        release_other_stages(model, modules)
         self._device = device
         self._pp_group = device_mesh.get_group("pp")
         self._timer = StageTimer(
@@ -512,6 +513,31 @@ class _Tie:
     shape: tuple[int, ...]
     dtype: torch.dtype
     copies: tuple[nn.Parameter, ...]
+
+
+def release_other_stages(model: nn.Module, stage_modules: Sequence[nn.Module]) -> int:
+    """Keep on this rank only the parameters its stages hold: the storage of every other
+    parameter of the user's ``model`` (the other ranks' stages, and this rank's own whole
+    tensors once tensor parallel or FSDP2 gave its stages new pieces) is let go, as FSDP lets
+    an unsharded parameter go: resized to nothing, shape and dtype kept. torch's split shares
+    the user's parameters with every stage module it makes and keeps them reachable, so
+    without this each rank would hold the whole model; resizing reaches every holder at once.
+    A storage a stage still reads (a replicated piece made without a copy) is kept. Returns
+    the bytes let go."""
+    kept = {id(p) for m in stage_modules for p in m.parameters()}
+    in_use = {
+        local_piece(p).untyped_storage().data_ptr() for m in stage_modules for p in m.parameters()
+    }
+    released = 0
+    for p in model.parameters():  # each tensor once, ties included
+        if id(p) in kept or p.is_meta:
+            continue
+        storage = p.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in in_use:
+            continue
+        released += storage.nbytes()
+        storage.resize_(0)
+    return released
 
 
 def tied_copies(model: nn.Module, stage_modules: list[nn.Module]) -> list[_Tie]:

@@ -365,6 +365,8 @@ def _fill(entry: _Entry, reader: _Reader) -> None:
     assert entry.source is not None
     t: Any = entry.tensor
     local = local_piece(t.detach())
+    if local.numel() and local.untyped_storage().nbytes() == 0:
+        return  # another pipeline rank's stage: this rank let its storage go
     ranks = simulated_ranks()
     with simulation_suspended():  # plain reads and copies, rank by rank when simulated
         if is_dtensor(t):

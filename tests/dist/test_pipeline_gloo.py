@@ -137,6 +137,16 @@ def _saved_tensors(job) -> int:
     return count[0]
 
 
+def _held_bytes(job) -> tuple[int, int, int]:
+    """Parameter bytes the user's model still holds storage for, its stages' (local pieces),
+    and the whole model's."""
+    model = list(job.model.parameters())
+    held = sum(p.untyped_storage().nbytes() for p in model)
+    stages = {id(p): p for m in job.stage_modules for p in m.parameters()}
+    local = sum(local_piece(p).untyped_storage().nbytes() for p in stages.values())
+    return held, local, sum(p.numel() * p.element_size() for p in model)
+
+
 def _workers(root: str) -> dict:
     out = {}
     for schedule in SCHEDULES:
@@ -144,6 +154,7 @@ def _workers(root: str) -> dict:
         out[schedule] = (losses, job.full_state_dict())
         if schedule == "1f1b":
             out["saved_plain"] = _saved_tensors(job)
+            out["held_plain"] = _held_bytes(job)
     job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
     out["recompute"] = (losses, job.full_state_dict())
     # recompute="auto": nothing fits 1 KiB, so the planner's last resort, full recompute
@@ -169,6 +180,7 @@ def _workers(root: str) -> dict:
                        optimizer_shard_threshold=0), tied=True,
     )  # fmt: skip
     out["zero3_tied"] = (losses, job.full_state_dict())
+    out["held_zero3"] = _held_bytes(job)
     job, losses = _train(
         ParallelConfig(**PIPE, optimizer_shard=1, optimizer_shard_threshold="1KiB")
     )
@@ -415,6 +427,11 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     assert results[0]["recompute_auto"][2] == "full"
     for rank, r in enumerate(results):  # per-module recompute keeps fewer tensors, each stage
         assert r["saved_per_module"] < r["saved_plain"], (rank, r["saved_per_module"])
+    for rank, r in enumerate(results):  # a rank holds its stage's parameters, not the model's
+        held, local, whole = r["held_plain"]
+        assert held == local and 0 < local < whole, (rank, r["held_plain"])
+        held, local, whole = r["held_zero3"]  # FSDP2's shards: the whole tensors let go
+        assert held == 0 and 0 < local < whole / 2, (rank, r["held_zero3"])
     # bf16 (with ZeRO-2): one device under the same torch.autocast, to bf16's tolerance (its
     # matmuls sum in another order when split); parameters stay fp32
     losses, state, dtypes = results[0]["bf16_zero2"]

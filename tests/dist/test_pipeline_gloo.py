@@ -33,6 +33,7 @@ import plait
 from plait import ParallelConfig
 from plait._compat import TorchDispatchMode, group_ranks
 from plait.comm.dtensor import is_dtensor, local_piece
+from plait.errors import NotBuiltError
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
@@ -181,6 +182,11 @@ def _workers(root: str) -> dict:
     )  # fmt: skip
     out["zero3_tied"] = (losses, job.full_state_dict())
     out["held_zero3"] = _held_bytes(job)
+    try:  # the stages' shards are not the model's tensors: refused, nothing read
+        job.load_pretrained(Path(root) / "absent.safetensors")
+        out["pretrained_zero3"] = "loaded"
+    except NotBuiltError as e:
+        out["pretrained_zero3"] = str(e)
     job, losses = _train(
         ParallelConfig(**PIPE, optimizer_shard=1, optimizer_shard_threshold="1KiB")
     )
@@ -432,6 +438,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         assert held == local and 0 < local < whole, (rank, r["held_plain"])
         held, local, whole = r["held_zero3"]  # FSDP2's shards: the whole tensors let go
         assert held == 0 and 0 < local < whole / 2, (rank, r["held_zero3"])
+        assert "optimizer_shard=3) is not built" in r["pretrained_zero3"], r["pretrained_zero3"]
     # bf16 (with ZeRO-2): one device under the same torch.autocast, to bf16's tolerance (its
     # matmuls sum in another order when split); parameters stay fp32
     losses, state, dtypes = results[0]["bf16_zero2"]

@@ -138,3 +138,32 @@ def test_skipping_the_search_keeps_the_plan() -> None:
                     replay.apply(*move)
                 assert rd._objective(replay.steps) * scale >= least - 1e-6 * scale
     assert skipped > 100 and searched > 100
+
+
+def test_tensors_of_one_size_whose_dims_divide_alike_share_one_plan() -> None:
+    """The redistribution plan depends on a shape only through its bytes and which of the
+    mesh's splits divide each dim: (8, 16, 32) and (16, 8, 32) share one entry (the same steps
+    object), (4, 64, 16) has another (4 is not divisible by the mesh's 8); every shared plan
+    equals the one planned from scratch for its own shape."""
+    pairs = [(s, d) for s, d in itertools.product(_layouts(MESH, 3), repeat=2) if s != d]
+    pairs = [(s, d) for s, d in pairs if all(len(x) <= 1 for x in s.dims + d.dims)][:150]
+
+    def divides(layout: TensorLayout, shape: tuple[int, ...]) -> bool:
+        return all(n % k == 0 for n, k in zip(shape, layout.splits(), strict=True))
+
+    shapes = [(8, 16, 32), (16, 8, 32), (4, 64, 16)]
+    shared = kept_apart = 0
+    for src, dst in pairs:
+        if not all(divides(x, s) for x in (src, dst) for s in shapes):
+            continue
+        rd._plan_cached.cache_clear()
+        rd._steps_cached.cache_clear()
+        plans = [rd.plan_redistribution(src, dst, s) for s in shapes]
+        assert plans[0].steps is plans[1].steps  # one entry for the two alike shapes
+        shared += 1
+        kept_apart += rd._steps_cached.cache_info().currsize == 2  # the third: its own
+        for shape, plan in zip(shapes, plans, strict=True):  # each equals a fresh plan
+            rd._plan_cached.cache_clear()
+            rd._steps_cached.cache_clear()
+            assert rd.plan_redistribution(src, dst, shape).steps == plan.steps, (src, dst, shape)
+    assert shared > 20 and kept_apart == shared

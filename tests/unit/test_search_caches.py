@@ -167,3 +167,39 @@ def test_tensors_of_one_size_whose_dims_divide_alike_share_one_plan() -> None:
             rd._steps_cached.cache_clear()
             assert rd.plan_redistribution(src, dst, shape).steps == plan.steps, (src, dst, shape)
     assert shared > 20 and kept_apart == shared
+
+
+def test_a_second_search_of_a_graph_reuses_its_folded_structure_and_decides_the_same() -> None:
+    """prepare of one graph on one mesh shares the cost model, so recursive_programming's
+    folded graph (and its nodes' own prices) is made once; the decisions equal those of a
+    search whose cost model kept nothing; another mesh gets its own structure."""
+    import torch
+
+    from plait.config import ParallelConfig
+    from plait.graph import capture
+    from plait.models import ModelSpec, build
+    from plait.planning.setup import prepare
+    from plait.search import recursive
+
+    spec = ModelSpec(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=128, batch=8)
+    with torch.device("meta"):
+        model, batch, loss = build(spec)
+    graph = capture(model, batch, loss)
+
+    def searched(mesh: dict[str, int]):
+        cfg = ParallelConfig(mode="auto", mesh=mesh, hardware="a100-80g")
+        setup = prepare(graph, cfg, model=model)
+        decisions = recursive.recursive_programming(setup.problem, setup.allowed, setup.configured)
+        structure = recursive._structure(setup.problem, setup.allowed, setup.configured)
+        return setup, decisions, structure
+
+    first, decided, structure = searched({"dp": 2, "tp": 2})
+    again, decided_again, structure_again = searched({"dp": 2, "tp": 2})
+    assert again.problem.cost is first.problem.cost and structure_again is structure
+    assert decided_again == decided
+    first.problem.cost.scratch.clear()  # nothing kept: folded and priced from scratch
+    fresh = recursive.recursive_programming(first.problem, first.allowed, first.configured)
+    assert fresh == decided
+    assert recursive._structure(first.problem, first.allowed, first.configured) is not structure
+    _, _, other = searched({"dp": 4})
+    assert other is not structure

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
-from plait.cost.compute import compute_dtype, matmul_share, op_seconds, optimizer_seconds
+from plait.cost.compute import optimizer_seconds
 from plait.cost.memory import (
     GradBucket,
     PeakMemory,
@@ -71,7 +71,13 @@ from plait.planning.timeline import BACKWARD_FLOPS_FACTOR, bubble_seconds, in_fl
 from plait.rules import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import SearchProblem, gradient_layout, kept_gradient, settled
+from plait.search.problem import (
+    OpCompute,
+    SearchProblem,
+    gradient_layout,
+    kept_gradient,
+    settled,
+)
 from plait.search.propagation import Decision
 from plait.search.stages import StageMemory, assign_stages, op_memory, stage_memory_figures
 
@@ -253,10 +259,11 @@ def partition_memory(
 
 
 def _op_compute(problem: SearchProblem, mesh: MeshSpec, op: OpNode, strategy: OpStrategy) -> float:
-    return problem.cost.op_compute(op, _work_pieces(mesh, strategy))
+    return problem.cost.op_compute(op, work_pieces(mesh, strategy))
 
 
-def _work_pieces(mesh: MeshSpec, strategy: OpStrategy) -> int:
+def work_pieces(mesh: MeshSpec, strategy: OpStrategy) -> int:
+    """Pieces ``strategy`` cuts its op's work into: the sizes of the mesh axes it uses."""
     return math.prod(mesh.axis_size(a) for a in strategy.used_axes())
 
 
@@ -264,28 +271,24 @@ def micro_batch_seconds(
     graph: OpGraph,
     stage_of: Mapping[str, int],
     pieces: Mapping[str, int],
-    hardware: Any,
+    op_compute: OpCompute,
     cfg: ParallelConfig,
     stages: int,
 ) -> list[float]:
     """Per stage, what running the batch as ``cfg.micro_batches`` micro-batches one after
     another adds to its compute: each op runs once per micro-batch on a ``1 / m`` share, paying
     its fixed costs (the kernel floor, the host's per-op cost) ``m`` times; its FLOP- or
-    byte-bound time is unchanged. ``m x roofline(work / m) - roofline(work)`` per op, forward
-    and backward, per micro-step. One function for the plan and the outer planner's estimate."""
+    byte-bound time is unchanged. ``m x op_compute(op, pieces x m) - op_compute(op, pieces)``
+    per op (the search's price of its forward and backward), per micro-step. One function for
+    the plan, the outer planner's estimate and its lower bound."""
     extra = [0.0] * stages
     m = cfg.micro_batches
     if m == 1:
         return extra
-    dtype = compute_dtype(cfg.precision)
-    scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
-    passes = (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
     for op in graph.ops:
         p = pieces[op.name]
-        share = matmul_share(op.target, op.input_metas, op.outputs, hardware) if op.flops else 1.0
-        whole = op_seconds(op.flops / p, op.bytes * scale / p, dtype, hardware, share)
-        each = op_seconds(op.flops / (p * m), op.bytes * scale / (p * m), dtype, hardware, share)
-        extra[stage_of[op.name]] += max(0.0, each * m - whole) * passes
+        again = m * op_compute(op, p * m) - op_compute(op, p)
+        extra[stage_of[op.name]] += max(0.0, again) * cfg.grad_accumulation
     return extra
 
 
@@ -777,8 +780,10 @@ def _predict(
     recomputed = trace.recomputed()
     again = recomputed_seconds(trace, op_time, ctx.stage_of, stages, ga, recomputed)
     compute = [c + a for c, a in zip(compute, again, strict=True)]
-    pieces = {op.name: _work_pieces(ctx.mesh, ctx.chosen[op.name]) for op in ctx.graph.ops}
-    split = micro_batch_seconds(ctx.graph, ctx.stage_of, pieces, hardware, ctx.cfg, stages)
+    pieces = {op.name: work_pieces(ctx.mesh, ctx.chosen[op.name]) for op in ctx.graph.ops}
+    split = micro_batch_seconds(
+        ctx.graph, ctx.stage_of, pieces, ctx.problem.cost.op_compute, ctx.cfg, stages
+    )
     compute = [c + e for c, e in zip(compute, split, strict=True)]
     memories, updated = _memory(ctx, param_layouts, trace)
     update = [optimizer_seconds(n, e, hardware) for n, e in updated]

@@ -52,6 +52,7 @@ from plait.planning.assemble import (
     recomputed_seconds,
     stage_memory,
     with_kept_axes,
+    work_pieces,
 )
 from plait.planning.overlap import (
     GATHER_BACKWARD,
@@ -284,8 +285,7 @@ class MeshEstimate:
         """Pieces ``strategy`` cuts its op's work into (assemble's _op_compute)."""
         found = self._work.get(id(strategy))
         if found is None:
-            pieces = math.prod(self.mesh.axis_size(a) for a in strategy.used_axes())
-            found = self._work[id(strategy)] = (strategy, pieces)
+            found = self._work[id(strategy)] = (strategy, work_pieces(self.mesh, strategy))
         return found[1]
 
     def _pieces(self, layout: TensorLayout) -> int:
@@ -707,12 +707,12 @@ class MeshEstimate:
 
     def _micro_batched_s(self, cfg: ParallelConfig) -> list[float]:
         """Per stage, the fixed op costs micro-batches pay again (assemble's _predict)."""
-        key = (cfg.micro_batches, cfg.precision, cfg.grad_accumulation)
+        key = (cfg.micro_batches, cfg.grad_accumulation)
         found = self._split.get(key)
         if found is None:
             pieces = {op.name: self._work_pieces(self.chosen[op.name]) for op in self.graph.ops}
             found = self._split[key] = micro_batch_seconds(
-                self.graph, self.stage_of, pieces, self._setup.hardware, cfg, self.stages
+                self.graph, self.stage_of, pieces, self.problem.cost.op_compute, cfg, self.stages
             )
         return found
 

@@ -35,7 +35,6 @@ from typing import cast
 from torch import nn
 
 from plait.config import ParallelConfig
-from plait.cost import HardwareProfile
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
 from plait.planning.assemble import PP_AXIS, _bubble, assemble_plan, micro_batch_seconds
@@ -190,7 +189,7 @@ def auto_plan(
             for v in _variants(cfg, pp, replica_batch)
         ]  # fmt: skip
         if prune and len(fits) >= 2:
-            bound = _lower_bound(graph, variants[0][1], op_compute, hardware)
+            bound = _lower_bound(graph, variants[0][1], op_compute)
             if bound > fits[1] * (1 + 1e-9):
                 pruned.append((mesh, bound, fits[1]))
                 timing.pruned += 1
@@ -259,9 +258,7 @@ def auto_plan(
     return plan
 
 
-def _lower_bound(
-    graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute, hardware: HardwareProfile
-) -> float:
+def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> float:
     """No option of ``cfg``'s mesh (at its micro-batch count) predicts a faster step.
 
     Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
@@ -277,7 +274,7 @@ def _lower_bound(
     total = sum(op_compute(op, pieces) for op in graph.ops) * cfg.grad_accumulation
     whole = {op.name: 1 for op in graph.ops}
     one_stage = dict.fromkeys(whole, 0)
-    again = micro_batch_seconds(graph, one_stage, whole, hardware, cfg, 1)[0]
+    again = micro_batch_seconds(graph, one_stage, whole, op_compute, cfg, 1)[0]
     compute = (total + again) / pp
     if pp > 1 and cfg.schedule in ("1f1b", "gpipe"):
         return compute + _bubble(cfg, compute, 0.0, 0.0)

@@ -128,18 +128,20 @@ def test_micro_batches_pay_each_ops_fixed_costs_again(overhead, floor) -> None:
     is paid three times more, forward and backward (3 passes), per micro-step."""
     from plait.cost.hardware import local_defaults
     from plait.planning.assemble import micro_batch_seconds
+    from plait.planning.setup import compute_model
 
     graph, _ = _three_linears()
     hw = dataclasses.replace(local_defaults(), op_overhead=overhead, kernel_latency=floor)
     stage_of = {op.name: 0 for op in graph.ops}
     pieces = {op.name: 1 for op in graph.ops}
     cfg = ParallelConfig(micro_batches=4, grad_accumulation=2)
-    (extra,) = micro_batch_seconds(graph, stage_of, pieces, hw, cfg, 1)
+    op_compute = compute_model(hw, "fp32")
+    (extra,) = micro_batch_seconds(graph, stage_of, pieces, op_compute, cfg, 1)
     working = sum(1 for op in graph.ops if op.flops or op.bytes)
     counted = len(graph.ops) if overhead else working  # the floor only where there is work
     assert extra == pytest.approx(counted * 3 * 1e-3 * 3 * 2)
     one = dataclasses.replace(cfg, micro_batches=1)
-    assert micro_batch_seconds(graph, stage_of, pieces, hw, one, 1) == [0.0]
+    assert micro_batch_seconds(graph, stage_of, pieces, op_compute, one, 1) == [0.0]
 
 
 def test_all_but_one_pipeline_transfer_each_way_hide() -> None:

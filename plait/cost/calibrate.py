@@ -12,6 +12,13 @@ repetitions on each rank) and the slowest rank of each collective:
     matmul share by shape        fp32 torch.mm with one dimension d small     matmul_efficiency
                                  (512 x d x 512 and 512 x 512 x d), over
                                  the n x n rate
+    batched product share        attention's q @ k^T and p @ v on head-split  batched_matmul_
+                                 views (4 x 8 heads of 128 x d), over the     efficiency
+                                 n x n rate
+    element rates                forward and backward of gelu, silu, tanh,    elementwise_rates
+                                 sigmoid, softmax, log_softmax, layer_norm,
+                                 cross_entropy on 512 x 1024 fp32: elements
+                                 per second
     memory bandwidth             dst.copy_(src) of a large tensor: 2 B/s      memory_bandwidth
     op floor                     torch.add on one element                     kernel_latency
     per-op host cost             forward and backward of a small stack of     op_overhead
@@ -62,7 +69,9 @@ __all__ = [
     "calibrate",
     "fit_alpha_beta",
     "format_profile",
+    "measure_batched_shares",
     "measure_copy_bandwidth",
+    "measure_elementwise_rates",
     "measure_kernel_latency",
     "measure_matmul_flops",
     "measure_op_overhead",
@@ -156,6 +165,77 @@ def measure_matmul_shares(
             rates.append(2 * m * n * k / seconds)
         shares[d] = min(1.0, statistics.mean(rates) / peak)
     return shares
+
+
+ATTENTION_SEQ = 128
+"""Sequence length of the batched products calibrate measures (4 x 8 heads)."""
+
+
+def measure_batched_shares(
+    dims: Sequence[int], peak: float, budget_s: float = 0.3, *, shared: bool = False
+) -> dict[int, float]:
+    """Per head dimension ``d``: the fp32 FLOP/s of attention's two batched products on
+    head-split views, as a model makes them (``q @ k^T`` with ``k`` transposed, ``p @ v``:
+    ``4 x 8`` heads of ``128 x d``), mean of the two, over ``peak``, at most 1."""
+    shares = {}
+    b, h, s = 4, 8, ATTENTION_SEQ
+    for d in dims:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(b, s, h * d, generator=gen)
+        q = x.view(b, s, h, d).transpose(1, 2)
+        p = torch.randn(b, h, s, s, generator=gen)
+        flops = 2 * b * h * s * s * d
+        rates = [
+            flops
+            / _seconds(
+                functools.partial(torch.matmul, q, q.transpose(-1, -2)), budget_s, shared=shared
+            ),
+            flops / _seconds(functools.partial(torch.matmul, p, q), budget_s, shared=shared),
+        ]
+        shares[d] = min(1.0, statistics.mean(rates) / peak)
+    return shares
+
+
+ELEMENTWISE_SHAPE = (512, 1024)
+"""Rows x columns of the fp32 tensor each elementwise op is measured on (2 MiB: a layer's
+activations on a rank)."""
+
+
+def _elementwise_ops() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The ops whose forward-and-backward element rate calibrate measures, by the aten name
+    a capture gives them: those whose arithmetic can outrun their bytes on a CPU."""
+    import torch.nn.functional as F
+
+    cols = ELEMENTWISE_SHAPE[1]
+    weight, bias = torch.ones(cols, requires_grad=True), torch.zeros(cols, requires_grad=True)
+    labels = torch.arange(ELEMENTWISE_SHAPE[0]) % cols
+    return {
+        "gelu": F.gelu,
+        "silu": F.silu,
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+        "softmax": lambda x: x.softmax(-1),
+        "log_softmax": lambda x: x.log_softmax(-1),
+        "layer_norm": lambda x: F.layer_norm(x, (cols,), weight, bias),
+        "cross_entropy_loss": lambda x: F.cross_entropy(x, labels),
+    }
+
+
+def measure_elementwise_rates(budget_s: float = 0.3, *, shared: bool = False) -> dict[str, float]:
+    """Per op of :func:`_elementwise_ops`: elements per second of its forward and backward
+    together on an fp32 tensor of :data:`ELEMENTWISE_SHAPE`."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*ELEMENTWISE_SHAPE, generator=gen).requires_grad_()
+    rates = {}
+    for name, fn in _elementwise_ops().items():
+
+        def step(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> None:
+            y = fn(x)
+            y.backward(torch.ones_like(y))
+            x.grad = None
+
+        rates[name] = x.numel() / _seconds(step, budget_s, shared=shared)
+    return rates
 
 
 def measure_copy_bandwidth(nbytes: int, budget_s: float = 0.3, *, shared: bool = False) -> float:
@@ -357,9 +437,16 @@ def _measure_local(
     dims = [d for d in settings.thin_dims if d < n]
     sync()
     shares = measure_matmul_shares(dims, fp32, budget / (2 * max(1, len(dims))), shared=shared)
+    heads = [d for d in settings.thin_dims if d <= ATTENTION_SEQ]
+    sync()
+    batched = measure_batched_shares(heads, fp32, budget / (2 * max(1, len(heads))), shared=shared)
+    sync()
+    elementwise = measure_elementwise_rates(budget / 8, shared=shared)
     return {
         "matmul_size": n,
         "matmul_shares": {str(d): f for d, f in shares.items()},
+        "batched_shares": {str(d): f for d, f in batched.items()},
+        "elementwise_rates": elementwise,
         "peak_flops": {
             "float32": fp32,
             "bfloat16": measured(measure_matmul_flops, torch.bfloat16, n, budget),
@@ -393,6 +480,10 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
         "matmul_size": settings.matmul_size,
         "peak_flops": {dtype: median("peak_flops", dtype) for dtype in locals_[0]["peak_flops"]},
         "matmul_shares": {d: median("matmul_shares", d) for d in locals_[0]["matmul_shares"]},
+        "batched_shares": {d: median("batched_shares", d) for d in locals_[0]["batched_shares"]},
+        "elementwise_rates": {
+            op: median("elementwise_rates", op) for op in locals_[0]["elementwise_rates"]
+        },
         "copy_bytes": settings.copy_bytes,
         "memory_bandwidth": median("memory_bandwidth"),
         "kernel_latency": median("kernel_latency"),
@@ -457,7 +548,8 @@ def calibrate(
             f"({platform.machine()}, {cpus} CPUs, torch {torch.__version__}) at "
             f"{measured['when']}: per rank of {world_size} processes measuring together "
             f"({local['threads_per_rank']} torch thread(s) each): torch.mm FLOP/s, tensor "
-            "copy bandwidth, thin fp32 products against the square one, the op floor and "
+            "copy bandwidth, thin fp32 products and attention's batched ones against the "
+            "square one, the element rates of activations and norms, the op floor and "
             "per-op host cost; gloo all_reduce among them "
             "fitted to alpha-beta, and how much of it hides behind matmuls; memory is the host's RAM, shared by its processes; "
             "inter_node not measured (10 GbE default)"
@@ -466,6 +558,10 @@ def calibrate(
         op_overhead=local["op_overhead"],
         comm_overlap=world["overlap"],
         matmul_efficiency=_share_points(local["matmul_shares"], settings.matmul_size),
+        batched_matmul_efficiency=tuple(
+            sorted((int(d), f) for d, f in local["batched_shares"].items())
+        ),
+        elementwise_rates=tuple(sorted(local["elementwise_rates"].items())),
         measured=measured,
     )
     save_profile(profile, out if out is not None else default_profile_path())
@@ -497,6 +593,20 @@ def format_profile(profile: HardwareProfile) -> str:
                 + " (of the peak, by smallest dimension)"
                 if profile.matmul_efficiency
                 else "every shape at the peak x compute_efficiency"
+            ),
+            "  batched products:  "
+            + (
+                ", ".join(f"d={d} {f:.2f}" for d, f in profile.batched_matmul_efficiency)
+                + " (attention's, by head dimension)"
+                if profile.batched_matmul_efficiency
+                else "as the matmul share"
+            ),
+            "  element rates:     "
+            + (
+                ", ".join(f"{n} {r / 1e6:.0f}" for n, r in profile.elementwise_rates)
+                + " M elements/s (forward and backward)"
+                if profile.elementwise_rates
+                else "none (bytes price every elementwise op)"
             ),
             f"  intra-node link:   {intra.bandwidth / 1e9:.3f} GB/s, {intra.latency * 1e6:.1f} us "
             "per step",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from plait.cost.errors import CostError
-from plait.cost.flops import matmul_dims
+from plait.cost.flops import elementwise_name, is_batched_matmul, matmul_dims
 from plait.cost.hardware import HardwareProfile
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ __all__ = [
     "PRECISION_DTYPES",
     "backward_flops",
     "compute_dtype",
+    "elementwise_seconds",
     "matmul_share",
     "op_seconds",
     "optimizer_seconds",
@@ -62,11 +63,19 @@ def _check_count(name: str, value: object) -> None:
 
 
 def op_seconds(
-    flops: float, nbytes: float, dtype: str, hardware: HardwareProfile, share: float = 1.0
+    flops: float,
+    nbytes: float,
+    dtype: str,
+    hardware: HardwareProfile,
+    share: float = 1.0,
+    work_s: float = 0.0,
 ) -> float:
     """Roofline time of one op on one device (its local share of FLOPs and bytes).
     ``share``: the part of the peak its shape reaches (a matmul's
-    :meth:`~plait.cost.hardware.HardwareProfile.matmul_share`; 1 for other ops).
+    :meth:`~plait.cost.hardware.HardwareProfile.matmul_share`; 1 for other ops). ``work_s``:
+    seconds of arithmetic the FLOP count does not see (an activation's exp or erf at its
+    measured element rate: :func:`elementwise_seconds`), a third floor beside compute and
+    memory.
 
     Example:
         >>> from plait.cost.hardware import get_profile
@@ -76,12 +85,12 @@ def op_seconds(
     """
     _check_count("flops", flops)
     _check_count("nbytes", nbytes)
-    if flops == 0 and nbytes == 0:
+    if flops == 0 and nbytes == 0 and work_s == 0:
         return hardware.op_overhead
     rate = hardware.peak(dtype) * hardware.compute_efficiency * share
     compute = flops / rate if flops else 0.0
     memory = nbytes / (hardware.memory_bandwidth * hardware.memory_efficiency)
-    return max(compute, memory, hardware.kernel_latency) + hardware.op_overhead
+    return max(compute, memory, work_s, hardware.kernel_latency) + hardware.op_overhead
 
 
 def matmul_share(
@@ -96,7 +105,22 @@ def matmul_share(
     if not hardware.matmul_efficiency:
         return 1.0
     dims = matmul_dims(target, input_metas, outputs)
-    return 1.0 if dims is None else hardware.matmul_share(min(dims))
+    if dims is None:
+        return 1.0
+    return hardware.matmul_share(min(dims), batched=is_batched_matmul(target, input_metas))
+
+
+def elementwise_seconds(
+    target: str, input_metas: Sequence[TensorMeta], hardware: HardwareProfile
+) -> float:
+    """Seconds of an op's forward and backward together at its measured element rate
+    (:attr:`~plait.cost.hardware.HardwareProfile.elementwise_rates`, over its first input's
+    elements: the activation, the scores, the logits), 0 where the profile has no rate for
+    it. The whole op's: a sharded op does ``1/pieces`` of it."""
+    if not hardware.elementwise_rates or not input_metas:
+        return 0.0
+    rate = hardware.elementwise_rate(elementwise_name(target))
+    return 0.0 if rate is None else input_metas[0].numel / rate
 
 
 def backward_flops(forward_flops: float, has_weight: bool = True) -> float:

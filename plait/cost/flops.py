@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from plait.graph.opgraph import TensorMeta
 
-__all__ = ["matmul_dims", "op_bytes", "op_flops"]
+__all__ = ["elementwise_name", "is_batched_matmul", "matmul_dims", "op_bytes", "op_flops"]
 
 # Ops that only reinterpret memory: no arithmetic and no traffic.
 _VIEWS = frozenset(
@@ -194,6 +194,23 @@ def matmul_dims(
     if a.ndim < 2 or b.ndim < 2 or out.ndim < 2:
         return None  # a vector product: no tile to speak of
     return (out.shape[-2], out.shape[-1], a.shape[-1])
+
+
+def is_batched_matmul(target: str, input_metas: Sequence[TensorMeta]) -> bool:
+    """Whether a matmul-like op is a batch of products with a batch dimension in both
+    operands (attention's ``(b, h, s, d) @ (b, h, d, s)``), not a 2-D product (a linear's
+    leading dims fold into its rows): what ``batched_matmul_efficiency`` prices."""
+    name = _packet(target)
+    a_at = {"matmul": 0, "bmm": 0, "baddbmm": 1}.get(name)
+    if a_at is None or len(input_metas) < a_at + 2:
+        return False
+    return input_metas[a_at].ndim > 2 and input_metas[a_at + 1].ndim > 2
+
+
+def elementwise_name(target: str) -> str:
+    """The name an op's measured element rate is kept under (``elementwise_rates``):
+    ``"aten.gelu.default"`` -> ``"gelu"``."""
+    return _packet(target)
 
 
 def _nbytes(meta: TensorMeta) -> int:

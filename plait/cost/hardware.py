@@ -95,6 +95,19 @@ class HardwareProfile:
     Measured by ``plait calibrate`` on ``local`` (fp32, against its square ``n x n`` product);
     empty on the datasheet profiles, whose ``compute_efficiency`` alone stands for every
     shape (no per-shape figures published for them are used)."""
+    batched_matmul_efficiency: tuple[tuple[int, float], ...] = ()
+    """The same curve for a product with a batch dimension in both operands (attention's
+    heads: ``(b, h, s, d) @ (b, h, d, s)`` on head-split, transposed views), which reaches less
+    of the peak than a 2-D product of the same smallest dimension (on a CPU: operands out of
+    cache, strided reads). Measured by ``plait calibrate`` on ``local``; empty:
+    :attr:`matmul_efficiency` stands for batched products too."""
+    elementwise_rates: tuple[tuple[str, float], ...] = ()
+    """Elements per second one op's forward and backward together reach, by the op's aten
+    name (``gelu``, ``softmax``, ``layer_norm``, ``cross_entropy_loss``, ...): a floor under
+    the op's time where its arithmetic (exp, erf, a reduction per row) outruns its bytes.
+    Measured by ``plait calibrate`` on ``local`` (fp32: on a CPU, gelu's forward and backward
+    run at about a fifth of a copy's element rate); empty on the datasheet GPUs, where these
+    ops are bound by memory and their bytes alone price them."""
     measured: Mapping[str, Any] = field(default_factory=dict, compare=False)
     """Raw calibration data (sizes and timings), kept for reports; empty for built-ins."""
 
@@ -125,7 +138,9 @@ class HardwareProfile:
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give "
                     "seconds >= 0"
                 )
-        self._check_matmul_efficiency()
+        self._check_efficiency_points("matmul_efficiency")
+        self._check_efficiency_points("batched_matmul_efficiency")
+        self._check_elementwise_rates()
         if not _is_number(self.comm_overlap) or not 0 <= self.comm_overlap <= 1:
             raise CostError(
                 f"HardwareProfile {self.name!r}: comm_overlap={self.comm_overlap!r} is not "
@@ -138,8 +153,9 @@ class HardwareProfile:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "measured", MappingProxyType(dict(self.measured)))
 
-    def _check_matmul_efficiency(self) -> None:
-        points = tuple(tuple(p) for p in self.matmul_efficiency)
+    def _check_efficiency_points(self, name: str) -> None:
+        given = getattr(self, name)
+        points = tuple(tuple(p) for p in given)
         dims = [p[0] for p in points if len(p) == 2]
         ok = len(dims) == len(points) and all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims
@@ -148,16 +164,31 @@ class HardwareProfile:
         ok = ok and all(_is_number(f) and 0 < f <= 1 for _, f in points)
         if not ok:
             raise CostError(
-                f"HardwareProfile {self.name!r}: matmul_efficiency={self.matmul_efficiency!r} "
+                f"HardwareProfile {self.name!r}: {name}={given!r} "
                 "is not allowed; give (dim, fraction) pairs, dims distinct integers >= 1 in "
                 "rising order, fractions in (0, 1], e.g. ((32, 0.6), (128, 0.9))"
             )
-        object.__setattr__(self, "matmul_efficiency", tuple((int(d), float(f)) for d, f in points))
+        object.__setattr__(self, name, tuple((int(d), float(f)) for d, f in points))
 
-    def matmul_share(self, smallest_dim: int) -> float:
+    def _check_elementwise_rates(self) -> None:
+        pairs: tuple[tuple[Any, ...], ...] = tuple(tuple(p) for p in self.elementwise_rates)
+        names = [p[0] for p in pairs if len(p) == 2]
+        ok = len(names) == len(pairs) and all(isinstance(n, str) and n for n in names)
+        ok = ok and len(set(names)) == len(names)
+        ok = ok and all(_is_number(r) and r > 0 for _, r in pairs)
+        if not ok:
+            raise CostError(
+                f"HardwareProfile {self.name!r}: elementwise_rates={self.elementwise_rates!r} "
+                "is not allowed; give (aten op name, elements per second) pairs, names distinct "
+                "and rates > 0, e.g. (('gelu', 5e8), ('softmax', 7e8))"
+            )
+        object.__setattr__(self, "elementwise_rates", tuple((n, float(r)) for n, r in pairs))
+
+    def matmul_share(self, smallest_dim: int, batched: bool = False) -> float:
         """The share of the peak a matmul whose smallest dimension is ``smallest_dim``
-        reaches (:attr:`matmul_efficiency`; 1 without points)."""
-        points = self.matmul_efficiency
+        reaches (:attr:`matmul_efficiency`, or :attr:`batched_matmul_efficiency` for a
+        ``batched`` product where it has points; 1 without points)."""
+        points = (batched and self.batched_matmul_efficiency) or self.matmul_efficiency
         if not points or smallest_dim >= points[-1][0]:
             return points[-1][1] if points else 1.0
         if smallest_dim <= points[0][0]:
@@ -167,6 +198,14 @@ class HardwareProfile:
                 t = (math.log2(smallest_dim) - math.log2(d0)) / (math.log2(d1) - math.log2(d0))
                 return f0 + t * (f1 - f0)
         return points[-1][1]  # not reached: the last point caught it
+
+    def elementwise_rate(self, op_name: str) -> float | None:
+        """Elements per second of ``op_name``'s forward and backward
+        (:attr:`elementwise_rates`), None where not measured."""
+        for name, rate in self.elementwise_rates:
+            if name == op_name:
+                return rate
+        return None
 
     def _check_peaks(self) -> None:
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
@@ -216,6 +255,8 @@ class HardwareProfile:
             "op_overhead": self.op_overhead,
             "comm_overlap": self.comm_overlap,
             "matmul_efficiency": [list(p) for p in self.matmul_efficiency],
+            "batched_matmul_efficiency": [list(p) for p in self.batched_matmul_efficiency],
+            "elementwise_rates": [list(p) for p in self.elementwise_rates],
             "source": self.source,
             "measured": dict(self.measured),
         }
@@ -245,6 +286,10 @@ class HardwareProfile:
                 op_overhead=data.get("op_overhead", 0.0),
                 comm_overlap=data.get("comm_overlap", 0.0),
                 matmul_efficiency=tuple(tuple(p) for p in data.get("matmul_efficiency", ())),
+                batched_matmul_efficiency=tuple(
+                    tuple(p) for p in data.get("batched_matmul_efficiency", ())
+                ),
+                elementwise_rates=tuple(tuple(p) for p in data.get("elementwise_rates", ())),
                 measured=data.get("measured", {}),
             )
         except (KeyError, TypeError) as e:

@@ -17,7 +17,7 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.cost import HardwareProfile, get_profile
 from plait.cost.comm import Topology
-from plait.cost.compute import matmul_share, op_seconds
+from plait.cost.compute import elementwise_seconds, matmul_share, op_seconds
 from plait.errors import ConfigError, NotBuiltError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
@@ -188,11 +188,15 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
 
     The graph is captured in fp32; under bf16 or fp16 the activations an op reads and writes
     are half as many bytes (as the memory model counts them), so a memory-bound op is twice
-    as fast. A matmul reaches the share of the peak its shape does (``matmul_share``)."""
+    as fast. A matmul reaches the share of the peak its shape does (``matmul_share``); an op
+    whose element rate the profile measured (gelu, softmax, ...) takes at least as long as
+    that rate says (``elementwise_seconds``)."""
     dtype = _DTYPES[precision]
     seconds = _compute_memo(hardware, dtype)
     scale = LOW_PRECISION_ACTIVATIONS[precision]
     by_shape = bool(hardware.matmul_efficiency)
+    by_rate = bool(hardware.elementwise_rates)
+    passes = 1 + BACKWARD_FLOPS_FACTOR
 
     def op_compute(op: OpNode, pieces: int) -> float:
         share = (
@@ -200,24 +204,33 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
             if by_shape and op.flops
             else 1.0
         )
-        key = (op.flops, op.bytes, pieces, share)
+        work = elementwise_seconds(op.target, op.input_metas, hardware) if by_rate else 0.0
+        key = (op.flops, op.bytes, pieces, share, work)
         found = seconds.get(key)
         if found is None:
+            # the measured rate is of forward and backward together: a forward's share of it
             forward = op_seconds(
-                op.flops / pieces, op.bytes * scale / pieces, dtype, hardware, share
+                op.flops / pieces,
+                op.bytes * scale / pieces,
+                dtype,
+                hardware,
+                share,
+                work_s=work / (pieces * passes),
             )
-            found = seconds[key] = forward * (1 + BACKWARD_FLOPS_FACTOR)
+            found = seconds[key] = forward * passes
         return found
 
     return op_compute
 
 
-_COMPUTE: list[tuple[HardwareProfile, str, dict[tuple[float, float, int, float], float]]] = []
+_COMPUTE: list[
+    tuple[HardwareProfile, str, dict[tuple[float, float, int, float, float], float]]
+] = []
 
 
 def _compute_memo(
     hardware: HardwareProfile, dtype: str
-) -> dict[tuple[float, float, int, float], float]:
+) -> dict[tuple[float, float, int, float, float], float]:
     """Seconds of an op's compute by (FLOPs, bytes, pieces), shared by every mesh planned on
     the same profile and dtype (the last ones asked about)."""
     last = _COMPUTE[0] if _COMPUTE else None  # one read: another thread may replace it

@@ -47,6 +47,16 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, capsys) -> None:
     assert [d for d, _ in profile.matmul_efficiency] == [32, 128, 512]
     assert all(0 < f <= 1 for _, f in profile.matmul_efficiency)
     assert profile.matmul_efficiency[-1] == (512, 1.0)
+    # attention's batched products by head dimension (quick: 32 and 128), no square point
+    assert [d for d, _ in profile.batched_matmul_efficiency] == [32, 128]
+    assert all(0 < f <= 1 for _, f in profile.batched_matmul_efficiency)
+    # the element rates of the ops whose arithmetic can outrun their bytes, by aten name
+    assert {n for n, _ in profile.elementwise_rates} == {
+        "gelu", "silu", "tanh", "sigmoid", "softmax", "log_softmax", "layer_norm",
+        "cross_entropy_loss",
+    }  # fmt: skip
+    assert all(r > 1e5 for _, r in profile.elementwise_rates)  # elements/s of any CPU
+    assert "batched products:" in printed and "element rates:" in printed
 
     # The raw timings are kept, and the fitted link predicts the largest all_reduce within
     # a factor of 3 (a shared 2-core machine is noisy; the fit itself is tested exactly in

@@ -278,6 +278,8 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
         op_overhead=4e-6,
         comm_overlap=0.25,
         matmul_efficiency=((16, 0.5), (64, 0.9), (512, 1.0)),
+        batched_matmul_efficiency=((32, 0.6),),
+        elementwise_rates=(("gelu", 5e8), ("softmax", 7e8)),
         measured={"matmul_size": 512},
     )
     path = save_profile(measured, tmp_path / "sub" / "local.json")
@@ -288,6 +290,8 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
     assert load_profile(path).intra_node.latency == 1.6e-4
     assert load_profile(path).op_overhead == 4e-6
     assert loaded.comm_overlap == 0.25 and loaded.matmul_efficiency[0] == (16, 0.5)
+    assert loaded.batched_matmul_efficiency == ((32, 0.6),)
+    assert loaded.elementwise_rate("gelu") == 5e8 and loaded.elementwise_rate("add") is None
 
 
 def test_local_profile_default_path_and_fallback(tmp_path, monkeypatch) -> None:
@@ -370,6 +374,84 @@ def test_bad_matmul_efficiency_is_refused_by_name(points) -> None:
         CostError, match=r"matmul_efficiency=.* rising order, fractions in \(0, 1\]"
     ):
         dataclasses.replace(local_defaults(), matmul_efficiency=points)
+
+
+def test_a_batched_product_reads_its_own_curve() -> None:
+    """Attention's products (a batch dimension in both operands) read
+    ``batched_matmul_efficiency`` where it has points; a linear's leading dims fold into its
+    rows and read the 2-D curve, as does a 2-D mm."""
+    import dataclasses
+
+    from plait.cost.compute import matmul_share
+    from plait.cost.flops import is_batched_matmul
+    from plait.graph.opgraph import TensorMeta
+
+    hw = dataclasses.replace(
+        local_defaults(),
+        matmul_efficiency=((16, 0.5), (64, 0.9), (512, 1.0)),
+        batched_matmul_efficiency=((16, 0.3), (64, 0.5)),
+    )
+    q, k = TensorMeta((4, 8, 128, 32), "float32"), TensorMeta((4, 8, 32, 128), "float32")
+    scores = TensorMeta((4, 8, 128, 128), "float32")
+    assert is_batched_matmul("aten.matmul.default", (q, k))
+    assert matmul_share("aten.matmul.default", (q, k), (scores,), hw) == pytest.approx(0.4)
+    x, w = TensorMeta((4, 128, 32), "float32"), TensorMeta((512, 32), "float32")
+    assert not is_batched_matmul("aten.linear.default", (x, w))
+    y = TensorMeta((4, 128, 512), "float32")
+    assert matmul_share("aten.linear.default", (x, w), (y,), hw) == pytest.approx(0.7)
+    a, b = TensorMeta((128, 32), "float32"), TensorMeta((32, 128), "float32")
+    assert not is_batched_matmul("aten.mm.default", (a, b))
+    # broadcasting a 2-D weight over a batch is one 2-D product, not a batch of them
+    assert not is_batched_matmul("aten.matmul.default", (q, TensorMeta((32, 16), "float32")))
+    assert hw.matmul_share(32, batched=True) == pytest.approx(0.4)
+    no_batched = dataclasses.replace(hw, batched_matmul_efficiency=())
+    assert no_batched.matmul_share(32, batched=True) == pytest.approx(0.7)
+
+
+def test_a_measured_element_rate_floors_an_elementwise_op() -> None:
+    """gelu at a measured 1e8 elements/s of forward and backward costs elements / rate
+    across both passes when that outruns its bytes; an op with no measured rate (add) and a
+    profile with none price by bytes alone, as before."""
+    import dataclasses
+
+    from plait.cost.compute import elementwise_seconds
+    from plait.graph.opgraph import OpNode, TensorMeta
+    from plait.planning.setup import compute_model
+
+    base = dataclasses.replace(local_defaults(), kernel_latency=0.0, op_overhead=0.0)
+    hw = dataclasses.replace(base, elementwise_rates=(("gelu", 1e8),))
+    meta = TensorMeta((512, 1024), "float32")
+    assert elementwise_seconds("aten.gelu.default", (meta,), hw) == pytest.approx(512 * 1024 / 1e8)
+    assert elementwise_seconds("aten.add.Tensor", (meta, meta), hw) == 0.0
+    assert elementwise_seconds("aten.gelu.default", (meta,), base) == 0.0
+    gelu = OpNode(
+        name="gelu",
+        target="aten.gelu.default",
+        inputs=("x",),
+        input_metas=(meta,),
+        outputs=(meta,),
+        flops=8 * meta.numel,
+        bytes=2 * meta.nbytes,
+    )
+    add = dataclasses.replace(gelu, name="add", target="aten.add.Tensor")
+    priced, plain = compute_model(hw, "fp32"), compute_model(base, "fp32")
+    assert priced(gelu, 1) == pytest.approx(512 * 1024 / 1e8)  # forward and backward
+    assert priced(gelu, 4) == pytest.approx(512 * 1024 / 1e8 / 4)  # a quarter of the rows
+    assert plain(gelu, 1) < priced(gelu, 1)  # bytes alone: faster on this profile
+    assert priced(add, 1) == plain(add, 1)
+    # a rate faster than the bytes changes nothing: memory stays the floor
+    fast = dataclasses.replace(base, elementwise_rates=(("gelu", 1e15),))
+    assert compute_model(fast, "fp32")(gelu, 1) == plain(gelu, 1)
+
+
+@pytest.mark.parametrize(
+    "rates", [(("gelu", 0.0),), (("", 1e8),), (("gelu", 1e8), ("gelu", 2e8)), (("gelu",),)]
+)
+def test_bad_elementwise_rates_are_refused_by_name(rates) -> None:
+    import dataclasses
+
+    with pytest.raises(CostError, match=r"elementwise_rates=.* names distinct and rates > 0"):
+        dataclasses.replace(local_defaults(), elementwise_rates=rates)
 
 
 def test_matmul_dims_of_each_product_kind() -> None:

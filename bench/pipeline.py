@@ -3,9 +3,11 @@ script of the same split, and the measured pipeline bubble against the predicted
 
 One TinyGPT (by default vocab 512, seq 64, width 128, 8 heads, 8 layers: 1.72 M parameters),
 AdamW, 4 gloo processes (one torch thread each), global batch ``--batch``, ``--micro`` (8)
-micro-batches a step. Meshes: ``pp4`` (4 stages, dp=1) and ``pp2xdp2`` (2 stages, each
-replicated twice); schedules ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and ``zero_bubble``
-(both with 2 stages a rank). For each mesh and schedule, in the same processes:
+micro-batches a step. Meshes: ``pp4`` (4 stages, dp=1), ``pp2xdp2`` (2 stages, each
+replicated twice), ``pp2tp2`` (2 stages, each split over tp=2 in Megatron's layout) and
+``pp2dp2z3`` (2 stages replicated twice with ZeRO-3 over dp); schedules ``gpipe``, ``1f1b``,
+``interleaved_1f1b`` and ``zero_bubble`` (both with 2 stages a rank). For each mesh and
+schedule, in the same processes:
 
 * ``plait``: ``plait.parallelize(model, ParallelConfig(mode="data_parallel", mesh=...,
   micro_batches=8, schedule=...), optimizer=AdamW, loss_fn=gpt_loss, example_batch=...)``,
@@ -25,6 +27,41 @@ replicated twice); schedules ``gpipe``, ``1f1b``, ``interleaved_1f1b`` and ``zer
   every micro-batch's logits, work plait does not do). The baseline's step returns the last
   stage's mean loss with no collective; plait's returns the global loss (one scalar
   all-reduce over the 4 ranks).
+
+Stages holding tensor parallel or ZeRO (``pp2tp2``, ``pp2dp2z3``):
+
+* ``pp2tp2``, plait: ``annotate_megatron(model, 2)`` (q, k, v and fc1 column parallel, the
+  attention's out and fc2 row parallel), ``ParallelConfig(mode="semi_auto", mesh={"pp": 2,
+  "tp": 2}, ...)``. Baseline: torch's tracer frontend cannot be used with tensor parallel
+  (``parallelize_module`` on a ``pipe.build_stage`` module is refused: its submodules are
+  traced ``InterpreterModule`` objects and ColwiseParallel takes only ``nn.Linear``;
+  parallelising the model first, ``pipeline()`` cannot capture it with ``torch.export``), so
+  the baseline uses torch's manual frontend, as torchtitan does: a stage module holding the
+  model's own modules between plait's ``job.stage_starts`` (embeddings in the first stage,
+  final norm and head in the last, TinyGPT.forward's code), ``parallelize_module`` over the
+  tp sub-mesh with ``ColwiseParallel`` / ``RowwiseParallel`` in the same layout and a
+  ``PrepareModuleInput`` on each attention (its input made a replicated DTensor once, so q,
+  k and v share one all-reduce of its gradient: Megatron's 2 all-reduces a block forward and
+  2 backward, as plait), then ``PipelineStage(module, index, stages, input_args=...,
+  output_args=...)``; the schedule runs under ``implicit_replication`` (the attention adds
+  its plain causal mask to DTensor scores). q, k and v keep DTensor outputs
+  (``use_local_output=False``) because TinyGPT's attention splits heads by the width of its
+  input, not of the local piece, so the baseline's attention runs on DTensors (DTensor's
+  per-op dispatch; plait's stages run on DTensors too, through its own dispatch mode).
+* ``pp2dp2z3``, plait: ``ParallelConfig(mode="data_parallel", mesh={"pp": 2, "dp": 2},
+  optimizer_shard=3, optimizer_shard_threshold=0)`` (every parameter split, as FSDP2 on the
+  whole stage module splits them; plait's default threshold keeps parameters under 64 KiB
+  whole). Baseline: the tracer split as above, then ``fully_shard(stage.submod,
+  mesh=device_mesh["dp"], reshard_after_forward=True)`` on each stage module (FSDP2 averages
+  the gradients over dp itself: no hand-written all-reduce).
+
+A combination plait refuses (``PlaitError`` at ``parallelize``) or the baseline's build
+raises on is shown as refused with the reason, and its other side is not run. plait
+refuses ``zero_bubble`` with tensor parallel and with ``optimizer_shard`` in the stages.
+Tried once by hand (torch 2.13, 4 layers, 2 steps): torch's zero-bubble schedule runs the
+manual tp stages above with losses equal to 1f1b's; on FSDP2 stages it runs but the second
+step's loss differs from 1f1b's by 2.5e-4 relative (plait's stated reason for refusing it:
+FSDP2 reduce-scatters before the separate weight-gradient passes have run).
 
 Both start from the same weights and take the same batches, so their losses must agree (to
 ``--rtol``; checked). After ``--warmup`` untimed steps each, ``--steps`` timed steps each,
@@ -57,8 +94,8 @@ baseline's phases likewise). "CPU share" is the process CPU time of the 4 ranks 
 tenants' load lowers it too). "CPU s/step" is the 4 ranks' process CPU time of a whole step.
 
 Run from the repository root: ``.venv/bin/python bench/pipeline.py`` (CPU, 4 gloo processes;
-about 3 minutes on 2 shared cores). ``--meshes pp4 --schedules 1f1b --steps 4`` for a short
-run.
+about 3 minutes on 2 shared cores for ``pp4`` and ``pp2xdp2``, the two other meshes add about
+as much again). ``--meshes pp4 --schedules 1f1b --steps 4`` for a short run.
 """
 
 from __future__ import annotations
@@ -68,17 +105,23 @@ import gc
 import json
 import logging
 import os
+import re
 import statistics
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import (
+    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -86,11 +129,20 @@ from torch.distributed.pipelining import (
     SplitPoint,
     pipeline,
 )
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 import plait
 from plait import ParallelConfig
 from plait.comm import pipeline as pp_comm
-from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.errors import PlaitError
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.runtime import pipeline as pp_job
 from plait.testing import run_workers
 
@@ -99,7 +151,26 @@ LR = 1e-3
 TARGET = 1.05
 CORES = os.cpu_count() or 1
 
-MESHES: dict[str, dict[str, int]] = {"pp4": {"pp": 4}, "pp2xdp2": {"pp": 2, "dp": 2}}
+
+@dataclass(frozen=True)
+class Mesh:
+    """One configuration of the 4 processes (a row group of the table)."""
+
+    axes: dict[str, int]
+    label: str
+    tp: bool = False
+    """Tensor parallel in the stages: plait semi_auto with Megatron annotations; the baseline
+    on torch's manual stages with parallelize_module."""
+    zero: int | None = None
+    """plait's optimizer_shard (threshold 0); the baseline's fully_shard over dp."""
+
+
+MESHES: dict[str, Mesh] = {
+    "pp4": Mesh({"pp": 4}, "pp=4"),
+    "pp2xdp2": Mesh({"pp": 2, "dp": 2}, "pp=2 x dp=2"),
+    "pp2tp2": Mesh({"pp": 2, "tp": 2}, "pp=2 x tp=2", tp=True),
+    "pp2dp2z3": Mesh({"pp": 2, "dp": 2}, "pp=2 x dp=2 ZeRO-3", zero=3),
+}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TORCH_SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -266,20 +337,115 @@ StepFn = Callable[[Batch], float | None]
 
 
 def build_plait(
-    cfg: GPTConfig, mesh: dict[str, int], schedule: str, micro: int, example: Batch
+    cfg: GPTConfig, mesh: Mesh, schedule: str, micro: int, example: Batch
 ) -> tuple[StepFn, Any]:
-    config = ParallelConfig(mode="data_parallel", mesh=mesh, micro_batches=micro, schedule=schedule)
-    job = plait.parallelize(
-        initial_model(cfg), config, optimizer=adamw, loss_fn=gpt_loss, example_batch=example
+    model = initial_model(cfg)
+    if mesh.tp:  # Megatron's layout by plait.shard marks, run in mode semi_auto
+        annotate_megatron(model, mesh.axes["tp"])
+    zero = {"optimizer_shard": mesh.zero, "optimizer_shard_threshold": 0} if mesh.zero else {}
+    config = ParallelConfig(
+        mode="semi_auto" if mesh.tp else "data_parallel",
+        mesh=dict(mesh.axes),
+        micro_batches=micro,
+        schedule=schedule,
+        **zero,
     )
+    job = plait.parallelize(model, config, optimizer=adamw, loss_fn=gpt_loss, example_batch=example)
     wrap_pipeline(job.stages, job._schedule, job.optimizer)
     if hasattr(job, "_sync_ties"):  # tied parameters across stages (none in TinyGPT)
         CLOCK.wrap(job, "_sync_ties", "ties")
     return job.step, job
 
 
+class GPTStage(nn.Module):
+    """One stage of TinyGPT for torch's manual pipeline frontend: the model's own modules of
+    that stage (the embeddings in the first, the final norm and head in the last), under the
+    model's parameter names, and TinyGPT.forward's code for them."""
+
+    def __init__(self, model: TinyGPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.tok = model.tok if first else None
+        self.pos = model.pos if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        self.ln = model.ln if last else None
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None and self.pos is not None:
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        if self.ln is not None and self.head is not None:
+            x = self.head(self.ln(x))
+        return x
+
+
+def megatron_plan(blocks: range) -> dict[str, Any]:
+    """Megatron's layout with torch's tensor-parallel styles: q, k, v and fc1 column parallel,
+    the attention's out and fc2 row parallel (their partial sums all-reduced). The attention's
+    input enters replicated once, so q, k and v share one all-reduce of its gradient; q, k and
+    v stay DTensors, as TinyGPT's attention splits heads by the model's (global) shapes."""
+    plan: dict[str, Any] = {}
+    for i in blocks:
+        b = f"blocks.{i}"
+        plan[f"{b}.attn"] = PrepareModuleInput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(Replicate(),),
+            use_local_output=False,
+        )
+        for name in ("q", "k", "v"):
+            plan[f"{b}.attn.{name}"] = ColwiseParallel(use_local_output=False)
+        plan[f"{b}.attn.out"] = RowwiseParallel()
+        plan[f"{b}.fc1"] = ColwiseParallel()
+        plan[f"{b}.fc2"] = RowwiseParallel()
+    return plan
+
+
+def manual_tp_stages(
+    cfg: GPTConfig,
+    model: TinyGPT,
+    device_mesh: DeviceMesh,
+    indices: list[int],
+    count: int,
+    starts: list[str],
+    micro_ids: torch.Tensor,
+) -> list[Any]:
+    """Stages cut at plait's ``starts`` by hand (torch's tracer refuses either order: its
+    traced stage modules are not nn.Linear, which ColwiseParallel requires, and torch.export
+    cannot capture a model parallelised first), each parallelised over tp, then
+    ``PipelineStage`` with its input and output shapes given."""
+    if not all(s.startswith("blocks.") for s in starts):
+        raise ValueError(f"stage starts {starts} are not all TinyGPT blocks")
+    bounds = [0, *(int(s.split(".")[1]) for s in starts), cfg.layers]
+    rows, seq = micro_ids.shape
+    stages = []
+    for i in indices:
+        first, last = i == 0, i == count - 1
+        blocks = range(bounds[i], bounds[i + 1])
+        module = GPTStage(model, blocks, first, last)
+        parallelize_module(module, device_mesh["tp"], megatron_plan(blocks))
+        # the shapes torch's static metadata takes; requires_grad on the activations says
+        # that their gradients travel back (else the stage before never receives them)
+        inputs = micro_ids if first else torch.zeros(rows, seq, cfg.width, requires_grad=True)
+        width = cfg.vocab if last else cfg.width
+        output = torch.zeros(rows, seq, width, requires_grad=True)
+        stages.append(
+            PipelineStage(
+                module,
+                i,
+                count,
+                torch.device("cpu"),
+                input_args=(inputs,),
+                output_args=(output,),
+                group=device_mesh.get_group("pp"),
+            )
+        )
+    return stages
+
+
 def build_baseline(
     cfg: GPTConfig,
+    mesh: Mesh,
     device_mesh: DeviceMesh,
     schedule: str,
     micro: int,
@@ -288,24 +454,31 @@ def build_baseline(
 ) -> tuple[StepFn, list[int]]:
     """The hand-written torch.distributed.pipelining script (see the module docstring)."""
     pp = device_mesh.size(0)
-    dp = device_mesh.size(1)
+    dp = mesh.axes.get("dp", 1)
     pp_rank = device_mesh.get_local_rank("pp")
-    dp_group = device_mesh.get_group("dp")
     virtual = 1 if schedule in LOOPED else VIRTUAL
+    indices = [pp_rank + k * pp for k in range(virtual)]
 
     model = initial_model(cfg)
     ids, _ = local_example
     micro_ids = ids[: ids.shape[0] // micro]
-    pipe = pipeline(
-        model,
-        mb_args=(micro_ids,),
-        split_spec={name: SplitPoint.BEGINNING for name in starts},
-    )
-    indices = [pp_rank + k * pp for k in range(virtual)]
-    stages = [
-        pipe.build_stage(i, torch.device("cpu"), device_mesh.get_group("pp")) for i in indices
-    ]
-    params = [p for s in stages for p in s.submod.parameters()]
+    if mesh.tp:
+        stages = manual_tp_stages(cfg, model, device_mesh, indices, pp * virtual, starts, micro_ids)
+        modules = [s.submod for s in stages]
+    else:
+        pipe = pipeline(
+            model,
+            mb_args=(micro_ids,),
+            split_spec={name: SplitPoint.BEGINNING for name in starts},
+        )
+        stages = [
+            pipe.build_stage(i, torch.device("cpu"), device_mesh.get_group("pp")) for i in indices
+        ]
+        modules = [s.submod for s in stages]
+        if mesh.zero:  # FSDP2 over the dp sub-mesh, on each stage module
+            for m in modules:
+                fully_shard(m, mesh=device_mesh["dp"], reshard_after_forward=mesh.zero == 3)
+    params = [p for m in modules for p in m.parameters()]
     opt = adamw(params)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -316,6 +489,8 @@ def build_baseline(
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)
     wrap_pipeline(stages, sched, opt)
+    average = dp > 1 and not mesh.zero  # FSDP2 averages the gradients over dp itself
+    dp_group = device_mesh.get_group("dp") if average else None
 
     def mean_over_dp() -> None:
         grads = [p.grad for p in params if p.grad is not None]
@@ -328,18 +503,21 @@ def build_baseline(
             offset += g.numel()
 
     grad_mean = CLOCK.timed(mean_over_dp, "grad mean")
+    # TinyGPT's attention adds its causal mask (a plain tensor) to DTensor scores
+    replicated = implicit_replication if mesh.tp else nullcontext
 
     def step(batch: Batch) -> float | None:
         ids, targets = batch
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        sched.step(
-            *((ids,) if first else ()),
-            target=targets if last else None,
-            losses=losses if last else None,
-            return_outputs=False,
-        )
-        if dp > 1:
+        with replicated():
+            sched.step(
+                *((ids,) if first else ()),
+                target=targets if last else None,
+                losses=losses if last else None,
+                return_outputs=False,
+            )
+        if average:
             grad_mean()
         opt.step()
         return float(torch.stack(losses).detach().mean()) if losses else None
@@ -368,6 +546,21 @@ def timed_step(step: StepFn, batch: Batch) -> dict[str, Any]:
     }
 
 
+def attempt(build: Callable[[], Any], refusals: tuple[type[BaseException], ...]) -> Any:
+    """``build()``, or the refusal one of the ranks met (every rank learns it: one
+    all_gather_object, so all of them skip the case together). Returns (result, None) or
+    (None, "ErrorType: message")."""
+    result, error = None, None
+    try:
+        result = build()
+    except refusals as e:
+        error = f"{type(e).__name__}: {e}"
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    refused = next((e for e in errors if e is not None), None)
+    return (None, refused) if refused is not None else (result, None)
+
+
 def run_case(
     cfg: GPTConfig,
     mesh_key: str,
@@ -376,22 +569,41 @@ def run_case(
     meshes: dict[str, DeviceMesh],
 ) -> dict[str, Any]:
     mesh = MESHES[mesh_key]
-    dp = mesh.get("dp", 1)
+    dp = mesh.axes.get("dp", 1)
+    inner = "tp" if mesh.tp else "dp"  # the baseline mesh's second dim
     batches = global_batches(cfg, args.batch, args.warmup + args.steps)
     t0 = time.perf_counter()
-    plait_step, job = build_plait(cfg, mesh, schedule, args.micro, batches[0])
+    built, refused = attempt(
+        lambda: build_plait(cfg, mesh, schedule, args.micro, batches[0]), (PlaitError,)
+    )
+    if refused is not None:  # the baseline is not run (a failure inside a step would hang)
+        return {"refused": f"by plait: {refused}"}
+    plait_step, job = built
     plait_setup = time.perf_counter() - t0
-    dp_rank = int(job.device_mesh.get_coordinate()[job.mesh.axis_index("dp")]) if dp > 1 else 0
+    coordinate = job.device_mesh.get_coordinate()
+    dp_rank = int(coordinate[job.mesh.axis_index("dp")]) if dp > 1 else 0
     if mesh_key not in meshes:
-        meshes[mesh_key] = init_device_mesh("cpu", (mesh["pp"], dp), mesh_dim_names=("pp", "dp"))
+        meshes[mesh_key] = init_device_mesh(
+            "cpu", (mesh.axes["pp"], mesh.axes.get(inner, 1)), mesh_dim_names=("pp", inner)
+        )
     device_mesh = meshes[mesh_key]
-    assert device_mesh.get_local_rank("dp") == dp_rank, "baseline mesh layout differs from plait's"
+    for axis in mesh.axes:
+        mine = int(coordinate[job.mesh.axis_index(axis)])
+        assert device_mesh.get_local_rank(axis) == mine, "baseline mesh layout differs from plait's"
     local = [local_slice(b, dp, dp_rank) for b in batches]
+    starts = job.stage_starts
     dist.barrier()
     t0 = time.perf_counter()
-    base_step, indices = build_baseline(
-        cfg, device_mesh, schedule, args.micro, job.stage_starts, local[0]
+    built, refused = attempt(
+        lambda: build_baseline(cfg, mesh, device_mesh, schedule, args.micro, starts, local[0]),
+        (Exception,),
     )
+    if refused is not None:
+        del job, plait_step
+        gc.collect()
+        dist.barrier()
+        return {"refused": f"by torch (the baseline): {refused}"}
+    base_step, indices = built
     base_setup = time.perf_counter() - t0
     assert indices == job.stage_indices, (indices, job.stage_indices)
     out: dict[str, Any] = {
@@ -506,6 +718,16 @@ def losses(per_rank: list[dict[str, Any]], side: str) -> list[float]:
     return out
 
 
+def short_reason(reason: str) -> str:
+    """A refusal for the table: who refused, the error's type and what it refuses, without
+    plait's echo of the config and its advice (the details below the table give it whole)."""
+    who, _, rest = reason.partition(": ")
+    kind, _, text = rest.partition(": ")
+    text = re.sub(r"^ParallelConfig\(.*?\) with pipeline_stages=\d+: ", "", text)
+    text = text.split("; use ")[0].split(" with pipeline parallel is not built")[0]
+    return f"{who} ({kind}): {text[:240]}"
+
+
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str, float]:
     lines = [
         "| config | schedule | plait ms | baseline ms | plait / baseline | median of paired "
@@ -521,9 +743,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str
     for key in results[0]:
         mesh_key, schedule = key.split("/")
         per_rank = [r[key] for r in results]
+        mesh = MESHES[mesh_key].label
+        if "refused" in per_rank[0]:
+            reason = per_rank[0]["refused"]
+            lines.append(f"| {mesh} | {schedule} | refused {short_reason(reason)} |" + " - |" * 9)
+            detail.append(f"{mesh} {schedule}: refused {reason}")
+            continue
         p = measured(per_rank, "plait", args.warmup)
         b = measured(per_rank, "baseline", args.warmup)
-        pp = MESHES[mesh_key]["pp"]
+        pp = MESHES[mesh_key].axes["pp"]
         m = args.micro
         t = p["passes"]  # the busiest rank's passes in a step (its whole share of the model)
         forward, weight = (t["forward"] + t["loss"]) / m, t["weight"] / m
@@ -537,7 +765,6 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str
         ratio = p["step"] / b["step"]
         paired = statistics.median(x / y for x, y in zip(p["steps"], b["steps"], strict=True))
         met = "met" if ratio <= TARGET else "missed"
-        mesh = " x ".join(f"{k}={v}" for k, v in MESHES[mesh_key].items())
         lines.append(
             f"| {mesh} | {schedule} | {p['step'] * 1e3:.1f} | {b['step'] * 1e3:.1f} "
             f"| {ratio:.3f} | {paired:.3f} | {met} "

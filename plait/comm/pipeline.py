@@ -12,6 +12,7 @@ several stages a rank) or, for the V-shaped zero-bubble schedule, ranks ``s`` an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,9 +34,13 @@ from plait._compat import tree_map, unflatten_mesh_dim
 
 __all__ = [
     "SCHEDULES",
+    "PieceLayout",
+    "add_piece_to_grad",
     "build_stages",
+    "layout_of",
     "make_schedule",
     "mean_over_group",
+    "parameter_from_piece",
     "run_schedule",
     "shard_stage",
     "split_model",
@@ -241,3 +246,80 @@ class _PendingSumsReduced(TorchFunctionMode):
             whole = [Replicate() if p.is_partial() else p for p in out.placements]
             return out.redistribute(out.device_mesh, whole)
         return out
+
+
+# ------------------------------------------------------------ a stage as a per-rank program
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """How a local piece makes a DTensor: its device mesh, placements, global shape and
+    stride (a compiled stage's parameters and gradients, :mod:`plait.runtime.stage_program`)."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    spec: Any = field(compare=False, repr=False)
+    """DTensor's own metadata of it (its ``_spec``)."""
+
+    @classmethod
+    def of(cls, tensor: DTensor) -> PieceLayout:
+        return cls(
+            tensor.device_mesh,
+            tuple(tensor.placements),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor._spec,
+        )
+
+    def dtensor(self, piece: torch.Tensor) -> DTensor:
+        """``piece`` as the DTensor of this layout (no communication, no copy)."""
+        return DTensor.from_local(
+            piece, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
+            stride=self.stride,
+        )  # fmt: skip
+
+
+def layout_of(tensor: torch.Tensor) -> PieceLayout | None:
+    """A DTensor's :class:`PieceLayout`; None for a plain tensor."""
+    return PieceLayout.of(tensor) if isinstance(tensor, DTensor) else None
+
+
+def parameter_from_piece(
+    piece: torch.Tensor, layout: PieceLayout, grad_layout: Callable[[PieceLayout], None]
+) -> DTensor:
+    """``piece`` as the DTensor parameter it is this rank's piece of, inside a traced stage.
+    Unlike ``DTensor.from_local``, whose backward redistributes the gradient to the piece's
+    layout (a pending sum reduced on every micro-batch), the gradient leaves as the local
+    piece of the layout backward gave it, a pending sum still pending (the job reduces it once
+    a step, as the eager stage's parameters' gradients); that layout goes to ``grad_layout``
+    when the backward is traced."""
+    return _FromPiece.apply(piece, layout, grad_layout)  # type: ignore[no-any-return]
+
+
+class _FromPiece(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, piece: torch.Tensor, layout: PieceLayout, grad_layout: Any) -> DTensor:
+        ctx.grad_layout = grad_layout
+        return DTensor(piece.view_as(piece), layout.spec, requires_grad=piece.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        if grad is None:
+            return None, None, None
+        ctx.grad_layout(PieceLayout.of(grad))
+        return grad._local_tensor, None, None
+
+
+def add_piece_to_grad(param: torch.Tensor, piece: torch.Tensor, layout: PieceLayout) -> None:
+    """Add a local gradient ``piece`` (laid out as ``layout``) into ``param.grad``: on the
+    local piece when the gradient there is laid out alike (no DTensor dispatch), else
+    through DTensor."""
+    grad = param.grad
+    if grad is None:
+        param.grad = layout.dtensor(piece)
+    elif isinstance(grad, DTensor) and tuple(grad.placements) == layout.placements:
+        grad._local_tensor.add_(piece)
+    else:
+        param.grad = grad + layout.dtensor(piece)

@@ -65,6 +65,7 @@ from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
 from plait.runtime.remat import kept_by_selective
 from plait.runtime.stage_balance import balanced_layer_starts as _balanced_starts
+from plait.runtime.stage_program import compile_stage, compiles
 from plait.runtime.zero import ZeroOptimizer, check_elementwise
 
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
@@ -227,6 +228,7 @@ class PipelineJob(Job):
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
+        programs = [compile_stage(m) for m in modules] if compiles(config, inner) else []
         offload = wrap_stages(model, modules, config, device)
         reduced_here = shard_stages(modules, config, device_mesh, dp)
         super().__init__(
@@ -247,6 +249,9 @@ class PipelineJob(Job):
         )
         self.stages = stages
         self.stage_modules = modules
+        self.stage_programs = programs
+        """Each stage as a per-rank program (:mod:`plait.runtime.stage_program`) where it
+        applies (tensor parallel in the stages); empty where the stages run eagerly."""
         self.plan = plan
         """The plan the stages run (mode auto, plan files), None for marks and even splits."""
         self.stage_indices = indices

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -275,3 +276,32 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
     received_bytes = received.numel() * received.element_size()
     assert received_bytes >= 1 << 20 and first.moved_bytes > 0
     assert moved_by_plan == [first.moved_bytes * micro, last.moved_bytes * micro]
+
+
+def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stage with axes inside runs as its traced per-rank program (fp32, the looped
+    schedules, optimizer offload); settings whose work hooks into the eager stage keep it."""
+    from plait.runtime import stage_program
+
+    tp = ("tp",)
+    base = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4)
+    assert stage_program.compiles(base, tp)
+    assert stage_program.compiles(dataclasses.replace(base, offload="optimizer"), tp)
+    assert stage_program.compiles(
+        dataclasses.replace(base, schedule="interleaved_1f1b", virtual_stages=None), tp
+    )
+    assert not stage_program.compiles(base, ())  # no axes inside: plain tensors, nothing to do
+    for eager in (
+        {"precision": "bf16"},
+        {"optimizer_shard": 3},
+        {"recompute": "full"},
+        {"recompute": "selective"},
+        {"recompute_modules": {"blocks.0": "full"}},
+        {"offload": "activations"},
+        {"schedule": "zero_bubble", "virtual_stages": None},
+    ):
+        assert not stage_program.compiles(dataclasses.replace(base, **eager), tp), eager
+    monkeypatch.setattr(stage_program, "ENABLED", False)
+    assert not stage_program.compiles(base, tp)

@@ -579,7 +579,7 @@ def _three_axes(_: str) -> dict:
             schedule=schedule,
         )  # fmt: skip
         job, losses = _train(config, megatron=True)
-        out[schedule] = (losses, job.full_state_dict())
+        out[schedule] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
         if schedule == "1f1b":
             one_f_one_b = job
     zero3 = ParallelConfig(
@@ -587,7 +587,7 @@ def _three_axes(_: str) -> dict:
         optimizer_shard=3, optimizer_shard_threshold=0,
     )  # fmt: skip
     zero_job, losses = _train(zero3, megatron=True)  # FSDP2 over dp of tp-split stages (2-D)
-    out["zero3"] = (losses, zero_job.full_state_dict())
+    out["zero3"] = (losses, zero_job.full_state_dict(), zero_job.stage_programs)
     hsdp = ParallelConfig(
         mode="semi_auto", mesh={"pp": 2, "dp": 4}, micro_batches=2,
         optimizer_shard=3, optimizer_shard_threshold=0, optimizer_weight_shard_size=2,
@@ -603,7 +603,10 @@ def _three_axes(_: str) -> dict:
         offload="activations",
     )  # fmt: skip
     offload_job, losses = _train(offload, megatron=True, min_offload_bytes=0)
-    out["offload"] = (losses, offload_job.full_state_dict(), offload_job.activation_offload.moved)
+    out["offload"] = (
+        losses, offload_job.full_state_dict(), offload_job.activation_offload.moved,
+        offload_job.stage_programs,
+    )  # fmt: skip
     job = one_f_one_b
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
         job.step(_local(job, _batches()[0]))
@@ -625,6 +628,11 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
     results = run_workers(_three_axes, 8, str(tmp_path), timeout_s=600.0)
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
     assert all(r["offload"][2] > 0 for r in results)  # every rank's stage moved some
+    # the looped schedules ran each stage as its compiled program, every micro-batch of the 2
+    # steps (interleaved: 2 stages a rank); FSDP2 and activation offload keep the eager stage
+    for r in results:
+        assert [r[s][2] for s in SCHEDULES_TP] == [[8], [8], [8, 8]], r
+        assert r["zero3"][2] == [] and r["offload"][3] == []
     for schedule in (*SCHEDULES_TP, "zero3", "offload"):
         losses, state = results[0][schedule][:2]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))

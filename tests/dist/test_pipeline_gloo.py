@@ -257,6 +257,11 @@ def _workers(root: str) -> dict:
     out["pp_tp_collectives"] = (inner.counts(), dict(log.counts))
     params = sum(1 for m in job.stage_modules for _ in m.parameters())
     out["pp_tp_program"] = (_program(job), dict(ops.counts), params)
+    # the optimizer on the host beside compiled stages (their gradients reach its copies)
+    host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
+                          offload="optimizer")  # fmt: skip
+    job, losses = _train(host, megatron=True, optimizer=_momentum)
+    out["pp_tp_host"] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
     # (after pp_tp's count: a later mesh of the same shape renames its groups) plans of
     # mode auto with pipeline stages run as pipelines: the plan's stage split,
     # micro-batches, ZeRO level and recompute; its parameter layouts inside the stages
@@ -562,6 +567,9 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         }, f"rank {rank}: {program}"  # fmt: skip
         assert set(ops) == {"aten.div_.Tensor", "aten.add_.Tensor"}, f"rank {rank}: {ops}"
         assert max(ops.values()) <= params, f"rank {rank}: {ops}, {params} parameters"
+        assert r["pp_tp_host"][2] == [8], f"rank {rank}: {r['pp_tp_host'][2]}"
+    momentum = reference_run(_model(megatron=True), gpt_loss, _momentum, _batches())
+    _same_run(*results[0]["pp_tp_host"][:2], momentum, "pp_tp_host")
     losses, state = results[0]["reshard"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses[STEPS:]))
     for key, value in reference.state.items():

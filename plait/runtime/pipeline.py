@@ -17,6 +17,11 @@ The user's ``loss_fn(model, batch)`` is used as it is: the model's inputs are fo
 it with a stand-in model that records its arguments, and the last stage computes each
 micro-batch's loss by calling it with a stand-in that returns the pipeline's output.
 
+With tensor parallel inside the stages (axes besides ``pp`` and ``dp``), each stage's
+parameters are DTensors on the inner sub-mesh, and where it applies the stage runs as a
+per-rank program: its forward and backward traced once into FX graphs over local tensors,
+collectives explicit (:mod:`plait.runtime.stage_program`; ``job.stage_programs``).
+
 Offload: ``offload="optimizer"`` builds the optimizer over host copies of the stages'
 parameter pieces (:func:`stage_optimizer`, the per-rank program's ``ZeroOptimizer``);
 ``offload="activations"`` runs each stage's forward and the loss under saved-tensor hooks that

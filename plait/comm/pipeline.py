@@ -315,12 +315,22 @@ class _FromPiece(torch.autograd.Function):
         return grad._local_tensor, None, None
 
 
-def add_piece_to_grad(param: torch.Tensor, piece: torch.Tensor, layout: PieceLayout) -> None:
+def add_piece_to_grad(
+    param: torch.Tensor, piece: torch.Tensor, layout: PieceLayout, *, copy: bool = False
+) -> None:
     """Add a local gradient ``piece`` (laid out as ``layout``) into ``param.grad``: on the
     local piece when the gradient there is laid out alike (no DTensor dispatch), else
-    through DTensor."""
+    through DTensor. A first gradient is kept as it is, or copied (``copy``: it may alias
+    something else; or its strides are not the parameter piece's, as autograd's gradient
+    accumulation copies it)."""
     grad = param.grad
     if grad is None:
+        with torch.no_grad():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if copy or (piece.shape == local.shape and piece.stride() != local.stride()):
+                piece = torch.empty_like(local if piece.shape == local.shape else piece).copy_(
+                    piece
+                )
         param.grad = layout.dtensor(piece)
     elif isinstance(grad, DTensor) and tuple(grad.placements) == layout.placements:
         grad._local_tensor.add_(piece)

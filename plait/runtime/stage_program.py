@@ -32,12 +32,22 @@ run eagerly in any case. The zero-bubble schedules are refused with tensor paral
 stages already; they split a backward into its input- and weight-gradient passes through the
 autograd graph, which one autograd function hides.
 
+A stage that draws random numbers (dropout: eager DTensor keeps each piece's random stream
+apart, a trace would not), a micro-batch whose inputs differ from the traced one's, parameters
+no longer laid out as traced, or a trace that fails run the eager forward (``refused`` says
+why, with a warning, when it is for good).
+
+The graphs follow DTensor's propagation from the parameters' layouts (as the eager stage
+does), not the plan's per-op strategies: the stage is a program over local tensors, not yet a
+slice of the plan's own compiled program.
+
 ``ENABLED`` (default True) turns compiled stages off for the jobs built after it is set.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,6 +121,9 @@ class StageProgram:
         if any(layout is None for layout in self.layouts):
             self.refused = "a parameter is not a DTensor"
         self._grad_layouts: list[PieceLayout | None] = [None] * len(params)
+        self._copied: set[int] = set()
+        """Backward outputs that are (views of) its inputs or of another output: a
+        parameter's gradient made of one is copied before it is kept and added to."""
         self._outputs = 0
         self._out_spec: Any = None
         self._tracing = False
@@ -207,6 +220,7 @@ class StageProgram:
         self.forward, self.backward = default_partition(
             graph, example, num_fwd_outputs=self._outputs
         )
+        self._copied = _aliasing_outputs(self.backward)
         logger.info(
             "pipeline: stage traced into a program of %d forward and %d backward nodes",
             len(self.forward.graph.nodes),
@@ -216,9 +230,9 @@ class StageProgram:
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Add each parameter's local gradient into its ``.grad``, laid out as traced."""
         params = [owner._parameters[attr] for owner, attr in self._owners]
-        for p, layout, g in zip(params, self._grad_layouts, grads, strict=True):
+        for i, (p, layout, g) in enumerate(zip(params, self._grad_layouts, grads, strict=True)):
             if g is not None and p is not None and layout is not None:
-                add_piece_to_grad(p, g, layout)
+                add_piece_to_grad(p, g, layout, copy=i in self._copied)
 
 
 def layout_piece(param: torch.Tensor) -> torch.Tensor:
@@ -230,6 +244,26 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The module that holds parameter ``name`` of ``module``, and its attribute there."""
     path, _, attr = name.rpartition(".")
     return (module.get_submodule(path) if path else module), attr
+
+
+def _aliasing_outputs(graph: torch.fx.GraphModule) -> set[int]:
+    """The indices of ``graph``'s outputs that are one of its inputs, or a view of one, or
+    share their value with another output (following view ops back to what they view)."""
+
+    def viewed(node: Any) -> Any:
+        while isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload):
+            returns = node.target._schema.returns
+            if not returns or returns[0].alias_info is None or not node.args:
+                break
+            node = node.args[0]
+        return node
+
+    outputs = graph.graph.find_nodes(op="output")[0].args[0]
+    roots = [viewed(o) if isinstance(o, torch.fx.Node) else None for o in outputs]
+    counts = Counter(r for r in roots if r is not None)
+    return {
+        i for i, r in enumerate(roots) if r is not None and (r.op == "placeholder" or counts[r] > 1)
+    }
 
 
 def _draws_random(node: torch.fx.Node) -> bool:

@@ -28,6 +28,9 @@ repetitions on each rank) and the slowest rank of each collective:
     collective alpha and beta    gloo all_reduce between the processes,      intra_node
                                  small to large messages, fitted to
                                  t = 2(p-1) alpha + 2(p-1)/p * bytes / bw
+    p2p latency                  a small send and its reply between rank      p2p_latency
+                                 pairs that compute between messages (a
+                                 pipeline's stages): half the round trip
     overlap                      the largest all_reduce started async while   comm_overlap
                                  matmuls of about its length run: the share
                                  of the shorter of the two that the pair
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import platform
 import statistics
@@ -326,6 +330,7 @@ def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str,
         "local": local,
         "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
         "overlap": _overlap_fraction(max(settings.message_bytes), settings.collective_reps),
+        "p2p_latency": _p2p_latency(2 * settings.collective_reps),
     }
 
 
@@ -345,6 +350,42 @@ def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
             times.append(time.perf_counter() - t0)
         medians.append(statistics.median(times))
     return medians
+
+
+def _p2p_latency(reps: int) -> float:
+    """One-way seconds of a small message between rank pairs (0, 1), (2, 3), ... while every
+    rank computes between messages, as pipeline stages do (inside a worker; nan on a rank that
+    does not time). The even rank computes, then times a send and the reply; the odd rank
+    replies and computes half as long, so it is waiting in its receive when the message comes
+    (a core may be busy with another rank's matmuls: the wait includes the scheduler's)."""
+    import torch.distributed as dist  # noqa: TID251
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    message = torch.zeros(1024)
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+
+    def work(products: int) -> None:
+        for _ in range(products):
+            torch.mm(a, a)
+
+    times = []
+    dist.barrier()
+    for _ in range(reps):
+        if peer >= world:  # the odd one out of an odd world: compute beside the pairs
+            work(8)
+        elif rank % 2 == 0:
+            work(8)
+            t0 = time.perf_counter()
+            dist.send(message, peer)
+            dist.recv(message, peer)
+            times.append((time.perf_counter() - t0) / 2)
+        else:
+            dist.recv(message, peer)
+            dist.send(message, peer)
+            work(4)
+    dist.barrier()
+    return statistics.median(times) if times else float("nan")
 
 
 def _overlap_fraction(nbytes: int, reps: int) -> float:
@@ -493,10 +534,13 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
     }
     times = [max(t) for t in zip(*(r["all_reduce"] for r in per_rank), strict=True)]
     local["overlap_per_rank"] = [r["overlap"] for r in per_rank]
+    p2p = [r["p2p_latency"] for r in per_rank if not math.isnan(r["p2p_latency"])]
+    local["p2p_latency_per_rank"] = p2p
     return {
         "local": local,
         "all_reduce": times,
         "overlap": statistics.median(r["overlap"] for r in per_rank),
+        "p2p_latency": statistics.median(p2p),
     }
 
 
@@ -551,12 +595,14 @@ def calibrate(
             "copy bandwidth, thin fp32 products and attention's batched ones against the "
             "square one, the element rates of activations and norms, the op floor and "
             "per-op host cost; gloo all_reduce among them "
-            "fitted to alpha-beta, and how much of it hides behind matmuls; memory is the host's RAM, shared by its processes; "
+            "fitted to alpha-beta, and how much of it hides behind matmuls; a small "
+            "send's one-way time between ranks computing between messages; memory is the host's RAM, shared by its processes; "
             "inter_node not measured (10 GbE default)"
         ),
         kernel_latency=local["kernel_latency"],
         op_overhead=local["op_overhead"],
         comm_overlap=world["overlap"],
+        p2p_latency=world["p2p_latency"],
         matmul_efficiency=_share_points(local["matmul_shares"], settings.matmul_size),
         batched_matmul_efficiency=tuple(
             sorted((int(d), f) for d, f in local["batched_shares"].items())
@@ -587,6 +633,8 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  op floor:          {profile.kernel_latency * 1e6:.1f} us",
             f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us",
             f"  comm overlap:      {profile.comm_overlap:.2f} of a collective hides behind compute",
+            f"  p2p latency:       {profile.p2p_latency * 1e3:.2f} ms one way between ranks "
+            "that compute between messages",
             "  matmul share:      "
             + (
                 ", ".join(f"d={d} {f:.2f}" for d, f in profile.matmul_efficiency)

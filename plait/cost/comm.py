@@ -142,6 +142,9 @@ class Topology:
     """Overrides ``hardware.devices_per_node`` (e.g. fewer workers per node than devices)."""
 
     _axes: dict[str, tuple[int, Link]] = field(init=False, repr=False, compare=False)
+    _p2p: dict[str, Link] = field(init=False, repr=False, compare=False)
+    """Per axis, the link a ``send_recv`` over it sees: the axis's, its latency raised to the
+    profile's ``p2p_latency`` inside a node (see :meth:`axis_seconds`)."""
 
     def __post_init__(self) -> None:
         dpn = self.devices_per_node
@@ -155,6 +158,16 @@ class Topology:
             for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True)
         }
         object.__setattr__(self, "_axes", axes)
+        waits = self.hardware.p2p_latency
+        p2p = {
+            axis: (
+                Link(link.bandwidth, waits, link.overhead)
+                if waits > link.latency and self.is_intra_node(axis)
+                else link
+            )
+            for axis, (_, link) in axes.items()
+        }
+        object.__setattr__(self, "_p2p", p2p)
 
     @property
     def node_size(self) -> int:
@@ -189,11 +202,15 @@ class Topology:
     def axis_seconds(self, kind: str, axis: str, nbytes: int) -> float:
         """Seconds for one ``kind`` collective over mesh axis ``axis`` (an :data:`AxisSeconds`).
 
-        Fits ``Redistribution.seconds(fn)``: pass ``topology.axis_seconds``.
+        Fits ``Redistribution.seconds(fn)``: pass ``topology.axis_seconds``. A ``send_recv``
+        (a pipeline's transfer) inside a node waits at least the profile's ``p2p_latency``:
+        its receiver may have to wait for a core the other ranks compute on.
         """
         if axis not in self._axes:
             self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
         size, link = self._axes[axis]
+        if kind == "send_recv":
+            link = self._p2p[axis]
         return collective_seconds(kind, nbytes, size, link)
 
     def subgroup_seconds(

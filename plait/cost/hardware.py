@@ -88,6 +88,13 @@ class HardwareProfile:
     :mod:`plait.planning.overlap`), in [0, 1]. 1 on the datasheet GPUs (NCCL's kernels run on
     their own stream); measured by ``plait calibrate`` on ``local``, where the cores that
     compute also run gloo's threads; 0 (nothing hides) when not measured."""
+    p2p_latency: float = 0.0
+    """Seconds from a point-to-point send to its receiver running again, while the ranks
+    compute between messages (a pipeline's activations and gradients). Where ranks share
+    cores the waiting receiver waits for the scheduler too: measured by ``plait calibrate``
+    on ``local`` (4 ms with four ranks on two cores, against 0.1 ms for the same message
+    between idle ranks). Used for ``send_recv`` over intra-node axes where it exceeds the
+    link's latency; 0 (the link's latency alone) on the datasheet profiles."""
     matmul_efficiency: tuple[tuple[int, float], ...] = ()
     """A matmul's share of the peak by its smallest dimension: ``(dim, fraction)`` points,
     dims rising, read linearly in ``log2(dim)`` between them and flat beyond (a thin product,
@@ -131,7 +138,7 @@ class HardwareProfile:
                 raise CostError(
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give an integer >= 1"
                 )
-        for name in ("kernel_latency", "op_overhead"):
+        for name in ("kernel_latency", "op_overhead", "p2p_latency"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise CostError(
@@ -254,6 +261,7 @@ class HardwareProfile:
             "kernel_latency": self.kernel_latency,
             "op_overhead": self.op_overhead,
             "comm_overlap": self.comm_overlap,
+            "p2p_latency": self.p2p_latency,
             "matmul_efficiency": [list(p) for p in self.matmul_efficiency],
             "batched_matmul_efficiency": [list(p) for p in self.batched_matmul_efficiency],
             "elementwise_rates": [list(p) for p in self.elementwise_rates],
@@ -285,6 +293,7 @@ class HardwareProfile:
                 kernel_latency=data.get("kernel_latency", 0.0),
                 op_overhead=data.get("op_overhead", 0.0),
                 comm_overlap=data.get("comm_overlap", 0.0),
+                p2p_latency=data.get("p2p_latency", 0.0),
                 matmul_efficiency=tuple(tuple(p) for p in data.get("matmul_efficiency", ())),
                 batched_matmul_efficiency=tuple(
                     tuple(p) for p in data.get("batched_matmul_efficiency", ())

@@ -57,6 +57,9 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, capsys) -> None:
     }  # fmt: skip
     assert all(r > 1e5 for _, r in profile.elementwise_rates)  # elements/s of any CPU
     assert "batched products:" in printed and "element rates:" in printed
+    # a small send's one-way time between ranks that compute between messages
+    assert 0 < profile.p2p_latency < 1.0 and "p2p latency:" in printed
+    assert len(measured["p2p_latency_per_rank"]) == 1  # one pair: its even rank times it
 
     # The raw timings are kept, and the fitted link predicts the largest all_reduce within
     # a factor of 3 (a shared 2-core machine is noisy; the fit itself is tested exactly in

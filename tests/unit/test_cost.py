@@ -278,6 +278,7 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
         op_overhead=4e-6,
         comm_overlap=0.25,
         matmul_efficiency=((16, 0.5), (64, 0.9), (512, 1.0)),
+        p2p_latency=4e-3,
         batched_matmul_efficiency=((32, 0.6),),
         elementwise_rates=(("gelu", 5e8), ("softmax", 7e8)),
         measured={"matmul_size": 512},
@@ -291,6 +292,7 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
     assert load_profile(path).op_overhead == 4e-6
     assert loaded.comm_overlap == 0.25 and loaded.matmul_efficiency[0] == (16, 0.5)
     assert loaded.batched_matmul_efficiency == ((32, 0.6),)
+    assert loaded.p2p_latency == 4e-3
     assert loaded.elementwise_rate("gelu") == 5e8 and loaded.elementwise_rate("add") is None
 
 
@@ -374,6 +376,33 @@ def test_bad_matmul_efficiency_is_refused_by_name(points) -> None:
         CostError, match=r"matmul_efficiency=.* rising order, fractions in \(0, 1\]"
     ):
         dataclasses.replace(local_defaults(), matmul_efficiency=points)
+
+
+def test_a_pipeline_send_inside_a_node_waits_the_measured_p2p_latency() -> None:
+    """``send_recv`` over an intra-node axis pays ``p2p_latency`` where it exceeds the link's
+    latency; collectives and inter-node sends keep the link's; 0 changes nothing."""
+    import dataclasses
+
+    base = dataclasses.replace(local_defaults(), devices_per_node=4)
+    slow = dataclasses.replace(base, p2p_latency=4e-3)
+    mesh = MeshSpec.from_dict({"dp": 2, "pp": 2, "tp": 2})  # dp spans two 4-device nodes
+    plain, waits = Topology(mesh, base), Topology(mesh, slow)
+    link = base.intra_node
+    assert waits.axis_seconds("send_recv", "pp", 4096) == pytest.approx(
+        link.overhead + 4e-3 + 4096 / link.bandwidth
+    )
+    assert plain.axis_seconds("send_recv", "pp", 4096) == pytest.approx(
+        link.overhead + link.latency + 4096 / link.bandwidth
+    )
+    assert waits.axis_seconds("all_reduce", "pp", 4096) == plain.axis_seconds(
+        "all_reduce", "pp", 4096
+    )
+    assert not waits.is_intra_node("dp")
+    assert waits.axis_seconds("send_recv", "dp", 4096) == plain.axis_seconds(
+        "send_recv", "dp", 4096
+    )
+    with pytest.raises(CostError, match=r"p2p_latency=-1.*seconds >= 0"):
+        dataclasses.replace(base, p2p_latency=-1)
 
 
 def test_a_batched_product_reads_its_own_curve() -> None:

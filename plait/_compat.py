@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed._local_tensor
@@ -27,6 +27,7 @@ __all__ = [
     "LocalTensorMode",
     "StridedShard",
     "TorchDispatchMode",
+    "aot_joint_graph",
     "dispatch_modes_suspended",
     "funcol",
     "functorch_levels_restored",
@@ -34,9 +35,11 @@ __all__ = [
     "load_dcp_keys",
     "local_tensor_mode_active",
     "own_per_rank",
+    "partition_joint_graph",
     "same_on_every_rank",
     "simulated_ranks",
     "simulation_suspended",
+    "tree_flatten",
     "tree_leaves",
     "tree_map",
     "tree_unflatten",
@@ -69,7 +72,7 @@ except ImportError as e:  # pragma: no cover
     raise _fail("_StridedShard", "multi-axis layouts", e) from e
 
 try:  # walking nested batches and step results (tuples, lists, dicts of tensors)
-    from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
+    from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 except ImportError as e:  # pragma: no cover
     raise _fail("torch.utils._pytree", "nested batches", e) from e
 
@@ -352,3 +355,22 @@ def unflatten_mesh_dim(device_mesh, dim: str, sizes: tuple[int, ...], names: tup
     except AttributeError as e:  # pragma: no cover
         raise _fail("DeviceMesh._unflatten", "optimizer_weight_shard_size (HSDP)", e) from e
     return unflatten(index, sizes, names)
+
+
+def aot_joint_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
+    """AOTAutograd's joint forward-and-backward graph of ``fn`` on ``example`` (fake
+    tensors; tensor subclasses such as DTensor desugared into their local ops): a pipeline
+    stage's per-rank program (:mod:`plait.runtime.stage_program`)."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    return cast("torch.fx.GraphModule", aot_export_joint_simple(fn, example, trace_joint=True))
+
+
+def partition_joint_graph(
+    graph: torch.fx.GraphModule, example: tuple[Any, ...], forward_outputs: int
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The forward and backward graphs of a joint graph (torch's default partitioner: the
+    backward keeps what the forward saved, nothing recomputed)."""
+    from torch._functorch.partitioners import default_partition
+
+    return default_partition(graph, example, num_fwd_outputs=forward_outputs)

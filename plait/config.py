@@ -196,9 +196,18 @@ class ParallelConfig:
     """A saved plan file to run."""
     compile: bool = False
     """Run a plan's per-rank program through ``torch.compile`` (inductor), on real processes."""
+    stage_programs: bool = True
+    """Run pipeline stages with tensor parallel inside as traced per-rank programs (graphs over
+    local tensors, collectives explicit: :mod:`plait.runtime.stage_program`) where built;
+    False keeps DTensor's per-op dispatch in the stages."""
     _mesh: MappingProxyType[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stage_programs, bool):
+            raise ConfigError(
+                f"ParallelConfig.stage_programs={self.stage_programs!r}: give True or False "
+                "(True runs tensor-parallel pipeline stages as traced per-rank programs)"
+            )
         if not isinstance(self.compile, bool):
             raise ConfigError(
                 f"ParallelConfig.compile={self.compile!r}: give True or False (True runs a "

@@ -41,7 +41,7 @@ The graphs follow DTensor's propagation from the parameters' layouts (as the eag
 does), not the plan's per-op strategies: the stage is a program over local tensors, not yet a
 slice of the plan's own compiled program.
 
-``ENABLED`` (default True) turns compiled stages off for the jobs built after it is set.
+``ParallelConfig(stage_programs=False)`` keeps every stage eager.
 """
 
 from __future__ import annotations
@@ -54,25 +54,23 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from plait._compat import aot_joint_graph, partition_joint_graph, tree_flatten, tree_unflatten
 from plait.comm.dtensor import implicit_replication, is_dtensor
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
 
-__all__ = ["ENABLED", "StageProgram", "compile_stage", "compiles"]
+__all__ = ["StageProgram", "compile_stage", "compiles"]
 
 logger = logging.getLogger(__name__)
-
-ENABLED = True
-"""Compile the stages of pipelines with tensor parallel inside them (see :func:`compiles`)."""
 
 
 def compiles(config: ParallelConfig, inner: Sequence[str]) -> bool:
     """Whether a pipeline's stages run as compiled programs: axes inside the stages, fp32, no
-    optimizer parallel, recompute or activation offload, not a zero-bubble schedule."""
+    optimizer parallel, recompute or activation offload, not a zero-bubble schedule, and
+    ``config.stage_programs`` on."""
     return (
-        ENABLED
+        config.stage_programs
         and bool(inner)
         and config.precision == "fp32"
         and config.optimizer_shard is None
@@ -172,9 +170,6 @@ class StageProgram:
         """The joint forward and backward graph of one micro-batch (AOTAutograd, on fake
         tensors; the stage's DTensor ops desugar into local ops and functional collectives),
         cut into the forward and backward graphs (torch's default partitioner)."""
-        from torch._functorch.aot_autograd import aot_export_joint_simple
-        from torch._functorch.partitioners import default_partition
-
         n_params, n_buffers = len(self.names), len(self.buffers)
         found = self._grad_layouts
 
@@ -204,7 +199,7 @@ class StageProgram:
         self._tracing = True
         try:
             with implicit_replication():  # as around the schedule, backward included
-                graph = aot_export_joint_simple(joint, example, trace_joint=True)
+                graph = aot_joint_graph(joint, example)
         except Exception as e:
             self.refused = f"its trace failed: {type(e).__name__}: {e}"
         finally:
@@ -217,9 +212,7 @@ class StageProgram:
             logger.warning("pipeline: a stage runs eagerly on DTensors: %s", self.refused)
             return
         self._outputs = len(graph.graph.find_nodes(op="output")[0].args[0]) - len(example)
-        self.forward, self.backward = default_partition(
-            graph, example, num_fwd_outputs=self._outputs
-        )
+        self.forward, self.backward = partition_joint_graph(graph, example, self._outputs)
         self._copied = _aliasing_outputs(self.backward)
         logger.info(
             "pipeline: stage traced into a program of %d forward and %d backward nodes",

@@ -278,9 +278,7 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
     assert moved_by_plan == [first.moved_bytes * micro, last.moved_bytes * micro]
 
 
-def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> None:
     """A stage with axes inside runs as its traced per-rank program (fp32, the looped
     schedules, optimizer offload); settings whose work hooks into the eager stage keep it."""
     from plait.runtime import stage_program
@@ -303,5 +301,6 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built(
         {"schedule": "zero_bubble", "virtual_stages": None},
     ):
         assert not stage_program.compiles(dataclasses.replace(base, **eager), tp), eager
-    monkeypatch.setattr(stage_program, "ENABLED", False)
-    assert not stage_program.compiles(base, tp)
+    assert not stage_program.compiles(dataclasses.replace(base, stage_programs=False), tp)
+    with pytest.raises(ConfigError, match=r"stage_programs='no': give True or False"):
+        dataclasses.replace(base, stage_programs="no")

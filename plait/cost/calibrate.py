@@ -21,14 +21,15 @@ repetitions on each rank) and the slowest rank of each collective:
                                  per second
     memory bandwidth             dst.copy_(src) of a large tensor: 2 B/s      memory_bandwidth
     op floor                     torch.add on one element                     kernel_latency
-    per-op host cost             forward and backward of a small stack of     op_overhead
-                                 layers on tiny tensors, per op the cost
-                                 model counts (3 per forward op), less the
-                                 floor
+    per-op host cost             forward and backward of a small stack of     op_overhead,
+                                 layers on tiny tensors, per captured op      call_overhead
+                                 and pass (3 per op: forward and its
+                                 backward) less the floor, and per aten
+                                 call (the optimizer's kernels)
     collective alpha and beta    gloo all_reduce between the processes,      intra_node
                                  small to large messages, fitted to
                                  t = 2(p-1) alpha + 2(p-1)/p * bytes / bw
-    p2p latency                  a small send and its reply between rank      p2p_latency
+    wait latency                 a small send and its reply between rank      wait_latency
                                  pairs that compute between messages (a
                                  pipeline's stages): half the round trip
     overlap                      the largest all_reduce started async while   comm_overlap
@@ -76,9 +77,9 @@ __all__ = [
     "measure_batched_shares",
     "measure_copy_bandwidth",
     "measure_elementwise_rates",
+    "measure_host_costs",
     "measure_kernel_latency",
     "measure_matmul_flops",
-    "measure_op_overhead",
     "worker_threads",
 ]
 
@@ -264,7 +265,7 @@ def measure_kernel_latency(budget_s: float = 0.1, *, shared: bool = False) -> fl
     return statistics.fmean(times) if shared else statistics.median(times)
 
 
-def _tiny_layers(width: int = 16, depth: int = 8) -> torch.nn.Module:
+def _tiny_layers(width: int = 16, depth: int = 8) -> torch.nn.Sequential:
     """A stack of transformer-like layers on tiny tensors: its step is all host cost."""
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
@@ -277,9 +278,27 @@ def _tiny_layers(width: int = 16, depth: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-def _forward_ops(model: torch.nn.Module, x: torch.Tensor) -> int:
-    """Aten ops one forward of ``model`` on ``x`` runs (what a capture turns into ops)."""
+def measure_host_costs(
+    kernel_latency: float, budget_s: float = 0.3, *, shared: bool = False
+) -> tuple[float, float]:
+    """``(op_overhead, call_overhead)``: host seconds per captured op and pass beyond the
+    floor, and per aten call, from a forward and backward of :func:`_tiny_layers` (tiny
+    tensors: no arithmetic to speak of).
+
+    The cost model charges ``op_overhead`` per op its capture (torch.export) makes, once for
+    the forward and twice for the backward: the stack captures as one op per module
+    (``layer_norm``, ``linear``, ``gelu``, ``linear``), each of which runs several aten calls
+    in eager forward and backward (a linear's view, transpose and addmm; autograd's
+    accumulation), all of which its price carries. ``call_overhead`` divides the same step
+    over those aten calls, counted: what one elementwise kernel (the optimizer's) costs."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _tiny_layers()
+    x = torch.randn(2, 4, 16)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
 
     class Count(TorchDispatchMode):
         calls = 0
@@ -288,27 +307,11 @@ def _forward_ops(model: torch.nn.Module, x: torch.Tensor) -> int:
             Count.calls += 1
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), Count():
-        model(x)
-    return Count.calls
-
-
-def measure_op_overhead(
-    kernel_latency: float, budget_s: float = 0.3, *, shared: bool = False
-) -> float:
-    """Host seconds per op beyond the floor: a forward and backward of :func:`_tiny_layers`
-    (tiny tensors: no arithmetic to speak of) divided over the ops the cost model charges
-    for it (each forward op, and twice for its backward), less ``kernel_latency``."""
-    model = _tiny_layers()
-    x = torch.randn(2, 4, 16)
-    ops = _forward_ops(model, x)
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        model(x).sum().backward()
-
+    with Count():
+        step()
     seconds = _seconds(step, budget_s, min_reps=5, shared=shared)
-    return max(0.0, seconds / (3 * ops) - kernel_latency)
+    ops = len(model)  # the captured ops: one aten op per module of the stack
+    return max(0.0, seconds / (3 * ops) - kernel_latency), seconds / Count.calls
 
 
 def worker_threads(world_size: int) -> int:
@@ -330,7 +333,7 @@ def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str,
         "local": local,
         "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
         "overlap": _overlap_fraction(max(settings.message_bytes), settings.collective_reps),
-        "p2p_latency": _p2p_latency(2 * settings.collective_reps),
+        "wait_latency": _wait_latency(2 * settings.collective_reps),
     }
 
 
@@ -352,7 +355,7 @@ def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
     return medians
 
 
-def _p2p_latency(reps: int) -> float:
+def _wait_latency(reps: int) -> float:
     """One-way seconds of a small message between rank pairs (0, 1), (2, 3), ... while every
     rank computes between messages, as pipeline stages do (inside a worker; nan on a rank that
     does not time). The even rank computes, then times a send and the reply; the odd rank
@@ -483,6 +486,8 @@ def _measure_local(
     batched = measure_batched_shares(heads, fp32, budget / (2 * max(1, len(heads))), shared=shared)
     sync()
     elementwise = measure_elementwise_rates(budget / 8, shared=shared)
+    sync()
+    host = measure_host_costs(latency, budget, shared=shared)
     return {
         "matmul_size": n,
         "matmul_shares": {str(d): f for d, f in shares.items()},
@@ -496,7 +501,8 @@ def _measure_local(
         "copy_bytes": settings.copy_bytes,
         "memory_bandwidth": measured(measure_copy_bandwidth, settings.copy_bytes, budget),
         "kernel_latency": latency,
-        "op_overhead": measured(measure_op_overhead, latency, budget),
+        "op_overhead": host[0],
+        "call_overhead": host[1],
     }
 
 
@@ -529,18 +535,19 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
         "memory_bandwidth": median("memory_bandwidth"),
         "kernel_latency": median("kernel_latency"),
         "op_overhead": median("op_overhead"),
+        "call_overhead": median("call_overhead"),
         "threads_per_rank": threads,
         "per_rank": locals_,
     }
     times = [max(t) for t in zip(*(r["all_reduce"] for r in per_rank), strict=True)]
     local["overlap_per_rank"] = [r["overlap"] for r in per_rank]
-    p2p = [r["p2p_latency"] for r in per_rank if not math.isnan(r["p2p_latency"])]
-    local["p2p_latency_per_rank"] = p2p
+    waits = [r["wait_latency"] for r in per_rank if not math.isnan(r["wait_latency"])]
+    local["wait_latency_per_rank"] = waits
     return {
         "local": local,
         "all_reduce": times,
         "overlap": statistics.median(r["overlap"] for r in per_rank),
-        "p2p_latency": statistics.median(p2p),
+        "wait_latency": statistics.median(waits),
     }
 
 
@@ -601,8 +608,9 @@ def calibrate(
         ),
         kernel_latency=local["kernel_latency"],
         op_overhead=local["op_overhead"],
+        call_overhead=local["call_overhead"],
         comm_overlap=world["overlap"],
-        p2p_latency=world["p2p_latency"],
+        wait_latency=world["wait_latency"],
         matmul_efficiency=_share_points(local["matmul_shares"], settings.matmul_size),
         batched_matmul_efficiency=tuple(
             sorted((int(d), f) for d, f in local["batched_shares"].items())
@@ -631,10 +639,11 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  memory:            {profile.memory_bytes / 2**30:.1f} GiB at "
             f"{profile.memory_bandwidth / 1e9:.2f} GB/s",
             f"  op floor:          {profile.kernel_latency * 1e6:.1f} us",
-            f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us",
+            f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us a captured op and pass, "
+            f"{profile.call_overhead * 1e6:.1f} us an aten call",
             f"  comm overlap:      {profile.comm_overlap:.2f} of a collective hides behind compute",
-            f"  p2p latency:       {profile.p2p_latency * 1e3:.2f} ms one way between ranks "
-            "that compute between messages",
+            f"  wait latency:      {profile.wait_latency * 1e3:.2f} ms for a blocked rank to run "
+            "again (a small send between ranks computing between messages)",
             "  matmul share:      "
             + (
                 ", ".join(f"d={d} {f:.2f}" for d, f in profile.matmul_efficiency)

@@ -142,9 +142,9 @@ class Topology:
     """Overrides ``hardware.devices_per_node`` (e.g. fewer workers per node than devices)."""
 
     _axes: dict[str, tuple[int, Link]] = field(init=False, repr=False, compare=False)
-    _p2p: dict[str, Link] = field(init=False, repr=False, compare=False)
-    """Per axis, the link a ``send_recv`` over it sees: the axis's, its latency raised to the
-    profile's ``p2p_latency`` inside a node (see :meth:`axis_seconds`)."""
+    _intra: Link = field(init=False, repr=False, compare=False)
+    """The intra-node link as a step's transfers see it: the profile's, each transfer paying
+    its ``wait_latency`` once (see :meth:`axis_seconds`)."""
 
     def __post_init__(self) -> None:
         dpn = self.devices_per_node
@@ -153,21 +153,15 @@ class Topology:
                 f"Topology.devices_per_node={dpn!r} is not allowed; give an integer >= 1 or None "
                 "to use the hardware profile's"
             )
+        intra, wait = self.hardware.intra_node, self.hardware.wait_latency
+        if wait > 0:
+            intra = Link(intra.bandwidth, intra.latency, intra.overhead + wait)
+        object.__setattr__(self, "_intra", intra)
         axes = {
             axis: (size, self._link_of(axis))
             for axis, size in zip(self.mesh.axis_names, self.mesh.shape, strict=True)
         }
         object.__setattr__(self, "_axes", axes)
-        waits = self.hardware.p2p_latency
-        p2p = {
-            axis: (
-                Link(link.bandwidth, waits, link.overhead)
-                if waits > link.latency and self.is_intra_node(axis)
-                else link
-            )
-            for axis, (_, link) in axes.items()
-        }
-        object.__setattr__(self, "_p2p", p2p)
 
     @property
     def node_size(self) -> int:
@@ -191,7 +185,7 @@ class Topology:
         return tuple(a for a in self.mesh.axis_names if not self.is_intra_node(a))
 
     def _link_of(self, axis: str) -> Link:
-        return self.hardware.intra_node if self.is_intra_node(axis) else self.hardware.inter_node
+        return self._intra if self.is_intra_node(axis) else self.hardware.inter_node
 
     def link(self, axis: str) -> Link:
         """The link that paces collectives over ``axis``."""
@@ -202,15 +196,14 @@ class Topology:
     def axis_seconds(self, kind: str, axis: str, nbytes: int) -> float:
         """Seconds for one ``kind`` collective over mesh axis ``axis`` (an :data:`AxisSeconds`).
 
-        Fits ``Redistribution.seconds(fn)``: pass ``topology.axis_seconds``. A ``send_recv``
-        (a pipeline's transfer) inside a node waits at least the profile's ``p2p_latency``:
-        its receiver may have to wait for a core the other ranks compute on.
+        Fits ``Redistribution.seconds(fn)``: pass ``topology.axis_seconds``. Inside a node
+        every transfer (a collective, a pipeline's send) also waits the profile's
+        ``wait_latency`` once: in a step its ranks arrive at different times, and the ones
+        that blocked may have to wait for a core the others compute on.
         """
         if axis not in self._axes:
             self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
         size, link = self._axes[axis]
-        if kind == "send_recv":
-            link = self._p2p[axis]
         return collective_seconds(kind, nbytes, size, link)
 
     def subgroup_seconds(
@@ -227,7 +220,7 @@ class Topology:
         index = self.mesh.axis_index(axis)  # raises LayoutError naming the mesh's axes
         inner = math.prod(self.mesh.shape[index + 1 :])
         intra = size * stride * inner <= self.node_size
-        link = self.hardware.intra_node if intra else self.hardware.inter_node
+        link = self._intra if intra else self.hardware.inter_node
         return collective_seconds(kind, nbytes, size, link)
 
     def group_seconds(self, kind: str, axes: tuple[str, ...], nbytes: int) -> float:
@@ -236,10 +229,10 @@ class Topology:
         The group is paced by the slowest link among the axes.
         """
         if not axes:
-            return collective_seconds(kind, nbytes, 1, self.hardware.intra_node)
+            return collective_seconds(kind, nbytes, 1, self._intra)
         size = 1
         for axis in axes:
             size *= self.mesh.axis_size(axis)
         crosses = any(not self.is_intra_node(a) for a in axes)
-        link = self.hardware.inter_node if crosses else self.hardware.intra_node
+        link = self.hardware.inter_node if crosses else self._intra
         return collective_seconds(kind, nbytes, size, link)

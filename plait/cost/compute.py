@@ -159,9 +159,9 @@ def training_seconds(
 
 ADAM_KERNELS = 12
 """Elementwise kernels torch's single-tensor AdamW runs per parameter tensor (weight decay,
-two moment updates, bias corrections, the denominator, the update): each pays the host's
-``op_overhead``. Fused and foreach AdamW run fewer; on the datasheet profiles the overhead
-is 0 and only the bytes count."""
+two moment updates, bias corrections, the denominator, the update): each is one aten call
+and pays the host's ``call_overhead`` (``op_overhead`` where that is not measured). Fused
+and foreach AdamW run fewer; on the datasheet profiles both are 0 and only the bytes count."""
 ADAM_BYTES_PER_ELEMENT = 28
 """fp32 AdamW reads the parameter, its gradient and two moments and writes the parameter and
 the moments back: 7 x 4 bytes per element, memory bound."""
@@ -173,6 +173,5 @@ def optimizer_seconds(tensors: int, elements: float, hardware: HardwareProfile) 
     _check_count("tensors", tensors)
     _check_count("elements", elements)
     bandwidth = hardware.memory_bandwidth * hardware.memory_efficiency
-    return tensors * ADAM_KERNELS * hardware.op_overhead + (
-        elements * ADAM_BYTES_PER_ELEMENT / bandwidth
-    )
+    per_kernel = hardware.call_overhead or hardware.op_overhead
+    return tensors * ADAM_KERNELS * per_kernel + (elements * ADAM_BYTES_PER_ELEMENT / bandwidth)

@@ -82,19 +82,26 @@ class HardwareProfile:
     the framework's dispatch, autograd and Python around the kernel. It adds to a CPU's time
     (the host is the device) where a GPU's host work overlaps its queue; ``plait calibrate``
     measures it on ``local``, the datasheet profiles leave it 0."""
+    call_overhead: float = 0.0
+    """Host seconds of one aten call, its floor included: the unit the optimizer's elementwise
+    kernels pay (``op_overhead`` is per captured op, which dispatches several calls in eager
+    forward and backward). Measured by ``plait calibrate`` on ``local``; 0: ``op_overhead``
+    stands for it (the datasheet profiles, where both are 0)."""
     comm_overlap: float = 0.0
     """Fraction of a collective's seconds that hide behind compute running at the same time
     (data-parallel reductions beside backward, prefetched ZeRO-3 gathers:
     :mod:`plait.planning.overlap`), in [0, 1]. 1 on the datasheet GPUs (NCCL's kernels run on
     their own stream); measured by ``plait calibrate`` on ``local``, where the cores that
     compute also run gloo's threads; 0 (nothing hides) when not measured."""
-    p2p_latency: float = 0.0
-    """Seconds from a point-to-point send to its receiver running again, while the ranks
-    compute between messages (a pipeline's activations and gradients). Where ranks share
-    cores the waiting receiver waits for the scheduler too: measured by ``plait calibrate``
-    on ``local`` (4 ms with four ranks on two cores, against 0.1 ms for the same message
-    between idle ranks). Used for ``send_recv`` over intra-node axes where it exceeds the
-    link's latency; 0 (the link's latency alone) on the datasheet profiles."""
+    wait_latency: float = 0.0
+    """Seconds a rank blocked in a transfer takes to run again once its peer arrives, while
+    the ranks compute between transfers (a step: its collectives and a pipeline's sends).
+    Where ranks share cores the blocked rank also waits for the scheduler: measured by ``plait
+    calibrate`` on ``local`` as a small message's one-way time between rank pairs that compute
+    between messages (2 to 4 ms with four ranks on two cores, against 0.1 ms between idle
+    ranks). Every intra-node transfer pays it once (:meth:`plait.cost.comm.Topology.
+    axis_seconds`); 0 on the datasheet profiles (collectives in lock step, the link's latency
+    alone)."""
     matmul_efficiency: tuple[tuple[int, float], ...] = ()
     """A matmul's share of the peak by its smallest dimension: ``(dim, fraction)`` points,
     dims rising, read linearly in ``log2(dim)`` between them and flat beyond (a thin product,
@@ -138,7 +145,7 @@ class HardwareProfile:
                 raise CostError(
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give an integer >= 1"
                 )
-        for name in ("kernel_latency", "op_overhead", "p2p_latency"):
+        for name in ("kernel_latency", "op_overhead", "call_overhead", "wait_latency"):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise CostError(
@@ -260,8 +267,9 @@ class HardwareProfile:
             "memory_efficiency": self.memory_efficiency,
             "kernel_latency": self.kernel_latency,
             "op_overhead": self.op_overhead,
+            "call_overhead": self.call_overhead,
             "comm_overlap": self.comm_overlap,
-            "p2p_latency": self.p2p_latency,
+            "wait_latency": self.wait_latency,
             "matmul_efficiency": [list(p) for p in self.matmul_efficiency],
             "batched_matmul_efficiency": [list(p) for p in self.batched_matmul_efficiency],
             "elementwise_rates": [list(p) for p in self.elementwise_rates],
@@ -292,8 +300,9 @@ class HardwareProfile:
                 memory_efficiency=data.get("memory_efficiency", 1.0),
                 kernel_latency=data.get("kernel_latency", 0.0),
                 op_overhead=data.get("op_overhead", 0.0),
+                call_overhead=data.get("call_overhead", 0.0),
                 comm_overlap=data.get("comm_overlap", 0.0),
-                p2p_latency=data.get("p2p_latency", 0.0),
+                wait_latency=data.get("wait_latency", 0.0),
                 matmul_efficiency=tuple(tuple(p) for p in data.get("matmul_efficiency", ())),
                 batched_matmul_efficiency=tuple(
                     tuple(p) for p in data.get("batched_matmul_efficiency", ())

@@ -195,6 +195,13 @@ def test_op_overhead_adds_to_every_op_and_the_optimizer_pays_it_per_kernel() -> 
     bytes_s = ADAM_BYTES_PER_ELEMENT * n / (2039e9 * 0.7)
     assert optimizer_seconds(10, n, a100) == pytest.approx(bytes_s)
     assert optimizer_seconds(10, n, host) == pytest.approx(bytes_s + 10 * ADAM_KERNELS * 5e-6)
+    # a measured per-call cost prices the optimizer's kernels (each one aten call), not the
+    # per-op cost of a captured op, which carries several calls
+    calls = dataclasses.replace(host, call_overhead=2e-6)
+    assert optimizer_seconds(10, n, calls) == pytest.approx(bytes_s + 10 * ADAM_KERNELS * 2e-6)
+    assert op_seconds(0, 0, "float32", calls) == 5e-6
+    with pytest.raises(CostError, match="call_overhead=-1"):
+        dataclasses.replace(a100, call_overhead=-1)
     with pytest.raises(CostError, match="op_overhead=-1"):
         dataclasses.replace(a100, op_overhead=-1)
 
@@ -276,9 +283,10 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
         devices_per_node=8,
         source="measured by a test",
         op_overhead=4e-6,
+        call_overhead=1.5e-6,
         comm_overlap=0.25,
         matmul_efficiency=((16, 0.5), (64, 0.9), (512, 1.0)),
-        p2p_latency=4e-3,
+        wait_latency=4e-3,
         batched_matmul_efficiency=((32, 0.6),),
         elementwise_rates=(("gelu", 5e8), ("softmax", 7e8)),
         measured={"matmul_size": 512},
@@ -290,9 +298,10 @@ def test_local_profile_round_trips_through_a_file(tmp_path) -> None:
     assert loaded.measured["matmul_size"] == 512
     assert load_profile(path).intra_node.latency == 1.6e-4
     assert load_profile(path).op_overhead == 4e-6
+    assert load_profile(path).call_overhead == 1.5e-6
     assert loaded.comm_overlap == 0.25 and loaded.matmul_efficiency[0] == (16, 0.5)
     assert loaded.batched_matmul_efficiency == ((32, 0.6),)
-    assert loaded.p2p_latency == 4e-3
+    assert loaded.wait_latency == 4e-3
     assert loaded.elementwise_rate("gelu") == 5e8 and loaded.elementwise_rate("add") is None
 
 
@@ -378,31 +387,37 @@ def test_bad_matmul_efficiency_is_refused_by_name(points) -> None:
         dataclasses.replace(local_defaults(), matmul_efficiency=points)
 
 
-def test_a_pipeline_send_inside_a_node_waits_the_measured_p2p_latency() -> None:
-    """``send_recv`` over an intra-node axis pays ``p2p_latency`` where it exceeds the link's
-    latency; collectives and inter-node sends keep the link's; 0 changes nothing."""
+def test_a_transfer_inside_a_node_waits_the_measured_wait_latency_once() -> None:
+    """Every transfer over an intra-node axis (a collective, a pipeline's send, a ZeRO shard
+    group's) pays ``wait_latency`` once on top of its alpha-beta time; inter-node transfers
+    keep the link's; 0 changes nothing."""
     import dataclasses
 
     base = dataclasses.replace(local_defaults(), devices_per_node=4)
-    slow = dataclasses.replace(base, p2p_latency=4e-3)
+    slow = dataclasses.replace(base, wait_latency=4e-3)
     mesh = MeshSpec.from_dict({"dp": 2, "pp": 2, "tp": 2})  # dp spans two 4-device nodes
     plain, waits = Topology(mesh, base), Topology(mesh, slow)
+    for kind in ("send_recv", "all_reduce", "all_gather"):
+        assert waits.axis_seconds(kind, "pp", 4096) == pytest.approx(
+            plain.axis_seconds(kind, "pp", 4096) + 4e-3
+        )
     link = base.intra_node
-    assert waits.axis_seconds("send_recv", "pp", 4096) == pytest.approx(
-        link.overhead + 4e-3 + 4096 / link.bandwidth
+    assert waits.axis_seconds("send_recv", "tp", 4096) == pytest.approx(
+        link.overhead + 4e-3 + link.latency + 4096 / link.bandwidth
     )
-    assert plain.axis_seconds("send_recv", "pp", 4096) == pytest.approx(
-        link.overhead + link.latency + 4096 / link.bandwidth
+    assert waits.subgroup_seconds("reduce_scatter", "tp", 4096, size=2) == pytest.approx(
+        plain.subgroup_seconds("reduce_scatter", "tp", 4096, size=2) + 4e-3
     )
-    assert waits.axis_seconds("all_reduce", "pp", 4096) == plain.axis_seconds(
-        "all_reduce", "pp", 4096
+    assert waits.group_seconds("all_reduce", ("pp", "tp"), 4096) == pytest.approx(
+        plain.group_seconds("all_reduce", ("pp", "tp"), 4096) + 4e-3
     )
     assert not waits.is_intra_node("dp")
     assert waits.axis_seconds("send_recv", "dp", 4096) == plain.axis_seconds(
         "send_recv", "dp", 4096
     )
-    with pytest.raises(CostError, match=r"p2p_latency=-1.*seconds >= 0"):
-        dataclasses.replace(base, p2p_latency=-1)
+    assert waits.axis_seconds("all_reduce", "tp", 0) > 0  # a group of 2 pays it, even empty
+    with pytest.raises(CostError, match=r"wait_latency=-1.*seconds >= 0"):
+        dataclasses.replace(base, wait_latency=-1)
 
 
 def test_a_batched_product_reads_its_own_curve() -> None:

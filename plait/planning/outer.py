@@ -12,7 +12,9 @@ largest of ``pp``, ``2 pp``, ``4 pp`` that divides the per-replica batch (a smal
 What the user fixes stays fixed: ``mesh`` (only strategies inside it are searched),
 ``pipeline_stages`` other than 1, ``micro_batches`` other than 1, ``optimizer_shard``, and
 ``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
-notes why the winner won.
+notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
+pipeline's stages hold no tensor parallel and no optimizer parallel (the runtime refuses both:
+docs/pipeline.md), so those meshes and levels are left out.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
 options are predicted (step time and memory) from the mesh's shared work by
@@ -42,6 +44,7 @@ from plait.planning.estimate import GraphFacts, MeshEstimate
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
 from plait.planning.setup import SearchSetup, compute_model, hardware_of, mesh_of, prepare
+from plait.planning.timeline import SPLIT_BACKWARD
 from plait.planning.timing import PlanTiming
 from plait.search import Decision, get_searcher
 from plait.search.problem import OpCompute
@@ -87,6 +90,8 @@ def mesh_candidates(
         for tp in _powers_of_two_up_to(min(MAX_TP, devices_per_node)):
             if devices % (pp * tp):
                 continue
+            if tp > 1 and _splits_backward(cfg, pp):
+                continue  # tensor parallel in zero-bubble stages does not run
             dp = devices // (pp * tp)
             if batch % dp:
                 continue
@@ -102,6 +107,12 @@ def mesh_candidates(
     return found
 
 
+def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
+    """A zero-bubble schedule over ``pp > 1`` stages: its separate weight-gradient passes run
+    with neither tensor nor optimizer parallel in the stages (the runtime's refusals)."""
+    return pp > 1 and cfg.schedule in SPLIT_BACKWARD
+
+
 def _global_batch(graph: OpGraph) -> int:
     for g in graph.inputs:
         if g.kind == "input" and g.meta.ndim:
@@ -115,7 +126,10 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Var
         m = cfg.micro_batches
     else:
         m = max((k * pp for k in (1, 2, 4) if replica_batch % (k * pp) == 0), default=1)
-    levels = LEVELS if cfg.optimizer_shard is None else (cfg.optimizer_shard,)
+    if cfg.optimizer_shard is not None:
+        levels: tuple[int | None, ...] = (cfg.optimizer_shard,)
+    else:  # optimizer parallel in zero-bubble stages does not run
+        levels = (None,) if _splits_backward(cfg, pp) else LEVELS
     recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
     for recompute in recomputes:
         for level in levels if recompute == "none" else levels[-1:]:

@@ -40,6 +40,7 @@ __all__ = [
     "PieceLayout",
     "add_piece_to_grad",
     "build_stages",
+    "defer_weight_pass",
     "layout_of",
     "make_schedule",
     "mean_over_group",
@@ -92,6 +93,15 @@ def build_stages(pipe: Any, indices: Sequence[int], device: torch.device, group:
 def stage_module(stage: Any) -> nn.Module:
     """The module a built stage runs (original parameter names)."""
     return stage.submod
+
+
+def defer_weight_pass(stage: Any, builder: Callable[[], Callable[[], None]]) -> None:
+    """Give a built stage its own weight-gradient pass for the zero-bubble schedules (torch's
+    ``dw_builder``, which ``pipe.build_stage`` takes no argument for): the stage then runs each
+    micro-batch's backward through autograd whole, calls ``builder()`` right after it, and
+    keeps the runner it returns for the schedule's weight action (or calls it at once for a
+    full backward), instead of splitting the backward through the autograd graph."""
+    stage.dw_builder = builder
 
 
 def make_schedule(

@@ -70,12 +70,15 @@ from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
 from plait.runtime.remat import kept_by_selective
 from plait.runtime.stage_balance import balanced_layer_starts as _balanced_starts
-from plait.runtime.stage_program import compile_stage, compiles
+from plait.runtime.stage_program import StageProgram, compile_stage, compiles
 from plait.runtime.zero import ZeroOptimizer, check_elementwise
 
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
 
 logger = logging.getLogger(__name__)
+
+ZERO_BUBBLE = ("zero_bubble", "zero_bubble_v")
+"""The schedules that split a backward into input- and weight-gradient passes."""
 
 
 # ------------------------------------------------------------------------ stage assignment
@@ -233,7 +236,12 @@ class PipelineJob(Job):
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
-        programs = [compile_stage(m) for m in modules] if compiles(config, inner) else []
+        programs: list[StageProgram] = []
+        if compiles(config, inner):
+            split = config.schedule in ZERO_BUBBLE  # their weight passes come later
+            programs = [compile_stage(m, weight_pass=split) for m in modules]
+            for stage, program in zip(stages, programs, strict=True) if split else ():
+                pp_comm.defer_weight_pass(stage, program.weight_pass)
         offload = wrap_stages(model, modules, config, device)
         reduced_here = shard_stages(modules, config, device_mesh, dp)
         super().__init__(
@@ -993,15 +1001,19 @@ def check_pipeline_config(
             "mode data_parallel runs a mesh of 'pp' and 'dp'",
         ),
         (
-            bool(inner) and config.schedule in ("zero_bubble", "zero_bubble_v"),
-            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}",
-            "a zero-bubble schedule with tensor parallel in the stages (its separate input- "
-            "and weight-gradient passes detach DTensor views in place, which torch refuses); "
-            "use gpipe, 1f1b or interleaved_1f1b",
+            bool(inner) and config.schedule in ZERO_BUBBLE and not compiles(config, inner),
+            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, precision="
+            f"{config.precision!r}, optimizer_shard={config.optimizer_shard}, recompute="
+            f"{config.recompute!r}, offload={config.offload!r}, stage_programs="
+            f"{config.stage_programs}",
+            "a zero-bubble schedule with tensor parallel in stages that run on DTensors (its "
+            "separate input- and weight-gradient passes detach DTensor views in place, which "
+            "torch refuses; zero bubble with tp runs on compiled stages: fp32, no "
+            "optimizer_shard, recompute or activation offload, stage_programs on); use gpipe, "
+            "1f1b or interleaved_1f1b",
         ),
         (
-            config.optimizer_shard is not None
-            and config.schedule in ("zero_bubble", "zero_bubble_v"),
+            config.optimizer_shard is not None and config.schedule in ZERO_BUBBLE,
             f"optimizer_shard={config.optimizer_shard}, schedule={config.schedule!r}",
             "optimizer parallel with a zero-bubble schedule (FSDP2 reduce-scatters a stage's "
             "gradients before the separate weight-gradient passes have run); use gpipe, 1f1b "

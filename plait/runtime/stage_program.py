@@ -22,15 +22,29 @@ before). No DTensor dispatch runs between a micro-batch's inputs and its outputs
 or backward. torch's ``PipelineStage`` and its schedules see a module that takes and returns
 plain tensors, as before.
 
-Where it runs (:func:`compiles`): stages with axes inside (tensor parallel), fp32, schedules
-``gpipe``, ``1f1b``, ``interleaved_1f1b``. Everything else keeps the stage's eager forward:
+Zero bubble (``weight_pass=True``, the schedules ``zero_bubble`` and ``zero_bubble_v``): the
+schedule runs a micro-batch's backward in two passes, its input gradients (B) first and its
+weight gradients (W) later, where they fill the bubble. torch finds the two passes by walking
+the autograd graph, which one autograd function hides (and whose in-place detach of the stage's
+outputs DTensor views refuse), so the traced backward graph is cut in two instead
+(:func:`split_backward`): an input-gradient graph, every node the inputs' gradients need, which
+also hands out the values the weight gradients read from it (each layer's output gradient,
+which the weight gradient multiplies by the saved input), and a weight-gradient graph, the
+nodes only the parameters' gradients need. The autograd function's backward runs the first and
+keeps what the second reads; torch's stage calls :meth:`StageProgram.weight_pass` (its
+``dw_builder``) right after that backward, and the runner it returns, when the schedule's W
+action comes, runs the weight-gradient graph and adds the gradients into ``.grad``. So the
+weight pass is deferred as the schedule intends (the micro-batch's output gradients and saved
+activations that it reads are held until it runs, as in torch's own split).
+
+Where it runs (:func:`compiles`): stages with axes inside (tensor parallel), fp32, every
+schedule. Everything else keeps the stage's eager forward:
 optimizer parallel (FSDP2's hooks gather and free parameters around the module's forward and
 backward), recompute (torch's checkpoint works through saved-tensor hooks and recomputes
 eagerly), activation offload (saved-tensor hooks, which a traced backward never calls), mixed
 precision (not traced yet), and evaluation, prediction and a forward without gradients, which
-run eagerly in any case. The zero-bubble schedules are refused with tensor parallel in the
-stages already; they split a backward into its input- and weight-gradient passes through the
-autograd graph, which one autograd function hides.
+run eagerly in any case. With tensor parallel in the stages the zero-bubble schedules run on
+compiled stages only (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
 A stage that draws random numbers (dropout: eager DTensor keeps each piece's random stream
 apart, a trace would not), a micro-batch whose inputs differ from the traced one's, parameters
@@ -47,6 +61,7 @@ slice of the plan's own compiled program.
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,8 +82,8 @@ logger = logging.getLogger(__name__)
 
 def compiles(config: ParallelConfig, inner: Sequence[str]) -> bool:
     """Whether a pipeline's stages run as compiled programs: axes inside the stages, fp32, no
-    optimizer parallel, recompute or activation offload, not a zero-bubble schedule, and
-    ``config.stage_programs`` on."""
+    optimizer parallel, recompute or activation offload, and ``config.stage_programs`` on
+    (any schedule: the zero-bubble ones split the traced backward, see the module docstring)."""
     return (
         config.stage_programs
         and bool(inner)
@@ -77,15 +92,16 @@ def compiles(config: ParallelConfig, inner: Sequence[str]) -> bool:
         and config.recompute == "none"
         and not config.recompute_modules
         and config.offload != "activations"
-        and config.schedule not in ("zero_bubble", "zero_bubble_v")
     )
 
 
-def compile_stage(module: nn.Module) -> StageProgram:
+def compile_stage(module: nn.Module, *, weight_pass: bool = False) -> StageProgram:
     """Run ``module`` (a stage whose forward is already wrapped to take and return plain
     tensors, its parameters DTensors) as a :class:`StageProgram`: its ``forward`` is replaced
-    in place."""
-    program = StageProgram(module)
+    in place. ``weight_pass``: a zero-bubble schedule's stage, its backward split into an
+    input-gradient and a deferred weight-gradient pass (:meth:`StageProgram.weight_pass` is
+    the stage's ``dw_builder``)."""
+    program = StageProgram(module, weight_pass=weight_pass)
     module.forward = program  # type: ignore[method-assign]
     return program
 
@@ -94,8 +110,10 @@ class StageProgram:
     """One stage's training forward and backward as FX graphs over local tensors (see the
     module docstring)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, weight_pass: bool = False) -> None:
         self.module = module
+        self.splits = weight_pass
+        """Whether the backward runs as two passes (zero bubble: :meth:`weight_pass`)."""
         self.eager: Callable[..., Any] = module.forward
         """The stage's forward on DTensors, which the graphs were traced from."""
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -112,8 +130,24 @@ class StageProgram:
         self.backward: torch.fx.GraphModule | None = None
         """The backward graph: what the forward saved and the outputs' gradients in; the
         parameters' local gradients and the inputs' gradients out."""
+        self.backward_input: torch.fx.GraphModule | None = None
+        """Zero bubble: the backward graph's input-gradient part (the backward's inputs in;
+        the stage inputs' gradients and the values the weight pass reads out). None without
+        the split."""
+        self.backward_weight: torch.fx.GraphModule | None = None
+        """Zero bubble: the backward graph's weight-gradient part (the values it reads from
+        the input pass and from the backward's inputs in; the parameters' local gradients
+        out). None without the split."""
+        self._weight_reads: list[int] = []
+        """The backward's inputs (saved values, output gradients) the weight pass reads."""
+        self._handed = 0
+        """Values the input pass hands the weight pass (its last outputs)."""
+        self._pending: list[tuple[torch.Tensor, ...]] = []
+        """Input passes run whose weight pass :meth:`weight_pass` has not handed out yet."""
         self.calls = 0
         """Micro-batches the graphs ran (forward and backward)."""
+        self.weight_calls = 0
+        """Micro-batches whose deferred weight pass ran (zero bubble)."""
         self.refused: str | None = None
         """Why the stage runs eagerly after all, None while it runs as a program."""
         if any(layout is None for layout in self.layouts):
@@ -214,11 +248,39 @@ class StageProgram:
         self._outputs = len(graph.graph.find_nodes(op="output")[0].args[0]) - len(example)
         self.forward, self.backward = partition_joint_graph(graph, example, self._outputs)
         self._copied = _aliasing_outputs(self.backward)
+        if self.splits:
+            self.backward_input, self.backward_weight, self._weight_reads = split_backward(
+                self.backward, n_params, n_params + n_buffers
+            )
+            self._handed = len(self.backward_weight.graph.find_nodes(op="placeholder")) - len(
+                self._weight_reads
+            )
+            self._copied = _aliasing_outputs(self.backward_weight)
         logger.info(
-            "pipeline: stage traced into a program of %d forward and %d backward nodes",
+            "pipeline: stage traced into a program of %d forward and %d backward nodes%s",
             len(self.forward.graph.nodes),
             len(self.backward.graph.nodes),
+            ""
+            if self.backward_weight is None
+            else f" (weight pass: {len(self.backward_weight.graph.nodes)} of them)",
         )
+
+    def weight_pass(self) -> Callable[[], None]:
+        """torch's ``dw_builder`` for this stage (zero bubble): called right after a
+        micro-batch's backward (its input pass), it returns the runner of that micro-batch's
+        weight pass, which the schedule calls at its W action (or at once, for a full
+        backward). A backward that ran eagerly left nothing: its runner does nothing (eager
+        autograd filled the weights' gradients already)."""
+        pending, self._pending = self._pending, []
+
+        def run() -> None:
+            assert self.backward_weight is not None or not pending
+            while pending:
+                reads = pending.pop(0)
+                self._accumulate(self.backward_weight(*reads))  # type: ignore[misc]
+                self.weight_calls += 1
+
+        return run
 
     def _accumulate(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Add each parameter's local gradient into its ``.grad``, laid out as traced."""
@@ -266,6 +328,70 @@ def _draws_random(node: torch.fx.Node) -> bool:
     )
 
 
+def split_backward(
+    backward: torch.fx.GraphModule, params: int, inputs_from: int
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, list[int]]:
+    """A stage's backward graph cut into zero bubble's two passes.
+
+    ``backward`` returns the parameters' gradients (its first ``params`` outputs), then
+    others (buffers'), then from ``inputs_from`` on the stage inputs' gradients. The
+    input-gradient graph keeps every node those input gradients need (and any other node
+    the weight-gradient graph does not take, so nothing with an effect is lost) and takes
+    the backward's inputs; it returns the inputs' gradients and then the values it computed
+    that the weight-gradient graph reads. The weight-gradient graph holds the nodes only the
+    parameters' gradients need: it takes those values, then the backward's own inputs it
+    reads (their indices are returned third), and returns the parameters' gradients (None
+    where the backward's is). Nothing is computed twice: a node the input gradients need is
+    in the first graph only."""
+    graph = backward.graph
+    output = graph.find_nodes(op="output")[0]
+    outs = list(output.args[0])
+    placeholders = list(graph.find_nodes(op="placeholder"))
+
+    def needed(roots: Sequence[Any]) -> set[torch.fx.Node]:
+        seen: set[torch.fx.Node] = set()
+        stack = [r for r in roots if isinstance(r, torch.fx.Node)]
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        return seen
+
+    for_inputs = needed(outs[inputs_from:])
+    weight_only = {
+        n for n in needed(outs[:params]) - for_inputs if n.op not in ("placeholder", "output")
+    }
+    for node in graph.nodes:  # a tuple-valued op stays whole: its items go where it is
+        if node.target is operator.getitem and node.args[0] not in weight_only:
+            weight_only.discard(node)
+    weight_grads = [o for o in outs[:params] if isinstance(o, torch.fx.Node)]
+    read = {a for n in weight_only for a in n.all_input_nodes if a not in weight_only}
+    read |= {o for o in weight_grads if o not in weight_only}
+    handed = [n for n in graph.nodes if n in read and n.op != "placeholder"]  # graph order
+    reads = [i for i, p in enumerate(placeholders) if p in read]
+
+    first = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op != "output" and node not in weight_only:
+            env[node] = first.node_copy(node, env.__getitem__)
+    grads = [env[o] if isinstance(o, torch.fx.Node) else o for o in outs[inputs_from:]]
+    first.output((*grads, *(env[n] for n in handed)))
+    first.eliminate_dead_code()  # nodes neither pass needs (none after the partitioner)
+
+    second = torch.fx.Graph()
+    env = {}
+    for node in [*handed, *(placeholders[i] for i in reads)]:
+        env[node] = second.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in graph.nodes:
+        if node in weight_only:
+            env[node] = second.node_copy(node, env.__getitem__)
+    second.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outs[:params]))
+    return torch.fx.GraphModule(backward, first), torch.fx.GraphModule(backward, second), reads
+
+
 class _StageFunction(torch.autograd.Function):
     """A micro-batch through a :class:`StageProgram`: its forward graph now, its backward
     graph when autograd gets there."""
@@ -286,7 +412,14 @@ class _StageFunction(torch.autograd.Function):
         program: StageProgram = ctx.program
         assert program.backward is not None
         tangents = tuple(t.contiguous() for t in tangents)
-        grads = program.backward(*ctx.saved_tensors, *tangents)
         n_params, n_buffers = len(program.names), len(program.buffers)
+        none = (None, *([None] * (n_params + n_buffers)))  # the program, parameters, buffers
+        if program.backward_input is not None:  # zero bubble: the weight pass comes later
+            args = (*ctx.saved_tensors, *tangents)
+            outs = program.backward_input(*args)
+            n_inputs = len(outs) - program._handed
+            program._pending.append((*outs[n_inputs:], *(args[i] for i in program._weight_reads)))
+            return (*none, *outs[:n_inputs])
+        grads = program.backward(*ctx.saved_tensors, *tangents)
         program._accumulate(grads[:n_params])  # the parameters' gradients: added by hand
-        return (None, *([None] * (n_params + n_buffers)), *grads[n_params + n_buffers :])
+        return (*none, *grads[n_params + n_buffers :])

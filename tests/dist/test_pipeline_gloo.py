@@ -12,7 +12,9 @@ the same autocast and scale. Offload in the stages: the optimizer's states on th
 and with ZeRO-2) and the activations backward reads on the host (zero bubble, and ZeRO-3),
 each equal to one device; the host optimizer's checkpoint resumes its job bit for bit, loads
 into a pipeline without offload bit for bit, and that job's back into ZeRO-2 with offload.
-Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
+pp=2 x tp=2 runs its stages as compiled programs on 1f1b and on zero bubble (each stage's
+backward cut into an input-gradient graph and a weight-gradient graph the schedule runs
+later), equal to one device with Megatron's tp all-reduces counted. Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
 
@@ -45,7 +47,7 @@ pytestmark = pytest.mark.dist
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=4)
 STEPS = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-SCHEDULES_TP = SCHEDULES[:3]  # zero bubble with tp in the stages is refused by name
+SCHEDULES_TP = SCHEDULES[:3]  # zero bubble with tp: the 4-process pp=2 x tp=2 leg
 PIPE = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 4}
 PP_TP = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4)
 
@@ -96,6 +98,12 @@ def _program(job) -> dict:
                     out["collectives"][target] += 1
                 out["local"] &= not isinstance(node.meta.get("val"), DTensor)
     return out
+
+
+def _collectives(graph) -> dict:
+    """The functional collectives in an FX graph, by op."""
+    targets = (str(n.target) for n in graph.graph.nodes)
+    return dict(Counter(t for t in targets if t.startswith("_c10d_functional.")))
 
 
 def _sgd(params):
@@ -257,6 +265,27 @@ def _workers(root: str) -> dict:
     out["pp_tp_collectives"] = (inner.counts(), dict(log.counts))
     params = sum(1 for m in job.stage_modules for _ in m.parameters())
     out["pp_tp_program"] = (_program(job), dict(ops.counts), params)
+    # zero bubble with tp in the stages (2 stages of one block a rank): each compiled stage's
+    # backward cut into an input-gradient graph and a weight-gradient graph run later, at the
+    # schedule's weight action
+    zero_bubble = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
+                                 schedule="zero_bubble")  # fmt: skip
+    job, losses = _train(zero_bubble, megatron=True)
+    with CollectiveLog(job.inner_mesh) as inner:
+        job.step(_batches()[0])  # a third step
+    graphs = [
+        (index, p.calls, p.weight_calls, _collectives(p.backward_input),
+         _collectives(p.backward_weight))
+        for index, p in zip(job.stage_indices, job.stage_programs, strict=True)
+    ]  # fmt: skip
+    events = sorted(job.timeline().events, key=lambda e: (e.rank, e.start_s))
+    passes = [(e.rank, e.kind, e.stage, e.micro_batch) for e in events]
+    # (a later mesh of the same shape may name its tp group by number: resolved to its ranks)
+    counts = {
+        (kind, tuple(group_ranks(axis)) if axis.isdigit() else axis): n
+        for (kind, axis), n in inner.counts().items()
+    }
+    out["pp_tp_zb"] = (losses, job.full_state_dict(), counts, graphs, passes)
     # the optimizer on the host beside compiled stages (their gradients reach its copies)
     host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
                           offload="optimizer")  # fmt: skip
@@ -568,6 +597,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         assert set(ops) == {"aten.div_.Tensor", "aten.add_.Tensor"}, f"rank {rank}: {ops}"
         assert max(ops.values()) <= params, f"rank {rank}: {ops}, {params} parameters"
         assert r["pp_tp_host"][2] == [8], f"rank {rank}: {r['pp_tp_host'][2]}"
+    _check_zero_bubble_tp(results, megatron)
     momentum = reference_run(_model(megatron=True), gpt_loss, _momentum, _batches())
     _same_run(*results[0]["pp_tp_host"][:2], momentum, "pp_tp_host")
     losses, state = results[0]["reshard"]
@@ -576,9 +606,41 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def _check_zero_bubble_tp(results: list[dict], megatron: Run) -> None:
+    """Zero bubble on pp=2 x tp=2 (compiled stages, 2 a rank): equal to one device; per step
+    Megatron's 4 tp all-reduces a block and micro-batch (2 stages x 4 micro-batches x 4); each
+    stage's backward split: the input-gradient graph holds the all-reduces (the norms' input
+    gradients), the weight-gradient graph none, except on the first stage, which has no input
+    gradient, so its whole backward is the weight pass (as torch's own split); every
+    micro-batch ran both graphs, and weight passes were deferred past other passes."""
+    losses, state = results[0]["pp_tp_zb"][:2]  # 2 steps, then the counted third
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(megatron.losses[:STEPS]))
+    for key, value in megatron.state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="pp_tp_zb " + key)
+    reduce = {"_c10d_functional.all_reduce.default": 2, "_c10d_functional.wait_tensor.default": 2}
+    for rank, r in enumerate(results):
+        counts, graphs, passes = r["pp_tp_zb"][2:]
+        tp_peers = (rank - rank % 2, rank - rank % 2 + 1)  # mesh (pp, tp): tp is innermost
+        assert counts in ({("all_reduce", "tp"): 32}, {("all_reduce", tp_peers): 32}), (
+            rank,
+            counts,
+        )
+        for index, calls, weight_calls, first, second in graphs:
+            assert (calls, weight_calls) == (12, 12), (rank, graphs)
+            assert (first, second) == (({}, reduce) if index == 0 else (reduce, {})), (rank, graphs)
+        kinds = {(pp_rank, kind) for pp_rank, kind, _, _ in passes}
+        assert kinds == {(p, k) for p in (0, 1) for k in ("forward", "backward", "weight")}, kinds
+        deferred = [
+            (stage, mb) for i, (pp_rank, kind, stage, mb) in enumerate(passes)
+            if kind == "backward" and stage > 0
+            and passes[i + 1 : i + 2] != [(pp_rank, "weight", stage, mb)]
+        ]  # fmt: skip
+        assert deferred, passes  # some weight pass ran later than right after its backward
+
+
 def _three_axes(_: str) -> dict:
-    """pp=2 x dp=2 x tp=2 on 8 workers, every CPU schedule but zero bubble (refused with tp in
-    the stages), semi_auto Megatron: losses, the final parameters and the step's collectives;
+    """pp=2 x dp=2 x tp=2 on 8 workers, the looped CPU schedules (zero bubble with tp runs in
+    the 4-process pp=2 x tp=2 leg), semi_auto Megatron: losses, the final parameters and the step's collectives;
     ZeRO-3, HSDP and activation offload in the stages."""
     out = {}
     for schedule in SCHEDULES_TP:

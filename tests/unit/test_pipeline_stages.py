@@ -94,8 +94,26 @@ def test_settings_refused_by_name() -> None:
         )
     semi = {"mode": "semi_auto", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 2}
     check_pipeline_config(ParallelConfig(**semi), tp)  # tensor parallel in the stages runs
-    with pytest.raises(NotBuiltError, match="zero-bubble schedule with tensor parallel"):
-        check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble"), tp)
+    # zero bubble with tp runs on compiled stages (their backward split in two); where the
+    # stages would run on DTensors it stays refused
+    check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble"), tp, device_type="cpu")
+    for eager in (
+        {"stage_programs": False},
+        {"precision": "bf16"},
+        {"recompute": "full"},
+        {"recompute_modules": {"blocks.0": "selective"}},
+        {"offload": "activations"},
+    ):
+        with pytest.raises(NotBuiltError, match="zero-bubble schedule with tensor parallel in st"):
+            check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble", **eager), tp)
+    with pytest.raises(NotBuiltError, match="zero-bubble schedule with tensor parallel in st"):
+        check_pipeline_config(
+            ParallelConfig(**semi, schedule="zero_bubble", optimizer_shard=3), tp
+        )  # fmt: skip
+    tp_v = ParallelConfig(**semi, schedule="zero_bubble_v")  # a rank sends to itself
+    with pytest.raises(NotBuiltError, match=r"schedule=.zero_bubble_v.\) on CPU"):
+        check_pipeline_config(tp_v, tp, device_type="cpu")
+    check_pipeline_config(tp_v, tp, device_type="cuda")
     with pytest.raises(NotBuiltError, match="inside pipeline stages outside mode 'semi_auto'"):
         check_pipeline_config(ParallelConfig(**{**semi, "mode": "auto"}), tp)
     with pytest.raises(NotBuiltError, match="searched plan"):
@@ -279,17 +297,18 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
 
 
 def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> None:
-    """A stage with axes inside runs as its traced per-rank program (fp32, the looped
-    schedules, optimizer offload); settings whose work hooks into the eager stage keep it."""
+    """A stage with axes inside runs as its traced per-rank program (fp32, every schedule,
+    optimizer offload); settings whose work hooks into the eager stage keep it."""
     from plait.runtime import stage_program
 
     tp = ("tp",)
     base = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4)
     assert stage_program.compiles(base, tp)
     assert stage_program.compiles(dataclasses.replace(base, offload="optimizer"), tp)
-    assert stage_program.compiles(
-        dataclasses.replace(base, schedule="interleaved_1f1b", virtual_stages=None), tp
-    )
+    for schedule in ("interleaved_1f1b", "zero_bubble", "zero_bubble_v"):
+        assert stage_program.compiles(
+            dataclasses.replace(base, schedule=schedule, virtual_stages=None), tp
+        ), schedule  # zero bubble: the backward split into input- and weight-gradient graphs
     assert not stage_program.compiles(base, ())  # no axes inside: plain tensors, nothing to do
     for eager in (
         {"precision": "bf16"},
@@ -298,9 +317,41 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> N
         {"recompute": "selective"},
         {"recompute_modules": {"blocks.0": "full"}},
         {"offload": "activations"},
-        {"schedule": "zero_bubble", "virtual_stages": None},
     ):
         assert not stage_program.compiles(dataclasses.replace(base, **eager), tp), eager
     assert not stage_program.compiles(dataclasses.replace(base, stage_programs=False), tp)
     with pytest.raises(ConfigError, match=r"stage_programs='no': give True or False"):
         dataclasses.replace(base, stage_programs="no")
+
+
+def test_a_traced_backward_splits_into_input_and_weight_gradient_passes() -> None:
+    """Zero bubble's two passes of a compiled stage (``split_backward``): the input-gradient
+    graph gives the input's gradient and hands the weight-gradient graph what it reads; the
+    two together give the whole backward's gradients, no matrix product computed twice."""
+    from plait._compat import aot_joint_graph, partition_joint_graph
+    from plait.runtime.stage_program import split_backward
+
+    torch.manual_seed(0)
+    w1, w2, b2 = torch.randn(6, 4), torch.randn(3, 6), torch.randn(3)
+    x, grad_out = torch.randn(5, 4), torch.randn(5, 3)
+
+    def stage(w1, w2, b2, x):
+        return (torch.nn.functional.linear(torch.relu(x @ w1.t()), w2, b2),)
+
+    example = tuple(t.clone().requires_grad_() for t in (w1, w2, b2, x))
+    forward, backward = partition_joint_graph(aot_joint_graph(stage, example), example, 1)
+    out, *saved = forward(w1, w2, b2, x)
+    whole = backward(*saved, grad_out)
+    first, second, reads = split_backward(backward, 3, 3)
+    args = (*saved, grad_out)
+    dx, *handed = first(*args)
+    weights = second(*handed, *(args[i] for i in reads))
+    for got, want in zip((*weights, dx), whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(out, stage(w1, w2, b2, x)[0])
+
+    def products(graph):
+        return sum(n.target == torch.ops.aten.mm.default for n in graph.graph.nodes)
+
+    # dx: 2 products (through w2 and w1); the weight pass: one for each weight
+    assert (products(first), products(second)) == (2, 2) == (products(backward) - 2, 2)

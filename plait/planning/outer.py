@@ -13,8 +13,9 @@ What the user fixes stays fixed: ``mesh`` (only strategies inside it are searche
 ``pipeline_stages`` other than 1, ``micro_batches`` other than 1, ``optimizer_shard``, and
 ``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
 notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
-pipeline's stages hold no tensor parallel and no optimizer parallel (the runtime refuses both:
-docs/pipeline.md), so those meshes and levels are left out.
+pipeline's stages hold no optimizer parallel, and tensor parallel only where they run as
+compiled stage programs (fp32, no recompute or activation offload: docs/pipeline.md), so the
+other meshes and levels are left out.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
 options are predicted (step time and memory) from the mesh's shared work by
@@ -90,8 +91,8 @@ def mesh_candidates(
         for tp in _powers_of_two_up_to(min(MAX_TP, devices_per_node)):
             if devices % (pp * tp):
                 continue
-            if tp > 1 and _splits_backward(cfg, pp):
-                continue  # tensor parallel in zero-bubble stages does not run
+            if tp > 1 and _splits_backward(cfg, pp) and not _compiled_stages(cfg):
+                continue  # tensor parallel in eager zero-bubble stages does not run
             dp = devices // (pp * tp)
             if batch % dp:
                 continue
@@ -109,8 +110,22 @@ def mesh_candidates(
 
 def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
     """A zero-bubble schedule over ``pp > 1`` stages: its separate weight-gradient passes run
-    with neither tensor nor optimizer parallel in the stages (the runtime's refusals)."""
+    without optimizer parallel, and with tensor parallel only on compiled stage programs
+    (the runtime's refusals)."""
     return pp > 1 and cfg.schedule in SPLIT_BACKWARD
+
+
+def _compiled_stages(cfg: ParallelConfig) -> bool:
+    """Whether stages with tensor parallel inside would run as compiled stage programs under
+    ``cfg`` (``plait.runtime.stage_program.compiles``, less what the escalation changes: its
+    recompute variants are left out where they would not)."""
+    return (
+        cfg.stage_programs
+        and cfg.precision == "fp32"
+        and cfg.offload != "activations"
+        and not cfg.recompute_modules
+        and cfg.recompute in ("none", "auto")
+    )
 
 
 def _global_batch(graph: OpGraph) -> int:
@@ -120,8 +135,9 @@ def _global_batch(graph: OpGraph) -> int:
     return 1
 
 
-def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Variant]:
-    """Settings in order of rising cost (escalation order)."""
+def _variants(cfg: ParallelConfig, pp: int, replica_batch: int, tp: int = 1) -> Iterator[_Variant]:
+    """Settings in order of rising cost (escalation order), those that run on a mesh of
+    ``pp`` stages and ``tp``-way tensor parallel."""
     if cfg.micro_batches != 1 or pp == 1:
         m = cfg.micro_batches
     else:
@@ -130,7 +146,11 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Var
         levels: tuple[int | None, ...] = (cfg.optimizer_shard,)
     else:  # optimizer parallel in zero-bubble stages does not run
         levels = (None,) if _splits_backward(cfg, pp) else LEVELS
-    recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
+    recomputes: tuple[str, ...] = (
+        RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
+    )
+    if tp > 1 and _splits_backward(cfg, pp):  # compiled zero-bubble stages: no recompute
+        recomputes = tuple(r for r in recomputes if r == "none")
     for recompute in recomputes:
         for level in levels if recompute == "none" else levels[-1:]:
             yield _Variant(level, recompute, m)
@@ -200,7 +220,7 @@ def auto_plan(
         variants = [
             (v, _with(base, optimizer_shard=v.optimizer_shard, recompute=v.recompute,
                       micro_batches=v.micro_batches))
-            for v in _variants(cfg, pp, replica_batch)
+            for v in _variants(cfg, pp, replica_batch, mesh.get("tp", 1))
         ]  # fmt: skip
         if prune and len(fits) >= 2:
             bound = _lower_bound(graph, variants[0][1], op_compute)

@@ -53,9 +53,9 @@ def test_every_config_field_has_a_flag() -> None:
     add_plan_arguments(parser)
     dests = {a.dest for a in parser._actions}
     fields = {f.name for f in dataclasses.fields(ParallelConfig) if not f.name.startswith("_")}
-    # `plait plan` makes plans: it does not read one, and compile is how a job runs its
-    # program, which no plan depends on
-    assert fields - dests == {"plan", "compile"}
+    # `plait plan` makes plans: it does not read one, and compile and stage_programs are how
+    # a job runs its programs, which no plan depends on
+    assert fields - dests == {"plan", "compile", "stage_programs"}
 
 
 def test_plan_writes_the_documented_file(tmp_path, capsys) -> None:

@@ -645,18 +645,16 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  wait latency:      {profile.wait_latency * 1e3:.2f} ms for a blocked rank to run "
             "again (a small send between ranks computing between messages)",
             "  matmul share:      "
-            + (
-                ", ".join(f"d={d} {f:.2f}" for d, f in profile.matmul_efficiency)
-                + " (of the peak, by smallest dimension)"
-                if profile.matmul_efficiency
-                else "every shape at the peak x compute_efficiency"
+            + _points(
+                profile.matmul_efficiency,
+                " (of the peak, by smallest dimension)",
+                "every shape at the peak x compute_efficiency",
             ),
             "  batched products:  "
-            + (
-                ", ".join(f"d={d} {f:.2f}" for d, f in profile.batched_matmul_efficiency)
-                + " (attention's, by head dimension)"
-                if profile.batched_matmul_efficiency
-                else "as the matmul share"
+            + _points(
+                profile.batched_matmul_efficiency,
+                " (attention's, by head dimension)",
+                "as the matmul share",
             ),
             "  element rates:     "
             + (
@@ -673,3 +671,8 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  source: {profile.source}",
         ]
     )
+
+
+def _points(points: Sequence[tuple[int, float]], what: str, without: str) -> str:
+    """``d=32 0.60, d=128 0.90`` and what they are, or what stands in for them."""
+    return ", ".join(f"d={d} {f:.2f}" for d, f in points) + what if points else without

@@ -200,10 +200,11 @@ class PipelineJob(Job):
         plan: Plan | None = None,
     ) -> None:
         # parallelize ran these before building the mesh; again here for a job built directly
+        # (the optimizer's class is checked on the one built below: the user's factory is
+        # called once here, as without a pipeline)
         check_pipeline_config(
             config, mesh, planned=plan is not None, device_type=device_mesh.device_type
         )
-        check_pipeline_optimizer(model, config, optimizer)
         pp = mesh.axis_size("pp")
         dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
         virtual = config.virtual_stages or 1
@@ -244,15 +245,18 @@ class PipelineJob(Job):
                 pp_comm.defer_weight_pass(stage, program.weight_pass)
         offload = wrap_stages(model, modules, config, device)
         reduced_here = shard_stages(modules, config, device_mesh, dp)
+        built = stage_optimizer(
+            modules,
+            optimizer,
+            host=config.offload == "optimizer",
+            device_mesh=device_mesh,
+            dp_axis=config.dp_axis,
+        )
+        if config.offload == "optimizer":
+            check_elementwise(built, None)
         super().__init__(
             model,
-            stage_optimizer(
-                modules,
-                optimizer,
-                host=config.offload == "optimizer",
-                device_mesh=device_mesh,
-                dp_axis=config.dp_axis,
-            ),
+            built,
             loss_fn,
             config,
             mesh=mesh,

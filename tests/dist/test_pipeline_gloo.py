@@ -289,8 +289,15 @@ def _workers(root: str) -> dict:
     # the optimizer on the host beside compiled stages (their gradients reach its copies)
     host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
                           offload="optimizer")  # fmt: skip
-    job, losses = _train(host, megatron=True, optimizer=_momentum)
+    built: list[int] = []
+
+    def counted(params):  # the user's factory: called once to check its class, once to build
+        built.append(1)
+        return _momentum(params)
+
+    job, losses = _train(host, megatron=True, optimizer=counted)
     out["pp_tp_host"] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
+    out["factory_calls"] = len(built)
     # (after pp_tp's count: a later mesh of the same shape renames its groups) plans of
     # mode auto with pipeline stages run as pipelines: the plan's stage split,
     # micro-batches, ZeRO level and recompute; its parameter layouts inside the stages
@@ -597,6 +604,8 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         assert set(ops) == {"aten.div_.Tensor", "aten.add_.Tensor"}, f"rank {rank}: {ops}"
         assert max(ops.values()) <= params, f"rank {rank}: {ops}, {params} parameters"
         assert r["pp_tp_host"][2] == [8], f"rank {rank}: {r['pp_tp_host'][2]}"
+        # parallelize's check of the optimizer's class, then the one the job steps with
+        assert r["factory_calls"] == 2, f"rank {rank}: {r['factory_calls']} factory calls"
     _check_zero_bubble_tp(results, megatron)
     momentum = reference_run(_model(megatron=True), gpt_loss, _momentum, _batches())
     _same_run(*results[0]["pp_tp_host"][:2], momentum, "pp_tp_host")

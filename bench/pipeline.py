@@ -260,7 +260,7 @@ def wrap_plait_phases() -> None:
     CLOCK.wrap(pp_job, "model_inputs", "inputs")
     CLOCK.wrap(pp_job, "split_micro_batches", "split")
     CLOCK.wrap(pp_comm, "mean_over_group", "grad mean")
-    CLOCK.wrap(pp_comm, "start_sum_over_world", "loss all-reduce (start)")
+    CLOCK.wrap(pp_comm, "start_sum_over_world", "loss all-reduce")  # its start: the wait hides
 
 
 # ---------------------------------------------------------------------------------------------

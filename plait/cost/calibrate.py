@@ -12,6 +12,9 @@ repetitions on each rank) and the slowest rank of each collective:
     matmul share by shape        fp32 torch.mm with one dimension d small     matmul_efficiency
                                  (512 x d x 512 and 512 x 512 x d), over
                                  the n x n rate
+    network efficiency           forward and backward of 4 MLP blocks         compute_efficiency
+                                 (256 -> 1024 -> 256, 512 rows) over the
+                                 n x n rate
     batched product share        attention's q @ k^T and p @ v on head-split  batched_matmul_
                                  views (4 x 8 heads of 128 x d), over the     efficiency
                                  n x n rate
@@ -40,7 +43,8 @@ repetitions on each rank) and the slowest rank of each collective:
 
 Not measured: the inter-node link (one machine cannot see it); the profile keeps the
 uncalibrated 10 GbE default and says so in ``source``. Numbers are achieved throughput, so
-the efficiencies are 1.0. The collective measurement runs real processes through
+the memory efficiency is 1.0; the compute efficiency is what a stack of linear layers reaches
+of the square product's rate (below). The collective measurement runs real processes through
 :func:`plait.testing.run_workers`; it is the only place in the cost model that touches
 ``torch.distributed``, and only inside the spawned workers.
 """
@@ -80,6 +84,7 @@ __all__ = [
     "measure_host_costs",
     "measure_kernel_latency",
     "measure_matmul_flops",
+    "measure_network_efficiency",
     "worker_threads",
 ]
 
@@ -170,6 +175,32 @@ def measure_matmul_shares(
             rates.append(2 * m * n * k / seconds)
         shares[d] = min(1.0, statistics.mean(rates) / peak)
     return shares
+
+
+def measure_network_efficiency(
+    peak: float, width: int = 256, budget_s: float = 0.3, *, shared: bool = False
+) -> float:
+    """The share of ``peak`` (the square product's fp32 rate) a stack of linear layers
+    reaches in forward and backward together: 4 blocks of ``width -> 4 width -> width`` on
+    ``512 x width`` rows, as a transformer's MLP runs them, at most 1. Inside a network the
+    weights and activations stream from memory between products, which an isolated square
+    product, its operands in cache, never sees."""
+    gen = torch.Generator().manual_seed(0)
+    layers: list[torch.nn.Linear] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(512, width, generator=gen)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    # forward, input and weight gradients (the first layer's input gradient is not needed)
+    flops = 3 * sum(2 * 512 * m.in_features * m.out_features for m in layers)
+    flops -= 2 * 512 * width * 4 * width
+    seconds = _seconds(step, budget_s, min_reps=3, shared=shared)
+    return min(1.0, flops / seconds / peak)
 
 
 ATTENTION_SEQ = 128
@@ -488,6 +519,8 @@ def _measure_local(
     elementwise = measure_elementwise_rates(budget / 8, shared=shared)
     sync()
     host = measure_host_costs(latency, budget, shared=shared)
+    sync()
+    network = measure_network_efficiency(fp32, budget_s=budget, shared=shared)
     return {
         "matmul_size": n,
         "matmul_shares": {str(d): f for d, f in shares.items()},
@@ -503,6 +536,7 @@ def _measure_local(
         "kernel_latency": latency,
         "op_overhead": host[0],
         "call_overhead": host[1],
+        "network_efficiency": network,
     }
 
 
@@ -536,6 +570,7 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
         "kernel_latency": median("kernel_latency"),
         "op_overhead": median("op_overhead"),
         "call_overhead": median("call_overhead"),
+        "network_efficiency": median("network_efficiency"),
         "threads_per_rank": threads,
         "per_rank": locals_,
     }
@@ -607,6 +642,7 @@ def calibrate(
             "inter_node not measured (10 GbE default)"
         ),
         kernel_latency=local["kernel_latency"],
+        compute_efficiency=local["network_efficiency"],
         op_overhead=local["op_overhead"],
         call_overhead=local["call_overhead"],
         comm_overlap=world["overlap"],
@@ -636,6 +672,8 @@ def format_profile(profile: HardwareProfile) -> str:
         [
             f"hardware profile {profile.name!r}",
             f"  matmul GFLOP/s:    {peaks}",
+            f"  compute efficiency: {profile.compute_efficiency:.2f} of that in a network "
+            "(linear layers, forward and backward)",
             f"  memory:            {profile.memory_bytes / 2**30:.1f} GiB at "
             f"{profile.memory_bandwidth / 1e9:.2f} GB/s",
             f"  op floor:          {profile.kernel_latency * 1e6:.1f} us",

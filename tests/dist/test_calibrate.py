@@ -38,6 +38,11 @@ def test_calibrate_quick_writes_a_loadable_profile(tmp_path, capsys) -> None:
     assert profile.memory_bandwidth > 1e7 and profile.memory_bytes > 2**20
     assert profile.intra_node.bandwidth > 1e6 and profile.intra_node.latency > 0
     assert 0 < profile.kernel_latency < 0.01
+    # linear layers in forward and backward reach a share of the square product's rate
+    assert 0 < profile.compute_efficiency <= 1 and "compute efficiency:" in printed
+    assert (
+        profile.compute_efficiency == json.loads(out.read_text())["measured"]["network_efficiency"]
+    )
     # a captured op (a linear: view, transpose, addmm, and their backward) costs several calls
     assert 0 < profile.call_overhead < profile.op_overhead + profile.kernel_latency
     measured = json.loads(out.read_text())["measured"]

@@ -374,6 +374,21 @@ class ParallelConfig:
     def data_parallel_size(self) -> int:
         return self._mesh.get(self.dp_axis, 1)
 
+    @property
+    def compiled_stages(self) -> bool:
+        """Whether pipeline stages with tensor parallel inside run as compiled per-rank
+        programs under these settings (:mod:`plait.runtime.stage_program`): ``stage_programs``
+        on, fp32, no optimizer parallel, recompute or activation offload. The one rule the
+        runtime builds by and the outer planner weighs zero-bubble plans by."""
+        return (
+            self.stage_programs
+            and self.precision == "fp32"
+            and self.optimizer_shard is None
+            and self.recompute == "none"
+            and not self.recompute_modules
+            and self.offload != "activations"
+        )
+
     def non_default_fields(self) -> dict[str, Any]:
         """Fields whose values differ from their defaults (for errors and logs)."""
         defaults = ParallelConfig()

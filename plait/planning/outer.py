@@ -116,16 +116,14 @@ def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
 
 
 def _compiled_stages(cfg: ParallelConfig) -> bool:
-    """Whether stages with tensor parallel inside would run as compiled stage programs under
-    ``cfg`` (``plait.runtime.stage_program.compiles``, less what the escalation changes: its
-    recompute variants are left out where they would not)."""
-    return (
-        cfg.stage_programs
-        and cfg.precision == "fp32"
-        and cfg.offload != "activations"
-        and not cfg.recompute_modules
-        and cfg.recompute in ("none", "auto")
+    """Whether stages with tensor parallel inside would run as compiled stage programs on
+    the escalation's first variant of ``cfg`` (no ZeRO; ``recompute="auto"`` starts at
+    none, and :func:`_variants` keeps only that one for such meshes)."""
+    first = "none" if cfg.recompute == "auto" else cfg.recompute
+    no_zero = dataclasses.replace(
+        cfg, optimizer_shard=None, optimizer_weight_shard_size=None, recompute=first
     )
+    return no_zero.compiled_stages
 
 
 def _global_batch(graph: OpGraph) -> int:

@@ -44,6 +44,7 @@ __all__ = [
     "BACKWARD_FLOPS_FACTOR",
     "KINDS",
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Action",
     "StageTimer",
     "StageTimes",

@@ -63,7 +63,12 @@ from plait.errors import ConfigError, NotBuiltError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning import Plan, PlannedParameter
-from plait.planning.timeline import StageTimer, Timeline, timeline_from_records
+from plait.planning.timeline import (
+    SPLIT_BACKWARD,
+    StageTimer,
+    Timeline,
+    timeline_from_records,
+)
 from plait.runtime.job import Job, LossFn, OptimizerFactory
 from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import autocast_for
@@ -76,9 +81,6 @@ from plait.runtime.zero import ZeroOptimizer, check_elementwise
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
 
 logger = logging.getLogger(__name__)
-
-ZERO_BUBBLE = ("zero_bubble", "zero_bubble_v")
-"""The schedules that split a backward into input- and weight-gradient passes."""
 
 
 # ------------------------------------------------------------------------ stage assignment
@@ -239,7 +241,7 @@ class PipelineJob(Job):
                 pp_comm.stage_on_submesh(m, submesh)
         programs: list[StageProgram] = []
         if compiles(config, inner):
-            split = config.schedule in ZERO_BUBBLE  # their weight passes come later
+            split = config.schedule in SPLIT_BACKWARD  # their weight passes come later
             programs = [compile_stage(m, weight_pass=split) for m in modules]
             for stage, program in zip(stages, programs, strict=True) if split else ():
                 pp_comm.defer_weight_pass(stage, program.weight_pass)
@@ -1005,7 +1007,7 @@ def check_pipeline_config(
             "mode data_parallel runs a mesh of 'pp' and 'dp'",
         ),
         (
-            bool(inner) and config.schedule in ZERO_BUBBLE and not compiles(config, inner),
+            bool(inner) and config.schedule in SPLIT_BACKWARD and not compiles(config, inner),
             f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, precision="
             f"{config.precision!r}, optimizer_shard={config.optimizer_shard}, recompute="
             f"{config.recompute!r}, offload={config.offload!r}, stage_programs="
@@ -1017,7 +1019,7 @@ def check_pipeline_config(
             "1f1b or interleaved_1f1b",
         ),
         (
-            config.optimizer_shard is not None and config.schedule in ZERO_BUBBLE,
+            config.optimizer_shard is not None and config.schedule in SPLIT_BACKWARD,
             f"optimizer_shard={config.optimizer_shard}, schedule={config.schedule!r}",
             "optimizer parallel with a zero-bubble schedule (FSDP2 reduce-scatters a stage's "
             "gradients before the separate weight-gradient passes have run); use gpipe, 1f1b "

@@ -81,18 +81,10 @@ logger = logging.getLogger(__name__)
 
 
 def compiles(config: ParallelConfig, inner: Sequence[str]) -> bool:
-    """Whether a pipeline's stages run as compiled programs: axes inside the stages, fp32, no
-    optimizer parallel, recompute or activation offload, and ``config.stage_programs`` on
-    (any schedule: the zero-bubble ones split the traced backward, see the module docstring)."""
-    return (
-        config.stage_programs
-        and bool(inner)
-        and config.precision == "fp32"
-        and config.optimizer_shard is None
-        and config.recompute == "none"
-        and not config.recompute_modules
-        and config.offload != "activations"
-    )
+    """Whether a pipeline's stages run as compiled programs: axes inside the stages and
+    :attr:`~plait.config.ParallelConfig.compiled_stages` (any schedule: the zero-bubble ones
+    split the traced backward, see the module docstring)."""
+    return bool(inner) and config.compiled_stages
 
 
 def compile_stage(module: nn.Module, *, weight_pass: bool = False) -> StageProgram:

@@ -6,8 +6,8 @@ AdamW, 4 gloo processes (one torch thread each), global batch ``--batch``, ``--m
 micro-batches a step. Meshes: ``pp4`` (4 stages, dp=1), ``pp2xdp2`` (2 stages, each
 replicated twice), ``pp2tp2`` (2 stages, each split over tp=2 in Megatron's layout) and
 ``pp2dp2z3`` (2 stages replicated twice with ZeRO-3 over dp); schedules ``gpipe``, ``1f1b``,
-``interleaved_1f1b`` and ``zero_bubble`` (both with 2 stages a rank). For each mesh and
-schedule, in the same processes:
+``interleaved_1f1b``, ``zero_bubble`` and ``zero_bubble_v`` (each with 2 stages a rank; the V:
+rank r runs stages r and 2 pp - 1 - r). For each mesh and schedule, in the same processes:
 
 * ``plait``: ``plait.parallelize(model, ParallelConfig(mode="data_parallel", mesh=...,
   micro_batches=8, schedule=...), optimizer=AdamW, loss_fn=gpt_loss, example_batch=...)``,
@@ -57,7 +57,12 @@ Stages holding tensor parallel or ZeRO (``pp2tp2``, ``pp2dp2z3``):
 
 A combination plait refuses (``PlaitError`` at ``parallelize``) or the baseline's build
 raises on is shown as refused with the reason, and its other side is not run. plait
-refuses ``zero_bubble`` with tensor parallel and with ``optimizer_shard`` in the stages.
+refuses the zero-bubble schedules with ``optimizer_shard`` in the stages (and with tensor
+parallel where the stages would not compile: not in these fp32 runs). For ``zero_bubble_v``
+on the tracer frontend, the baseline leaves out the messages torch's stages would send from a
+rank to itself in their first-step greeting (``skip_messages_to_self``: gloo cannot carry
+them, the pair's socket resets; plait's stages do the same); the manual frontend's
+``PipelineStage`` (``pp2tp2``) skips them itself.
 Tried once by hand (torch 2.13, 4 layers, 2 steps): torch's zero-bubble schedule runs the
 manual tp stages above with losses equal to 1f1b's; on FSDP2 stages it runs but the second
 step's loss differs from 1f1b's by 2.5e-4 relative (plait's stated reason for refusing it:
@@ -126,6 +131,7 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
     SplitPoint,
     pipeline,
 )
@@ -171,12 +177,13 @@ MESHES: dict[str, Mesh] = {
     "pp2tp2": Mesh({"pp": 2, "tp": 2}, "pp=2 x tp=2", tp=True),
     "pp2dp2z3": Mesh({"pp": 2, "dp": 2}, "pp=2 x dp=2 ZeRO-3", zero=3),
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v")
 TORCH_SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zero_bubble_v": ScheduleZBVZeroBubble,
 }
 LOOPED = ("gpipe", "1f1b")  # one stage a rank
 VIRTUAL = 2  # stages a rank for the interleaved and zero-bubble schedules
@@ -443,6 +450,17 @@ def manual_tp_stages(
     return stages
 
 
+def skip_messages_to_self(stage: Any) -> None:
+    """torch's traced stages (``pipe.build_stage``) greet their neighbour stages on the first
+    step with a send and a receive each way, also where the neighbour is on the same rank (the
+    V's turn); gloo cannot send from a rank to itself (the pair's socket resets). A user on
+    gloo must leave those messages out, as here (plait's stages do the same); the turn's
+    activations and gradients are handed over in memory by torch's schedule anyway."""
+    ops = stage._get_init_p2p_neighbors_ops
+    me = dist.get_rank(stage.group)
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in ops() if op.group_peer != me]
+
+
 def build_baseline(
     cfg: GPTConfig,
     mesh: Mesh,
@@ -457,7 +475,10 @@ def build_baseline(
     dp = mesh.axes.get("dp", 1)
     pp_rank = device_mesh.get_local_rank("pp")
     virtual = 1 if schedule in LOOPED else VIRTUAL
-    indices = [pp_rank + k * pp for k in range(virtual)]
+    if schedule == "zero_bubble_v":  # the V: rank r runs stages r and 2 pp - 1 - r
+        indices = [pp_rank, 2 * pp - 1 - pp_rank]
+    else:
+        indices = [pp_rank + k * pp for k in range(virtual)]
 
     model = initial_model(cfg)
     ids, _ = local_example
@@ -474,6 +495,9 @@ def build_baseline(
         stages = [
             pipe.build_stage(i, torch.device("cpu"), device_mesh.get_group("pp")) for i in indices
         ]
+        if schedule == "zero_bubble_v":
+            for stage in stages:
+                skip_messages_to_self(stage)
         modules = [s.submod for s in stages]
         if mesh.zero:  # FSDP2 over the dp sub-mesh, on each stage module
             for m in modules:
@@ -758,7 +782,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str
         backward = t["backward"] / m + weight
         pred = predicted_bubble(schedule, pp, m, VIRTUAL, forward, backward, weight)
         predicted = f"{pred:.3f}"
-        if schedule == "zero_bubble":  # also with F = B = W (the planner's split)
+        if schedule in ("zero_bubble", "zero_bubble_v"):  # also with F = B = W (the planner's)
             even = predicted_bubble(schedule, pp, m, VIRTUAL, 1.0, 2.0, 1.0)
             fbw = f"1:{(backward - weight) / forward:.1f}:{weight / forward:.1f}"
             predicted += f" (measured F:B:W {fbw}; F=B=W: {even:.3f})"

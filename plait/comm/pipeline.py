@@ -87,7 +87,27 @@ def stage_indices(schedule: str, rank: int, pp: int, virtual: int) -> list[int]:
 
 
 def build_stages(pipe: Any, indices: Sequence[int], device: torch.device, group: Any) -> list:
-    return [pipe.build_stage(i, device, group) for i in indices]
+    """This rank's stages of ``pipe``, each warming up its links to other ranks only."""
+    stages = [pipe.build_stage(i, device, group) for i in indices]
+    for stage in stages:
+        _warm_up_remote_peers_only(stage)
+    return stages
+
+
+def _warm_up_remote_peers_only(stage: Any) -> None:
+    """Drop, from the stage's first-step handshake with its neighbour stages, the messages
+    addressed to its own rank. The V schedule puts stages ``pp - 1`` and ``pp`` on one rank:
+    torch's runtime hands their activations and gradients over in memory
+    (``set_local_fwd_input``), but the handshake still posts a send and a receive to the
+    rank itself, which gloo cannot carry (the pair's socket resets). NCCL would accept them;
+    skipping them loses nothing, the in-memory hand-over needs no link."""
+    all_ops = stage._get_init_p2p_neighbors_ops
+    me = dist.get_rank(stage.group)
+
+    def remote_ops() -> list[dist.P2POp]:
+        return [op for op in all_ops() if op.group_peer != me]  # a group rank, always set
+
+    stage._get_init_p2p_neighbors_ops = remote_ops
 
 
 def stage_module(stage: Any) -> nn.Module:

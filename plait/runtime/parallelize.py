@@ -427,7 +427,7 @@ def _pipeline_of_plan(
         plan=None,
     )
     # refusals before anything changes
-    check_pipeline_config(pipe, plan.mesh, planned=True, device_type=world.device_type)
+    check_pipeline_config(pipe, plan.mesh, planned=True)
     check_pipeline_optimizer(model, pipe, optimizer)
     materialize_meta(model, _device_of(world.device_type))
     logger.info(
@@ -495,7 +495,7 @@ def _pipeline_job(
             f"mesh={{'pp': {config.pipeline_stages}, 'dp': ...}}; got {dict(mesh.as_dict())}"
         )
     # before anything waits (the device mesh's groups, the first batch)
-    check_pipeline_config(config, mesh, device_type=world.device_type)
+    check_pipeline_config(config, mesh)
     check_pipeline_optimizer(model, config, optimizer)
     materialize_meta(model, _device_of(world.device_type))
     device_mesh = build_device_mesh(mesh, world.device_type)

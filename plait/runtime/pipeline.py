@@ -204,9 +204,7 @@ class PipelineJob(Job):
         # parallelize ran these before building the mesh; again here for a job built directly
         # (the optimizer's class is checked on the one built below: the user's factory is
         # called once here, as without a pipeline)
-        check_pipeline_config(
-            config, mesh, planned=plan is not None, device_type=device_mesh.device_type
-        )
+        check_pipeline_config(config, mesh, planned=plan is not None)
         pp = mesh.axis_size("pp")
         dp = mesh.axis_size(config.dp_axis) if config.dp_axis in mesh.axis_names else 1
         virtual = config.virtual_stages or 1
@@ -985,18 +983,9 @@ def check_pipeline_config(
     mesh: MeshSpec,
     *,
     planned: bool = False,
-    device_type: str | None = None,
 ) -> None:
     """What the pipeline runs with today, refused by name otherwise (before anything waits).
-    ``planned``: the stages run a plan of mode auto (or a plan file); ``device_type``: the
-    world's (``"cpu"``: gloo), None when not known yet."""
-    if config.schedule == "zero_bubble_v" and device_type == "cpu":
-        raise NotBuiltError(
-            "ParallelConfig(schedule='zero_bubble_v') on CPU processes: the V schedule "
-            "hands activations between a rank's own two stages through the process group, "
-            "which gloo cannot do (a rank cannot send to itself); use "
-            "schedule='zero_bubble' (interleaved zero bubble) on CPU, or NCCL on GPUs"
-        )
+    ``planned``: the stages run a plan of mode auto (or a plan file)."""
     inner = inner_axes(mesh, config)
     refusals = [
         (

@@ -1,7 +1,8 @@
 """Pipeline parallel on real gloo processes: pp=2 x dp=2 on 4 workers equals one device.
 
 One spawn (a spawn costs ~15 s) trains a 4-layer TinyGPT for 2 SGD steps under every CPU
-schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble), each from the
+schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble, and zero_bubble_v's
+V: stages 0 and 3 on one rank, 1 and 2 on the other, handed over in memory), each from the
 same weights and batches: every step's loss and the final parameters equal single-device
 training. A model whose LM head is its token embedding (one tensor read by the first and the
 last stage) trains as one device does. One run cuts the stages where ``plait.pipeline_stage`` marks say instead of evenly; one
@@ -12,9 +13,9 @@ the same autocast and scale. Offload in the stages: the optimizer's states on th
 and with ZeRO-2) and the activations backward reads on the host (zero bubble, and ZeRO-3),
 each equal to one device; the host optimizer's checkpoint resumes its job bit for bit, loads
 into a pipeline without offload bit for bit, and that job's back into ZeRO-2 with offload.
-pp=2 x tp=2 runs its stages as compiled programs on 1f1b and on zero bubble (each stage's
-backward cut into an input-gradient graph and a weight-gradient graph the schedule runs
-later), equal to one device with Megatron's tp all-reduces counted. Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
+pp=2 x tp=2 runs its stages as compiled programs on 1f1b and on both zero-bubble schedules
+(each stage's backward cut into an input-gradient graph and a weight-gradient graph the
+schedule runs later), equal to one device with Megatron's tp all-reduces counted. Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
 
@@ -46,8 +47,8 @@ pytestmark = pytest.mark.dist
 
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=4)
 STEPS = 2
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-SCHEDULES_TP = SCHEDULES[:3]  # zero bubble with tp: the 4-process pp=2 x tp=2 leg
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v")
+ZERO_BUBBLE = SCHEDULES[3:]
 PIPE = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 4}
 PP_TP = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4)
 
@@ -194,6 +195,10 @@ def _workers(root: str) -> dict:
         if schedule == "1f1b":
             out["saved_plain"] = _saved_tensors(job)
             out["held_plain"] = _held_bytes(job)
+        if schedule == "zero_bubble_v":  # a third step, on the first batch again
+            with ProcessGroupLog() as log:
+                job.step(_local(job, _batches()[0]))
+            out["v_collectives"] = (dict(log.counts), job.stage_indices)
     job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
     out["recompute"] = (losses, job.full_state_dict())
     # recompute="auto": nothing fits 1 KiB, so the planner's last resort, full recompute
@@ -265,27 +270,28 @@ def _workers(root: str) -> dict:
     out["pp_tp_collectives"] = (inner.counts(), dict(log.counts))
     params = sum(1 for m in job.stage_modules for _ in m.parameters())
     out["pp_tp_program"] = (_program(job), dict(ops.counts), params)
-    # zero bubble with tp in the stages (2 stages of one block a rank): each compiled stage's
-    # backward cut into an input-gradient graph and a weight-gradient graph run later, at the
-    # schedule's weight action
-    zero_bubble = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
-                                 schedule="zero_bubble")  # fmt: skip
-    job, losses = _train(zero_bubble, megatron=True)
-    with CollectiveLog(job.inner_mesh) as inner:
-        job.step(_batches()[0])  # a third step
-    graphs = [
-        (index, p.calls, p.weight_calls, _collectives(p.backward_input),
-         _collectives(p.backward_weight))
-        for index, p in zip(job.stage_indices, job.stage_programs, strict=True)
-    ]  # fmt: skip
-    events = sorted(job.timeline().events, key=lambda e: (e.rank, e.start_s))
-    passes = [(e.rank, e.kind, e.stage, e.micro_batch) for e in events]
-    # (a later mesh of the same shape may name its tp group by number: resolved to its ranks)
-    counts = {
-        (kind, tuple(group_ranks(axis)) if axis.isdigit() else axis): n
-        for (kind, axis), n in inner.counts().items()
-    }
-    out["pp_tp_zb"] = (losses, job.full_state_dict(), counts, graphs, passes)
+    # zero bubble with tp in the stages (2 stages of one block a rank, interleaved and in
+    # the V): each compiled stage's backward cut into an input-gradient graph and a
+    # weight-gradient graph run later, at the schedule's weight action
+    for schedule in ZERO_BUBBLE:
+        config = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
+                                schedule=schedule)  # fmt: skip
+        job, losses = _train(config, megatron=True)
+        with CollectiveLog(job.inner_mesh) as inner:
+            job.step(_batches()[0])  # a third step
+        graphs = [
+            (index, p.calls, p.weight_calls, _collectives(p.backward_input),
+             _collectives(p.backward_weight))
+            for index, p in zip(job.stage_indices, job.stage_programs, strict=True)
+        ]  # fmt: skip
+        events = sorted(job.timeline().events, key=lambda e: (e.rank, e.start_s))
+        passes = [(e.rank, e.kind, e.stage, e.micro_batch) for e in events]
+        # (a later mesh of the same shape may name its tp group by number: resolved)
+        counts = {
+            (kind, tuple(group_ranks(axis)) if axis.isdigit() else axis): n
+            for (kind, axis), n in inner.counts().items()
+        }
+        out[("pp_tp", schedule)] = (losses, job.full_state_dict(), counts, graphs, passes)
     # the optimizer on the host beside compiled stages (their gradients reach its copies)
     host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
                           offload="optimizer")  # fmt: skip
@@ -565,10 +571,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     png = (tmp_path / "measured.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > 100
     assert json.loads((tmp_path / "measured.json").read_text())["traceEvents"]
-    # Each rank, per step of 4 micro-batches over 2 stages: 4 activations or gradients sent
-    # and 4 received, one all-reduce of the stage's gradients over dp and one of the loss.
-    for r in results:
-        assert r["collectives"] == {"send": 4, "recv_": 4, "allreduce_": 2}
+    _check_pipeline_collectives(results)
     # pp=2 x tp=2: equal to one device; every rank predicts the whole batch's logits
     megatron = reference_run(_model(megatron=True), gpt_loss, _sgd, [*_batches(), _batches()[0]])
     losses, state, logits = results[0]["pp_tp"]
@@ -615,44 +618,62 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def _check_pipeline_collectives(results: list[dict]) -> None:
+    """Each rank, per step of 4 micro-batches over 2 stages: 4 activations or gradients sent
+    and 4 received, one all-reduce of the stage's gradients over dp and one of the loss. The
+    V (zero_bubble_v): pipeline rank 0 runs stages 0 and 3, rank 1 stages 1 and 2; the turn
+    from stage 1 to stage 2 stays on rank 1, in memory. So 8 sends and 8 receives a step (the
+    interleaved schedule's 4 stages on 2 ranks send 12), and none to itself."""
+    for rank, r in enumerate(results):
+        assert r["collectives"] == {"send": 4, "recv_": 4, "allreduce_": 2}, rank
+        pp_rank = rank // 2  # mesh (pp, dp): pp is outermost
+        expected = ({"send": 8, "recv_": 8, "allreduce_": 2}, [pp_rank, 3 - pp_rank])
+        assert r["v_collectives"] == expected, (rank, r["v_collectives"])
+
+
 def _check_zero_bubble_tp(results: list[dict], megatron: Run) -> None:
-    """Zero bubble on pp=2 x tp=2 (compiled stages, 2 a rank): equal to one device; per step
-    Megatron's 4 tp all-reduces a block and micro-batch (2 stages x 4 micro-batches x 4); each
-    stage's backward split: the input-gradient graph holds the all-reduces (the norms' input
+    """Both zero-bubble schedules on pp=2 x tp=2 (compiled stages, 2 a rank: interleaved,
+    stages r and r + 2; the V, stages r and 3 - r): equal to one device; per step Megatron's
+    4 tp all-reduces a block and micro-batch (2 stages x 4 micro-batches x 4); each stage's
+    backward split: the input-gradient graph holds the all-reduces (the norms' input
     gradients), the weight-gradient graph none, except on the first stage, which has no input
     gradient, so its whole backward is the weight pass (as torch's own split); every
     micro-batch ran both graphs, and weight passes were deferred past other passes."""
-    losses, state = results[0]["pp_tp_zb"][:2]  # 2 steps, then the counted third
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(megatron.losses[:STEPS]))
-    for key, value in megatron.state.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg="pp_tp_zb " + key)
     reduce = {"_c10d_functional.all_reduce.default": 2, "_c10d_functional.wait_tensor.default": 2}
-    for rank, r in enumerate(results):
-        counts, graphs, passes = r["pp_tp_zb"][2:]
-        tp_peers = (rank - rank % 2, rank - rank % 2 + 1)  # mesh (pp, tp): tp is innermost
-        assert counts in ({("all_reduce", "tp"): 32}, {("all_reduce", tp_peers): 32}), (
-            rank,
-            counts,
-        )
-        for index, calls, weight_calls, first, second in graphs:
-            assert (calls, weight_calls) == (12, 12), (rank, graphs)
-            assert (first, second) == (({}, reduce) if index == 0 else (reduce, {})), (rank, graphs)
-        kinds = {(pp_rank, kind) for pp_rank, kind, _, _ in passes}
-        assert kinds == {(p, k) for p in (0, 1) for k in ("forward", "backward", "weight")}, kinds
-        deferred = [
-            (stage, mb) for i, (pp_rank, kind, stage, mb) in enumerate(passes)
-            if kind == "backward" and stage > 0
-            and passes[i + 1 : i + 2] != [(pp_rank, "weight", stage, mb)]
-        ]  # fmt: skip
-        assert deferred, passes  # some weight pass ran later than right after its backward
+    for schedule in ZERO_BUBBLE:
+        losses, state = results[0][("pp_tp", schedule)][:2]  # 2 steps, then the counted third
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(megatron.losses[:STEPS]))
+        for key, value in megatron.state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=schedule + key)
+        for rank, r in enumerate(results):
+            counts, graphs, passes = r[("pp_tp", schedule)][2:]
+            tp_peers = (rank - rank % 2, rank - rank % 2 + 1)  # mesh (pp, tp): tp innermost
+            assert counts in ({("all_reduce", "tp"): 32}, {("all_reduce", tp_peers): 32}), (
+                schedule, rank, counts,
+            )  # fmt: skip
+            pp_rank = rank // 2
+            pair = [pp_rank, pp_rank + 2] if schedule == "zero_bubble" else [pp_rank, 3 - pp_rank]
+            assert [g[0] for g in graphs] == pair, (schedule, rank, graphs)
+            for index, calls, weight_calls, first, second in graphs:
+                assert (calls, weight_calls) == (12, 12), (schedule, rank, graphs)
+                expected = ({}, reduce) if index == 0 else (reduce, {})
+                assert (first, second) == expected, (schedule, rank, graphs)
+            kinds = {(pp, kind) for pp, kind, _, _ in passes}
+            assert kinds == {(p, k) for p in (0, 1) for k in ("forward", "backward", "weight")}
+            deferred = [
+                (stage, mb) for i, (pp, kind, stage, mb) in enumerate(passes)
+                if kind == "backward" and stage > 0
+                and passes[i + 1 : i + 2] != [(pp, "weight", stage, mb)]
+            ]  # fmt: skip
+            assert deferred, (schedule, passes)  # a weight pass ran later than its backward
 
 
 def _three_axes(_: str) -> dict:
-    """pp=2 x dp=2 x tp=2 on 8 workers, the looped CPU schedules (zero bubble with tp runs in
-    the 4-process pp=2 x tp=2 leg), semi_auto Megatron: losses, the final parameters and the step's collectives;
-    ZeRO-3, HSDP and activation offload in the stages."""
+    """pp=2 x dp=2 x tp=2 on 8 workers, every schedule (compiled stages; the zero-bubble ones
+    split each backward), semi_auto Megatron: losses, the final parameters and the step's
+    collectives; ZeRO-3, HSDP and activation offload in the stages."""
     out = {}
-    for schedule in SCHEDULES_TP:
+    for schedule in SCHEDULES:
         config = ParallelConfig(
             mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4,
             schedule=schedule,
@@ -707,12 +728,13 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
     results = run_workers(_three_axes, 8, str(tmp_path), timeout_s=600.0)
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
     assert all(r["offload"][2] > 0 for r in results)  # every rank's stage moved some
-    # the looped schedules ran each stage as its compiled program, every micro-batch of the 2
-    # steps (interleaved: 2 stages a rank); FSDP2 and activation offload keep the eager stage
+    # every schedule ran each stage as its compiled program, every micro-batch of the 2
+    # steps (interleaved and both zero bubbles: 2 stages a rank); FSDP2 and activation
+    # offload keep the eager stage
     for r in results:
-        assert [r[s][2] for s in SCHEDULES_TP] == [[8], [8], [8, 8]], r
+        assert [r[s][2] for s in SCHEDULES] == [[8], [8], [8, 8], [8, 8], [8, 8]], r
         assert r["zero3"][2] == [] and r["offload"][3] == []
-    for schedule in (*SCHEDULES_TP, "zero3", "offload"):
+    for schedule in (*SCHEDULES, "zero3", "offload"):
         losses, state = results[0][schedule][:2]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))
         for key, value in expected.state.items():

@@ -759,3 +759,30 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
         assert inner in ({("all_reduce", "tp"): count}, {("all_reduce", tp_peers): count}), (
             f"rank {rank}: {inner}"
         )
+
+
+def _tp_other_schedules(_: str) -> dict:
+    """pp=2 x tp=2 on the schedules the 4-process test above leaves out (it runs 1f1b and
+    both zero bubbles): gpipe and interleaved 1f1b, compiled stages."""
+    out = {}
+    for schedule in ("gpipe", "interleaved_1f1b"):
+        config = ParallelConfig(
+            mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4, schedule=schedule
+        )  # fmt: skip
+        job, losses = _train(config, megatron=True)
+        out[schedule] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
+    return out
+
+
+@pytest.mark.nightly
+def test_pipeline_tensor_parallel_on_gpipe_and_interleaved(tmp_path: Path) -> None:
+    """With the test above, pp=2 x tp=2 on 4 processes on every schedule, each equal to one
+    device, every stage run as its compiled program for every micro-batch (interleaved: 2
+    stages a rank). Nightly: the default suite's 4-process test runs the other three."""
+    results = run_workers(_tp_other_schedules, 4, str(tmp_path), timeout_s=300.0)
+    expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
+    for rank, r in enumerate(results):
+        calls = [r[s][2] for s in ("gpipe", "interleaved_1f1b")]
+        assert calls == [[8], [8, 8]], (rank, calls)
+        for schedule in ("gpipe", "interleaved_1f1b"):
+            _same_run(*r[schedule][:2], expected, f"pp_tp {schedule} rank {rank} ")

@@ -378,11 +378,11 @@ class ParallelConfig:
     def compiled_stages(self) -> bool:
         """Whether pipeline stages with tensor parallel inside run as compiled per-rank
         programs under these settings (:mod:`plait.runtime.stage_program`): ``stage_programs``
-        on, fp32, no optimizer parallel, recompute or activation offload. The one rule the
+        on, no optimizer parallel, recompute or activation offload (any precision: mixed
+        precision is traced under the stage's autocast). The one rule the
         runtime builds by and the outer planner weighs zero-bubble plans by."""
         return (
             self.stage_programs
-            and self.precision == "fp32"
             and self.optimizer_shard is None
             and self.recompute == "none"
             and not self.recompute_modules

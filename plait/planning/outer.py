@@ -14,7 +14,7 @@ What the user fixes stays fixed: ``mesh`` (only strategies inside it are searche
 ``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
 notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
 pipeline's stages hold no optimizer parallel, and tensor parallel only where they run as
-compiled stage programs (fp32, no recompute or activation offload: docs/pipeline.md), so the
+compiled stage programs (no recompute or activation offload: docs/pipeline.md), so the
 other meshes and levels are left out.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its

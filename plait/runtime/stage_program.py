@@ -37,13 +37,16 @@ action comes, runs the weight-gradient graph and adds the gradients into ``.grad
 weight pass is deferred as the schedule intends (the micro-batch's output gradients and saved
 activations that it reads are held until it runs, as in torch's own split).
 
-Where it runs (:func:`compiles`): stages with axes inside (tensor parallel), fp32, every
-schedule. Everything else keeps the stage's eager forward:
+Where it runs (:func:`compiles`): stages with axes inside (tensor parallel), every schedule,
+fp32 or mixed precision. Under ``precision="bf16"`` or ``"fp16"`` the stage's autocast
+(:func:`plait.runtime.pipeline.autocast_stage`) is active when the first micro-batch is
+traced, so the graphs hold autocast's casts as explicit ops (the products in bf16, the
+norms and the softmax in fp32, as eager autocast runs them) and the backward graph their
+casts back. Everything else keeps the stage's eager forward:
 optimizer parallel (FSDP2's hooks gather and free parameters around the module's forward and
 backward), recompute (torch's checkpoint works through saved-tensor hooks and recomputes
-eagerly), activation offload (saved-tensor hooks, which a traced backward never calls), mixed
-precision (not traced yet), and evaluation, prediction and a forward without gradients, which
-run eagerly in any case. With tensor parallel in the stages the zero-bubble schedules run on
+eagerly), activation offload (saved-tensor hooks, which a traced backward never calls), and
+evaluation, prediction and a forward without gradients, which run eagerly in any case. With tensor parallel in the stages the zero-bubble schedules run on
 compiled stages only (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
 A stage that draws random numbers (dropout: eager DTensor keeps each piece's random stream

@@ -763,7 +763,9 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
 
 def _tp_other_schedules(_: str) -> dict:
     """pp=2 x tp=2 on the schedules the 4-process test above leaves out (it runs 1f1b and
-    both zero bubbles): gpipe and interleaved 1f1b, compiled stages."""
+    both zero bubbles): gpipe and interleaved 1f1b, compiled stages; and mixed precision on
+    compiled stages: bf16 on zero bubble (its backward split) and fp16 on 1f1b with a
+    loss scale, each with the dtypes its forward graphs hold."""
     out = {}
     for schedule in ("gpipe", "interleaved_1f1b"):
         config = ParallelConfig(
@@ -771,14 +773,38 @@ def _tp_other_schedules(_: str) -> dict:
         )  # fmt: skip
         job, losses = _train(config, megatron=True)
         out[schedule] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
+    for precision, schedule in (("bf16", "zero_bubble"), ("fp16", "1f1b")):
+        config = ParallelConfig(
+            mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4, schedule=schedule,
+            precision=precision,
+        )  # fmt: skip
+        batches = _batches()
+        job = plait.parallelize(
+            _model(megatron=True), config, optimizer=_sgd, loss_fn=gpt_loss,
+            example_batch=batches[0],
+        )  # fmt: skip
+        if job.loss_scaler is not None:
+            job.loss_scaler.scale = 1024.0
+        losses = [job.step(b) for b in batches]
+        dtypes = sorted(
+            {str(n.meta["val"].dtype) for p in job.stage_programs for n in p.forward.graph.nodes
+             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()}
+        )  # fmt: skip
+        calls = [(p.calls, p.weight_calls, p.refused) for p in job.stage_programs]
+        out[precision] = (losses, job.full_state_dict(), calls, dtypes)
     return out
 
 
 @pytest.mark.nightly
-def test_pipeline_tensor_parallel_on_gpipe_and_interleaved(tmp_path: Path) -> None:
+def test_pipeline_tensor_parallel_on_gpipe_interleaved_and_mixed_precision(
+    tmp_path: Path,
+) -> None:
     """With the test above, pp=2 x tp=2 on 4 processes on every schedule, each equal to one
     device, every stage run as its compiled program for every micro-batch (interleaved: 2
-    stages a rank). Nightly: the default suite's 4-process test runs the other three."""
+    stages a rank). Mixed precision on compiled stages: bf16 (zero bubble) and fp16 (1f1b,
+    loss scale 1024) equal to one device under the same autocast and scale, to their
+    tolerance; the graphs hold both widths (products narrowed, norms and softmax in fp32).
+    Nightly: the default suite's 4-process test runs the other three schedules."""
     results = run_workers(_tp_other_schedules, 4, str(tmp_path), timeout_s=300.0)
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
     for rank, r in enumerate(results):
@@ -786,3 +812,19 @@ def test_pipeline_tensor_parallel_on_gpipe_and_interleaved(tmp_path: Path) -> No
         assert calls == [[8], [8, 8]], (rank, calls)
         for schedule in ("gpipe", "interleaved_1f1b"):
             _same_run(*r[schedule][:2], expected, f"pp_tp {schedule} rank {rank} ")
+    for precision, dtype, scale, compiled in (
+        ("bf16", torch.bfloat16, 1.0, [(8, 8, None), (8, 8, None)]),
+        ("fp16", torch.float16, 1024.0, [(8, 0, None)]),
+    ):  # fmt: skip
+        reference = _autocast_reference(_model(megatron=True), _batches(), dtype, scale)
+        for rank, r in enumerate(results):
+            losses, state, calls, dtypes = r[precision]
+            assert calls == compiled, (precision, rank, calls)
+            assert dtypes == sorted({str(dtype), "torch.float32"}), (precision, rank, dtypes)
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(reference.losses), rtol=2e-2, atol=2e-3
+            )
+            for key, value in reference.state.items():
+                torch.testing.assert_close(
+                    state[key], value, rtol=2e-2, atol=2e-3, msg=f"{precision} {key}"
+                )

@@ -97,9 +97,12 @@ def test_settings_refused_by_name() -> None:
     # zero bubble with tp runs on compiled stages (their backward split in two); where the
     # stages would run on DTensors it stays refused
     check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble"), tp)
+    for precision in ("bf16", "fp16"):  # the stages are traced under autocast
+        check_pipeline_config(
+            ParallelConfig(**semi, schedule="zero_bubble", precision=precision), tp
+        )
     for eager in (
         {"stage_programs": False},
-        {"precision": "bf16"},
         {"recompute": "full"},
         {"recompute_modules": {"blocks.0": "selective"}},
         {"offload": "activations"},
@@ -288,8 +291,9 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
 
 
 def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> None:
-    """A stage with axes inside runs as its traced per-rank program (fp32, every schedule,
-    optimizer offload); settings whose work hooks into the eager stage keep it."""
+    """A stage with axes inside runs as its traced per-rank program (fp32 or mixed precision,
+    every schedule, optimizer offload); settings whose work hooks into the eager stage keep
+    it."""
     from plait.runtime import stage_program
 
     tp = ("tp",)
@@ -301,8 +305,9 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> N
             dataclasses.replace(base, schedule=schedule, virtual_stages=None), tp
         ), schedule  # zero bubble: the backward split into input- and weight-gradient graphs
     assert not stage_program.compiles(base, ())  # no axes inside: plain tensors, nothing to do
+    for precision in ("bf16", "fp16"):  # traced under the stage's autocast
+        assert stage_program.compiles(dataclasses.replace(base, precision=precision), tp)
     for eager in (
-        {"precision": "bf16"},
         {"optimizer_shard": 3},
         {"recompute": "full"},
         {"recompute": "selective"},

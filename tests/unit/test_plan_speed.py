@@ -269,8 +269,9 @@ def test_recursive_lookaheads_shared_across_roles_decide_as_per_role_ones(spec, 
 
 def test_a_zero_bubble_schedule_weighs_only_stages_that_run() -> None:
     """The runtime runs zero-bubble stages without optimizer parallel, and with tensor
-    parallel only as compiled stage programs (fp32, no recompute): the outer planner weighs
-    nothing else there (in bf16 no tp at all; the same model on 1f1b may take both)."""
+    parallel only as compiled stage programs (no recompute, ``stage_programs`` on; fp32 or
+    mixed precision): the outer planner weighs nothing else there (with ``stage_programs``
+    off no tp at all; the same model on 1f1b may take both)."""
     _, graph = _graph(GPT)
     base = ParallelConfig(
         mode="auto", devices=8, pipeline_stages=2, micro_batches=4, hardware="a100-80g"
@@ -278,15 +279,15 @@ def test_a_zero_bubble_schedule_weighs_only_stages_that_run() -> None:
     looped = auto_plan(graph, base)
     assert looped.mesh.as_dict().get("tp", 1) > 1  # what the model prefers where it runs
     for schedule in ("zero_bubble", "zero_bubble_v"):
-        for precision in ("fp32", "bf16"):
-            cfg = dataclasses.replace(
-                base, schedule=schedule, virtual_stages=None, precision=precision
-            )
+        for extra, compiled in (
+            ({}, True), ({"precision": "bf16"}, True), ({"stage_programs": False}, False)
+        ):  # fmt: skip
+            cfg = dataclasses.replace(base, schedule=schedule, virtual_stages=None, **extra)
             plan = auto_plan(graph, cfg)
             staged = [o for o in plan.options if o.mesh.get("pp", 1) > 1]
-            assert staged, (schedule, precision)
+            assert staged, (schedule, extra)
             assert all(o.optimizer_shard is None for o in staged)
             with_tp = [o for o in staged if o.mesh.get("tp", 1) > 1]
             assert all(o.recompute == "none" for o in with_tp)
-            assert bool(with_tp) == (precision == "fp32"), (schedule, precision)
+            assert bool(with_tp) == compiled, (schedule, extra)
             assert plan.optimizer_shard is None

@@ -14,7 +14,8 @@ What the user fixes stays fixed: ``mesh`` (only strategies inside it are searche
 ``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
 notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
 pipeline's stages hold no optimizer parallel, and tensor parallel only where they run as
-compiled stage programs (no recompute or activation offload: docs/pipeline.md), so the
+compiled stage programs (``stage_programs`` on, no activation offload or per-module
+recompute: docs/pipeline.md), so the
 other meshes and levels are left out.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
@@ -116,13 +117,10 @@ def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
 
 
 def _compiled_stages(cfg: ParallelConfig) -> bool:
-    """Whether stages with tensor parallel inside would run as compiled stage programs on
-    the escalation's first variant of ``cfg`` (no ZeRO; ``recompute="auto"`` starts at
-    none, and :func:`_variants` keeps only that one for such meshes)."""
-    first = "none" if cfg.recompute == "auto" else cfg.recompute
-    no_zero = dataclasses.replace(
-        cfg, optimizer_shard=None, optimizer_weight_shard_size=None, recompute=first
-    )
+    """Whether stages with tensor parallel inside would run as compiled stage programs under
+    ``cfg`` without ZeRO (which zero-bubble stages never weigh); every recompute level the
+    escalation tries compiles (a pass over the stage's graph)."""
+    no_zero = dataclasses.replace(cfg, optimizer_shard=None, optimizer_weight_shard_size=None)
     return no_zero.compiled_stages
 
 
@@ -133,9 +131,9 @@ def _global_batch(graph: OpGraph) -> int:
     return 1
 
 
-def _variants(cfg: ParallelConfig, pp: int, replica_batch: int, tp: int = 1) -> Iterator[_Variant]:
+def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Variant]:
     """Settings in order of rising cost (escalation order), those that run on a mesh of
-    ``pp`` stages and ``tp``-way tensor parallel."""
+    ``pp`` stages."""
     if cfg.micro_batches != 1 or pp == 1:
         m = cfg.micro_batches
     else:
@@ -147,8 +145,6 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int, tp: int = 1) -> 
     recomputes: tuple[str, ...] = (
         RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
     )
-    if tp > 1 and _splits_backward(cfg, pp):  # compiled zero-bubble stages: no recompute
-        recomputes = tuple(r for r in recomputes if r == "none")
     for recompute in recomputes:
         for level in levels if recompute == "none" else levels[-1:]:
             yield _Variant(level, recompute, m)
@@ -218,7 +214,7 @@ def auto_plan(
         variants = [
             (v, _with(base, optimizer_shard=v.optimizer_shard, recompute=v.recompute,
                       micro_batches=v.micro_batches))
-            for v in _variants(cfg, pp, replica_batch, mesh.get("tp", 1))
+            for v in _variants(cfg, pp, replica_batch)
         ]  # fmt: skip
         if prune and len(fits) >= 2:
             bound = _lower_bound(graph, variants[0][1], op_compute)

@@ -240,10 +240,12 @@ class PipelineJob(Job):
         programs: list[StageProgram] = []
         if compiles(config, inner):
             split = config.schedule in SPLIT_BACKWARD  # their weight passes come later
-            programs = [compile_stage(m, weight_pass=split) for m in modules]
+            programs = [
+                compile_stage(m, weight_pass=split, recompute=config.recompute) for m in modules
+            ]
             for stage, program in zip(stages, programs, strict=True) if split else ():
                 pp_comm.defer_weight_pass(stage, program.weight_pass)
-        offload = wrap_stages(model, modules, config, device)
+        offload = wrap_stages(model, modules, config, device, compiled=bool(programs))
         reduced_here = shard_stages(modules, config, device_mesh, dp)
         built = stage_optimizer(
             modules,
@@ -728,11 +730,19 @@ def shard_stages(
 
 
 def wrap_stages(
-    model: nn.Module, modules: list[nn.Module], config: ParallelConfig, device: torch.device
+    model: nn.Module,
+    modules: list[nn.Module],
+    config: ParallelConfig,
+    device: torch.device,
+    *,
+    compiled: bool = False,
 ) -> SavedOnHost | None:
     """What runs around each stage's forward, in place: recompute (the stage's, then each
-    named module's), autocast, and activation offload; returns the offload, if any."""
-    if config.recompute in ("full", "selective"):
+    named module's), autocast, and activation offload; returns the offload, if any.
+    ``compiled``: the stages are compiled programs, which recompute in their own backward
+    graphs (:func:`plait.runtime.stage_program.recompute_in_backward`), not under torch's
+    checkpoint."""
+    if config.recompute in ("full", "selective") and not compiled:
         for m in modules:
             recompute_stage(m, config.recompute)
     recompute_modules_in_stages(model, modules, config)
@@ -997,14 +1007,13 @@ def check_pipeline_config(
         ),
         (
             bool(inner) and config.schedule in SPLIT_BACKWARD and not compiles(config, inner),
-            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, precision="
-            f"{config.precision!r}, optimizer_shard={config.optimizer_shard}, recompute="
-            f"{config.recompute!r}, offload={config.offload!r}, stage_programs="
-            f"{config.stage_programs}",
+            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, optimizer_shard="
+            f"{config.optimizer_shard}, recompute_modules={dict(_recompute_pairs(config))!r}, "
+            f"offload={config.offload!r}, stage_programs={config.stage_programs}",
             "a zero-bubble schedule with tensor parallel in stages that run on DTensors (its "
             "separate input- and weight-gradient passes detach DTensor views in place, which "
-            "torch refuses; zero bubble with tp runs on compiled stages: fp32, no "
-            "optimizer_shard, recompute or activation offload, stage_programs on); use gpipe, "
+            "torch refuses; zero bubble with tp runs on compiled stages: no optimizer_shard, "
+            "recompute_modules or activation offload, stage_programs on); use gpipe, "
             "1f1b or interleaved_1f1b",
         ),
         (

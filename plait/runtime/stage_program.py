@@ -44,8 +44,8 @@ traced, so the graphs hold autocast's casts as explicit ops (the products in bf1
 norms and the softmax in fp32, as eager autocast runs them) and the backward graph their
 casts back. Everything else keeps the stage's eager forward:
 optimizer parallel (FSDP2's hooks gather and free parameters around the module's forward and
-backward), recompute (torch's checkpoint works through saved-tensor hooks and recomputes
-eagerly), activation offload (saved-tensor hooks, which a traced backward never calls), and
+backward), per-module recompute (torch's checkpoint around named modules works through
+saved-tensor hooks), activation offload (saved-tensor hooks, which a traced backward never calls), and
 evaluation, prediction and a forward without gradients, which run eagerly in any case. With tensor parallel in the stages the zero-bubble schedules run on
 compiled stages only (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
@@ -58,6 +58,11 @@ The graphs follow DTensor's propagation from the parameters' layouts (as the eag
 does), not the plan's per-op strategies: the stage is a program over local tensors, not yet a
 slice of the plan's own compiled program.
 
+Recompute of the whole stage (``recompute="full"`` or ``"selective"``) is a pass over the
+traced joint graph before it is cut (:func:`recompute_in_backward`: the per-rank program's
+:func:`plait.runtime.remat.rematerialize`, the stage one region, collectives' results kept),
+so the partitioner saves only what the rewritten backward still reads.
+
 ``ParallelConfig(stage_programs=False)`` keeps every stage eager.
 """
 
@@ -67,7 +72,7 @@ import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.fx
@@ -77,6 +82,7 @@ from plait._compat import aot_joint_graph, partition_joint_graph, tree_flatten, 
 from plait.comm.dtensor import implicit_replication, is_dtensor
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
+from plait.runtime.remat import is_collective, recompute_policy, rematerialize, saved_bytes
 
 __all__ = ["StageProgram", "compile_stage", "compiles"]
 
@@ -90,13 +96,16 @@ def compiles(config: ParallelConfig, inner: Sequence[str]) -> bool:
     return bool(inner) and config.compiled_stages
 
 
-def compile_stage(module: nn.Module, *, weight_pass: bool = False) -> StageProgram:
+def compile_stage(
+    module: nn.Module, *, weight_pass: bool = False, recompute: str = "none"
+) -> StageProgram:
     """Run ``module`` (a stage whose forward is already wrapped to take and return plain
     tensors, its parameters DTensors) as a :class:`StageProgram`: its ``forward`` is replaced
     in place. ``weight_pass``: a zero-bubble schedule's stage, its backward split into an
     input-gradient and a deferred weight-gradient pass (:meth:`StageProgram.weight_pass` is
-    the stage's ``dw_builder``)."""
-    program = StageProgram(module, weight_pass=weight_pass)
+    the stage's ``dw_builder``). ``recompute``: ``"full"`` or ``"selective"`` recompute the
+    stage's forward in its backward graph (``"none"``: keep what backward reads)."""
+    program = StageProgram(module, weight_pass=weight_pass, recompute=recompute)
     module.forward = program  # type: ignore[method-assign]
     return program
 
@@ -105,10 +114,19 @@ class StageProgram:
     """One stage's training forward and backward as FX graphs over local tensors (see the
     module docstring)."""
 
-    def __init__(self, module: nn.Module, *, weight_pass: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, *, weight_pass: bool = False, recompute: str = "none"
+    ) -> None:
+        if recompute not in ("none", "full", "selective"):
+            raise ValueError(f"StageProgram(recompute={recompute!r}): use none, full or selective")
         self.module = module
         self.splits = weight_pass
         """Whether the backward runs as two passes (zero bubble: :meth:`weight_pass`)."""
+        self.recompute = recompute
+        """What the backward graph recomputes of the forward (:func:`recompute_in_backward`)."""
+        self.saved_bytes: tuple[int, int] = (0, 0)
+        """Bytes of forward values one micro-batch's backward reads, before and after
+        recompute (equal without it); set by the trace."""
         self.eager: Callable[..., Any] = module.forward
         """The stage's forward on DTensors, which the graphs were traced from."""
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -241,6 +259,7 @@ class StageProgram:
             logger.warning("pipeline: a stage runs eagerly on DTensors: %s", self.refused)
             return
         self._outputs = len(graph.graph.find_nodes(op="output")[0].args[0]) - len(example)
+        self.saved_bytes = recompute_in_backward(graph, self.recompute)
         self.forward, self.backward = partition_joint_graph(graph, example, self._outputs)
         self._copied = _aliasing_outputs(self.backward)
         if self.splits:
@@ -283,6 +302,58 @@ class StageProgram:
         for i, (p, layout, g) in enumerate(zip(params, self._grad_layouts, grads, strict=True)):
             if g is not None and p is not None and layout is not None:
                 add_piece_to_grad(p, g, layout, copy=i in self._copied)
+
+
+def recompute_in_backward(graph: torch.fx.GraphModule, mode: str) -> tuple[int, int]:
+    """Recompute (``"full"`` or ``"selective"``) over a stage's joint graph, in place, before
+    it is cut into forward and backward: the plan's recompute pass
+    (:func:`plait.runtime.remat.rematerialize`) with the whole stage as one region, so the
+    backward reads clones of forward values computed again from what it keeps, and the
+    partitioner saves only those. Collectives' results are kept, never issued again (as the
+    per-rank program's recompute: MindSpore's ``mp_comm_recompute=False``), and the stage's
+    outputs are kept (the region's outputs). ``"full"``: everything else is recomputed
+    (MindSpore's ``Cell.recompute()``); ``"selective"``: the results of matrix products and
+    other matmul-like ops are kept too (Megatron's selective recompute). Returns the bytes
+    backward reads from forward before and after (equal for ``"none"``)."""
+    start = _first_backward_node(graph)
+    if start is None:
+        return (0, 0)
+    before = saved_bytes(graph, start)
+    if mode == "none":
+        return (before, before)
+    policy = recompute_policy(
+        cast(Literal["full", "selective"], mode), lambda node: "", backward_start=start
+    )
+    original = set(graph.graph.nodes)
+    rematerialize(
+        graph,
+        backward_start=start,
+        recompute=lambda node: not is_collective(node) and policy(node),
+    )
+    # A clone copies its forward node's meta, the partitioner's forward tag too: tagged so,
+    # it would pull the backward before it into the forward graph. Clones are backward.
+    clones = [n for n in graph.graph.nodes if n not in original]
+    for node in clones:
+        if _PARTITIONER_TAG in node.meta:
+            node.meta[_PARTITIONER_TAG] = "is_backward"
+    first = next(n for n in graph.graph.nodes if n is start or n in clones)  # placed before
+    return (before, saved_bytes(graph, first))
+
+
+_PARTITIONER_TAG = "partitioner_tag"
+"""Where AOTAutograd marks a joint graph's nodes ``is_forward`` or ``is_backward``."""
+
+
+def _first_backward_node(graph: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first node of a joint graph that reads an output gradient (a ``tangents``
+    placeholder; in topological order the first node to depend on one reads it directly):
+    AOTAutograd traces the whole forward first, so every node before it is forward."""
+    placeholders = graph.graph.find_nodes(op="placeholder")
+    tangents = {n for n in placeholders if n.name.startswith("tangents")}
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and any(a in tangents for a in node.all_input_nodes):
+            return node
+    return None
 
 
 def layout_piece(param: torch.Tensor) -> torch.Tensor:

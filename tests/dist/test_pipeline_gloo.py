@@ -765,7 +765,8 @@ def _tp_other_schedules(_: str) -> dict:
     """pp=2 x tp=2 on the schedules the 4-process test above leaves out (it runs 1f1b and
     both zero bubbles): gpipe and interleaved 1f1b, compiled stages; and mixed precision on
     compiled stages: bf16 on zero bubble (its backward split) and fp16 on 1f1b with a
-    loss scale, each with the dtypes its forward graphs hold."""
+    loss scale, each with the dtypes its forward graphs hold; recompute on compiled stages,
+    full on the V and selective on 1f1b, with the bytes their forwards keep."""
     out = {}
     for schedule in ("gpipe", "interleaved_1f1b"):
         config = ParallelConfig(
@@ -792,11 +793,20 @@ def _tp_other_schedules(_: str) -> dict:
         )  # fmt: skip
         calls = [(p.calls, p.weight_calls, p.refused) for p in job.stage_programs]
         out[precision] = (losses, job.full_state_dict(), calls, dtypes)
+    for recompute, schedule in (("full", "zero_bubble_v"), ("selective", "1f1b")):
+        config = ParallelConfig(
+            mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4, schedule=schedule,
+            recompute=recompute,
+        )  # fmt: skip
+        job, losses = _train(config, megatron=True)
+        programs = [(p.calls, p.saved_bytes, _collectives(p.forward), _collectives(p.backward))
+                    for p in job.stage_programs]  # fmt: skip
+        out[recompute] = (losses, job.full_state_dict(), programs)
     return out
 
 
 @pytest.mark.nightly
-def test_pipeline_tensor_parallel_on_gpipe_interleaved_and_mixed_precision(
+def test_pipeline_tensor_parallel_schedules_precision_and_recompute(
     tmp_path: Path,
 ) -> None:
     """With the test above, pp=2 x tp=2 on 4 processes on every schedule, each equal to one
@@ -828,3 +838,17 @@ def test_pipeline_tensor_parallel_on_gpipe_interleaved_and_mixed_precision(
                 torch.testing.assert_close(
                     state[key], value, rtol=2e-2, atol=2e-3, msg=f"{precision} {key}"
                 )
+    # recompute on compiled stages (full on the V, selective on 1f1b): equal to one device;
+    # each stage's forward keeps fewer bytes for its backward; the tp all-reduces' results
+    # are kept, not issued again: 2 all-reduces a block in each graph, as without recompute
+    reduce = {"_c10d_functional.all_reduce.default": 2, "_c10d_functional.wait_tensor.default": 2}
+    for recompute, stages in (("full", 2), ("selective", 1)):
+        for rank, r in enumerate(results):
+            losses, state, programs = r[recompute]
+            _same_run(losses, state, expected, f"recompute {recompute} rank {rank} ")
+            assert len(programs) == stages, (recompute, rank, programs)
+            blocks = 2 // stages  # 4 blocks over 2 ranks' stages
+            each = {k: v * blocks for k, v in reduce.items()}
+            for calls, (before, after), forward, backward in programs:
+                assert calls == 8 and 0 < after < before, (recompute, rank, programs)
+                assert forward == each and backward == each, (recompute, rank, programs)

@@ -101,9 +101,12 @@ def test_settings_refused_by_name() -> None:
         check_pipeline_config(
             ParallelConfig(**semi, schedule="zero_bubble", precision=precision), tp
         )
+    for recompute in ("full", "selective", "auto"):  # a pass over the traced graph
+        check_pipeline_config(
+            ParallelConfig(**semi, schedule="zero_bubble", recompute=recompute), tp
+        )
     for eager in (
         {"stage_programs": False},
-        {"recompute": "full"},
         {"recompute_modules": {"blocks.0": "selective"}},
         {"offload": "activations"},
     ):
@@ -307,10 +310,10 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> N
     assert not stage_program.compiles(base, ())  # no axes inside: plain tensors, nothing to do
     for precision in ("bf16", "fp16"):  # traced under the stage's autocast
         assert stage_program.compiles(dataclasses.replace(base, precision=precision), tp)
+    for recompute in ("full", "selective"):  # a pass over the traced joint graph
+        assert stage_program.compiles(dataclasses.replace(base, recompute=recompute), tp)
     for eager in (
         {"optimizer_shard": 3},
-        {"recompute": "full"},
-        {"recompute": "selective"},
         {"recompute_modules": {"blocks.0": "full"}},
         {"offload": "activations"},
     ):
@@ -351,3 +354,49 @@ def test_a_traced_backward_splits_into_input_and_weight_gradient_passes() -> Non
 
     # dx: 2 products (through w2 and w1); the weight pass: one for each weight
     assert (products(first), products(second)) == (2, 2) == (products(backward) - 2, 2)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_is_a_pass_over_a_traced_stage(mode: str) -> None:
+    """A compiled stage's recompute (``recompute_in_backward``) rewrites its joint graph so
+    the backward computes the forward again from less: the gradients are bit for bit those
+    of the stage without it, the forward saves fewer bytes for backward (full: only the
+    products' inputs it needs; selective: the products' results too), and zero bubble's split
+    of the rewritten backward still gives the same gradients."""
+    from plait._compat import aot_joint_graph, partition_joint_graph
+    from plait.runtime.stage_program import recompute_in_backward, split_backward
+
+    torch.manual_seed(0)
+    w1, w2, b2 = torch.randn(64, 32), torch.randn(32, 64), torch.randn(32)
+    x, grad_out = torch.randn(16, 32), torch.randn(16, 32)
+
+    def stage(w1, w2, b2, x):
+        h = torch.nn.functional.gelu(torch.layer_norm(x, (32,)) @ w1.t())
+        return (torch.nn.functional.linear(torch.tanh(h) * h, w2, b2),)
+
+    def run(recompute: str):
+        example = tuple(t.clone().requires_grad_() for t in (w1, w2, b2, x))
+        joint = aot_joint_graph(stage, example)
+        saved = recompute_in_backward(joint, recompute)
+        forward, backward = partition_joint_graph(joint, example, 1)
+        out, *kept = forward(w1, w2, b2, x)
+        grads = backward(*kept, grad_out)
+        first, second, reads = split_backward(backward, 3, 3)
+        args = (*kept, grad_out)
+        dx, *handed = first(*args)
+        split = (*second(*handed, *(args[i] for i in reads)), dx)
+        kept_bytes = sum(t.numel() * t.element_size() for t in kept)
+        products = sum(n.target == torch.ops.aten.mm.default for n in backward.graph.nodes)
+        return out, grads, split, saved, kept_bytes, products
+
+    out, grads, _, (before, after), kept_bytes, products = run("none")
+    assert before == after > 0
+    got, recomputed, split, (before_r, after_r), kept_r, products_r = run(mode)
+    assert before_r == before and after_r < before and kept_r < kept_bytes, (after_r, kept_r)
+    torch.testing.assert_close(got, out, rtol=0, atol=0)
+    for a, b, c in zip(recomputed, grads, split, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(c, b, rtol=0, atol=0)
+    # full recomputes the first product in backward (the second's result is the output's
+    # input, read there anyway); selective keeps products and recomputes the rest
+    assert products_r == products + (1 if mode == "full" else 0), (products, products_r)

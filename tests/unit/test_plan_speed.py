@@ -269,9 +269,9 @@ def test_recursive_lookaheads_shared_across_roles_decide_as_per_role_ones(spec, 
 
 def test_a_zero_bubble_schedule_weighs_only_stages_that_run() -> None:
     """The runtime runs zero-bubble stages without optimizer parallel, and with tensor
-    parallel only as compiled stage programs (no recompute, ``stage_programs`` on; fp32 or
-    mixed precision): the outer planner weighs nothing else there (with ``stage_programs``
-    off no tp at all; the same model on 1f1b may take both)."""
+    parallel only as compiled stage programs (``stage_programs`` on; fp32 or mixed
+    precision, any recompute): the outer planner weighs nothing else there (with
+    ``stage_programs`` off no tp at all; the same model on 1f1b may take both)."""
     _, graph = _graph(GPT)
     base = ParallelConfig(
         mode="auto", devices=8, pipeline_stages=2, micro_batches=4, hardware="a100-80g"
@@ -288,6 +288,5 @@ def test_a_zero_bubble_schedule_weighs_only_stages_that_run() -> None:
             assert staged, (schedule, extra)
             assert all(o.optimizer_shard is None for o in staged)
             with_tp = [o for o in staged if o.mesh.get("tp", 1) > 1]
-            assert all(o.recompute == "none" for o in with_tp)
             assert bool(with_tp) == compiled, (schedule, extra)
             assert plan.optimizer_shard is None

@@ -245,7 +245,7 @@ class PipelineJob(Job):
             ]
             for stage, program in zip(stages, programs, strict=True) if split else ():
                 pp_comm.defer_weight_pass(stage, program.weight_pass)
-        offload = wrap_stages(model, modules, config, device, compiled=bool(programs))
+        offload = wrap_stages(model, modules, config, device, programs=programs)
         reduced_here = shard_stages(modules, config, device_mesh, dp)
         built = stage_optimizer(
             modules,
@@ -735,14 +735,15 @@ def wrap_stages(
     config: ParallelConfig,
     device: torch.device,
     *,
-    compiled: bool = False,
+    programs: Sequence[StageProgram] = (),
 ) -> SavedOnHost | None:
     """What runs around each stage's forward, in place: recompute (the stage's, then each
     named module's), autocast, and activation offload; returns the offload, if any.
-    ``compiled``: the stages are compiled programs, which recompute in their own backward
-    graphs (:func:`plait.runtime.stage_program.recompute_in_backward`), not under torch's
-    checkpoint."""
-    if config.recompute in ("full", "selective") and not compiled:
+    ``programs``: the stages' compiled programs (one a module, or none), which recompute in
+    their own backward graphs (:func:`plait.runtime.stage_program.recompute_in_backward`), not
+    under torch's checkpoint, and offload what their autograd function saves (the hooks
+    around the function's call, not around the trace)."""
+    if config.recompute in ("full", "selective") and not programs:
         for m in modules:
             recompute_stage(m, config.recompute)
     recompute_modules_in_stages(model, modules, config)
@@ -752,7 +753,9 @@ def wrap_stages(
     if config.offload != "activations":
         return None
     offload = SavedOnHost(device)
-    for m in modules:
+    for program in programs:
+        program.saving = offload.saving
+    for m in modules if not programs else ():
         offload.wrap(m)
     return offload
 
@@ -1035,13 +1038,17 @@ def check_pipeline_config(
             "offloading parameters (offload='optimizer' and 'activations' are built)",
         ),
         (
-            config.offload == "activations" and "selective" in _recompute_modes(config),
+            config.offload == "activations"
+            and "selective" in _recompute_modes(config)
+            and not compiles(config, inner),
             f"offload='activations', recompute={config.recompute!r}, recompute_modules="
             f"{dict(_recompute_pairs(config))!r}",
-            "activation offload beside selective recompute (torch's selective checkpoint keeps "
-            "the products it saves in a cache of its own, which saved-tensor hooks never see, "
-            "so the values the plan moves to the host would stay on the device); use "
-            "recompute='full' or 'none' (per module too) with offload='activations'",
+            "activation offload beside selective recompute on stages that run op by op "
+            "(torch's selective checkpoint keeps the products it saves in a cache of its own, "
+            "which saved-tensor hooks never see, so the values the plan moves to the host "
+            "would stay on the device; compiled stages, with tensor parallel inside, recompute "
+            "as a pass over their graph and offload what it keeps); use recompute='full' or "
+            "'none' (per module too) with offload='activations'",
         ),
         (
             config.grad_accumulation != 1,

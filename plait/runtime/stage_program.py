@@ -42,12 +42,15 @@ fp32 or mixed precision. Under ``precision="bf16"`` or ``"fp16"`` the stage's au
 (:func:`plait.runtime.pipeline.autocast_stage`) is active when the first micro-batch is
 traced, so the graphs hold autocast's casts as explicit ops (the products in bf16, the
 norms and the softmax in fp32, as eager autocast runs them) and the backward graph their
-casts back. Everything else keeps the stage's eager forward:
-optimizer parallel (FSDP2's hooks gather and free parameters around the module's forward and
-backward), per-module recompute (torch's checkpoint around named modules works through
-saved-tensor hooks), activation offload (saved-tensor hooks, which a traced backward never calls), and
-evaluation, prediction and a forward without gradients, which run eagerly in any case. With tensor parallel in the stages the zero-bubble schedules run on
-compiled stages only (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
+casts back. Activation offload (``offload="activations"``) enters its saved-tensor hooks
+around the call of the program's autograd function (:attr:`StageProgram.saving`), so what
+the forward graph hands the backward graph moves to the host; the trace runs outside them.
+Everything else keeps the stage's eager forward: optimizer parallel (FSDP2's hooks gather and
+free parameters around the module's forward and backward), per-module recompute (torch's
+checkpoint around named modules works through saved-tensor hooks), and evaluation,
+prediction and a forward without gradients, which run eagerly in any case. With tensor
+parallel in the stages the zero-bubble schedules run on compiled stages only
+(:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
 A stage that draws random numbers (dropout: eager DTensor keeps each piece's random stream
 apart, a trace would not), a micro-batch whose inputs differ from the traced one's, parameters
@@ -124,6 +127,12 @@ class StageProgram:
         """Whether the backward runs as two passes (zero bubble: :meth:`weight_pass`)."""
         self.recompute = recompute
         """What the backward graph recomputes of the forward (:func:`recompute_in_backward`)."""
+        self.saving: Callable[[Any, nn.Module], Any] | None = None
+        """Activation offload's saved-tensor hooks for one call (``offload="activations"``:
+        :meth:`plait.runtime.pipeline.SavedOnHost.saving`), given the call's inputs and the
+        stage: what the program's autograd function saves for backward goes through them.
+        Entered around the function's call only (a trace on fake tensors must not meet
+        them)."""
         self.saved_bytes: tuple[int, int] = (0, 0)
         """Bytes of forward values one micro-batch's backward reads, before and after
         recompute (equal without it); set by the trace."""
@@ -196,7 +205,12 @@ class StageProgram:
         self.calls += 1
         # the parameters themselves go in (the outputs need gradients even where the inputs
         # need none, as on the first stage); the graphs read their local pieces
-        outs = _StageFunction.apply(self, *params, *(b for _, b in self.buffers), *flat)
+        args = (self, *params, *(b for _, b in self.buffers), *flat)
+        if self.saving is None:
+            outs = _StageFunction.apply(*args)
+        else:  # autograd packs what the function saved when it returns: hooks around it
+            with self.saving(flat, self.module):
+                outs = _StageFunction.apply(*args)
         return tree_unflatten(list(outs), self._out_spec)
 
     def _parameters(self) -> list[torch.Tensor] | None:

@@ -687,7 +687,7 @@ def _three_axes(_: str) -> dict:
         optimizer_shard=3, optimizer_shard_threshold=0,
     )  # fmt: skip
     zero_job, losses = _train(zero3, megatron=True)  # FSDP2 over dp of tp-split stages (2-D)
-    out["zero3"] = (losses, zero_job.full_state_dict(), zero_job.stage_programs)
+    out["zero3"] = (losses, zero_job.full_state_dict(), [p.calls for p in zero_job.stage_programs])
     hsdp = ParallelConfig(
         mode="semi_auto", mesh={"pp": 2, "dp": 4}, micro_batches=2,
         optimizer_shard=3, optimizer_shard_threshold=0, optimizer_weight_shard_size=2,
@@ -705,7 +705,7 @@ def _three_axes(_: str) -> dict:
     offload_job, losses = _train(offload, megatron=True, min_offload_bytes=0)
     out["offload"] = (
         losses, offload_job.full_state_dict(), offload_job.activation_offload.moved,
-        offload_job.stage_programs,
+        [p.calls for p in offload_job.stage_programs],
     )  # fmt: skip
     job = one_f_one_b
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log:
@@ -729,11 +729,11 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
     assert all(r["offload"][2] > 0 for r in results)  # every rank's stage moved some
     # every schedule ran each stage as its compiled program, every micro-batch of the 2
-    # steps (interleaved and both zero bubbles: 2 stages a rank); FSDP2 and activation
-    # offload keep the eager stage
+    # steps (interleaved and both zero bubbles: 2 stages a rank), activation offload too
+    # (what the program saves goes to the host); FSDP2 keeps the eager stage
     for r in results:
         assert [r[s][2] for s in SCHEDULES] == [[8], [8], [8, 8], [8, 8], [8, 8]], r
-        assert r["zero3"][2] == [] and r["offload"][3] == []
+        assert r["zero3"][2] == [] and r["offload"][3] == [8], (r["zero3"][2], r["offload"][3])
     for schedule in (*SCHEDULES, "zero3", "offload"):
         losses, state = results[0][schedule][:2]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))
@@ -766,7 +766,8 @@ def _tp_other_schedules(_: str) -> dict:
     both zero bubbles): gpipe and interleaved 1f1b, compiled stages; and mixed precision on
     compiled stages: bf16 on zero bubble (its backward split) and fp16 on 1f1b with a
     loss scale, each with the dtypes its forward graphs hold; recompute on compiled stages,
-    full on the V and selective on 1f1b, with the bytes their forwards keep."""
+    full on the V and selective on 1f1b, with the bytes their forwards keep; activation
+    offload beside selective recompute on zero bubble."""
     out = {}
     for schedule in ("gpipe", "interleaved_1f1b"):
         config = ParallelConfig(
@@ -802,6 +803,18 @@ def _tp_other_schedules(_: str) -> dict:
         programs = [(p.calls, p.saved_bytes, _collectives(p.forward), _collectives(p.backward))
                     for p in job.stage_programs]  # fmt: skip
         out[recompute] = (losses, job.full_state_dict(), programs)
+    # activation offload with selective recompute on compiled zero-bubble stages: what each
+    # program's autograd function saves goes to the host (every value, threshold 0)
+    config = ParallelConfig(
+        mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4, schedule="zero_bubble",
+        recompute="selective", offload="activations",
+    )  # fmt: skip
+    job, losses = _train(config, megatron=True, min_offload_bytes=0)
+    moved = job.activation_offload.moved
+    out["offload"] = (
+        losses, job.full_state_dict(), [p.calls for p in job.stage_programs], moved,
+        _saved_tensors(job),
+    )  # fmt: skip
     return out
 
 
@@ -852,3 +865,10 @@ def test_pipeline_tensor_parallel_schedules_precision_and_recompute(
             for calls, (before, after), forward, backward in programs:
                 assert calls == 8 and 0 < after < before, (recompute, rank, programs)
                 assert forward == each and backward == each, (recompute, rank, programs)
+    # offload beside selective recompute on compiled zero-bubble stages: equal to one device,
+    # both stages compiled, values moved, and none saved past the offload's hooks (a third
+    # step under outer saved-tensor hooks)
+    for rank, r in enumerate(results):
+        losses, state, calls, moved, saved_past = r["offload"]
+        _same_run(losses, state, expected, f"offload rank {rank} ")
+        assert calls == [8, 8] and moved > 0 and saved_past == 0, (rank, calls, moved, saved_past)

@@ -105,10 +105,14 @@ def test_settings_refused_by_name() -> None:
         check_pipeline_config(
             ParallelConfig(**semi, schedule="zero_bubble", recompute=recompute), tp
         )
+    for compiled in (
+        {"offload": "activations"},
+        {"offload": "activations", "recompute": "selective"},
+    ):
+        check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble", **compiled), tp)
     for eager in (
         {"stage_programs": False},
         {"recompute_modules": {"blocks.0": "selective"}},
-        {"offload": "activations"},
     ):
         with pytest.raises(NotBuiltError, match="zero-bubble schedule with tensor parallel in st"):
             check_pipeline_config(ParallelConfig(**semi, schedule="zero_bubble", **eager), tp)
@@ -219,8 +223,9 @@ def test_activation_offload_keeps_a_copy_on_the_host_and_frees_the_device_value(
 
 def test_offload_settings_in_a_pipeline() -> None:
     """Optimizer and activation offload run in the stages; parameters stay refused, and
-    activation offload is refused beside selective recompute (whose kept products torch's
-    checkpoint holds where saved-tensor hooks cannot move them)."""
+    activation offload is refused beside selective recompute on eager stages (whose kept
+    products torch's checkpoint holds where saved-tensor hooks cannot move them), not on
+    compiled ones."""
     mesh = MeshSpec.from_dict({"pp": 2, "dp": 2})
     pipe = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 2}
     for offload in ("optimizer", "activations"):
@@ -234,6 +239,17 @@ def test_offload_settings_in_a_pipeline() -> None:
     for selective in ({"recompute": "selective"}, {"recompute_modules": {"blocks.1": "selective"}}):
         with pytest.raises(NotBuiltError, match="activation offload beside selective recompute"):
             check_pipeline_config(ParallelConfig(**pipe, offload="activations", **selective), mesh)
+    # compiled stages (tp inside) recompute as a graph pass and offload what it keeps
+    tp = MeshSpec.from_dict({"pp": 2, "tp": 2})
+    semi = {"mode": "semi_auto", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 2}
+    check_pipeline_config(ParallelConfig(**semi, offload="activations", recompute="selective"), tp)
+    with pytest.raises(NotBuiltError, match="activation offload beside selective recompute"):
+        check_pipeline_config(
+            ParallelConfig(
+                **semi, offload="activations", recompute_modules={"blocks.1": "selective"}
+            ),
+            tp,
+        )
     # the offloaded optimizer updates each piece apart: it must be elementwise (checked on
     # the model's parameters, meta ones too, before any process waits)
     with torch.device("meta"):
@@ -312,10 +328,10 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> N
         assert stage_program.compiles(dataclasses.replace(base, precision=precision), tp)
     for recompute in ("full", "selective"):  # a pass over the traced joint graph
         assert stage_program.compiles(dataclasses.replace(base, recompute=recompute), tp)
+    assert stage_program.compiles(dataclasses.replace(base, offload="activations"), tp)
     for eager in (
         {"optimizer_shard": 3},
         {"recompute_modules": {"blocks.0": "full"}},
-        {"offload": "activations"},
     ):
         assert not stage_program.compiles(dataclasses.replace(base, **eager), tp), eager
     assert not stage_program.compiles(dataclasses.replace(base, stage_programs=False), tp)

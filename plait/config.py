@@ -378,14 +378,13 @@ class ParallelConfig:
     def compiled_stages(self) -> bool:
         """Whether pipeline stages with tensor parallel inside run as compiled per-rank
         programs under these settings (:mod:`plait.runtime.stage_program`): ``stage_programs``
-        on, no optimizer parallel or per-module recompute (any precision: mixed precision is
-        traced under the stage's autocast; a stage's own recompute, full or selective, is a
-        pass over its traced graph; activation offload moves what the program saves). The one rule the
+        on, no optimizer parallel (any precision: mixed precision is traced under the
+        stage's autocast; recompute, the stage's or its modules', is a pass over its traced
+        graph; activation offload moves what the program saves). The one rule the
         runtime builds by and the outer planner weighs zero-bubble plans by."""
         return (
             self.stage_programs
             and self.optimizer_shard is None
-            and not self.recompute_modules
         )
 
     def non_default_fields(self) -> dict[str, Any]:

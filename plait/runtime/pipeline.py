@@ -746,7 +746,7 @@ def wrap_stages(
     if config.recompute in ("full", "selective") and not programs:
         for m in modules:
             recompute_stage(m, config.recompute)
-    recompute_modules_in_stages(model, modules, config)
+    recompute_modules_in_stages(model, modules, config, programs)
     if config.precision != "fp32":
         for m in modules:
             autocast_stage(m, config.precision, device.type)
@@ -961,14 +961,19 @@ def recompute_stage(module: nn.Module, mode: str = "full") -> None:
 
 
 def recompute_modules_in_stages(
-    model: nn.Module, modules: list[nn.Module], config: ParallelConfig
+    model: nn.Module,
+    modules: list[nn.Module],
+    config: ParallelConfig,
+    programs: Sequence[StageProgram] = (),
 ) -> None:
     """Per-module recompute (``recompute_modules``, ``plait.recompute(module)``): each named
     module, in whichever of this rank's stages holds it, recomputes its forward in backward
     (``"full"``) or its cheap ops (``"selective"``). The stages keep the model's modules (a
-    stage calls them), so a path names the same module in its stage."""
+    stage calls them), so a path names the same module in its stage. Eager stages wrap the
+    module in torch's checkpoint; compiled ones (``programs``, one a stage) recompute it as
+    a region of their graph's recompute pass."""
     paths = cast("tuple[tuple[str, str], ...]", config.recompute_modules)
-    for path, mode in paths:
+    for path, _ in paths:
         try:
             model.get_submodule(path)
         except AttributeError:
@@ -976,11 +981,21 @@ def recompute_modules_in_stages(
                 f"ParallelConfig.recompute_modules names {path!r}, which is not a module of "
                 f"{type(model).__name__}; give module paths as model.named_modules() lists them"
             ) from None
-        for m in modules:
-            try:
-                recompute_stage(m.get_submodule(path), mode)
-            except AttributeError:
-                continue  # in another rank's stage
+    for k, m in enumerate(modules):
+        held = [(path, mode) for path, mode in paths if _has_submodule(m, path)]
+        if programs:
+            programs[k].recompute_modules = tuple(held)
+            continue
+        for path, mode in held:
+            recompute_stage(m.get_submodule(path), mode)
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False  # in another rank's stage
+    return True
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -424,14 +424,16 @@ def saved_bytes(gm: torch.fx.GraphModule, backward_start: Node) -> int:
 # --------------------------------------------------------------------------- policies
 
 
-def regions(module_paths: Sequence[str]) -> RegionOf:
+def regions(module_paths: Sequence[str], traced_in: RegionOf | None = None) -> RegionOf:
     """A node's recompute region: the longest path P of ``module_paths`` whose module the node
     was traced in (its tag is P or below P); None when untagged or outside every region.
-    The path "" is the root module: every tagged node is inside it."""
+    The path "" is the root module: every tagged node is inside it. ``traced_in``: where a
+    node's module path is read (default :func:`module_of`, the program's tag)."""
     paths = sorted(set(module_paths), key=len, reverse=True)
+    read = traced_in or module_of
 
     def region_of(node: Node) -> str | None:
-        tag = module_of(node)
+        tag = read(node)
         if tag is None:
             return None
         for path in paths:

@@ -46,9 +46,8 @@ casts back. Activation offload (``offload="activations"``) enters its saved-tens
 around the call of the program's autograd function (:attr:`StageProgram.saving`), so what
 the forward graph hands the backward graph moves to the host; the trace runs outside them.
 Everything else keeps the stage's eager forward: optimizer parallel (FSDP2's hooks gather and
-free parameters around the module's forward and backward), per-module recompute (torch's
-checkpoint around named modules works through saved-tensor hooks), and evaluation,
-prediction and a forward without gradients, which run eagerly in any case. With tensor
+free parameters around the module's forward and backward), and evaluation, prediction and a
+forward without gradients, which run eagerly in any case. With tensor
 parallel in the stages the zero-bubble schedules run on compiled stages only
 (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
@@ -61,10 +60,12 @@ The graphs follow DTensor's propagation from the parameters' layouts (as the eag
 does), not the plan's per-op strategies: the stage is a program over local tensors, not yet a
 slice of the plan's own compiled program.
 
-Recompute of the whole stage (``recompute="full"`` or ``"selective"``) is a pass over the
-traced joint graph before it is cut (:func:`recompute_in_backward`: the per-rank program's
-:func:`plait.runtime.remat.rematerialize`, the stage one region, collectives' results kept),
-so the partitioner saves only what the rewritten backward still reads.
+Recompute, of the whole stage (``recompute="full"`` or ``"selective"``) or of named modules
+(``recompute_modules``), is a pass over the traced joint graph before it is cut
+(:func:`recompute_in_backward`: the per-rank program's
+:func:`plait.runtime.remat.rematerialize`, the stage one region and each named module one,
+collectives' results kept), so the partitioner saves only what the rewritten backward still
+reads.
 
 ``ParallelConfig(stage_programs=False)`` keeps every stage eager.
 """
@@ -85,7 +86,13 @@ from plait._compat import aot_joint_graph, partition_joint_graph, tree_flatten, 
 from plait.comm.dtensor import implicit_replication, is_dtensor
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
-from plait.runtime.remat import is_collective, recompute_policy, rematerialize, saved_bytes
+from plait.runtime.remat import (
+    is_collective,
+    recompute_policy,
+    regions,
+    rematerialize,
+    saved_bytes,
+)
 
 __all__ = ["StageProgram", "compile_stage", "compiles"]
 
@@ -127,6 +134,9 @@ class StageProgram:
         """Whether the backward runs as two passes (zero bubble: :meth:`weight_pass`)."""
         self.recompute = recompute
         """What the backward graph recomputes of the forward (:func:`recompute_in_backward`)."""
+        self.recompute_modules: tuple[tuple[str, str], ...] = ()
+        """(module path in the stage, "full" | "selective"): modules recomputed as regions
+        of the same pass (``recompute_modules``); set before the first training call."""
         self.saving: Callable[[Any, nn.Module], Any] | None = None
         """Activation offload's saved-tensor hooks for one call (``offload="activations"``:
         :meth:`plait.runtime.pipeline.SavedOnHost.saving`), given the call's inputs and the
@@ -273,7 +283,7 @@ class StageProgram:
             logger.warning("pipeline: a stage runs eagerly on DTensors: %s", self.refused)
             return
         self._outputs = len(graph.graph.find_nodes(op="output")[0].args[0]) - len(example)
-        self.saved_bytes = recompute_in_backward(graph, self.recompute)
+        self.saved_bytes = recompute_in_backward(graph, self.recompute, self.recompute_modules)
         self.forward, self.backward = partition_joint_graph(graph, example, self._outputs)
         self._copied = _aliasing_outputs(self.backward)
         if self.splits:
@@ -318,12 +328,15 @@ class StageProgram:
                 add_piece_to_grad(p, g, layout, copy=i in self._copied)
 
 
-def recompute_in_backward(graph: torch.fx.GraphModule, mode: str) -> tuple[int, int]:
+def recompute_in_backward(
+    graph: torch.fx.GraphModule, mode: str, modules: Sequence[tuple[str, str]] = ()
+) -> tuple[int, int]:
     """Recompute (``"full"`` or ``"selective"``) over a stage's joint graph, in place, before
     it is cut into forward and backward: the plan's recompute pass
-    (:func:`plait.runtime.remat.rematerialize`) with the whole stage as one region, so the
-    backward reads clones of forward values computed again from what it keeps, and the
-    partitioner saves only those. Collectives' results are kept, never issued again (as the
+    (:func:`plait.runtime.remat.rematerialize`) with the whole stage as one region, and each
+    of ``modules`` ((path, mode) pairs: the nodes traced inside that module of the model,
+    :func:`_exported_module`) as a region of its own, so the backward reads clones of forward
+    values computed again from what it keeps, and the partitioner saves only those. Collectives' results are kept, never issued again (as the
     per-rank program's recompute: MindSpore's ``mp_comm_recompute=False``), and the stage's
     outputs are kept (the region's outputs). ``"full"``: everything else is recomputed
     (MindSpore's ``Cell.recompute()``); ``"selective"``: the results of matrix products and
@@ -333,16 +346,23 @@ def recompute_in_backward(graph: torch.fx.GraphModule, mode: str) -> tuple[int, 
     if start is None:
         return (0, 0)
     before = saved_bytes(graph, start)
-    if mode == "none":
+    if mode == "none" and not modules:
         return (before, before)
-    policy = recompute_policy(
-        cast(Literal["full", "selective"], mode), lambda node: "", backward_start=start
-    )
+    pairs: list[tuple[str, Callable[[torch.fx.Node], str | None]]] = []
+    if mode != "none":
+        pairs.append((mode, lambda node: ""))  # the whole stage, one region
+    for kind in sorted({k for _, k in modules}):
+        paths = [path for path, k in modules if k == kind]
+        pairs.append((kind, regions(paths, traced_in=_exported_module)))
+    policies = [
+        recompute_policy(cast(Literal["full", "selective"], kind), region_of, backward_start=start)
+        for kind, region_of in pairs
+    ]
     original = set(graph.graph.nodes)
     rematerialize(
         graph,
         backward_start=start,
-        recompute=lambda node: not is_collective(node) and policy(node),
+        recompute=lambda node: not is_collective(node) and any(p(node) for p in policies),
     )
     # A clone copies its forward node's meta, the partitioner's forward tag too: tagged so,
     # it would pull the backward before it into the forward graph. Clones are backward.
@@ -356,6 +376,17 @@ def recompute_in_backward(graph: torch.fx.GraphModule, mode: str) -> tuple[int, 
 
 _PARTITIONER_TAG = "partitioner_tag"
 """Where AOTAutograd marks a joint graph's nodes ``is_forward`` or ``is_backward``."""
+
+
+def _exported_module(node: torch.fx.Node) -> str | None:
+    """The innermost module of the model a stage's node was traced in: torch's pipeline split
+    runs the stage's exported graph node by node, and the trace copies each node's module
+    stack (``nn_module_stack``, model paths) onto the nodes its ops make."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else None
 
 
 def _first_backward_node(graph: torch.fx.GraphModule) -> torch.fx.Node | None:

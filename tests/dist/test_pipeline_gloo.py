@@ -766,8 +766,8 @@ def _tp_other_schedules(_: str) -> dict:
     both zero bubbles): gpipe and interleaved 1f1b, compiled stages; and mixed precision on
     compiled stages: bf16 on zero bubble (its backward split) and fp16 on 1f1b with a
     loss scale, each with the dtypes its forward graphs hold; recompute on compiled stages,
-    full on the V and selective on 1f1b, with the bytes their forwards keep; activation
-    offload beside selective recompute on zero bubble."""
+    full on the V and selective on 1f1b, and per module on the V, with the bytes their
+    forwards keep; activation offload beside selective recompute on zero bubble."""
     out = {}
     for schedule in ("gpipe", "interleaved_1f1b"):
         config = ParallelConfig(
@@ -803,6 +803,15 @@ def _tp_other_schedules(_: str) -> dict:
         programs = [(p.calls, p.saved_bytes, _collectives(p.forward), _collectives(p.backward))
                     for p in job.stage_programs]  # fmt: skip
         out[recompute] = (losses, job.full_state_dict(), programs)
+    # per-module recompute on compiled stages, regions of the same pass: the V puts block 0
+    # (full) and block 3 (selective) in the first and last stages, both on pp rank 0
+    config = ParallelConfig(
+        mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4, schedule="zero_bubble_v",
+        recompute_modules={"blocks.0": "full", "blocks.3": "selective"},
+    )  # fmt: skip
+    job, losses = _train(config, megatron=True)
+    programs = [(p.calls, p.recompute_modules, p.saved_bytes) for p in job.stage_programs]
+    out["modules"] = (losses, job.full_state_dict(), programs)
     # activation offload with selective recompute on compiled zero-bubble stages: what each
     # program's autograd function saves goes to the host (every value, threshold 0)
     config = ParallelConfig(
@@ -865,6 +874,15 @@ def test_pipeline_tensor_parallel_schedules_precision_and_recompute(
             for calls, (before, after), forward, backward in programs:
                 assert calls == 8 and 0 < after < before, (recompute, rank, programs)
                 assert forward == each and backward == each, (recompute, rank, programs)
+    # per-module recompute: equal to one device; the stages holding the named blocks keep
+    # fewer bytes for backward, the others as many as without
+    for rank, r in enumerate(results):
+        losses, state, programs = r["modules"]
+        _same_run(losses, state, expected, f"recompute_modules rank {rank} ")
+        named = [(("blocks.0", "full"),), (("blocks.3", "selective"),)] if rank < 2 else [(), ()]
+        assert [p[1] for p in programs] == named, (rank, programs)
+        for calls, held, (before, after) in programs:
+            assert calls == 8 and (after < before if held else after == before), (rank, programs)
     # offload beside selective recompute on compiled zero-bubble stages: equal to one device,
     # both stages compiled, values moved, and none saved past the offload's hooks (a third
     # step under outer saved-tensor hooks)

@@ -366,6 +366,14 @@ def aot_joint_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
     return cast("torch.fx.GraphModule", aot_export_joint_simple(fn, example, trace_joint=True))
 
 
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inside it, ``module``'s parameters and buffers named in ``tensors`` are those tensors
+    (what ``torch.func.functional_call`` does around a call, without calling the module)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors)
+
+
 def partition_joint_graph(
     graph: torch.fx.GraphModule, example: tuple[Any, ...], forward_outputs: int
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:

@@ -378,14 +378,14 @@ class ParallelConfig:
     def compiled_stages(self) -> bool:
         """Whether pipeline stages with tensor parallel inside run as compiled per-rank
         programs under these settings (:mod:`plait.runtime.stage_program`): ``stage_programs``
-        on, no optimizer parallel (any precision: mixed precision is traced under the
-        stage's autocast; recompute, the stage's or its modules', is a pass over its traced
-        graph; activation offload moves what the program saves). The one rule the
-        runtime builds by and the outer planner weighs zero-bubble plans by."""
-        return (
-            self.stage_programs
-            and self.optimizer_shard is None
-        )
+        on, and not optimizer parallel beside mixed precision. Mixed precision is traced under
+        the stage's autocast; recompute, the stage's or its modules', is a pass over its
+        traced graph; activation offload moves what the program saves; optimizer parallel
+        gathers the parameters (FSDP2) before the program's call and reduce-scatters its
+        gradients after. FSDP2's low-precision gathers beside autocast do not trace yet (the
+        trace meets products of bf16 and fp32 pieces): those stages run op by op. The one
+        rule the runtime builds by and the outer planner weighs zero-bubble plans by."""
+        return self.stage_programs and (self.optimizer_shard is None or self.precision == "fp32")
 
     def non_default_fields(self) -> dict[str, Any]:
         """Fields whose values differ from their defaults (for errors and logs)."""

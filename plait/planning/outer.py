@@ -14,8 +14,7 @@ What the user fixes stays fixed: ``mesh`` (only strategies inside it are searche
 ``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
 notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
 pipeline's stages hold no optimizer parallel, and tensor parallel only where they run as
-compiled stage programs (``stage_programs`` on, no activation offload or per-module
-recompute: docs/pipeline.md), so the
+compiled stage programs (``stage_programs`` on: docs/pipeline.md), so the
 other meshes and levels are left out.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
@@ -117,11 +116,9 @@ def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
 
 
 def _compiled_stages(cfg: ParallelConfig) -> bool:
-    """Whether stages with tensor parallel inside would run as compiled stage programs under
-    ``cfg`` without ZeRO (which zero-bubble stages never weigh); every recompute level the
-    escalation tries compiles (a pass over the stage's graph)."""
-    no_zero = dataclasses.replace(cfg, optimizer_shard=None, optimizer_weight_shard_size=None)
-    return no_zero.compiled_stages
+    """Whether stages with tensor parallel inside run as compiled stage programs under
+    ``cfg`` (every ZeRO level and recompute the escalation tries compiles)."""
+    return cfg.compiled_stages
 
 
 def _global_batch(graph: OpGraph) -> int:

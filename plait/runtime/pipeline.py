@@ -1025,14 +1025,12 @@ def check_pipeline_config(
         ),
         (
             bool(inner) and config.schedule in SPLIT_BACKWARD and not compiles(config, inner),
-            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, optimizer_shard="
-            f"{config.optimizer_shard}, recompute_modules={dict(_recompute_pairs(config))!r}, "
-            f"offload={config.offload!r}, stage_programs={config.stage_programs}",
+            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, stage_programs="
+            f"{config.stage_programs}",
             "a zero-bubble schedule with tensor parallel in stages that run on DTensors (its "
             "separate input- and weight-gradient passes detach DTensor views in place, which "
-            "torch refuses; zero bubble with tp runs on compiled stages: no optimizer_shard, "
-            "recompute_modules or activation offload, stage_programs on); use gpipe, "
-            "1f1b or interleaved_1f1b",
+            "torch refuses; zero bubble with tp runs on compiled stages, stage_programs on); "
+            "use stage_programs=True, or gpipe, 1f1b or interleaved_1f1b",
         ),
         (
             config.optimizer_shard is not None and config.schedule in SPLIT_BACKWARD,

@@ -45,9 +45,14 @@ norms and the softmax in fp32, as eager autocast runs them) and the backward gra
 casts back. Activation offload (``offload="activations"``) enters its saved-tensor hooks
 around the call of the program's autograd function (:attr:`StageProgram.saving`), so what
 the forward graph hands the backward graph moves to the host; the trace runs outside them.
-Everything else keeps the stage's eager forward: optimizer parallel (FSDP2's hooks gather and
-free parameters around the module's forward and backward), and evaluation, prediction and a
-forward without gradients, which run eagerly in any case. With tensor
+Optimizer parallel (FSDP2 on the stage module) keeps its hooks on the module: the pre-forward
+hook gathers the parameters before the program's call, ZeRO-3's pre-backward hook gathers them
+again before the backward graph runs, and the gradients the program adds to the unsharded
+parameters are reduce-scattered by FSDP2's post-backward; the trace calls the stage's own
+forward with the traced parameters in place, not the module (whose hooks would put FSDP2's
+back). Everything else keeps the stage's eager forward: optimizer parallel beside mixed
+precision (FSDP2's bf16 gathers under autocast do not trace yet), and evaluation, prediction
+and a forward without gradients, which run eagerly in any case. With tensor
 parallel in the stages the zero-bubble schedules run on compiled stages only
 (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
@@ -82,7 +87,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from plait._compat import aot_joint_graph, partition_joint_graph, tree_flatten, tree_unflatten
+from plait._compat import (
+    aot_joint_graph,
+    partition_joint_graph,
+    reparametrized,
+    tree_flatten,
+    tree_unflatten,
+)
 from plait.comm.dtensor import implicit_replication, is_dtensor
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
@@ -257,7 +268,11 @@ class StageProgram:
             for (name, _), b in zip(self.buffers, flat[n_params:], strict=False):
                 state[name] = b
             args, kwargs = tree_unflatten(list(flat[n_params + n_buffers :]), in_spec)
-            out = torch.func.functional_call(self.module, state, args, kwargs)
+            # the stage's own forward with the traced parameters in place: not through the
+            # module's __call__, whose hooks (FSDP2's gathers under optimizer_shard) ran
+            # already for this call and would put their own parameters back
+            with reparametrized(self.module, state):
+                out = self.eager(*args, **kwargs)
             leaves, self._out_spec = tree_flatten(out)
             if not all(isinstance(x, torch.Tensor) and not is_dtensor(x) for x in leaves):
                 raise TypeError("a stage's outputs must be plain tensors")

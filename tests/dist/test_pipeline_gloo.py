@@ -671,7 +671,7 @@ def _check_zero_bubble_tp(results: list[dict], megatron: Run) -> None:
 def _three_axes(_: str) -> dict:
     """pp=2 x dp=2 x tp=2 on 8 workers, every schedule (compiled stages; the zero-bubble ones
     split each backward), semi_auto Megatron: losses, the final parameters and the step's
-    collectives; ZeRO-3, HSDP and activation offload in the stages."""
+    collectives; ZeRO-3, ZeRO-2 in bf16, HSDP and activation offload in the stages."""
     out = {}
     for schedule in SCHEDULES:
         config = ParallelConfig(
@@ -688,6 +688,15 @@ def _three_axes(_: str) -> dict:
     )  # fmt: skip
     zero_job, losses = _train(zero3, megatron=True)  # FSDP2 over dp of tp-split stages (2-D)
     out["zero3"] = (losses, zero_job.full_state_dict(), [p.calls for p in zero_job.stage_programs])
+    # ZeRO-2 in bf16 (parameters gathered in bf16): tp stages on DTensors, op by op
+    zero2 = ParallelConfig(
+        mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4,
+        optimizer_shard=2, optimizer_shard_threshold=0, precision="bf16",
+    )  # fmt: skip
+    bf16_job, losses = _train(zero2, megatron=True)
+    out["zero2_bf16"] = (
+        losses, bf16_job.full_state_dict(), [p.calls for p in bf16_job.stage_programs],
+    )  # fmt: skip
     hsdp = ParallelConfig(
         mode="semi_auto", mesh={"pp": 2, "dp": 4}, micro_batches=2,
         optimizer_shard=3, optimizer_shard_threshold=0, optimizer_weight_shard_size=2,
@@ -730,10 +739,20 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
     assert all(r["offload"][2] > 0 for r in results)  # every rank's stage moved some
     # every schedule ran each stage as its compiled program, every micro-batch of the 2
     # steps (interleaved and both zero bubbles: 2 stages a rank), activation offload too
-    # (what the program saves goes to the host); FSDP2 keeps the eager stage
+    # (what the program saves goes to the host) and ZeRO (FSDP2 gathers the parameters
+    # before the program's call and reduce-scatters after its backward)
     for r in results:
         assert [r[s][2] for s in SCHEDULES] == [[8], [8], [8, 8], [8, 8], [8, 8]], r
-        assert r["zero3"][2] == [] and r["offload"][3] == [8], (r["zero3"][2], r["offload"][3])
+        assert r["zero3"][2] == r["offload"][3] == [8], r
+        assert r["zero2_bf16"][2] == [], r  # FSDP2's bf16 gathers keep the eager stage
+    bf16 = _autocast_reference(_model(megatron=True), _batches())
+    for rank, r in enumerate(results):  # to bf16's tolerance, as the pp=2 x dp=2 bf16 leg
+        losses, state = r["zero2_bf16"][:2]
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(bf16.losses), rtol=2e-2, atol=2e-3
+        )
+        for key, value in bf16.state.items():
+            torch.testing.assert_close(state[key], value, rtol=2e-2, atol=2e-3, msg=f"{rank} {key}")
     for schedule in (*SCHEDULES, "zero3", "offload"):
         losses, state = results[0][schedule][:2]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected.losses))

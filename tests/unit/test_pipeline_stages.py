@@ -115,7 +115,7 @@ def test_settings_refused_by_name() -> None:
         check_pipeline_config(
             ParallelConfig(**semi, schedule="zero_bubble", stage_programs=False), tp
         )  # fmt: skip
-    with pytest.raises(NotBuiltError, match="zero-bubble schedule with tensor parallel in st"):
+    with pytest.raises(NotBuiltError, match="optimizer parallel with a zero-bubble schedule"):
         check_pipeline_config(
             ParallelConfig(**semi, schedule="zero_bubble", optimizer_shard=3), tp
         )  # fmt: skip
@@ -327,7 +327,10 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> N
     assert stage_program.compiles(dataclasses.replace(base, offload="activations"), tp)
     per_module = dataclasses.replace(base, recompute_modules={"blocks.0": "full"})
     assert stage_program.compiles(per_module, tp)  # regions of the same pass
-    assert not stage_program.compiles(dataclasses.replace(base, optimizer_shard=3), tp)
+    for level in (1, 2, 3):  # FSDP2 gathers before the program's call, reduces after
+        assert stage_program.compiles(dataclasses.replace(base, optimizer_shard=level), tp)
+        low = dataclasses.replace(base, optimizer_shard=level, precision="bf16")
+        assert not stage_program.compiles(low, tp)  # bf16 gathers beside autocast: eager
     assert not stage_program.compiles(dataclasses.replace(base, stage_programs=False), tp)
     with pytest.raises(ConfigError, match=r"stage_programs='no': give True or False"):
         dataclasses.replace(base, stage_programs="no")

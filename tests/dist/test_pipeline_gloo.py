@@ -101,6 +101,28 @@ def _program(job) -> dict:
     return out
 
 
+def _planned_against_ran(job) -> list[tuple[int, dict, dict]]:
+    """Per stage this rank runs: the tp collectives the plan lists for the ops of that
+    stage, by (phase, kind), a micro-batch's worth; and those the compiled stage's forward
+    and backward graphs issue, by the same key."""
+    plan = job.plan
+    stage_of = {name: k for k, names in enumerate(plan.stages) for name in names}
+    out = []
+    for index, program in zip(job.stage_indices, job.stage_programs, strict=True):
+        planned = Counter()
+        for c in plan.collectives:
+            if c.axes == ("tp",) and stage_of.get(c.op) == index:
+                planned[(c.phase, c.kind)] += c.count
+        ran = Counter()
+        for phase, graph in (("forward", program.forward), ("backward", program.backward)):
+            for target, n in _collectives(graph).items():
+                if not target.endswith("wait_tensor.default"):
+                    kind = target.removeprefix("_c10d_functional.").removesuffix(".default")
+                    ran[(phase, kind)] += n
+        out.append((index, dict(planned), dict(ran)))
+    return out
+
+
 def _collectives(graph) -> dict:
     """The functional collectives in an FX graph, by op."""
     targets = (str(n.target) for n in graph.graph.nodes)
@@ -312,6 +334,7 @@ def _workers(root: str) -> dict:
     params = [p for m in job.stage_modules for p in m.parameters()]
     split = sum(is_dtensor(p) and p.placements[0].is_shard() for p in params)
     out["auto_pp_tp"] = (losses, job.full_state_dict(), split, job.config.micro_batches)
+    out["auto_pp_tp_collectives"] = _planned_against_ran(job)
     auto = ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}, optimizer_shard=3,
                           optimizer_shard_threshold=0, recompute="full")  # fmt: skip
     job, losses = _train(auto)
@@ -539,6 +562,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     _check_fp16(results)
     _check_offload(results)
     assert results[0]["auto_pp_tp"][2] > 0
+
     assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its
     # stage's sharded parameters once and reduce-scatters their gradients once; the gradients
@@ -629,6 +653,13 @@ def _check_pipeline_collectives(results: list[dict]) -> None:
         pp_rank = rank // 2  # mesh (pp, dp): pp is outermost
         expected = ({"send": 8, "recv_": 8, "allreduce_": 2}, [pp_rank, 3 - pp_rank])
         assert r["v_collectives"] == expected, (rank, r["v_collectives"])
+    # What runs is what the plan says: each compiled stage of the searched pp=2 x tp=2 plan
+    # issues, a micro-batch, exactly the tp collectives the plan lists for its ops (the
+    # forward's all-reduces after the row-parallel products, the backward's where the
+    # column-parallel inputs' gradients meet).
+    for rank, r in enumerate(results):
+        for index, planned, ran in r["auto_pp_tp_collectives"]:
+            assert planned and planned == ran, (rank, index, planned, ran)
 
 
 def _check_zero_bubble_tp(results: list[dict], megatron: Run) -> None:

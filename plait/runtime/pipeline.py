@@ -75,7 +75,12 @@ from plait.runtime.precision import autocast_for
 from plait.runtime.predict import call_arguments
 from plait.runtime.remat import kept_by_selective
 from plait.runtime.stage_balance import balanced_layer_starts as _balanced_starts
-from plait.runtime.stage_program import StageProgram, compile_stage, compiles
+from plait.runtime.stage_program import (
+    StageProgram,
+    compile_stage,
+    compiles,
+    planned_stage_collectives,
+)
 from plait.runtime.zero import ZeroOptimizer, check_elementwise
 
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
@@ -273,6 +278,9 @@ class PipelineJob(Job):
         applies (tensor parallel in the stages); empty where the stages run eagerly."""
         self.plan = plan
         """The plan the stages run (mode auto, plan files), None for marks and even splits."""
+        self.plan_mismatches: list[str] | None = None
+        """After the first training step: each compiled stage whose collectives differ from
+        those the plan lists for its ops (empty when all agree or there is no plan)."""
         self.stage_indices = indices
         self.stage_starts = starts
         self._dp = dp
@@ -342,6 +350,8 @@ class PipelineJob(Job):
             losses = self._run(batch, training=True)
         finally:
             scale, self._loss_scale = self._loss_scale, 1.0
+        if self.plan_mismatches is None:  # the programs are traced by the first step
+            self.plan_mismatches = self._check_against_plan()
         if scale != 1.0:
             losses = [x.detach() / scale for x in losses]
         loss = self._start_mean_loss(losses)
@@ -360,6 +370,27 @@ class PipelineJob(Job):
                 return loss()
         self._update()
         return loss()
+
+    def _check_against_plan(self) -> list[str]:
+        """What each compiled stage issues against what the plan lists for its ops (each
+        logged as a warning): the stages follow DTensor's propagation from the plan's
+        parameter layouts, which can differ from the plan's own per-op strategies."""
+        if self.plan is None or not self.stage_programs:
+            return []  # no plan, or stages without axes inside: nothing compiled to check
+        found = []
+        for index, program in zip(self.stage_indices, self.stage_programs, strict=True):
+            if program.forward is None:
+                continue  # runs eagerly (program.refused says why)
+            planned = planned_stage_collectives(self.plan, index, self._inner)
+            ran = program.collectives()
+            if planned != ran:
+                found.append(
+                    f"pipeline stage {index} issues {dict(sorted(ran.items()))} a micro-batch "
+                    f"where the plan lists {dict(sorted(planned.items()))} for its ops (the "
+                    "stage follows DTensor's propagation from the plan's parameter layouts)"
+                )
+                logger.warning("%s", found[-1])
+        return found
 
     def _update(self) -> None:
         """The optimizer's step; with ``offload="optimizer"`` on host copies of this rank's

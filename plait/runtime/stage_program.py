@@ -318,6 +318,18 @@ class StageProgram:
             else f" (weight pass: {len(self.backward_weight.graph.nodes)} of them)",
         )
 
+    def collectives(self) -> dict[tuple[str, str], int]:
+        """The functional collectives the traced graphs issue a micro-batch, by (phase, kind):
+        ``("forward", "all_reduce")`` and so on ({} before the trace)."""
+        counts: Counter[tuple[str, str]] = Counter()
+        graphs = (("forward", self.forward), ("backward", self.backward))
+        for phase, graph in graphs:
+            for node in graph.graph.nodes if graph is not None else ():
+                target = str(node.target)
+                if target.startswith(_FUNCTIONAL) and not target.endswith("wait_tensor.default"):
+                    counts[(phase, target.removeprefix(_FUNCTIONAL).split(".")[0])] += 1
+        return dict(counts)
+
     def weight_pass(self) -> Callable[[], None]:
         """torch's ``dw_builder`` for this stage (zero bubble): called right after a
         micro-batch's backward (its input pass), it returns the runner of that micro-batch's
@@ -341,6 +353,24 @@ class StageProgram:
         for i, (p, layout, g) in enumerate(zip(params, self._grad_layouts, grads, strict=True)):
             if g is not None and p is not None and layout is not None:
                 add_piece_to_grad(p, g, layout, copy=i in self._copied)
+
+
+_FUNCTIONAL = "_c10d_functional."
+
+
+def planned_stage_collectives(
+    plan: Any, stage: int, axes: Sequence[str]
+) -> dict[tuple[str, str], int]:
+    """The collectives over ``axes`` (the axes inside a stage) that ``plan`` lists for the ops
+    of its stage ``stage``, a micro-batch's worth, by (phase, kind), as
+    :meth:`StageProgram.collectives` counts what runs."""
+    ops = set(plan.stages[stage]) if stage < len(plan.stages) else set()
+    inside = set(axes)
+    counts: Counter[tuple[str, str]] = Counter()
+    for c in plan.collectives:
+        if c.op in ops and c.axes and set(c.axes) <= inside:
+            counts[(c.phase, c.kind)] += c.count
+    return dict(counts)
 
 
 def recompute_in_backward(

@@ -334,7 +334,7 @@ def _workers(root: str) -> dict:
     params = [p for m in job.stage_modules for p in m.parameters()]
     split = sum(is_dtensor(p) and p.placements[0].is_shard() for p in params)
     out["auto_pp_tp"] = (losses, job.full_state_dict(), split, job.config.micro_batches)
-    out["auto_pp_tp_collectives"] = _planned_against_ran(job)
+    out["auto_pp_tp_collectives"] = (_planned_against_ran(job), job.plan_mismatches)
     auto = ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}, optimizer_shard=3,
                           optimizer_shard_threshold=0, recompute="full")  # fmt: skip
     job, losses = _train(auto)
@@ -658,8 +658,10 @@ def _check_pipeline_collectives(results: list[dict]) -> None:
     # forward's all-reduces after the row-parallel products, the backward's where the
     # column-parallel inputs' gradients meet).
     for rank, r in enumerate(results):
-        for index, planned, ran in r["auto_pp_tp_collectives"]:
+        stages, mismatches = r["auto_pp_tp_collectives"]
+        for index, planned, ran in stages:
             assert planned and planned == ran, (rank, index, planned, ran)
+        assert mismatches == [], (rank, mismatches)  # the job's own check agrees
 
 
 def _check_zero_bubble_tp(results: list[dict], megatron: Run) -> None:

@@ -413,3 +413,56 @@ def test_recompute_is_a_pass_over_a_traced_stage(mode: str) -> None:
     # full recomputes the first product in backward (the second's result is the output's
     # input, read there anyway); selective keeps products and recomputes the rest
     assert products_r == products + (1 if mode == "full" else 0), (products, products_r)
+
+
+def test_a_compiled_stage_is_checked_against_the_plan(caplog: pytest.LogCaptureFixture) -> None:
+    """After the first step a planned pipeline compares, stage by stage, the collectives its
+    compiled program issues with those the plan lists for the stage's ops (over the axes
+    inside the stages, a micro-batch); a difference is kept in ``job.plan_mismatches`` and
+    logged, naming the stage and both counts."""
+    from types import SimpleNamespace
+
+    from plait.planning.entries import PlannedCollective
+    from plait.runtime.pipeline import PipelineJob
+    from plait.runtime.stage_program import StageProgram, planned_stage_collectives
+
+    def reduce(op: str, phase: str, axes: tuple[str, ...] = ("tp",)) -> PlannedCollective:
+        return PlannedCollective(
+            kind="all_reduce", axes=axes, nbytes=4096, seconds=1e-4, count=1, phase=phase,
+            op=op, reason="",
+        )  # fmt: skip
+
+    plan = SimpleNamespace(
+        stages=(("linear", "add_2"), ("linear_4", "add_3")),
+        collectives=(
+            reduce("linear", "backward"), reduce("add_2", "forward"),
+            reduce("linear_4", "backward"), reduce("add_3", "forward"),
+            reduce("add_3", "forward", ("pp",)),  # a stage boundary's: not inside a stage
+        ),
+    )  # fmt: skip
+    assert planned_stage_collectives(plan, 1, ("tp",)) == {
+        ("backward", "all_reduce"): 1, ("forward", "all_reduce"): 1,
+    }  # fmt: skip
+
+    def traced(reduces: int) -> torch.fx.GraphModule:
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        for _ in range(reduces):
+            x = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+            x = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,))
+        graph.output((x,))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    program = StageProgram.__new__(StageProgram)  # its graphs only, no module traced
+    program.forward, program.backward = traced(2), traced(1)
+    assert program.collectives() == {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}
+    job = SimpleNamespace(plan=plan, stage_indices=[1], stage_programs=[program], _inner=("tp",))
+    with caplog.at_level("WARNING", logger="plait.runtime.pipeline"):
+        found = PipelineJob._check_against_plan(job)  # type: ignore[arg-type]
+    assert len(found) == 1 and "pipeline stage 1 issues" in found[0], found
+    assert "('forward', 'all_reduce'): 2" in found[0] and "('forward', 'all_reduce'): 1" in found[0]
+    assert found[0] in caplog.text
+    program.forward = traced(1)  # as the plan says: nothing to report
+    assert PipelineJob._check_against_plan(job) == []  # type: ignore[arg-type]
+    job.plan = None  # marks and even splits have no plan to check against
+    assert PipelineJob._check_against_plan(job) == []  # type: ignore[arg-type]

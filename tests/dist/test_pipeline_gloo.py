@@ -13,9 +13,9 @@ the same autocast and scale. Offload in the stages: the optimizer's states on th
 and with ZeRO-2) and the activations backward reads on the host (zero bubble, and ZeRO-3),
 each equal to one device; the host optimizer's checkpoint resumes its job bit for bit, loads
 into a pipeline without offload bit for bit, and that job's back into ZeRO-2 with offload.
-pp=2 x tp=2 runs its stages as compiled programs on 1f1b and on both zero-bubble schedules
-(each stage's backward cut into an input-gradient graph and a weight-gradient graph the
-schedule runs later), equal to one device with Megatron's tp all-reduces counted. Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
+pp=2 x tp=2 runs its stages as compiled programs on 1f1b and on zero bubble (each stage's
+backward cut into an input-gradient graph and a weight-gradient graph the schedule runs
+later; the V with tp, nightly), equal to one device with Megatron's tp all-reduces counted. Evaluation runs the stages' forwards alone; ``job.predict`` returns the whole batch's logits on every rank. The collectives of a step are counted (point-to-point sends and receives, the data-parallel
 gradient mean, the loss), so a silent extra one fails. Then a pipeline job's checkpoint (each rank writes its own stage) loads into plain data
 parallel on dp=4 and back into the pipeline: both continue exactly as the single device does.
 
@@ -48,7 +48,6 @@ pytestmark = pytest.mark.dist
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=4)
 STEPS = 2
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v")
-ZERO_BUBBLE = SCHEDULES[3:]
 PIPE = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 4}
 PP_TP = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4)
 
@@ -209,6 +208,29 @@ def _held_bytes(job) -> tuple[int, int, int]:
     return held, local, sum(p.numel() * p.element_size() for p in model)
 
 
+def _zero_bubble_tp_leg(out: dict, schedule: str) -> None:
+    """pp=2 x tp=2 on a zero-bubble schedule, Megatron annotations: 2 steps, then a third
+    whose tp collectives are counted; each stage's split graphs and the measured passes."""
+    config = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
+                            schedule=schedule)  # fmt: skip
+    job, losses = _train(config, megatron=True)
+    with CollectiveLog(job.inner_mesh) as inner:
+        job.step(_batches()[0])  # a third step
+    graphs = [
+        (index, p.calls, p.weight_calls, _collectives(p.backward_input),
+         _collectives(p.backward_weight))
+        for index, p in zip(job.stage_indices, job.stage_programs, strict=True)
+    ]  # fmt: skip
+    events = sorted(job.timeline().events, key=lambda e: (e.rank, e.start_s))
+    passes = [(e.rank, e.kind, e.stage, e.micro_batch) for e in events]
+    # (a later mesh of the same shape may name its tp group by number: resolved)
+    counts = {
+        (kind, tuple(group_ranks(axis)) if axis.isdigit() else axis): n
+        for (kind, axis), n in inner.counts().items()
+    }
+    out[("pp_tp", schedule)] = (losses, job.full_state_dict(), counts, graphs, passes)
+
+
 def _workers(root: str) -> dict:
     out = {}
     for schedule in SCHEDULES:
@@ -292,28 +314,10 @@ def _workers(root: str) -> dict:
     out["pp_tp_collectives"] = (inner.counts(), dict(log.counts))
     params = sum(1 for m in job.stage_modules for _ in m.parameters())
     out["pp_tp_program"] = (_program(job), dict(ops.counts), params)
-    # zero bubble with tp in the stages (2 stages of one block a rank, interleaved and in
-    # the V): each compiled stage's backward cut into an input-gradient graph and a
-    # weight-gradient graph run later, at the schedule's weight action
-    for schedule in ZERO_BUBBLE:
-        config = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
-                                schedule=schedule)  # fmt: skip
-        job, losses = _train(config, megatron=True)
-        with CollectiveLog(job.inner_mesh) as inner:
-            job.step(_batches()[0])  # a third step
-        graphs = [
-            (index, p.calls, p.weight_calls, _collectives(p.backward_input),
-             _collectives(p.backward_weight))
-            for index, p in zip(job.stage_indices, job.stage_programs, strict=True)
-        ]  # fmt: skip
-        events = sorted(job.timeline().events, key=lambda e: (e.rank, e.start_s))
-        passes = [(e.rank, e.kind, e.stage, e.micro_batch) for e in events]
-        # (a later mesh of the same shape may name its tp group by number: resolved)
-        counts = {
-            (kind, tuple(group_ranks(axis)) if axis.isdigit() else axis): n
-            for (kind, axis), n in inner.counts().items()
-        }
-        out[("pp_tp", schedule)] = (losses, job.full_state_dict(), counts, graphs, passes)
+    # zero bubble with tp in the stages (2 stages of one block a rank): each compiled
+    # stage's backward cut into an input-gradient graph and a weight-gradient graph run
+    # later, at the schedule's weight action (the V: nightly)
+    _zero_bubble_tp_leg(out, "zero_bubble")
     # the optimizer on the host beside compiled stages (their gradients reach its copies)
     host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
                           offload="optimizer")  # fmt: skip
@@ -633,7 +637,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         assert r["pp_tp_host"][2] == [8], f"rank {rank}: {r['pp_tp_host'][2]}"
         # parallelize's check of the optimizer's class, then the one the job steps with
         assert r["factory_calls"] == 2, f"rank {rank}: {r['factory_calls']} factory calls"
-    _check_zero_bubble_tp(results, megatron)
+    _check_zero_bubble_tp(results, megatron, "zero_bubble")
     momentum = reference_run(_model(megatron=True), gpt_loss, _momentum, _batches())
     _same_run(*results[0]["pp_tp_host"][:2], momentum, "pp_tp_host")
     losses, state = results[0]["reshard"]
@@ -664,41 +668,41 @@ def _check_pipeline_collectives(results: list[dict]) -> None:
         assert mismatches == [], (rank, mismatches)  # the job's own check agrees
 
 
-def _check_zero_bubble_tp(results: list[dict], megatron: Run) -> None:
-    """Both zero-bubble schedules on pp=2 x tp=2 (compiled stages, 2 a rank: interleaved,
-    stages r and r + 2; the V, stages r and 3 - r): equal to one device; per step Megatron's
-    4 tp all-reduces a block and micro-batch (2 stages x 4 micro-batches x 4); each stage's
+def _check_zero_bubble_tp(results: list[dict], megatron: Run, schedule: str) -> None:
+    """A zero-bubble schedule on pp=2 x tp=2 (compiled stages, 2 a rank: interleaved,
+    stages r and r + 2, in the default suite; the V, stages r and 3 - r, nightly): equal to
+    one device; per step Megatron's 4 tp all-reduces a block and micro-batch (2 stages x 4
+    micro-batches x 4); each stage's
     backward split: the input-gradient graph holds the all-reduces (the norms' input
     gradients), the weight-gradient graph none, except on the first stage, which has no input
     gradient, so its whole backward is the weight pass (as torch's own split); every
     micro-batch ran both graphs, and weight passes were deferred past other passes."""
     reduce = {"_c10d_functional.all_reduce.default": 2, "_c10d_functional.wait_tensor.default": 2}
-    for schedule in ZERO_BUBBLE:
-        losses, state = results[0][("pp_tp", schedule)][:2]  # 2 steps, then the counted third
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(megatron.losses[:STEPS]))
-        for key, value in megatron.state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=schedule + key)
-        for rank, r in enumerate(results):
-            counts, graphs, passes = r[("pp_tp", schedule)][2:]
-            tp_peers = (rank - rank % 2, rank - rank % 2 + 1)  # mesh (pp, tp): tp innermost
-            assert counts in ({("all_reduce", "tp"): 32}, {("all_reduce", tp_peers): 32}), (
-                schedule, rank, counts,
-            )  # fmt: skip
-            pp_rank = rank // 2
-            pair = [pp_rank, pp_rank + 2] if schedule == "zero_bubble" else [pp_rank, 3 - pp_rank]
-            assert [g[0] for g in graphs] == pair, (schedule, rank, graphs)
-            for index, calls, weight_calls, first, second in graphs:
-                assert (calls, weight_calls) == (12, 12), (schedule, rank, graphs)
-                expected = ({}, reduce) if index == 0 else (reduce, {})
-                assert (first, second) == expected, (schedule, rank, graphs)
-            kinds = {(pp, kind) for pp, kind, _, _ in passes}
-            assert kinds == {(p, k) for p in (0, 1) for k in ("forward", "backward", "weight")}
-            deferred = [
-                (stage, mb) for i, (pp, kind, stage, mb) in enumerate(passes)
-                if kind == "backward" and stage > 0
-                and passes[i + 1 : i + 2] != [(pp, "weight", stage, mb)]
-            ]  # fmt: skip
-            assert deferred, (schedule, passes)  # a weight pass ran later than its backward
+    losses, state = results[0][("pp_tp", schedule)][:2]  # 2 steps, then the counted third
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(megatron.losses[:STEPS]))
+    for key, value in megatron.state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=schedule + key)
+    for rank, r in enumerate(results):
+        counts, graphs, passes = r[("pp_tp", schedule)][2:]
+        tp_peers = (rank - rank % 2, rank - rank % 2 + 1)  # mesh (pp, tp): tp innermost
+        assert counts in ({("all_reduce", "tp"): 32}, {("all_reduce", tp_peers): 32}), (
+            schedule, rank, counts,
+        )  # fmt: skip
+        pp_rank = rank // 2
+        pair = [pp_rank, pp_rank + 2] if schedule == "zero_bubble" else [pp_rank, 3 - pp_rank]
+        assert [g[0] for g in graphs] == pair, (schedule, rank, graphs)
+        for index, calls, weight_calls, first, second in graphs:
+            assert (calls, weight_calls) == (12, 12), (schedule, rank, graphs)
+            expected = ({}, reduce) if index == 0 else (reduce, {})
+            assert (first, second) == expected, (schedule, rank, graphs)
+        kinds = {(pp, kind) for pp, kind, _, _ in passes}
+        assert kinds == {(p, k) for p in (0, 1) for k in ("forward", "backward", "weight")}
+        deferred = [
+            (stage, mb) for i, (pp, kind, stage, mb) in enumerate(passes)
+            if kind == "backward" and stage > 0
+            and passes[i + 1 : i + 2] != [(pp, "weight", stage, mb)]
+        ]  # fmt: skip
+        assert deferred, (schedule, passes)  # a weight pass ran later than its backward
 
 
 def _three_axes(_: str) -> dict:
@@ -815,7 +819,7 @@ def test_pipeline_data_and_tensor_parallel_on_eight_processes(tmp_path: Path) ->
 
 def _tp_other_schedules(_: str) -> dict:
     """pp=2 x tp=2 on the schedules the 4-process test above leaves out (it runs 1f1b and
-    both zero bubbles): gpipe and interleaved 1f1b, compiled stages; and mixed precision on
+    zero bubble): gpipe, interleaved 1f1b and zero_bubble_v, compiled stages; and mixed precision on
     compiled stages: bf16 on zero bubble (its backward split) and fp16 on 1f1b with a
     loss scale, each with the dtypes its forward graphs hold; recompute on compiled stages,
     full on the V and selective on 1f1b, and per module on the V, with the bytes their
@@ -827,6 +831,7 @@ def _tp_other_schedules(_: str) -> dict:
         )  # fmt: skip
         job, losses = _train(config, megatron=True)
         out[schedule] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
+    _zero_bubble_tp_leg(out, "zero_bubble_v")
     for precision, schedule in (("bf16", "zero_bubble"), ("fp16", "1f1b")):
         config = ParallelConfig(
             mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4, schedule=schedule,
@@ -885,12 +890,14 @@ def test_pipeline_tensor_parallel_schedules_precision_and_recompute(
 ) -> None:
     """With the test above, pp=2 x tp=2 on 4 processes on every schedule, each equal to one
     device, every stage run as its compiled program for every micro-batch (interleaved: 2
-    stages a rank). Mixed precision on compiled stages: bf16 (zero bubble) and fp16 (1f1b,
+    stages a rank; the V with its backward split as zero bubble's). Mixed precision on compiled stages: bf16 (zero bubble) and fp16 (1f1b,
     loss scale 1024) equal to one device under the same autocast and scale, to their
     tolerance; the graphs hold both widths (products narrowed, norms and softmax in fp32).
-    Nightly: the default suite's 4-process test runs the other three schedules."""
+    Nightly: the default suite's 4-process test runs 1f1b and zero bubble."""
     results = run_workers(_tp_other_schedules, 4, str(tmp_path), timeout_s=300.0)
     expected = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
+    megatron = reference_run(_model(megatron=True), gpt_loss, _sgd, [*_batches(), _batches()[0]])
+    _check_zero_bubble_tp(results, megatron, "zero_bubble_v")
     for rank, r in enumerate(results):
         calls = [r[s][2] for s in ("gpipe", "interleaved_1f1b")]
         assert calls == [[8], [8, 8]], (rank, calls)

@@ -145,7 +145,7 @@ def collectives_of(graph_module: torch.fx.GraphModule, device_mesh: Any) -> list
         return axis_of_group[group]
 
     for n in graph_module.graph.nodes:
-        kind = _collective_kind(n)
+        kind = collective_kind(n)
         if kind is None:
             continue
         value = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
@@ -155,7 +155,9 @@ def collectives_of(graph_module: torch.fx.GraphModule, device_mesh: Any) -> list
     return out
 
 
-def _collective_kind(node: torch.fx.Node) -> str | None:
+def collective_kind(node: torch.fx.Node) -> str | None:
+    """The kind of a functional collective node (``all_reduce``, ``all_gather``...), as plans
+    name them; None for any other node (its ``wait_tensor`` included)."""
     if node.op != "call_function":
         return None
     target = node.target

@@ -91,7 +91,7 @@ def mesh_candidates(
         for tp in _powers_of_two_up_to(min(MAX_TP, devices_per_node)):
             if devices % (pp * tp):
                 continue
-            if tp > 1 and _splits_backward(cfg, pp) and not _compiled_stages(cfg):
+            if tp > 1 and _splits_backward(cfg, pp) and not cfg.compiled_stages:
                 continue  # tensor parallel in eager zero-bubble stages does not run
             dp = devices // (pp * tp)
             if batch % dp:
@@ -115,12 +115,6 @@ def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
     return pp > 1 and cfg.schedule in SPLIT_BACKWARD
 
 
-def _compiled_stages(cfg: ParallelConfig) -> bool:
-    """Whether stages with tensor parallel inside run as compiled stage programs under
-    ``cfg`` (every ZeRO level and recompute the escalation tries compiles)."""
-    return cfg.compiled_stages
-
-
 def _global_batch(graph: OpGraph) -> int:
     for g in graph.inputs:
         if g.kind == "input" and g.meta.ndim:
@@ -139,9 +133,7 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Var
         levels: tuple[int | None, ...] = (cfg.optimizer_shard,)
     else:  # optimizer parallel in zero-bubble stages does not run
         levels = (None,) if _splits_backward(cfg, pp) else LEVELS
-    recomputes: tuple[str, ...] = (
-        RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
-    )
+    recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
     for recompute in recomputes:
         for level in levels if recompute == "none" else levels[-1:]:
             yield _Variant(level, recompute, m)

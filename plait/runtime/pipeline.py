@@ -784,10 +784,12 @@ def wrap_stages(
     if config.offload != "activations":
         return None
     offload = SavedOnHost(device)
-    for program in programs:
-        program.saving = offload.saving
-    for m in modules if not programs else ():
-        offload.wrap(m)
+    if programs:
+        for program in programs:
+            program.saving = offload.saving
+    else:
+        for m in modules:
+            offload.wrap(m)
     return offload
 
 

@@ -95,6 +95,7 @@ from plait._compat import (
     tree_unflatten,
 )
 from plait.comm.dtensor import implicit_replication, is_dtensor
+from plait.comm.lower import collective_kind
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
 from plait.runtime.remat import (
@@ -325,9 +326,9 @@ class StageProgram:
         graphs = (("forward", self.forward), ("backward", self.backward))
         for phase, graph in graphs:
             for node in graph.graph.nodes if graph is not None else ():
-                target = str(node.target)
-                if target.startswith(_FUNCTIONAL) and not target.endswith("wait_tensor.default"):
-                    counts[(phase, target.removeprefix(_FUNCTIONAL).split(".")[0])] += 1
+                kind = collective_kind(node)
+                if kind is not None:
+                    counts[(phase, kind)] += 1
         return dict(counts)
 
     def weight_pass(self) -> Callable[[], None]:
@@ -353,9 +354,6 @@ class StageProgram:
         for i, (p, layout, g) in enumerate(zip(params, self._grad_layouts, grads, strict=True)):
             if g is not None and p is not None and layout is not None:
                 add_piece_to_grad(p, g, layout, copy=i in self._copied)
-
-
-_FUNCTIONAL = "_c10d_functional."
 
 
 def planned_stage_collectives(

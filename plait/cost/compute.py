@@ -2,15 +2,20 @@
 
 One op on one device takes
 
-    seconds = max(flops / (peak(dtype) * compute_efficiency),
-                  nbytes / (memory_bandwidth * memory_efficiency),
+    seconds = max(max(flops / (peak(dtype) * compute_efficiency),
+                      nbytes / (memory_bandwidth * memory_efficiency))
+                  + matmul_latency,                     # matmuls only
                   kernel_latency)                       # only when the op does any work
               + op_overhead                             # every op, views included
 
 i.e. it is bound either by arithmetic or by memory traffic, never faster than a kernel
 launch, plus the host's own cost of issuing it (0 on the datasheet GPUs, whose host work
-overlaps the kernels; measured on a CPU ``local`` profile, where it does not). The efficiencies and the floor come from the :class:`HardwareProfile` (0.7 and 7 us
-on the datasheet GPUs, as meta-pytorch/autoparallel assumes; 1.0 and measured on ``local``).
+overlaps the kernels; measured on a CPU ``local`` profile, where it does not). A matmul
+also pays its kernel's fixed cost, the fill and drain its arithmetic does not hide
+(``matmul_latency``): what makes a small product reach a small share of a GPU's peak. The
+efficiencies and latencies come from the :class:`HardwareProfile`: on the NVIDIA profiles
+0.78 for arithmetic, 0.7 for memory, 6 us a GEMM and a 7 us floor, fitted to a published
+table of measured H100 GEMMs (``bench/gemm_shapes.py``); 1.0 and measured on ``local``.
 
 Backward FLOPs: an op with a weight computes two products per forward product (dX and dW),
 so its backward is 2x its forward and a training step 3x (the "6 N" rule for transformers:
@@ -35,6 +40,7 @@ __all__ = [
     "backward_flops",
     "compute_dtype",
     "elementwise_seconds",
+    "is_matmul",
     "matmul_share",
     "op_seconds",
     "optimizer_seconds",
@@ -69,19 +75,22 @@ def op_seconds(
     hardware: HardwareProfile,
     share: float = 1.0,
     work_s: float = 0.0,
+    matmul: bool = False,
 ) -> float:
     """Roofline time of one op on one device (its local share of FLOPs and bytes).
     ``share``: the part of the peak its shape reaches (a matmul's
     :meth:`~plait.cost.hardware.HardwareProfile.matmul_share`; 1 for other ops). ``work_s``:
     seconds of arithmetic the FLOP count does not see (an activation's exp or erf at its
     measured element rate: :func:`elementwise_seconds`), a third floor beside compute and
-    memory.
+    memory. ``matmul``: the op is one matmul kernel, which adds the profile's
+    ``matmul_latency``.
 
     Example:
         >>> from plait.cost.hardware import get_profile
         >>> a100 = get_profile("a100-80g")
-        >>> round(op_seconds(2 * 4096**3, 3 * 4096**2 * 2, "bfloat16", a100) * 1e3, 3)  # ms
-        0.629
+        >>> square = (2 * 4096**3, 3 * 4096**2 * 2)  # FLOPs, bytes of a bf16 4096^3 GEMM
+        >>> round(op_seconds(*square, "bfloat16", a100, matmul=True) * 1e3, 3)  # ms
+        0.571
     """
     _check_count("flops", flops)
     _check_count("nbytes", nbytes)
@@ -90,7 +99,8 @@ def op_seconds(
     rate = hardware.peak(dtype) * hardware.compute_efficiency * share
     compute = flops / rate if flops else 0.0
     memory = nbytes / (hardware.memory_bandwidth * hardware.memory_efficiency)
-    return max(compute, memory, work_s, hardware.kernel_latency) + hardware.op_overhead
+    roofline = max(compute, memory, work_s) + (hardware.matmul_latency if matmul else 0.0)
+    return max(roofline, hardware.kernel_latency) + hardware.op_overhead
 
 
 def matmul_share(
@@ -108,6 +118,14 @@ def matmul_share(
     if dims is None:
         return 1.0
     return hardware.matmul_share(min(dims), batched=is_batched_matmul(target, input_metas))
+
+
+def is_matmul(
+    target: str, input_metas: Sequence[TensorMeta], outputs: Sequence[TensorMeta]
+) -> bool:
+    """Whether an op is one matmul kernel (linear, mm, bmm, addmm, ...: a product with a tile
+    to speak of), which pays the profile's ``matmul_latency``."""
+    return matmul_dims(target, input_metas, outputs) is not None
 
 
 def elementwise_seconds(
@@ -143,17 +161,25 @@ def training_seconds(
     *,
     has_weight: bool = True,
     recompute: bool = False,
+    matmul: bool = False,
 ) -> float:
     """Roofline time of one op's forward + backward (+ recomputed forward) on one device.
 
     Each pass is its own kernel(s) with its own floor; the backward reads and writes about
-    twice the forward's bytes with a weight (two products), as many without.
+    twice the forward's bytes with a weight (two products), as many without. A ``matmul``'s
+    backward is two GEMMs with a weight (dX, dW), each paying ``matmul_latency``.
     """
     factor = 2 if has_weight else 1
-    forward = op_seconds(forward_flops, forward_bytes, dtype, hardware)
+    forward = op_seconds(forward_flops, forward_bytes, dtype, hardware, matmul=matmul)
     backward = op_seconds(
-        backward_flops(forward_flops, has_weight), forward_bytes * factor, dtype, hardware
+        backward_flops(forward_flops, has_weight),
+        forward_bytes * factor,
+        dtype,
+        hardware,
+        matmul=matmul,
     )
+    if matmul and has_weight:
+        backward += hardware.matmul_latency  # the second GEMM's own fill and drain
     return forward * (2 if recompute else 1) + backward
 
 

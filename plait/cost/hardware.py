@@ -7,7 +7,10 @@ by ``plait calibrate`` and read from a JSON file, or, when there is none, conser
 defaults that say so in their ``source``.
 
 Peaks are what the vendor quotes; ``compute_efficiency`` and ``memory_efficiency`` scale them
-down to what kernels reach (0.7, as meta-pytorch/autoparallel's estimator assumes for both).
+down to what kernels reach, and ``matmul_latency`` adds a GEMM's fixed cost: on the NVIDIA
+profiles 0.78, 0.7 and 6 us, fitted to a published table of measured H100 GEMMs by shape (and
+checked on the A100 against published GEMM figures: ``bench/gemm_shapes.py``); on the Ascend
+profile 0.7 for both, as meta-pytorch/autoparallel's estimator assumes, with no GEMM latency.
 Measured profiles already hold achieved numbers, so their efficiencies are 1.0.
 
 What a profile is not: a description of the cluster. Nodes, and which mesh axes cross them,
@@ -77,6 +80,14 @@ class HardwareProfile:
     """Fraction of ``memory_bandwidth`` that kernels reach."""
     kernel_latency: float = 0.0
     """Floor on one op's time, seconds (kernel launch; autoparallel uses 7 us on GPUs)."""
+    matmul_latency: float = 0.0
+    """Seconds a matmul kernel adds to its roofline time: the fill and drain of its tiles'
+    pipelines and its launch, which its arithmetic does not hide, so a GEMM takes
+    ``matmul_latency + max(compute, memory)`` rather than the larger of the two alone. It is
+    what makes a small or thin product reach a small share of the peak on a GPU. 6 us on the
+    datasheet GPUs (fitted, with their ``compute_efficiency``, to OpenXLA's published H100
+    GEMM table: ``bench/gemm_shapes.py``); 0 on ``local``, whose measured
+    :attr:`matmul_efficiency` points stand for the shape."""
     op_overhead: float = 0.0
     """Host seconds every op (and every optimizer kernel) pays on top of its roofline time:
     the framework's dispatch, autograd and Python around the kernel. It adds to a CPU's time
@@ -107,8 +118,10 @@ class HardwareProfile:
     dims rising, read linearly in ``log2(dim)`` between them and flat beyond (a thin product,
     e.g. one attention head's ``128 x 32 x 128``, reaches less of the peak than a square one).
     Measured by ``plait calibrate`` on ``local`` (fp32, against its square ``n x n`` product);
-    empty on the datasheet profiles, whose ``compute_efficiency`` alone stands for every
-    shape (no per-shape figures published for them are used)."""
+    empty on the datasheet profiles, where :attr:`matmul_latency` prices the shape (a GPU's
+    share depends on the whole shape, its size as much as its thinnest side: a point per
+    smallest dimension fits the published H100 table on half its shapes, the latency on 121
+    of 125)."""
     batched_matmul_efficiency: tuple[tuple[int, float], ...] = ()
     """The same curve for a product with a batch dimension in both operands (attention's
     heads: ``(b, h, s, d) @ (b, h, d, s)`` on head-split, transposed views), which reaches less
@@ -145,7 +158,13 @@ class HardwareProfile:
                 raise CostError(
                     f"HardwareProfile {self.name!r}: {name}={value!r} is not allowed; give an integer >= 1"
                 )
-        for name in ("kernel_latency", "op_overhead", "call_overhead", "wait_latency"):
+        for name in (
+            "kernel_latency",
+            "matmul_latency",
+            "op_overhead",
+            "call_overhead",
+            "wait_latency",
+        ):
             value = getattr(self, name)
             if not _is_number(value) or value < 0:
                 raise CostError(
@@ -266,6 +285,7 @@ class HardwareProfile:
             "compute_efficiency": self.compute_efficiency,
             "memory_efficiency": self.memory_efficiency,
             "kernel_latency": self.kernel_latency,
+            "matmul_latency": self.matmul_latency,
             "op_overhead": self.op_overhead,
             "call_overhead": self.call_overhead,
             "comm_overlap": self.comm_overlap,
@@ -299,6 +319,7 @@ class HardwareProfile:
                 compute_efficiency=data.get("compute_efficiency", 1.0),
                 memory_efficiency=data.get("memory_efficiency", 1.0),
                 kernel_latency=data.get("kernel_latency", 0.0),
+                matmul_latency=data.get("matmul_latency", 0.0),
                 op_overhead=data.get("op_overhead", 0.0),
                 call_overhead=data.get("call_overhead", 0.0),
                 comm_overlap=data.get("comm_overlap", 0.0),
@@ -331,6 +352,15 @@ _NCCL = (
     "nccl_cost_model.py (ring LL: base 6.6 us, per hop 0.6 us NVLink, 2.7 us network)"
 )
 _EFF = "efficiency 0.7 and 7 us kernel floor as in meta-pytorch/autoparallel's estimator"
+_GEMM = (
+    "GEMMs: compute efficiency 0.78, memory efficiency 0.7 and 6 us a kernel added "
+    "(matmul_latency), fitted to 55 bf16 shapes of OpenXLA's published H100 GEMM table "
+    "(xla/service/gpu/model/matmul_interpolator_data.h, sm_90, batch 1) and within 25 % on 68 of "
+    "the 70 held-out shapes (bench/gemm_shapes.py); on the A100 the same constants price the "
+    "published fp16 GEMMs of a transformer layer (EleutherAI cookbook sample results) within 5 % "
+    "and Triton's cuBLAS squares of 2048 to 4096 within 13 %; other ops: efficiency 0.7 and a 7 "
+    "us floor as in meta-pytorch/autoparallel's estimator"
+)
 _HBM = "HBM capacity: vendor 'GB' taken as GiB (HBM stacks are binary)"
 _OVERLAP = (
     "communication overlaps compute fully (comm_overlap 1): collectives run on their own "
@@ -357,11 +387,12 @@ def _a100(name: str, memory_gib: int, bandwidth: float) -> HardwareProfile:
             f"{_NV_A100}: dense fp16/bf16 312, TF32 156, FP32 19.5 TFLOP/s; {memory_gib} GB HBM "
             f"at {bandwidth / 1e9:g} GB/s; NVLink3 600 GB/s total (300 per direction); "
             "DGX A100: 8 GPUs, 8 x InfiniBand HDR 200 Gb/s (25 GB/s) per node (Megatron-LM "
-            f"SC21, Selene). {_NCCL}. {_EFF}. {_HBM}. {_OVERLAP}."
+            f"SC21, Selene). {_NCCL}. {_GEMM}. {_HBM}. {_OVERLAP}."
         ),
-        compute_efficiency=0.7,
+        compute_efficiency=0.78,
         memory_efficiency=0.7,
         kernel_latency=7e-6,
+        matmul_latency=6e-6,
         comm_overlap=1.0,
     )
 
@@ -379,11 +410,12 @@ def _hopper(name: str, memory_gib: int, bandwidth: float, confidence: str) -> Ha
             f"{_NV_H100}{confidence}: dense bf16/fp16 989, TF32 494.7, FP32 66.9 TFLOP/s; "
             f"{memory_gib} GB HBM at {bandwidth / 1e12:g} TB/s; NVLink4 900 GB/s total (450 per "
             "direction); DGX H100: 8 GPUs, 8 x NDR 400 Gb/s (50 GB/s) per node. "
-            f"{_NCCL}. {_EFF}. {_HBM}. {_OVERLAP}."
+            f"{_NCCL}. {_GEMM}. {_HBM}. {_OVERLAP}."
         ),
-        compute_efficiency=0.7,
+        compute_efficiency=0.78,
         memory_efficiency=0.7,
         kernel_latency=7e-6,
+        matmul_latency=6e-6,
         comm_overlap=1.0,
     )
 
@@ -404,7 +436,9 @@ def _ascend_910() -> HardwareProfile:
             "(30 GB/s per link; one link per ring neighbour); 2 x 100 Gb/s RoCE v2 (25 GB/s) "
             "across nodes. Atlas 800 servers hold 8 devices in two HCCS groups of 4; the "
             "profile treats the 8 as one node. Latencies: no published figure; NCCL's network "
-            f"constants assumed. {_EFF}. {_HBM}. {_OVERLAP}."
+            f"constants assumed. {_EFF}; no per-shape GEMM figures are published for it, so "
+            "every matmul shape runs at the one efficiency. "
+            f"{_HBM}. {_OVERLAP}."
         ),
         compute_efficiency=0.7,
         memory_efficiency=0.7,

@@ -17,7 +17,7 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.cost import HardwareProfile, get_profile
 from plait.cost.comm import Topology
-from plait.cost.compute import elementwise_seconds, matmul_share, op_seconds
+from plait.cost.compute import elementwise_seconds, is_matmul, matmul_share, op_seconds
 from plait.errors import ConfigError, NotBuiltError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
@@ -196,6 +196,7 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
     scale = LOW_PRECISION_ACTIVATIONS[precision]
     by_shape = bool(hardware.matmul_efficiency)
     by_rate = bool(hardware.elementwise_rates)
+    gemm_latency = hardware.matmul_latency > 0
     passes = 1 + BACKWARD_FLOPS_FACTOR
 
     def op_compute(op: OpNode, pieces: int) -> float:
@@ -205,10 +206,12 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
             else 1.0
         )
         work = elementwise_seconds(op.target, op.input_metas, hardware) if by_rate else 0.0
-        key = (op.flops, op.bytes, pieces, share, work)
+        gemm = gemm_latency and op.flops > 0 and is_matmul(op.target, op.input_metas, op.outputs)
+        key = (op.flops, op.bytes, pieces, share, work, gemm)
         found = seconds.get(key)
         if found is None:
-            # the measured rate is of forward and backward together: a forward's share of it
+            # the measured rate is of forward and backward together: a forward's share of it;
+            # each pass is a GEMM of its own (forward, dX, dW), each paying the GEMM latency
             forward = op_seconds(
                 op.flops / pieces,
                 op.bytes * scale / pieces,
@@ -216,6 +219,7 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
                 hardware,
                 share,
                 work_s=work / (pieces * passes),
+                matmul=gemm,
             )
             found = seconds[key] = forward * passes
         return found
@@ -224,13 +228,13 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
 
 
 _COMPUTE: list[
-    tuple[HardwareProfile, str, dict[tuple[float, float, int, float, float], float]]
+    tuple[HardwareProfile, str, dict[tuple[float, float, int, float, float, bool], float]]
 ] = []
 
 
 def _compute_memo(
     hardware: HardwareProfile, dtype: str
-) -> dict[tuple[float, float, int, float, float], float]:
+) -> dict[tuple[float, float, int, float, float, bool], float]:
     """Seconds of an op's compute by (FLOPs, bytes, pieces), shared by every mesh planned on
     the same profile and dtype (the last ones asked about)."""
     last = _COMPUTE[0] if _COMPUTE else None  # one read: another thread may replace it

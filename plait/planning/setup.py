@@ -206,10 +206,12 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
             else 1.0
         )
         work = elementwise_seconds(op.target, op.input_metas, hardware) if by_rate else 0.0
-        gemm = gemm_latency and op.flops > 0 and is_matmul(op.target, op.input_metas, op.outputs)
-        key = (op.flops, op.bytes, pieces, share, work, gemm)
+        key = (op.target, op.flops, op.bytes, pieces, share, work)
         found = seconds.get(key)
         if found is None:
+            gemm = (
+                gemm_latency and op.flops > 0 and is_matmul(op.target, op.input_metas, op.outputs)
+            )
             # the measured rate is of forward and backward together: a forward's share of it;
             # each pass is a GEMM of its own (forward, dX, dW), each paying the GEMM latency
             forward = op_seconds(
@@ -228,13 +230,13 @@ def compute_model(hardware: HardwareProfile, precision: str) -> Callable[[OpNode
 
 
 _COMPUTE: list[
-    tuple[HardwareProfile, str, dict[tuple[float, float, int, float, float, bool], float]]
+    tuple[HardwareProfile, str, dict[tuple[str, float, float, int, float, float], float]]
 ] = []
 
 
 def _compute_memo(
     hardware: HardwareProfile, dtype: str
-) -> dict[tuple[float, float, int, float, float, bool], float]:
+) -> dict[tuple[str, float, float, int, float, float], float]:
     """Seconds of an op's compute by (FLOPs, bytes, pieces), shared by every mesh planned on
     the same profile and dtype (the last ones asked about)."""
     last = _COMPUTE[0] if _COMPUTE else None  # one read: another thread may replace it

@@ -178,11 +178,16 @@ def row_config(row: Row) -> ParallelConfig:
     import plait
 
     v = row.virtual_stages
+    # Without pipeline stages Megatron runs its micro-batches one after another, forward and
+    # backward each, adding into the gradients: plait's gradient accumulation (micro_batches
+    # without stages would hold every micro-batch's activations at once, as GPipe does).
+    pipelined = row.pp > 1
     return plait.ParallelConfig(
         mode="auto",
         mesh={"pp": row.pp, "dp": row.dp, "tp": row.tp},
         pipeline_stages=row.pp,
-        micro_batches=row.micro_batches,
+        micro_batches=row.micro_batches if pipelined else 1,
+        grad_accumulation=1 if pipelined else row.micro_batches,
         schedule="interleaved_1f1b" if v > 1 else "1f1b",
         virtual_stages=v if v > 1 else None,
         recompute="full",
@@ -257,9 +262,12 @@ def plan_row(row: Row) -> Planned:
     from plait.planning import plan_graph
     from plait.planning.setup import mesh_of
 
+    # gradient accumulation (no stages: row_config) plans one micro-step's batch, as
+    # plait.plan does when it is handed the whole step's
+    steps = 1 if row.pp > 1 else row.micro_batches
     spec = ModelSpec(
         kind="gpt", layers=row.layers, hidden=row.hidden, heads=row.heads, seq=SEQ,
-        vocab=VOCAB, batch=row.batch,
+        vocab=VOCAB, batch=row.batch // steps,
     )  # fmt: skip
     kw = _timing_kw()
     start = time.perf_counter()

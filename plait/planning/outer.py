@@ -125,7 +125,9 @@ def _global_batch(graph: OpGraph) -> int:
 def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Variant]:
     """Settings in order of rising cost (escalation order), those that run on a mesh of
     ``pp`` stages."""
-    if cfg.micro_batches != 1 or pp == 1:
+    if pp == 1:
+        m = 1  # micro-batches run only between stages (parallelize refuses them without)
+    elif cfg.micro_batches != 1:
         m = cfg.micro_batches
     else:
         m = max((k * pp for k in (1, 2, 4) if replica_batch % (k * pp) == 0), default=1)
@@ -198,7 +200,13 @@ def auto_plan(
     timing.meshes += len(meshes)
     for mesh in meshes:
         pp = mesh.get("pp", 1)
-        base = _with(cfg, mesh=mesh, pipeline_stages=pp, devices=None)
+        base = _with(
+            cfg,
+            mesh=mesh,
+            pipeline_stages=pp,
+            devices=None,
+            micro_batches=cfg.micro_batches if pp > 1 else 1,
+        )
         replica_batch = _global_batch(graph) // mesh.get(cfg.dp_axis, 1)
         variants = [
             (v, _with(base, optimizer_shard=v.optimizer_shard, recompute=v.recompute,

@@ -51,6 +51,14 @@ def check_config(cfg: ParallelConfig) -> None:
             f"ParallelConfig.mode={cfg.mode!r}: plait.plan plans modes {', '.join(PLANNABLE_MODES)}; "
             "hybrid and parameter_server runs are written by hand, not planned"
         )
+    if cfg.mesh is not None and cfg.pipeline_stages == 1 and cfg.micro_batches != 1:
+        raise ConfigError(
+            f"ParallelConfig(micro_batches={cfg.micro_batches}, mesh={cfg.mesh_dict}): "
+            "micro-batches run only between pipeline stages, and this mesh has none (parallelize "
+            "refuses the config, so plait.plan does too); for gradient accumulation use "
+            f"grad_accumulation={cfg.micro_batches} and micro_batches=1, or give the mesh a "
+            "'pp' axis"
+        )
     plain = cfg.mode == "data_parallel" and cfg.pipeline_stages == 1
     passes = (
         cfg.optimizer_shard is not None or cfg.recompute != "none" or cfg.offload or cfg.compile

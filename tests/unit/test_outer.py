@@ -112,3 +112,26 @@ def test_nothing_fits_names_the_ways_out_the_user_fixed() -> None:
     note = plan.notes[-1]
     assert note.startswith("no option fits 1000 B per device")
     assert "optimizer_shard=3" in note and "offload='optimizer'" in note and "add devices" in note
+
+
+def test_micro_batches_only_between_pipeline_stages() -> None:
+    """Micro-batches run only in a pipeline (parallelize refuses them without stages): on a
+    fixed mesh without 'pp' plait.plan refuses them up front, naming grad_accumulation; on a
+    free mesh the options without stages weigh one micro-batch, those with stages the user's
+    count."""
+    model, batch = _gpt(layers=4, batch=16)
+    fixed = ParallelConfig(
+        mode="auto", mesh={"dp": 2, "tp": 2}, micro_batches=4, hardware="a100-80g"
+    )
+    with pytest.raises(plait.ConfigError, match=r"grad_accumulation=4 and micro_batches=1"):
+        plait.plan(model, fixed, example_batch=batch, loss_fn=gpt_loss)
+    free = ParallelConfig(mode="auto", devices=4, micro_batches=4, hardware="a100-80g")
+    plan = plait.plan(model, free, example_batch=batch, loss_fn=gpt_loss)
+    assert plan.options and all(o.mesh.get("pp", 1) == 1 for o in plan.options)
+    assert all(o.micro_batches == 1 for o in plan.options)  # was 4: a plan parallelize refused
+    staged = ParallelConfig(
+        mode="auto", devices=4, pipeline_stages=2, micro_batches=4, hardware="a100-80g"
+    )
+    plan = plait.plan(model, staged, example_batch=batch, loss_fn=gpt_loss)
+    assert plan.options and all(o.mesh["pp"] == 2 for o in plan.options)
+    assert all(o.micro_batches == 4 for o in plan.options)

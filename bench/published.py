@@ -239,14 +239,15 @@ def compute_anatomy(plan: Plan, graph: OpGraph) -> dict[str, float]:
     time on whole tensors (every op on these meshes is cut into the same dp x tp pieces, so
     shares equal those of the local pieces), scaled to ``Prediction.compute_s``."""
     from plait.cost import get_profile
-    from plait.cost.compute import op_seconds
+    from plait.cost.compute import is_matmul, op_seconds
 
     hw = get_profile("a100-80g")
     flop_rate = hw.peak("float16") * hw.compute_efficiency
     byte_rate = hw.memory_bandwidth * hw.memory_efficiency
     parts: dict[str, float] = defaultdict(float)
     for op in busiest_rank_ops(plan, graph):
-        t = op_seconds(op.flops, op.bytes, "float16", hw)
+        gemm = is_matmul(op.target, op.input_metas, op.outputs)
+        t = op_seconds(op.flops, op.bytes, "float16", hw, matmul=gemm)
         bound = "flop-bound" if op.flops / flop_rate >= op.bytes / byte_rate else "memory-bound"
         parts[bound] += t
         if op.module_path.endswith(".attn"):  # Attention.forward's own ops, not its linears

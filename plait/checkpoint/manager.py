@@ -55,6 +55,7 @@ class Job(Protocol):
 
     def wait_for_save(self) -> None: ...
 
+
 logger = logging.getLogger(__name__)
 
 ENV_DIR = "PLAIT_CHECKPOINT_DIR"

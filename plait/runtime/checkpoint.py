@@ -124,7 +124,10 @@ def _slots(job: CheckpointedJob) -> list[_Slot]:
     names = {id(p): n for n, p in _named_parameters(job)}
     shadows = getattr(optimizer, "_plait_shadows", None)
     if isinstance(shadows, ZeroOptimizer):
-        return [_Slot(names[id(p)], p, s, _zero_placements(shadows, p, spec)) for p, s, spec in shadows.pairs]
+        return [
+            _Slot(names[id(p)], p, s, _zero_placements(shadows, p, spec))
+            for p, s, spec in shadows.pairs
+        ]
     if isinstance(shadows, LocalShadows):
         return [_Slot(names[id(p)], p, s, _layout(p)[1]) for p, s in shadows.pairs]
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -58,7 +58,7 @@ import plait
 from plait import ParallelConfig
 from plait.cost.calibrate import calibrate, format_profile
 from plait.cost.hardware import HardwareProfile, default_profile_path, load_profile
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.planning import plan_graph
 from plait.testing import run_workers
 
@@ -132,15 +132,6 @@ def initial_model(shape: Shape, megatron: bool = False) -> TinyGPT:
     return annotate_megatron(model, 2) if megatron else model
 
 
-def global_batches(shape: Shape, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, shape.gpt.vocab, (shape.batch, shape.gpt.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
-
-
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
@@ -184,7 +175,7 @@ def bench_worker(
     # DTensor warns once per rank that the global loss (pending over dp and tp) is reduced
     # with two all-reduces; true, and noise in this table.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    batches = global_batches(shape, total)
+    batches = token_batches(shape.gpt, shape.batch, total)
     runs: dict[str, tuple[plait.Job, list[Batch]]] = {}
     results: dict[str, Any] = {}
     for variant in variants(searches):
@@ -256,7 +247,7 @@ def baseline_run(
         model = initial_model(shape)
         opt = adamw(model.parameters())
         times, cpu, losses = [], [], []
-        for batch in global_batches(shape, total):
+        for batch in token_batches(shape.gpt, shape.batch, total):
             t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad(set_to_none=True)
             loss = gpt_loss(model, batch)
@@ -276,7 +267,7 @@ def predicted(shape: Shape, variant: Variant | None) -> dict[str, Any]:
     ``None`` is the single-device baseline (``mode="stand_alone"``). Mode auto without a mesh
     plans among runnable plans only, as ``parallelize`` does.
     """
-    batch = global_batches(shape, 1)[0]
+    batch = token_batches(shape.gpt, shape.batch, 1)[0]
     if variant is None:
         cfg, model = ParallelConfig(mode="stand_alone"), initial_model(shape)
     else:

@@ -75,7 +75,7 @@ from plait import ParallelConfig
 from plait.checkpoint import files
 from plait.comm import checkpoint_io as io
 from plait.comm.dtensor import is_dtensor, local_piece
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.planning.records import Plan as PlanRecord
 from plait.runtime import checkpoint as ckpt
 from plait.runtime.checkpoint import tensor_state
@@ -194,15 +194,6 @@ PHASES = Phases()
 
 # ---------------------------------------------------------------------------------------------
 # Model, data, job.
-
-
-def global_batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -370,7 +361,7 @@ def timed_step(job: plait.Job, batch: Batch) -> float:
 
 
 def run_plan(plan: Plan, cfg: GPTConfig, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    batches = global_batches(cfg, args.batch, 4)
+    batches = token_batches(cfg, args.batch, 4)
     started = time.perf_counter()
     job = build_job(plan, cfg, batches[0])
     for i in range(args.warmup):

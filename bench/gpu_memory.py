@@ -35,7 +35,7 @@ import torch
 
 import plait
 from plait import ParallelConfig
-from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.models import GPTConfig, TinyGPT, gpt_loss, token_batches
 
 
 def _args() -> argparse.Namespace:
@@ -90,11 +90,10 @@ def main() -> None:
     )
     torch.manual_seed(0)
     base = TinyGPT(cfg).to(device)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    batches = []
-    for _ in range(args.warmup + args.steps):
-        ids = torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=gen)
-        batches.append((ids.to(device), torch.roll(ids, -1, dims=1).to(device)))
+    batches = [
+        (ids.to(device), targets.to(device))
+        for ids, targets in token_batches(cfg, args.batch, args.warmup + args.steps)
+    ]
     params = sum(p.numel() for p in base.parameters())
     print(
         f"GPT width {cfg.width}, {cfg.layers} layers, seq {cfg.seq}, vocab {cfg.vocab}, batch "

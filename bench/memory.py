@@ -65,7 +65,7 @@ import torch.multiprocessing as mp
 import plait
 from plait import ParallelConfig
 from plait.config import CommFusion
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.runtime.measure import (
     KINDS,
     ComparisonRow,
@@ -168,15 +168,6 @@ def initial_model(cfg: GPTConfig) -> GPT:
     return GPT(cfg)
 
 
-def global_batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
-
-
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
@@ -240,7 +231,7 @@ def bench_worker(
     device = torch.device(device_type)
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    batches = global_batches(cfg, batch, warmup + 1)
+    batches = token_batches(cfg, batch, warmup + 1)
     out: dict[str, Any] = {}
     for key in keys:
         dist.barrier()

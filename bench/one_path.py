@@ -62,7 +62,7 @@ from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
 import plait
 from plait import ParallelConfig
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.testing import run_workers
 
 WORLD = 4
@@ -108,15 +108,6 @@ BY_KEY = {c.key: c for c in CASES}
 def initial_model(cfg: GPTConfig) -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(cfg)
-
-
-def global_batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -277,7 +268,7 @@ def bench_worker(
     # DTensor notes once per rank that a loss pending over dp and tp is reduced in two steps.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     total = warmup + steps
-    batches = global_batches(cfg, batch, total + profile_steps)
+    batches = token_batches(cfg, batch, total + profile_steps)
     runs: dict[str, tuple[StepFn, list[Batch]]] = {}
     out: dict[str, Any] = {}
     for key in keys:

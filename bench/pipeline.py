@@ -148,7 +148,7 @@ import plait
 from plait import ParallelConfig
 from plait.comm import pipeline as pp_comm
 from plait.errors import PlaitError
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.runtime import pipeline as pp_job
 from plait.testing import run_workers
 
@@ -277,15 +277,6 @@ def wrap_plait_phases() -> None:
 def initial_model(cfg: GPTConfig) -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(cfg)
-
-
-def global_batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -595,7 +586,7 @@ def run_case(
     mesh = MESHES[mesh_key]
     dp = mesh.axes.get("dp", 1)
     inner = "tp" if mesh.tp else "dp"  # the baseline mesh's second dim
-    batches = global_batches(cfg, args.batch, args.warmup + args.steps)
+    batches = token_batches(cfg, args.batch, args.warmup + args.steps)
     t0 = time.perf_counter()
     built, refused = attempt(
         lambda: build_plait(cfg, mesh, schedule, args.micro, batches[0]), (PlaitError,)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 import plait
 from plait import ParallelConfig
 from plait.cost.calibrate import worker_threads
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.runtime.measure import format_bytes, measure_step_memory, plan_of
 from plait.testing import run_workers
 
@@ -86,15 +86,6 @@ def _model(cfg: GPTConfig, megatron: bool) -> TinyGPT:
     return annotate_megatron(model, 2) if megatron else model
 
 
-def _batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
-
-
 def _local(job: Any, batch: Batch) -> Batch:
     """This rank's slice of a global batch: each process steps on its dp slice."""
     mesh = job.mesh
@@ -117,7 +108,7 @@ def _worker(
     for case in CASES:
         if names and case.name not in names:
             continue
-        batches = _batches(cfg, batch, warmup + steps + 1)
+        batches = token_batches(cfg, batch, warmup + steps + 1)
         model = _model(cfg, case.megatron)
         job = plait.parallelize(
             model, case.config, optimizer=_adamw, loss_fn=gpt_loss, example_batch=batches[0]

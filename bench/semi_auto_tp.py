@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 
 import plait
 from plait import ParallelConfig
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.testing import run_workers
 
 WORLD = 4
@@ -125,15 +125,6 @@ class BaselineGPT(nn.Module):
 def initial_model() -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(CFG)
-
-
-def global_batches(n: int, batch: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, CFG.vocab, (batch, CFG.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def local_slice(batch: Batch, dp_index: int) -> Batch:
@@ -225,7 +216,7 @@ def bench_worker(warmup: int, steps: int, batch: int, threads: int) -> dict[str,
     The variants take turns step by step, so a slow spell of the machine hits both alike.
     """
     torch.set_num_threads(threads)
-    batches = global_batches(warmup + steps, batch)
+    batches = token_batches(CFG, batch, warmup + steps)
     runs: dict[str, tuple[StepFn, list[Batch]]] = {}
     for name, build in VARIANTS.items():
         step, dp_index = build(copy.deepcopy(initial_model()))

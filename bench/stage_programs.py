@@ -34,7 +34,7 @@ import torch.distributed as dist
 import plait
 from plait import ParallelConfig
 from plait.launch.local import run_workers
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "1f1b": {},
@@ -53,15 +53,6 @@ def _model(cfg: GPTConfig) -> TinyGPT:
     return model
 
 
-def _batches(cfg: GPTConfig, batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
-
-
 def _job(cfg: GPTConfig, args: argparse.Namespace, extra: dict[str, Any], compiled: bool) -> Any:
     if not compiled and extra.get("schedule") == "zero_bubble":
         extra = {}  # refused on DTensor stages with tp: 1f1b on DTensors stands in
@@ -74,7 +65,7 @@ def _job(cfg: GPTConfig, args: argparse.Namespace, extra: dict[str, Any], compil
         config,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         loss_fn=gpt_loss,
-        example_batch=_batches(cfg, args.batch, 1)[0],
+        example_batch=token_batches(cfg, args.batch, 1)[0],
     )
     if job.activation_offload is not None:
         job.activation_offload.min_bytes = 0
@@ -92,7 +83,7 @@ def _timed(job: Any, batch: Any) -> tuple[float, float]:
 
 def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    batches = _batches(cfg, args.batch, args.warmup + args.steps)
+    batches = token_batches(cfg, args.batch, args.warmup + args.steps)
     out: dict[str, Any] = {}
     for name, extra in SETTINGS.items():
         jobs = {side: _job(cfg, args, extra, side == "compiled") for side in ("compiled", "eager")}

@@ -52,7 +52,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import plait
 from plait import ParallelConfig
-from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.models import GPTConfig, TinyGPT, gpt_loss, token_batches
 from plait.testing import run_workers
 
 WORLD = 4
@@ -90,15 +90,6 @@ BY_KEY = {c.key: c for c in CASES}
 def initial_model(cfg: GPTConfig) -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(cfg)
-
-
-def global_batches(cfg: GPTConfig, batch: int, n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -186,7 +177,7 @@ def bench_worker(
     torch.set_num_threads(threads)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     total = warmup + steps
-    batches = global_batches(cfg, batch, total)
+    batches = token_batches(cfg, batch, total)
     local = [my_slice(b) for b in batches]
     runs: dict[str, StepFn] = {}
     out: dict[str, Any] = {}

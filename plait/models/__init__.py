@@ -8,7 +8,14 @@ One module per family (:mod:`~plait.models.gpt`, :mod:`~plait.models.llama`,
 
 from plait.models.bert import Bert, bert_loss
 from plait.models.cnn import SmallCNN, classify_loss
-from plait.models.gpt import Block, GPTConfig, TinyGPT, annotate_megatron, gpt_loss
+from plait.models.gpt import (
+    Block,
+    GPTConfig,
+    TinyGPT,
+    annotate_megatron,
+    gpt_loss,
+    token_batches,
+)
 from plait.models.llama import Llama, lm_loss
 from plait.models.mlp import MLP, mlp_loss
 from plait.models.spec import KINDS, Batch, LossFn, ModelSpec
@@ -34,4 +41,5 @@ __all__ = [
     "lm_loss",
     "mlp_loss",
     "parameter_count",
+    "token_batches",
 ]

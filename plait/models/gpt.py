@@ -17,7 +17,15 @@ from torch import nn
 from plait.annotate import shard
 from plait.models.spec import Batch
 
-__all__ = ["Attention", "Block", "GPTConfig", "TinyGPT", "annotate_megatron", "gpt_loss"]
+__all__ = [
+    "Attention",
+    "Block",
+    "GPTConfig",
+    "TinyGPT",
+    "annotate_megatron",
+    "gpt_loss",
+    "token_batches",
+]
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,17 @@ def gpt_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     ids, targets = batch
     logits_BTV = model(ids)
     return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets.reshape(-1))
+
+
+def token_batches(cfg: GPTConfig, batch: int, n: int, seed: int = 1) -> list[Batch]:
+    """``n`` batches of ``batch`` random token rows for ``cfg`` with their next-token targets
+    (the rows rolled by one): the same ones for the same ``seed``, what benchmarks train on."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[Batch] = []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=gen)
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
 
 
 def annotate_megatron(model: TinyGPT, tp: int) -> TinyGPT:

@@ -530,15 +530,12 @@ def test_matmul_dims_of_each_product_kind() -> None:
     assert matmul_dims("aten.add.Tensor", (m(8, 4), m(8, 4)), (m(8, 4),)) is None
 
 
-def _published_h100_gemms() -> list[tuple[int, int, int, float, str]]:
-    """(m, n, k, TFLOP/s, set) rows of OpenXLA's published H100 bf16 GEMM table, as
-    transcribed in bench/data/h100_gemm_openxla.csv (its header cites the source)."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "data" / "h100_gemm_openxla.csv"
+def _published_gemms(name: str) -> list[dict[str, str]]:
+    """The rows of a published GEMM table transcribed in bench/data/ (its header cites the
+    source): OpenXLA's measured H100 bf16 products."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "data" / name
     lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
-    return [
-        (int(r["m"]), int(r["n"]), int(r["k"]), float(r["tflops"]), r["set"])
-        for r in csv.DictReader(lines)
-    ]
+    return list(csv.DictReader(lines))
 
 
 def test_gemm_pricing_matches_the_published_h100_table_on_held_out_shapes() -> None:
@@ -548,7 +545,10 @@ def test_gemm_pricing_matches_the_published_h100_table_on_held_out_shapes() -> N
     misses on a third of them: the check can fail."""
     import dataclasses
 
-    rows = _published_h100_gemms()
+    rows = [
+        (int(r["m"]), int(r["n"]), int(r["k"]), float(r["tflops"]), r["set"])
+        for r in _published_gemms("h100_gemm_openxla.csv")
+    ]
     assert len(rows) == 125 and sum(r[4] == "held_out" for r in rows) == 70
     h100 = get_profile("h100")
     old = dataclasses.replace(h100, compute_efficiency=0.7, matmul_latency=0.0)
@@ -573,11 +573,9 @@ def test_gemm_pricing_matches_the_published_h100_batched_products() -> None:
     at least 18 of 20 within 25 % (19 at the fit), against 10 for the pricing before."""
     import dataclasses
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "data" / "h100_gemm_openxla_batched.csv"
-    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
     rows = [
         tuple(float(r[k]) for k in ("batch", "m", "n", "k", "tflops"))
-        for r in csv.DictReader(lines)
+        for r in _published_gemms("h100_gemm_openxla_batched.csv")
     ]
     assert len(rows) == 20 and all(r[0] in (2, 4) for r in rows)
     h100 = get_profile("h100")

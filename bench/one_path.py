@@ -24,10 +24,16 @@ With ``--only``: (g) and (h) are (b) and (e) with ``compile=True``; (i) is the d
 (``mode="semi_auto", mesh={"dp": 4}``, no annotation) run as the per-rank program without
 torch.compile; (j) is (f) with ``compile=True``.
 
+An MLP of large matrix products (``plait.models.MLP``, ``--mlp-layers`` linear layers of
+``--mlp-width`` = 1024 features, GELU between, MSE loss, AdamW, global batch ``--mlp-batch``)
+is trained the three data-parallel ways in the same turns (issue 30, item 4): (k) torch DDP
+(the baseline of l and m), (l) plait data_parallel, (m) plait auto on mesh dp=4, the program.
+
 Each case warms up, then every step is timed on every rank after a barrier; rank 0's median
 wall time and median process CPU time per step are reported, with the ratio to the case's
-baseline. The script checks that every case's global loss at every measured step equals DDP's
-to ``--rtol`` (relative), so the cases do equal work, and fails otherwise.
+baseline. The script checks that every case's global loss at every measured step equals that of
+torch DDP on the same model to ``--rtol`` (relative), so the cases do equal work, and fails
+otherwise.
 ``--profile CASE`` adds a cProfile of rank 0 over a few extra steps of one case.
 
 Run from the repository root: ``.venv/bin/python bench/one_path.py``.
@@ -47,7 +53,7 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +68,15 @@ from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
 import plait
 from plait import ParallelConfig
-from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
+from plait.models import (
+    MLP,
+    GPTConfig,
+    TinyGPT,
+    annotate_megatron,
+    gpt_loss,
+    mlp_loss,
+    token_batches,
+)
 from plait.testing import run_workers
 
 WORLD = 4
@@ -73,6 +87,17 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[Batch], float]
 Built = tuple[StepFn, list[Batch], str | None]
 """A case on this rank: its step, its slice of every global batch, its program's collectives."""
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model to train: how to build it (same initial weights in every process), its loss
+    and the global batches every case of it trains on."""
+
+    model: Callable[[], nn.Module]
+    loss: LossFn
+    batches: list[Batch]
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,13 @@ class Case:
     name: str
     baseline: str
     """The key of the case this one is compared with (itself for a baseline)."""
+    model: str = "gpt"
+    """The workload it trains: "gpt" or "mlp"."""
+
+    @property
+    def reference(self) -> str:
+        """The case whose losses this one's must equal: torch DDP on the same model."""
+        return "mlp_ddp" if self.model == "mlp" else "ddp"
 
 
 CASES = [
@@ -95,8 +127,21 @@ CASES = [
     Case("semi_auto_compiled", "(h) plait semi_auto Megatron, compile=True", "tp"),
     Case("dp_plan", "(i) plait dp-only plan (semi_auto, mesh dp=4), the program", "ddp"),
     Case("auto_tp_compiled", "(j) plait auto Megatron, compile=True", "tp"),
+    Case("mlp_ddp", "(k) MLP: torch DDP, dp=4", "mlp_ddp", "mlp"),
+    Case("mlp_dp", "(l) MLP: plait data_parallel, dp=4", "mlp_ddp", "mlp"),
+    Case("mlp_auto_dp", "(m) MLP: plait auto, mesh dp=4", "mlp_ddp", "mlp"),
 ]
-DEFAULT_CASES = ("ddp", "dp", "auto_dp", "tp", "semi_auto", "auto_tp")
+DEFAULT_CASES = (
+    "ddp",
+    "dp",
+    "auto_dp",
+    "tp",
+    "semi_auto",
+    "auto_tp",
+    "mlp_ddp",
+    "mlp_dp",
+    "mlp_auto_dp",
+)
 """Without --only: the compiled cases pay inductor's compilation (tens of seconds each)."""
 BY_KEY = {c.key: c for c in CASES}
 
@@ -105,9 +150,28 @@ BY_KEY = {c.key: c for c in CASES}
 # Model, data, optimizer (identical in every process).
 
 
-def initial_model(cfg: GPTConfig) -> TinyGPT:
-    torch.manual_seed(0)
-    return TinyGPT(cfg)
+def gpt_workload(cfg: GPTConfig, batch: int, n: int) -> Workload:
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return TinyGPT(cfg)
+
+    return Workload(model, gpt_loss, token_batches(cfg, batch, n))
+
+
+def mlp_workload(width: int, layers: int, batch: int, n: int) -> Workload:
+    """``layers`` linear layers of ``width`` features (GELU between), regression on random
+    inputs and targets (seed 1)."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return MLP((width,) * (layers + 1))
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen))
+        for _ in range(n)
+    ]
+    return Workload(model, mlp_loss, batches)
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -127,22 +191,22 @@ def global_loss(loss: torch.Tensor, group: Any, size: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The six cases: each builds its step function and this rank's slice of every global batch.
+# The cases: each builds its step function and this rank's slice of every global batch.
 
 
-def torch_ddp(cfg: GPTConfig, batches: list[Batch]) -> Built:
-    model = nn.parallel.DistributedDataParallel(initial_model(cfg))
+def torch_ddp(work: Workload) -> Built:
+    model = nn.parallel.DistributedDataParallel(work.model())
     opt = adamw(model.parameters())
 
     def step(batch: Batch) -> float:
         opt.zero_grad(set_to_none=True)
-        loss = gpt_loss(model, batch)
+        loss = work.loss(model, batch)
         loss.backward()
         opt.step()
         return global_loss(loss, None, WORLD)
 
     rank = dist.get_rank()
-    return step, [chunk(b, WORLD, rank) for b in batches], None
+    return step, [chunk(b, WORLD, rank) for b in work.batches], None
 
 
 def program_collectives(job: plait.Job) -> str | None:
@@ -161,17 +225,16 @@ def program_collectives(job: plait.Job) -> str | None:
     )
 
 
-def plait_job(
-    cfg: GPTConfig, batches: list[Batch], config: ParallelConfig, megatron: bool
-) -> Built:
-    model = initial_model(cfg)
+def plait_job(work: Workload, config: ParallelConfig, megatron: bool) -> Built:
+    model = work.model()
     if megatron:
-        annotate_megatron(model, TP)
+        annotate_megatron(cast(TinyGPT, model), TP)
+    batches = work.batches
     job = plait.parallelize(
         model,
         config,
         optimizer=adamw,
-        loss_fn=gpt_loss,
+        loss_fn=work.loss,
         example_batch=batches[0]
         if config.mode in ("auto", "semi_auto") or config.compile
         else None,
@@ -197,10 +260,10 @@ def _local_head_attention(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
     return self.out(y_BHTK.transpose(1, 2).reshape(b, t, -1))
 
 
-def torch_tp(cfg: GPTConfig, batches: list[Batch]) -> Built:
+def torch_tp(work: Workload) -> Built:
     """Megatron with torch's own tools: parallelize_module over tp, DDP over dp."""
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    model = initial_model(cfg)
+    model = cast(TinyGPT, work.model())
     plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "fc1")}
     plan.update({name: RowwiseParallel() for name in ("attn.out", "fc2")})
     for block in model.blocks:
@@ -219,34 +282,32 @@ def torch_tp(cfg: GPTConfig, batches: list[Batch]) -> Built:
         return global_loss(loss, dp_group, DP)
 
     index = int(mesh.get_coordinate()[0])
-    return step, [chunk(b, DP, index) for b in batches], None
+    return step, [chunk(b, DP, index) for b in work.batches], None
 
 
-def build(key: str, cfg: GPTConfig, batches: list[Batch]) -> Built:
+def build(key: str, work: Workload) -> Built:
     tp_mesh = {"dp": DP, "tp": TP}
-    if key == "ddp":
-        return torch_ddp(cfg, batches)
-    if key == "dp":
-        return plait_job(cfg, batches, ParallelConfig(mode="data_parallel"), False)
-    if key == "auto_dp":
-        return plait_job(cfg, batches, ParallelConfig(mode="auto", mesh={"dp": WORLD}), False)
+    if key in ("ddp", "mlp_ddp"):
+        return torch_ddp(work)
+    if key in ("dp", "mlp_dp"):
+        return plait_job(work, ParallelConfig(mode="data_parallel"), False)
+    if key in ("auto_dp", "mlp_auto_dp"):
+        return plait_job(work, ParallelConfig(mode="auto", mesh={"dp": WORLD}), False)
     if key == "tp":
-        return torch_tp(cfg, batches)
+        return torch_tp(work)
     if key == "semi_auto":
-        return plait_job(cfg, batches, ParallelConfig(mode="semi_auto", mesh=tp_mesh), True)
+        return plait_job(work, ParallelConfig(mode="semi_auto", mesh=tp_mesh), True)
     if key == "auto_tp":
-        return plait_job(cfg, batches, ParallelConfig(mode="auto", mesh=tp_mesh), True)
+        return plait_job(work, ParallelConfig(mode="auto", mesh=tp_mesh), True)
     if key == "dp_compiled":
-        config = ParallelConfig(mode="data_parallel", compile=True)
-        return plait_job(cfg, batches, config, False)
+        return plait_job(work, ParallelConfig(mode="data_parallel", compile=True), False)
     if key == "semi_auto_compiled":
         config = ParallelConfig(mode="semi_auto", mesh=tp_mesh, compile=True)
-        return plait_job(cfg, batches, config, True)
+        return plait_job(work, config, True)
     if key == "dp_plan":  # no annotation: every op data parallel, run as the per-rank program
-        return plait_job(cfg, batches, ParallelConfig(mode="semi_auto", mesh={"dp": WORLD}), False)
+        return plait_job(work, ParallelConfig(mode="semi_auto", mesh={"dp": WORLD}), False)
     if key == "auto_tp_compiled":
-        config = ParallelConfig(mode="auto", mesh=tp_mesh, compile=True)
-        return plait_job(cfg, batches, config, True)
+        return plait_job(work, ParallelConfig(mode="auto", mesh=tp_mesh, compile=True), True)
     raise ValueError(key)
 
 
@@ -257,6 +318,7 @@ def build(key: str, cfg: GPTConfig, batches: list[Batch]) -> Built:
 def bench_worker(
     cfg: GPTConfig,
     batch: int,
+    mlp: tuple[int, int, int],
     keys: list[str],
     warmup: int,
     steps: int,
@@ -268,13 +330,14 @@ def bench_worker(
     # DTensor notes once per rank that a loss pending over dp and tp is reduced in two steps.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     total = warmup + steps
-    batches = token_batches(cfg, batch, total + profile_steps)
+    n = total + profile_steps
+    workloads = {"gpt": gpt_workload(cfg, batch, n), "mlp": mlp_workload(*mlp, n)}
     runs: dict[str, tuple[StepFn, list[Batch]]] = {}
     out: dict[str, Any] = {}
     for key in keys:
         dist.barrier()
         t0 = time.perf_counter()
-        step, local, program = build(key, cfg, batches)
+        step, local, program = build(key, workloads[BY_KEY[key].model])
         runs[key] = step, local
         dist.barrier()
         out[key] = {"setup_s": time.perf_counter() - t0, "program": program}
@@ -314,15 +377,15 @@ def max_rel_diff(losses: list[float], reference: list[float]) -> float:
 def table(results: dict[str, Any], warmup: int) -> tuple[str, dict[str, float]]:
     lines = [
         "| case | median ms/step | p90 ms | CPU ms/step | ratio to baseline | CPU ratio "
-        "| max rel. loss diff vs DDP |",
+        "| max rel. loss diff vs DDP (same model) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     medians = {k: statistics.median(r["times"][warmup:]) for k, r in results.items()}
     cpus = {k: statistics.median(r["cpu"][warmup:]) for k, r in results.items()}
     diffs: dict[str, float] = {}
-    reference = results.get("ddp", {}).get("losses")
     for key, r in results.items():
         case = BY_KEY[key]
+        reference = results.get(case.reference, {}).get("losses")
         times = sorted(r["times"][warmup:])
         p90 = times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)]
         if case.baseline in results and case.baseline != key:
@@ -351,6 +414,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    parser.add_argument("--mlp-width", type=int, default=1024, help="MLP features per layer")
+    parser.add_argument("--mlp-layers", type=int, default=4, help="MLP linear layers")
+    parser.add_argument("--mlp-batch", type=int, default=256, help="MLP global batch (rows)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--rtol", type=float, default=1e-4, help="loss agreement with DDP")
     parser.add_argument(
@@ -377,11 +443,13 @@ def main() -> None:
         keys.append(args.profile)
     keys = [c.key for c in CASES if c.key in keys]  # table order
     cfg = GPTConfig(args.vocab, args.seq, args.width, args.heads, args.layers)
-    if args.batch % WORLD or args.heads % TP:
-        raise SystemExit(f"--batch must divide by {WORLD} and --heads by {TP}")
+    if args.batch % WORLD or args.heads % TP or args.mlp_batch % WORLD:
+        raise SystemExit(f"--batch and --mlp-batch must divide by {WORLD}, --heads by {TP}")
+    mlp = (args.mlp_width, args.mlp_layers, args.mlp_batch)
     print(
         f"torch {torch.__version__}, {WORLD} gloo processes ({args.threads} thread(s) each), "
-        f"{cfg}, global batch {args.batch}, AdamW lr {LR}, {args.warmup} warm-up + "
+        f"{cfg}, global batch {args.batch}; MLP {args.mlp_layers} x {args.mlp_width} wide, "
+        f"global batch {args.mlp_batch}; AdamW lr {LR}, {args.warmup} warm-up + "
         f"{args.steps} timed steps per case; {os.cpu_count()} CPUs, load average "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; plait from "
         f"{os.path.dirname(os.path.dirname(plait.__file__))}"
@@ -392,6 +460,7 @@ def main() -> None:
         WORLD,
         cfg,
         args.batch,
+        mlp,
         keys,
         args.warmup,
         args.steps,
@@ -409,12 +478,16 @@ def main() -> None:
     print()
     print(text)
     print()
-    if "ddp" in results:
-        losses = results["ddp"]["losses"]
+    for reference in ("ddp", "mlp_ddp"):
+        if reference not in results:
+            continue
+        losses = results[reference]["losses"]
+        mine = [d for k, d in diffs.items() if BY_KEY[k].reference == reference]
         print(
-            f"DDP losses: first {losses[0]:.6f}, first measured {losses[args.warmup]:.6f}, "
-            f"last {losses[-1]:.6f}; largest relative difference of any case over the "
-            f"{args.steps} measured steps {max(diffs.values()):.2e} (tolerance {args.rtol:g})"
+            f"{BY_KEY[reference].name} losses: first {losses[0]:.6f}, first measured "
+            f"{losses[args.warmup]:.6f}, last {losses[-1]:.6f}; largest relative difference "
+            f"of its cases over the {args.steps} measured steps {max(mine):.2e} "
+            f"(tolerance {args.rtol:g})"
         )
     print(
         f"load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}; total wall time "
@@ -425,7 +498,7 @@ def main() -> None:
         print(profile)
     bad = {k: d for k, d in diffs.items() if d > args.rtol}
     if bad:
-        raise SystemExit(f"losses differ from DDP's beyond rtol {args.rtol:g}: {bad}")
+        raise SystemExit(f"losses differ from DDP's (same model) beyond rtol {args.rtol:g}: {bad}")
 
 
 if __name__ == "__main__":

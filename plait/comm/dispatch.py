@@ -1,6 +1,6 @@
 """plait's own handling of a few ops on DTensors, ahead of DTensor's generic dispatch.
 
-Active during a Job's forward and backward as a ``TorchFunctionMode``. Two cases:
+Active during a Job's forward and backward as a ``TorchFunctionMode``. Four cases:
 
 1. **Mean-reduced losses.** In torch 2.13/2.14 DTensor runs the backward kernels of several
    losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
@@ -14,7 +14,14 @@ Active during a Job's forward and backward as a ``TorchFunctionMode``. Two cases
    dims alike and neither splits the contraction dim, the product is purely local: plait's
    matmul rule says so and the op runs on the local pieces.
 
-3. **Mean class-index losses** (``F.cross_entropy``, ``F.nll_loss``) on a split batch: PyTorch
+3. **Attention with matching head or batch splits** (``F.scaled_dot_product_attention``, also
+   as its aten op in exported graphs). DTensor has no strategy for the CPU kernel it lowers
+   to (``_scaled_dot_product_flash_attention_for_cpu``). When q, k and v split their batch
+   and head dims alike (evenly) and nothing else, each rank's attention is the attention of its
+   own heads: plait's attention rule (:mod:`plait.rules.attention`) says so, and the op runs on
+   the local pieces, as the plan executor runs it.
+
+4. **Mean class-index losses** (``F.cross_entropy``, ``F.nll_loss``) on a split batch: PyTorch
    divides the summed loss by the number of targets not equal to ``ignore_index``, which
    differs between ranks; DTensor averages per-rank means. Computed as ``reduction="none"``,
    summed, and divided by the global count of counted targets, they are exact (one scalar
@@ -25,6 +32,7 @@ Anything else goes to DTensor unchanged; plain tensors are never touched.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -45,6 +53,8 @@ _MEAN_LOSSES = {
     F.soft_margin_loss,
 }
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
 def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
@@ -74,6 +84,59 @@ def local_batched_matmul(x: DTensor, y: DTensor) -> DTensor | None:
         local,
         x.device_mesh,
         to_dtensor_placements(out),
+        run_check=False,
+        shape=shape,
+        stride=contiguous_stride(shape),
+    )
+
+
+def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
+    """Scaled dot-product attention on local pieces when plait's attention rule needs no
+    communication; None when it does not apply (DTensor then runs it, or says it cannot).
+
+    Applies to DTensor ``q[..., H, L, E]``, ``k[..., Hk, S, E]``, ``v[..., Hk, S, Ev]`` on one
+    mesh whose leading (batch and head) dims are split alike and evenly, the last two dims
+    whole, no pending sum, no mask and no dropout (a mask would need its own pieces, dropout
+    each piece's own random stream). Grouped-query attention (``enable_gqa``) keeps its ratio
+    of query to kv heads on every rank because both head counts divide by the split.
+    """
+    if len(args) > len(_ATTENTION_ARGS):
+        return None
+    named = dict(zip(_ATTENTION_ARGS, args, strict=False))
+    if set(named) & set(kwargs):
+        return None
+    named.update(kwargs)
+    q, k, v = named.get("query"), named.get("key"), named.get("value")
+    if not (isinstance(q, DTensor) and isinstance(k, DTensor) and isinstance(v, DTensor)):
+        return None
+    if named.get("attn_mask") is not None or named.get("dropout_p", 0.0) != 0.0:
+        return None
+    if set(named) - {*_ATTENTION_ARGS, "enable_gqa"} or q.ndim < 3:
+        return None
+    if not (q.ndim == k.ndim == v.ndim) or not (q.device_mesh == k.device_mesh == v.device_mesh):
+        return None
+    layouts = [layout_of(t) for t in (q, k, v)]
+    lead = layouts[0].dims[:-2]
+    if any(lay.partial or lay.dims[:-2] != lead or any(lay.dims[-2:]) for lay in layouts):
+        return None
+    mesh = layouts[0].mesh
+    for t in (q, k, v):
+        for size, axes in zip(t.shape[:-2], lead, strict=True):
+            if size % math.prod(mesh.axis_size(a) for a in axes):
+                return None  # uneven pieces would pair other heads or rows
+    local = torch.ops.aten.scaled_dot_product_attention.default(
+        q.to_local(),
+        k.to_local(),
+        v.to_local(),
+        is_causal=bool(named.get("is_causal", False)),
+        scale=named.get("scale"),
+        enable_gqa=bool(named.get("enable_gqa", False)),
+    )
+    shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+    return DTensor.from_local(
+        local,
+        q.device_mesh,
+        to_dtensor_placements(TensorLayout(mesh, (*lead, (), ()))),
         run_check=False,
         shape=shape,
         stride=contiguous_stride(shape),
@@ -158,6 +221,10 @@ class PlaitDispatchMode(TorchFunctionMode):
             and all(isinstance(a, DTensor) for a in args)
         ):
             out = local_batched_matmul(*args)
+            if out is not None:
+                return out
+        if func in _ATTENTION:
+            out = local_attention(args, kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)

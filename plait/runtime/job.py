@@ -268,6 +268,9 @@ class Job:
             # backward of its own).
             with torch.no_grad():
                 flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
+                # the program was traced on contiguous inputs: a batch sliced by the user
+                # (``ids[:, :-1]``) arrives strided, and its views would not fit it
+                flat = [_contiguous(x) for x in flat]
                 out = program.run(weight, flat)
             loss, new = out[0], out[1 : 1 + len(trained)]
             if grads is None:
@@ -707,3 +710,8 @@ def _shapes(batch: Any) -> list[tuple[int, ...]]:
     from plait._compat import tree_leaves
 
     return [tuple(x.shape) for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
+
+
+def _contiguous(x: Any) -> Any:
+    """``x`` laid out contiguously when it is a tensor that is not (no copy otherwise)."""
+    return x.contiguous() if isinstance(x, torch.Tensor) and not x.is_contiguous() else x

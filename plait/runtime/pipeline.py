@@ -347,7 +347,7 @@ class PipelineJob(Job):
         scaler = self.loss_scaler
         self._loss_scale = scaler.scale if scaler is not None else 1.0
         try:
-            losses = self._run(batch, training=True)
+            losses = self._run(self.shard_batch(batch), training=True)
         finally:
             scale, self._loss_scale = self._loss_scale, 1.0
         if self.plan_mismatches is None:  # the programs are traced by the first step
@@ -425,7 +425,7 @@ class PipelineJob(Job):
         """The global loss on ``batch`` without training: the stages' forwards alone, in
         eval mode, micro-batch by micro-batch (the mean of their losses, as ``step``)."""
         with torch.no_grad():
-            return self._start_mean_loss(self._run(batch, training=False))()
+            return self._start_mean_loss(self._run(self.shard_batch(batch), training=False))()
 
     @torch.no_grad()
     def predict(self, batch: Any) -> Any:
@@ -572,7 +572,25 @@ class PipelineJob(Job):
         return {k: merged[k] for k in order}
 
     def shard_batch(self, batch: Any) -> Any:
-        return batch
+        """This pipeline replica's part of a step's batch. ``dataset_strategy="data_parallel"``:
+        each rank passes its replica's own rows, taken as they are; ``"full_batch"``: every
+        rank passes the global batch, whose dim 0 is cut into the data-parallel replicas'
+        pieces here (MindSpore's ``full_batch``)."""
+        if self.config.dataset_strategy != "full_batch" or self._dp == 1:
+            return batch
+        return tree_map(self._replica_rows, batch)
+
+    def _replica_rows(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return x
+        if x.shape[0] % self._dp:
+            raise ShardingError(
+                f"job.step on a pipeline with dataset_strategy='full_batch': a batch tensor of "
+                f"shape {tuple(x.shape)} has {x.shape[0]} rows, which do not divide into the "
+                f"{self._dp} data-parallel replicas (mesh axis {self.config.dp_axis!r}); pass "
+                f"a global batch whose rows divide by {self._dp}"
+            )
+        return x.chunk(self._dp)[self._dp_index]
 
 
 @dataclass(frozen=True)
@@ -1095,6 +1113,13 @@ def check_pipeline_config(
             "would stay on the device; compiled stages, with tensor parallel inside, recompute "
             "as a pass over their graph and offload what it keeps); use recompute='full' or "
             "'none' (per module too) with offload='activations'",
+        ),
+        (
+            isinstance(config.dataset_strategy, tuple),
+            f"dataset_strategy={config.dataset_strategy!r}",
+            "per-input dataset strategies (a pipeline's stages take each replica's rows "
+            "whole); use dataset_strategy='data_parallel' (each rank passes its replica's "
+            "rows) or 'full_batch' (every rank passes the global batch)",
         ),
         (
             config.grad_accumulation != 1,

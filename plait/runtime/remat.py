@@ -191,6 +191,13 @@ def _always_alive(node: Node) -> bool:
     return node.op in ("placeholder", "get_attr")
 
 
+def draws_random(node: Node) -> bool:
+    """Whether the op at ``node`` draws random numbers (dropout, ``rand``...): tagged seeded,
+    except an attention kernel tagged so only for its dropout and called with dropout off."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags and not _deterministic_attention(node)
+
+
 def _deterministic_attention(node: Node) -> bool:
     """An attention kernel tagged random only for its dropout, called with dropout off."""
     schema = _schema(node)
@@ -288,7 +295,7 @@ def _pure(node: Node) -> bool:
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_bitwise in tags:
         return False
-    return torch.Tag.nondeterministic_seeded not in tags or _deterministic_attention(node)
+    return not draws_random(node)
 
 
 def _decider(facts: _Facts, recompute: Callable[[Node], bool]) -> Callable[[Node], bool]:

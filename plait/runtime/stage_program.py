@@ -99,6 +99,7 @@ from plait.comm.lower import collective_kind
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
 from plait.runtime.remat import (
+    draws_random,
     is_collective,
     recompute_policy,
     regions,
@@ -201,6 +202,9 @@ class StageProgram:
         """Backward outputs that are (views of) its inputs or of another output: a
         parameter's gradient made of one is copied before it is kept and added to."""
         self._outputs = 0
+        self._differentiable: tuple[bool, ...] = ()
+        """Per forward output: whether it carries a gradient (the backward graph takes the
+        gradients of those only)."""
         self._out_spec: Any = None
         self._tracing = False
         self._signature: Any = None
@@ -277,7 +281,11 @@ class StageProgram:
             leaves, self._out_spec = tree_flatten(out)
             if not all(isinstance(x, torch.Tensor) and not is_dtensor(x) for x in leaves):
                 raise TypeError("a stage's outputs must be plain tensors")
-            return tuple(leaves)
+            # Outputs without gradients are often buffers passed on (a rotary table sliced for
+            # the next stage): a graph output may not alias a graph input, so they leave as
+            # copies (small; the outputs that carry gradients are computed values anyway).
+            self._differentiable = tuple(x.requires_grad for x in leaves)
+            return tuple(x if x.requires_grad else x.clone() for x in leaves)
 
         with torch.no_grad():
             pieces = [layout_piece(p) for p in self._parameters() or ()]
@@ -292,7 +300,7 @@ class StageProgram:
         finally:
             self._tracing = False
         if graph is not None:
-            seeded = sorted({str(n.target) for n in graph.graph.nodes if _draws_random(n)})
+            seeded = sorted({str(n.target) for n in graph.graph.nodes if draws_random(n)})
             if seeded:  # eager DTensor keeps the pieces' random streams apart: not traced yet
                 self.refused = f"it draws random numbers ({', '.join(seeded)})"
         if self.refused is not None:
@@ -475,13 +483,6 @@ def _aliasing_outputs(graph: torch.fx.GraphModule) -> set[int]:
     }
 
 
-def _draws_random(node: torch.fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags
-    )
-
-
 def split_backward(
     backward: torch.fx.GraphModule, params: int, inputs_from: int
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, list[int]]:
@@ -559,13 +560,19 @@ class _StageFunction(torch.autograd.Function):
         n = program._outputs
         ctx.program = program
         ctx.save_for_backward(*out[n:])
-        return tuple(out[:n])
+        outs = tuple(out[:n])
+        ctx.mark_non_differentiable(
+            *(o for o, d in zip(outs, program._differentiable, strict=True) if not d)
+        )
+        return outs
 
     @staticmethod
     def backward(ctx: Any, *tangents: torch.Tensor) -> Any:
         program: StageProgram = ctx.program
         assert program.backward is not None
-        tangents = tuple(t.contiguous() for t in tangents)
+        tangents = tuple(
+            t.contiguous() for t, d in zip(tangents, program._differentiable, strict=True) if d
+        )
         n_params, n_buffers = len(program.names), len(program.buffers)
         none = (None, *([None] * (n_params + n_buffers)))  # the program, parameters, buffers
         if program.backward_input is not None:  # zero bubble: the weight pass comes later

@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.fx
 from torch import nn
 
 from plait.comm.dtensor import (
@@ -160,3 +161,234 @@ class GradSync(_BucketedSync):
         for p in self._all:
             if id(p) not in self.skip:
                 sync_grad(p)
+
+
+# --------------------------------------------------------------------------- inside a program
+
+_A = torch.ops.aten
+_F = torch.ops._c10d_functional
+_CONTIGUOUS_VIEWS = frozenset({_A.view.default, _A._unsafe_view.default})
+"""Views that keep a contiguous tensor's elements in the same order (a reshape that views)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Writer:
+    """How one gradient lands in its bucket's flat buffer: its producing node ``node`` computes
+    straight into the buffer (``out``: the op's ``out=`` overload), or the gradient is copied
+    in right after it is computed (``out`` None)."""
+
+    node: torch.fx.Node
+    out: Any = None
+    chain: tuple[torch.fx.Node, ...] = ()
+    """The views from ``node`` up to the gradient output (dropped once outputs read the buffer)."""
+
+
+def write_buckets_in_place(
+    graph_module: torch.fx.GraphModule,
+    buckets: Sequence[Sequence[int]],
+    group_name: str,
+    *,
+    in_place: bool = True,
+) -> list[list[int]]:
+    """A pass: each bucket's gradient outputs computed straight into one flat buffer, summed
+    over ``group_name`` by one all-reduce started after the bucket's last gradient.
+
+    DDP copies each gradient into its bucket and the sum back out; packing by ``cat`` copies
+    once and the functional all-reduce copies again into its result. Here the op that
+    computes a gradient (a matrix product, a bias's sum) writes its result into the bucket
+    through its ``out=`` overload, so the gradient is never copied; one that cannot (an op
+    without such an overload, a value something else reads too) is copied in once, right
+    after it is computed. With ``in_place`` the all-reduce sums the buffer itself
+    (``all_reduce_``) instead of a fresh copy of it. The outputs become views of the summed
+    buffer, waited on just before the program returns, so the sum overlaps the rest of
+    backward. Numerics are unchanged: the same kernels compute the same values.
+
+    ``buckets`` hold positions in the output tuple. Returns the buckets left for the caller
+    (their gradients of mixed dtypes or devices, or one output given twice).
+    """
+    graph = graph_module.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    left: list[list[int]] = []
+    for bucket in buckets:
+        values = [outs[i] for i in bucket]
+        if not _bucketable(values, outs):
+            left.append(list(bucket))
+            continue
+        writers = [_writer_of(v, output) for v in values]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min((w.node for w in writers), key=order.__getitem__)
+        # the buffer is made from a tensor the first writer reads (under simulated ranks a
+        # LocalTensor, so the buffer is one too)
+        ref = next((a for a in first.all_input_nodes if _val(a) is not None), None)
+        if ref is None:
+            left.append(list(bucket))
+            continue
+        views = _write_bucket(graph, values, writers, first, ref, group_name, in_place, output)
+        for i, view in zip(bucket, views, strict=True):
+            outs[i] = view
+        output.args = (tuple(outs),)
+        for writer in writers:  # the old views up to the outputs, read by nothing now
+            for node in writer.chain:
+                graph.erase_node(node)
+    graph.lint()
+    graph_module.recompile()
+    return left
+
+
+def _bucketable(values: Sequence[Any], outs: Sequence[Any]) -> bool:
+    """Tensors of one dtype and device, each output once."""
+    metas = [_val(v) for v in values]
+    if any(m is None for m in metas) or not metas:
+        return False
+    first = cast(torch.Tensor, metas[0])
+    same = all(m.dtype == first.dtype and m.device == first.device for m in metas)  # type: ignore[union-attr]
+    return same and all(sum(o is v for o in outs) == 1 for v in values)
+
+
+def _write_bucket(
+    graph: torch.fx.Graph,
+    values: Sequence[torch.fx.Node],
+    writers: Sequence[_Writer],
+    first: torch.fx.Node,
+    ref: torch.fx.Node,
+    group_name: str,
+    in_place: bool,
+    output: torch.fx.Node,
+) -> list[torch.fx.Node]:
+    """Rewrites one bucket (see :func:`write_buckets_in_place`); returns its new outputs."""
+    metas = [cast(torch.Tensor, _val(v)) for v in values]
+    sizes = [m.numel() for m in metas]
+    offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    dtype = metas[0].dtype
+    with graph.inserting_before(first):
+        buffer = _node(graph, _A.new_empty.default, (ref, [sum(sizes)]), first, dtype=dtype)
+        buffer.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
+    written: list[torch.fx.Node] = []
+    for writer, meta, offset in zip(writers, metas, offsets, strict=True):
+        written.append(_write(graph, writer, buffer, offset, meta))
+    last = max(written, key=lambda n: _position(graph, n))
+    reduce = _F.all_reduce_.default if in_place else _F.all_reduce.default
+    with graph.inserting_after(last):
+        started = _node(graph, reduce, (buffer, "sum", group_name), last)
+        started.meta["val"] = buffer.meta["val"]
+    with graph.inserting_before(output):
+        done = graph.call_function(_F.wait_tensor.default, (started,))
+        done.meta["val"] = buffer.meta["val"]
+        return [_slice_view(graph, done, o, m) for o, m in zip(offsets, metas, strict=True)]
+
+
+def _writer_of(value: torch.fx.Node, output: torch.fx.Node) -> _Writer:
+    """Where ``value`` (a gradient output) can be computed into a buffer: its producer, up a
+    chain of order-keeping views each read only by the next, when the producer has an
+    ``out=`` overload and computes a contiguous tensor; otherwise ``value`` itself (a copy)."""
+    chain: list[torch.fx.Node] = []
+    node = value
+    readers: set[torch.fx.Node] = {output}
+    while True:
+        if set(node.users) != readers:
+            return _Writer(value)
+        if node.op != "call_function" or node.target not in _CONTIGUOUS_VIEWS:
+            break
+        chain.append(node)
+        parent = node.args[0]
+        if not isinstance(parent, torch.fx.Node):
+            return _Writer(value)
+        readers, node = {node}, parent
+    meta = _val(node)
+    out = _out_overload(node.target)
+    if out is None or meta is None or not meta.is_contiguous() or meta.numel() != _numel(value):
+        return _Writer(value)
+    return _Writer(node, out, tuple(chain))
+
+
+def _write(
+    graph: torch.fx.Graph,
+    writer: _Writer,
+    buffer: torch.fx.Node,
+    offset: int,
+    meta: torch.Tensor,
+) -> torch.fx.Node:
+    """Emits one gradient's write into ``buffer``; returns the node that writes."""
+    node = writer.node
+    if writer.out is None:  # copied in right after it is computed
+        with graph.inserting_before(node.next):
+            target = _slice_view(graph, buffer, offset, meta, like=node)
+            copy = _node(graph, _A.copy_.default, (target, node), node)
+            copy.meta["val"] = target.meta["val"]
+        return copy
+    produced = cast(torch.Tensor, _val(node))
+    with graph.inserting_before(node):
+        target = _slice_view(graph, buffer, offset, produced, like=node)
+        kwargs = {**node.kwargs, "out": target}
+        new = graph.call_function(writer.out, tuple(node.args), kwargs)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
+def _slice_view(
+    graph: torch.fx.Graph,
+    flat: torch.fx.Node,
+    offset: int,
+    meta: torch.Tensor,
+    like: torch.fx.Node | None = None,
+) -> torch.fx.Node:
+    """``flat[offset : offset + numel].view(shape)``, a contiguous piece of a flat buffer, as
+    one ``as_strided`` (one op call a step instead of a slice and a view)."""
+    stride = torch.empty(meta.shape, device="meta").stride()
+    view = _node(graph, _A.as_strided.default, (flat, list(meta.shape), list(stride), offset), like)
+    view.meta["val"] = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    return view
+
+
+def _node(
+    graph: torch.fx.Graph,
+    target: Any,
+    args: tuple[Any, ...],
+    like: torch.fx.Node | None,
+    **kwargs: Any,
+) -> torch.fx.Node:
+    """A new call, tagged as ``like`` is (the phase tags the recompute pass reads)."""
+    node = graph.call_function(target, args, kwargs)
+    if like is not None and "custom" in like.meta:
+        node.meta["custom"] = dict(like.meta["custom"])
+    return node
+
+
+def _out_overload(target: Any) -> Any:
+    """The ``out=`` overload of an aten op overload: the same arguments plus one keyword-only
+    ``out`` tensor it returns (``mm`` -> ``mm.out``, ``sum.dim_IntList`` ->
+    ``sum.IntList_out``); None when the op has none."""
+    schema = getattr(target, "_schema", None)
+    packet = getattr(target, "overloadpacket", None)
+    if schema is None or packet is None or schema.is_mutable or len(schema.returns) != 1:
+        return None
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        args = candidate._schema.arguments
+        if (
+            [(a.name, str(a.type)) for a in args[:-1]] == want
+            and args
+            and args[-1].name == "out"
+            and args[-1].kwarg_only
+            and len(candidate._schema.returns) == 1
+        ):
+            return candidate
+    return None
+
+
+def _position(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+    return next(i for i, n in enumerate(graph.nodes) if n is node)
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _numel(node: torch.fx.Node) -> int:
+    value = _val(node)
+    return -1 if value is None else value.numel()

@@ -1385,7 +1385,7 @@ def _program_passes(
     (``gather``), parameter gathers, recompute, activation offload, torch.compile."""
     program.issue_batch_collectives_early()
     if reduce and cfg.grad_accumulation == 1:
-        _fuse_buckets(program, model, whole, cfg.dp_axis)
+        _fuse_buckets(program, model, whole, cfg.dp_axis, into_buffers=not cfg.compile)
         if split:
             program.reduce_scatter_gradients(split, cfg.dp_axis, groups)
     if gather and split:
@@ -1443,15 +1443,22 @@ def _optimizer(
 
 
 def _fuse_buckets(
-    program: Program, model: nn.Module, buckets: list[list[nn.Parameter]], dp_axis: str
+    program: Program,
+    model: nn.Module,
+    buckets: list[list[nn.Parameter]],
+    dp_axis: str,
+    *,
+    into_buffers: bool,
 ) -> None:
-    """The plan's gradient buckets, all-reduced inside the program (overlapping backward)."""
+    """The plan's gradient buckets, all-reduced inside the program (overlapping backward);
+    ``into_buffers``: computed straight into the buckets (see
+    :meth:`~plait.runtime.program.Program.fuse_gradient_reduction`)."""
     position = {id(model.get_parameter(name)): i for i, name in enumerate(program.trained)}
     indices = [[position[id(p)] for p in bucket if id(p) in position] for bucket in buckets]
     placements = [
         tuple(cast(Any, model.get_parameter(name)).placements) for name in program.trained
     ]
-    program.fuse_gradient_reduction(indices, placements, dp_axis)
+    program.fuse_gradient_reduction(indices, placements, dp_axis, into_buffers=into_buffers)
 
 
 def _compile(

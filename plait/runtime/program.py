@@ -54,6 +54,7 @@ from plait.comm.lower import (
 )
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
+from plait.runtime.grad_sync import write_buckets_in_place
 from plait.runtime.offload import offload_saved
 from plait.runtime.remat import is_collective, recompute_policy, rematerialize, saved_bytes
 from plait.runtime.remat import regions as region_map
@@ -156,11 +157,31 @@ class Program:
         return self.graphs[self.rank]
 
     def collectives(self) -> list[ProgramCollective]:
-        """Every collective this rank's program issues, in program order."""
-        return collectives_of(self.graph_module, self.device_mesh)
+        """Every collective this rank's program issues, in program order (the gradient
+        buckets' in-place all-reduces, :meth:`fuse_gradient_reduction`, included)."""
+        listed = {c.node: c for c in collectives_of(self.graph_module, self.device_mesh)}
+        names = tuple(self.device_mesh.mesh_dim_names or ())
+        axis_of = {self.device_mesh.get_group(a).group_name: a for a in names}
+        out: list[ProgramCollective] = []
+        for node in self.graph_module.graph.nodes:
+            if node.name in listed:
+                out.append(listed[node.name])
+            elif node.op == "call_function" and node.target is _F.all_reduce_.default:
+                value = _fake(node.args[0])
+                nbytes = 0 if value is None else value.numel() * value.element_size()
+                group = str(node.args[2])
+                out.append(
+                    ProgramCollective(node.name, "all_reduce", axis_of.get(group, group), nbytes)
+                )
+        return out
 
     def fuse_gradient_reduction(
-        self, buckets: Sequence[Sequence[int]], placements: Sequence[tuple[Any, ...]], axis: str
+        self,
+        buckets: Sequence[Sequence[int]],
+        placements: Sequence[tuple[Any, ...]],
+        axis: str,
+        *,
+        into_buffers: bool = True,
     ) -> None:
         """A pass: all-reduce buckets of gradients over ``axis`` inside the program.
 
@@ -169,6 +190,12 @@ class Program:
         ``axis`` alone (their parameter's layout but for a pending sum there) join a bucket;
         any other stays for the Job to reduce. The sums start as soon as a bucket's last
         gradient is computed and overlap the rest of backward.
+
+        ``into_buffers``: the ops computing a bucket's gradients write straight into its flat
+        buffer, summed in place (:func:`plait.runtime.grad_sync.write_buckets_in_place`);
+        otherwise they are packed by a copy (``cat``), which torch.compile takes (inductor
+        computes a ``cat``'s inputs into its buffer itself; fake tensors lack some ``out=``
+        overloads).
         """
         names = tuple(self.device_mesh.mesh_dim_names or ())
         index = names.index(axis)
@@ -180,8 +207,17 @@ class Program:
         if not chosen:
             return
         group = self.device_mesh.get_group(axis).group_name
+        # Simulated ranks sum a copy of the bucket (the functional all_reduce): torch's
+        # CommDebugMode, which tests hold plait's collective log against, does not see an
+        # in-place functional collective run on LocalTensors. The sums are the same.
+        in_place = not self.simulated
         for graph_module in self.graphs.values():
-            fuse_output_reductions(graph_module, [[1 + i for i in b] for b in chosen], group)
+            outputs = [[1 + i for i in b] for b in chosen]
+            left = outputs
+            if into_buffers:
+                left = write_buckets_in_place(graph_module, outputs, group, in_place=in_place)
+            if left:  # gradients of mixed dtypes or devices: packed by a copy
+                fuse_output_reductions(graph_module, left, group)
         grad_placements = list(self.grad_placements)
         for bucket in chosen:
             for i in bucket:

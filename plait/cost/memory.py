@@ -498,8 +498,15 @@ _ATTENTION_PREFIXES = ("aten._scaled_dot_product", "aten.scaled_dot_product", "a
 
 
 def kept_by_selective(base: str) -> bool:
-    """Whether selective recompute keeps the result of op ``base`` (``"aten.mm"``: namespace
-    and name, no overload): a matrix product, convolution, attention kernel or embedding."""
+    """Whether selective recompute keeps the result of op ``base``: a matrix product,
+    convolution, attention kernel or embedding.
+
+    ``base`` is the op's namespace and name without an overload, as the graph's targets give
+    it (``"aten.mm"``) or as a schema names it (``"aten::mm"``: what the recompute pass of
+    plait/runtime/remat.py and pipeline stages read), so the memory model and the runtime
+    ask the same rule."""
+    if "::" in base:
+        base = base.replace("::", ".", 1)
     return base in _SELECTIVE_KEEPS or base.startswith(_ATTENTION_PREFIXES)
 
 
@@ -830,7 +837,7 @@ class StepTrace:
     """What one training step holds, value by value, from a captured graph (mesh-free).
 
     ``regions`` are the recompute regions, ``(module path, "full" | "selective")`` as
-    :func:`plait.planning.assemble.recompute_regions` gives them; an op lies in the longest
+    :func:`plait.planning.estimate.recompute_regions` gives them; an op lies in the longest
     region path its module path is in (as the runtime's :func:`plait.runtime.remat.regions`).
     """
 

@@ -1,6 +1,7 @@
 """From the searcher's choices to a :class:`~plait.planning.Plan`: collectives, stages, predictions.
 
-Given one strategy per op, this module writes down what a training step does and costs:
+Given one strategy per op, this module writes down what a training step does, each
+collective as a record with its reason and cost:
 
 - every redistribution on every edge (forward), and of every gradient going back (backward);
 - each trainable parameter's gradient reduction over the axes that split its op's work but
@@ -13,51 +14,33 @@ Given one strategy per op, this module writes down what a training step does and
 - with ``pipeline_stages > 1``, contiguous stages balanced by compute (cut at repeated-layer
   boundaries when the model has them) and the activations and gradients sent between stages
   once per micro-batch;
-- the predicted step: the busiest stage's compute and communication, plus the pipeline bubble
-  of the schedule (:func:`~plait.planning.timeline.bubble_seconds`: ``(stages - 1) /
-  micro_batches`` of it for GPipe and 1F1B, divided by the virtual stages when interleaved,
-  less the weight-gradient passes that fill it under zero bubble); the peak memory per device
-  (the stage with the highest), from a walk through one step of what the per-rank program
-  holds (plait.cost.memory.StepTrace, docs/memory.md), with the model states it holds after
-  the step by kind and the rest alive at the peak as activations.
-
-Communication overlaps compute where the runtime lets it: data-parallel gradient reductions
-beside backward, ZeRO-3 gathers prefetched (:mod:`plait.planning.overlap`, at the hardware's
-``comm_overlap``); ``Prediction.overlapped_s`` is what hides, the rest adds to the step.
+- the predicted step time and memory per device, and each stage's compute: the one
+  predictor's (:meth:`plait.planning.estimate.MeshEstimate.predict`, which the outer planner
+  weighs its options with), for the search's choices under ``cfg``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
-from plait.cost.compute import optimizer_seconds
-from plait.cost.memory import (
-    GradBucket,
-    PeakMemory,
-    StageActivations,
-    StageBuffers,
-    StateBytes,
-    StepTrace,
-    stage_states,
-    step_peak,
-)
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode
-from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size, why_whole
+from plait.layout import TensorLayout, optimizer_shard_dim, why_whole
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
 from plait.mesh import MeshSpec
-from plait.planning.overlap import (
-    GATHER_BACKWARD,
-    GATHER_FORWARD,
-    P2P,
-    REDUCE,
-    Overlappable,
-    StageClock,
+from plait.planning.estimate import (
+    PP_AXIS,
+    GraphFacts,
+    MeshEstimate,
+    read_by_backward,
+    recompute_regions,
+    weight_shard_size,
+    with_kept_axes,
 )
 from plait.planning.records import (
     Alternative,
@@ -65,40 +48,25 @@ from plait.planning.records import (
     PlannedCollective,
     PlannedOp,
     PlannedParameter,
-    Prediction,
 )
-from plait.planning.timeline import BACKWARD_FLOPS_FACTOR, bubble_seconds, in_flight_micro_batches
 from plait.rules import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import (
-    OpCompute,
-    SearchProblem,
-    gradient_layout,
-    kept_gradient,
-    settled,
-)
+from plait.search.problem import SearchProblem, gradient_layout, kept_gradient, settled
 from plait.search.propagation import Decision
-from plait.search.stages import StageMemory, assign_stages, op_memory, stage_memory_figures
 
-__all__ = ["BACKWARD_FLOPS_FACTOR", "assemble_plan"]
-
-PP_AXIS = "pp"
-LOW_PRECISION_ACTIVATIONS = {"bf16": 0.5, "fp16": 0.5, "fp32": 1.0}
+__all__ = ["assemble_plan"]
 
 
 @dataclass
 class _Step:
-    """The collectives of one step, each attributed to the pipeline stage that issues it."""
+    """The collectives of one step as the plan lists them."""
 
     topology: Topology
     repeat: int = 1  # micro-steps (gradient accumulation) the collectives being added repeat in
     items: list[PlannedCollective] = field(default_factory=list)
-    stage: list[int] = field(default_factory=list)
     moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
     reduced: set[tuple[str, TensorLayout]] = field(default_factory=set)  # backward fan-out
-    overlappable: list[tuple[int, Overlappable]] = field(default_factory=list)
-    """(stage, item) of the collectives that may run beside compute (plait.planning.overlap)."""
 
     def redistribute(
         self,
@@ -106,7 +74,7 @@ class _Step:
         dst: TensorLayout,
         shape: Sequence[int],
         itemsize: int,
-        where: tuple[str, str, int],
+        where: tuple[str, str],
         reason: str,
     ) -> None:
         if src == dst:
@@ -120,17 +88,16 @@ class _Step:
         kind: str,
         axes: tuple[str, ...],
         nbytes: int,
-        where: tuple[str, str, int],
+        where: tuple[str, str],
         reason: str,
         count: int = 1,
         *,
         group: tuple[int, int] | None = None,
-        overlap: tuple[str, tuple[str, ...]] | None = None,
     ) -> None:
-        """``group``: (size, stride) of a group smaller than the one ``axes`` spans (HSDP's
-        shard groups and the groups across them: :meth:`Topology.subgroup_seconds`).
-        ``overlap``: (role, bucket members) of a collective that may run beside compute."""
-        phase, op, stage = where
+        """``where``: (phase, op). ``group``: (size, stride) of a group smaller than the one
+        ``axes`` spans (HSDP's shard groups and the groups across them:
+        :meth:`Topology.subgroup_seconds`)."""
+        phase, op = where
         if group is None:
             seconds = sum(self.topology.axis_seconds(kind, a, nbytes) for a in axes)
         else:
@@ -148,18 +115,6 @@ class _Step:
                 None if group is None else group[0],
             )
         )  # fmt: skip
-        self.stage.append(stage)
-        if overlap is not None:
-            role, members = overlap
-            self.overlappable.append((stage, Overlappable(role, members, seconds * count)))
-
-    def seconds_of_stage(self, stage: int, phase: str | None = None) -> float:
-        """Seconds of the collectives ``stage`` issues per step (of one ``phase``, or all)."""
-        return sum(
-            c.seconds * c.count
-            for c, s in zip(self.items, self.stage, strict=True)
-            if s == stage and phase in (None, c.phase)
-        )
 
 
 @dataclass(frozen=True)
@@ -184,17 +139,20 @@ def assemble_plan(
     topology: Topology,
     hardware: Any,
     model_name: str = "",
+    *,
+    estimate: MeshEstimate | None = None,
 ) -> Plan:
-    """The Plan of ``decisions`` (one candidate index per op) under ``cfg`` on ``mesh``."""
-    chosen = {op.name: problem.candidates[op.name][decisions[op.name].index] for op in graph.ops}
-    op_time = {op.name: _op_compute(problem, mesh, op, chosen[op.name]) for op in graph.ops}
+    """The Plan of ``decisions`` (one candidate index per op) under ``cfg`` on ``mesh``.
+
+    ``estimate``: the predictor of this search (the outer planner's, which has predicted its
+    options with it already); one is made when not given. Its stages and prediction are the
+    plan's."""
+    if estimate is None:
+        estimate = MeshEstimate(GraphFacts(graph), cfg, mesh, problem, topology, hardware,
+                                decisions)  # fmt: skip
+    estimate = estimate.for_stages_of(cfg)
+    chosen, stage_of = estimate.chosen, estimate.stage_of
     stages = cfg.pipeline_stages
-    stage_list = [0] * len(graph.ops)
-    if stages > 1:
-        memory = partition_memory(StepTrace(graph), [chosen[op.name] for op in graph.ops],
-                                  lambda t: math.prod(t.splits()), cfg, hardware)  # fmt: skip
-        stage_list = assign_stages(graph, op_time, stages, memory)
-    stage_of = {op.name: s for op, s in zip(graph.ops, stage_list, strict=True)}
     ctx = _Context(graph, cfg, mesh, problem, chosen, stage_of)
     # With gradient accumulation the graph is one micro-step's: its activation collectives
     # repeat per micro-step; the gradient reductions (after the last) and the reported loss's
@@ -208,7 +166,7 @@ def assemble_plan(
     _loss_collective(ctx, step)
     if stages > 1:
         _pipeline_transfers(ctx, step)
-    predicted, stage_compute = _predict(ctx, op_time, step, param_layouts, hardware)
+    found = estimate.predict(cfg)
     return Plan(
         mesh=mesh,
         mode=cfg.mode,
@@ -219,17 +177,17 @@ def assemble_plan(
         pipeline_stages=stages,
         schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages or 1,
-        stage_compute_s=tuple(stage_compute) if stages > 1 else (),
+        stage_compute_s=found.stage_compute_s,
         optimizer_shard=cfg.optimizer_shard,
-        optimizer_weight_shard_size=_weight_shard_size(cfg, mesh),
+        optimizer_weight_shard_size=weight_shard_size(cfg, mesh),
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
         offload=cfg.offload,
         ops=tuple(_planned_op(ctx, op, decisions[op.name], ctx.kept) for op in graph.ops),
         parameters=parameters,
         collectives=tuple(step.items),
-        predicted=predicted,
-        stages=_stage_names(graph, stage_list, stages),
+        predicted=found.predicted,
+        stages=_stage_names(graph, estimate.stage_list, stages),
         model=model_name,
         batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
         memory_limit=cast("int | None", cfg.memory_limit),  # ParallelConfig parsed text to bytes
@@ -238,58 +196,6 @@ def assemble_plan(
         dataset_strategy=cfg.dataset_strategy,
         comm_fusion=cfg.comm_fusion,
     )
-
-
-def partition_memory(
-    trace: StepTrace,
-    chosen: Sequence[OpStrategy],
-    pieces: Callable[[TensorLayout], int],
-    cfg: ParallelConfig,
-    hardware: Any,
-) -> StageMemory:
-    """The stage partitioner's memory figures (:func:`plait.search.stages.op_memory`) under
-    ``cfg``'s schedule, against the memory limit the outer planner holds plans to (the
-    profile's device memory when ``memory_limit`` is unset). Shared by
-    :mod:`plait.planning.estimate`, so both cut the same stages."""
-    figures = op_memory(
-        trace, chosen, pieces, cfg.precision, LOW_PRECISION_ACTIVATIONS[cfg.precision]
-    )
-    limit = cast("int | None", cfg.memory_limit) or getattr(hardware, "memory_bytes", None)
-    return stage_memory_figures(figures, cfg, limit)
-
-
-def _op_compute(problem: SearchProblem, mesh: MeshSpec, op: OpNode, strategy: OpStrategy) -> float:
-    return problem.cost.op_compute(op, work_pieces(mesh, strategy))
-
-
-def work_pieces(mesh: MeshSpec, strategy: OpStrategy) -> int:
-    """Pieces ``strategy`` cuts its op's work into: the sizes of the mesh axes it uses."""
-    return math.prod(mesh.axis_size(a) for a in strategy.used_axes())
-
-
-def micro_batch_seconds(
-    graph: OpGraph,
-    stage_of: Mapping[str, int],
-    pieces: Mapping[str, int],
-    op_compute: OpCompute,
-    cfg: ParallelConfig,
-    stages: int,
-) -> list[float]:
-    """Per stage, what running the batch as ``cfg.micro_batches`` micro-batches one after
-    another adds to its compute: each op runs once per micro-batch on a ``1 / m`` share, paying
-    its fixed costs (the kernel floor, the host's per-op cost) ``m`` times; its FLOP- or
-    byte-bound time is unchanged. ``m x op_compute(op, pieces x m) - op_compute(op, pieces)``
-    per op (the search's price of its forward and backward), per micro-step. One function for
-    the plan, the outer planner's estimate and its lower bound."""
-    extra = [0.0] * stages
-    m = cfg.micro_batches
-    if m == 1:
-        return extra
-    for op in graph.ops:
-        p = pieces[op.name]
-        again = m * op_compute(op, p * m) - op_compute(op, p)
-        extra[stage_of[op.name]] += max(0.0, again) * cfg.grad_accumulation
-    return extra
 
 
 def _stage_names(
@@ -335,7 +241,7 @@ def _op_collectives(
     param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]],
 ) -> None:
     """Redistributions feeding ``op`` (forward) and its input gradients (backward)."""
-    graph, strategy, stage = ctx.graph, ctx.chosen[op.name], ctx.stage_of[op.name]
+    graph, strategy = ctx.graph, ctx.chosen[op.name]
     for i, ref in enumerate(op.inputs):
         source = graph.graph_input(ref)
         need = strategy.inputs[i]
@@ -363,7 +269,7 @@ def _op_collectives(
         if (ref, need) not in step.moved:
             step.moved.add((ref, need))
             reason = f"{op.name} needs {what} as {need.describe()}; it is {have.describe()}"
-            where = ("forward", op.name, stage)
+            where = ("forward", op.name)
             step.redistribute(have, need, meta.shape, meta.itemsize, where, reason)
         if ctx.problem.needs_grad(ref):
             grad, back = gradient_layout(strategy, i), settled(have)
@@ -383,7 +289,7 @@ def _op_collectives(
                 back,
                 meta.shape,
                 meta.itemsize,
-                ("backward", op.name, stage),
+                ("backward", op.name),
                 f"gradient of {what} for {op.name}: {grad.describe()} -> {back.describe()}",
             )
     if divides_by_target_count(op.target, strategy.outputs[0]):
@@ -395,7 +301,7 @@ def _op_collectives(
                 "all_reduce",
                 (axis,),
                 8,
-                ("forward", op.name, stage),
+                ("forward", op.name),
                 f"{op.name}: count of the targets the mean divides by, over a batch split on "
                 f"{axis!r}",
             )
@@ -446,14 +352,13 @@ def _parameters(
         if kept:  # its reader's output gradient came back pending: so does its own
             why += f"; its gradient stays pending over {', '.join(kept)} from {op}'s output"
         nbytes = _local_bytes(g, layout)
-        stage = ctx.stage_of[op]
         for axis in axes:
             if fused and axes == (ctx.cfg.dp_axis,):
                 continue  # in a bucket (_fused_reductions)
             # GradSync reduces a gradient pending over dp and another axis by itself
             several = fused and ctx.cfg.dp_axis in axes and len(axes) > 1
             alone = " (reduced alone: pending over several axes)" if several else ""
-            _gradient_reduction(step, g.target, op, axis, nbytes, stage, note=alone)
+            _gradient_reduction(step, g.target, op, axis, nbytes, note=alone)
         zero_dim, whole = _optimizer_shard(ctx, g, layout, axes)
         planned.append(
             PlannedParameter(
@@ -463,26 +368,6 @@ def _parameters(
     if fused:
         _fused_reductions(ctx, step, planned)
     return tuple(planned)
-
-
-def recompute_regions(graph: OpGraph, cfg: ParallelConfig) -> tuple[tuple[str, str], ...]:
-    """The modules whose forward backward recomputes, with the policy of each.
-
-    ``cfg.recompute`` covers every repeated layer the capture found (``OpNode.layer``: the
-    transformer blocks); a model without repeated layers has its top-level modules instead.
-    ``cfg.recompute_modules`` (``plait.recompute``) adds or overrides single modules.
-    """
-    out: dict[str, str] = {}
-    if cfg.recompute in ("full", "selective"):
-        layers = [op.layer for op in graph.ops if op.layer]
-        if not layers:  # no repeated layers: each top-level module is a region
-            layers = [op.module_path.split(".")[0] for op in graph.ops if op.module_path]
-        for path in layers:
-            out.setdefault(path, cfg.recompute)
-    # ParallelConfig holds a mapping given to it as sorted (path, mode) pairs
-    for path, mode in cast("tuple[tuple[str, str], ...]", cfg.recompute_modules):
-        out[path] = mode
-    return tuple(out.items())
 
 
 def _local_bytes(g: GraphInput, layout: TensorLayout) -> int:
@@ -514,7 +399,7 @@ def _optimizer_shard(
             None,
             f"; optimizer shard: whole (its gradient is not a sum over {cfg.dp_axis!r} alone)",
         )
-    k = _weight_shard_size(cfg, ctx.mesh)
+    k = weight_shard_size(cfg, ctx.mesh)
     kw: dict[str, Any] = {
         "itemsize": g.meta.itemsize,
         "threshold": int(cfg.optimizer_shard_threshold),
@@ -528,17 +413,6 @@ def _optimizer_shard(
         )
     where = f"groups of {k} ranks of {cfg.dp_axis!r}" if k else repr(cfg.dp_axis)
     return dim, f"; optimizer shard: dim {dim} of its piece split over {where}"
-
-
-def _weight_shard_size(cfg: ParallelConfig, mesh: MeshSpec) -> int | None:
-    """HSDP's shard group size on ``mesh`` (None: the whole dp axis, as without it).
-
-    Raises LayoutError when it does not divide the dp axis (a mesh the outer planner chose)."""
-    k, dp = cfg.optimizer_weight_shard_size, cfg.dp_axis
-    if k is None or cfg.optimizer_shard is None:
-        return None
-    n = mesh.axis_size(dp) if dp in mesh.axis_names else 1
-    return None if shard_group_size(dp, n, k) == n else k
 
 
 def _fused_reductions(
@@ -568,11 +442,11 @@ def _fused_reductions(
         per_stage.setdefault(stage, []).append((p, _local_bytes(g, p.layout)))
     level = ctx.cfg.optimizer_shard
     n = ctx.mesh.axis_size(dp)
-    group = _weight_shard_size(ctx.cfg, ctx.mesh) or n
+    group = weight_shard_size(ctx.cfg, ctx.mesh) or n
     # HSDP: shard groups of k consecutive dp ranks, and the n // k groups across them
     inside, across = ((group, 1), (n // group, group)) if group != n else (None, None)
-    read_again = _read_by_backward(ctx.graph, ctx.cfg) if level == 3 else set()
-    for stage, entries in sorted(per_stage.items()):
+    read_again = read_by_backward(ctx.graph, ctx.cfg) if level == 3 else set()
+    for _, entries in sorted(per_stage.items()):  # stage by stage, as the runtime's buckets
         buckets = plan_buckets([size for _, size in entries], fusion)
         for k, bucket in enumerate(buckets):
             members = [
@@ -586,38 +460,34 @@ def _fused_reductions(
                     "all_reduce",
                     (dp,),
                     sum(size for _, size in summed),
-                    ("backward", summed[0][0].name, stage),
+                    ("backward", summed[0][0].name),
                     f"gradients of {_names(summed)} summed over {dp!r} in one fused all-reduce "
                     f"({where})",
-                    overlap=(REDUCE, _values(by_name, summed)),
                 )
             if not sharded:
                 continue
             full = sum(size for _, size in sharded)
             first = sharded[0][0].name
-            values = _values(by_name, sharded)
             if level != 1:
                 over = f"groups of {group} ranks of {dp!r}" if inside else repr(dp)
                 step.add(
                     "reduce_scatter",
                     (dp,),
                     full,
-                    ("backward", first, stage),
+                    ("backward", first),
                     f"gradients of {_names(sharded)} summed over {over} and split, each rank "
                     f"keeping its shard (optimizer_shard={level}; {where})",
                     group=inside,
-                    overlap=(REDUCE, values),
                 )
             if level != 1 and across:
                 step.add(
                     "all_reduce",
                     (dp,),
                     full // group,
-                    ("backward", first, stage),
+                    ("backward", first),
                     f"gradient shards of {_names(sharded)} summed across the {n // group} shard "
                     f"groups of {dp!r} (optimizer_weight_shard_size={group}; {where})",
                     group=across,
-                    overlap=(REDUCE, values),
                 )
             phases: tuple[str, ...] = ("optimizer",)
             if level == 3:
@@ -631,59 +501,11 @@ def _fused_reductions(
                     "all_gather",
                     (dp,),
                     full // group,
-                    (phase, first, stage),
+                    (phase, first),
                     f"shards of {_names(sharded)} gathered over {over} {what} in {phase} "
                     f"(optimizer_shard={level}; {where})",
                     group=inside,
-                    overlap=(role, values) if (role := _GATHER_ROLES.get(phase)) else None,
                 )
-
-
-_GATHER_ROLES = {"forward": GATHER_FORWARD, "backward": GATHER_BACKWARD}
-"""A ZeRO gather's overlap role by phase: prefetched before forward and backward (level 3),
-not after the update (levels 1 and 2: the next forward needs every parameter at once)."""
-
-
-def _values(
-    by_name: Mapping[str, GraphInput], members: Sequence[tuple[PlannedParameter, int]]
-) -> tuple[str, ...]:
-    """The graph values of a bucket's parameters (what ops read)."""
-    return tuple(by_name[p.name].name for p, _ in members)
-
-
-# (op, tensor input position) whose backward never reads that input's value: an embedding's
-# table (its gradient needs the indices), a bias (its gradient is a sum of the output's)
-_UNREAD_BY_BACKWARD = frozenset(
-    {
-        ("aten.embedding.default", 0),
-        ("aten.linear.default", 2),
-        ("aten.conv1d.default", 2),
-        ("aten.conv2d.default", 2),
-        ("aten.conv3d.default", 2),
-        ("aten.convolution.default", 2),
-        ("aten.add.Tensor", 0),
-        ("aten.add.Tensor", 1),
-    }
-)
-
-
-def _read_by_backward(graph: OpGraph, cfg: ParallelConfig) -> set[str]:
-    """The values the backward pass reads (ZeRO-3 gathers such a parameter again then).
-
-    An op's backward reads an input unless ``_UNREAD_BY_BACKWARD`` says otherwise, and reads
-    every input when the op is in a region whose forward backward recomputes in full.
-    """
-    again = [r for r, mode in recompute_regions(graph, cfg) if mode == "full"]
-    return {
-        ref
-        for op in graph.ops
-        for k, ref in enumerate(op.inputs)
-        if (op.target, k) not in _UNREAD_BY_BACKWARD or _inside(op.module_path, again)
-    }
-
-
-def _inside(path: str, regions: Sequence[str]) -> bool:
-    return any(path == r or path.startswith(r + ".") or r == "" for r in regions)
 
 
 def _names(members: Sequence[tuple[PlannedParameter, int]]) -> str:
@@ -704,13 +526,12 @@ def _gradient_reduction(
     op: str,
     axis: str,
     nbytes: int,
-    stage: int,
     *,
     note: str = "",
 ) -> None:
     """One parameter's gradient all-reduce over ``axis`` (one not in a dp bucket)."""
     why = f"gradient of {name}: {op} splits its work over {axis!r} but not the parameter{note}"
-    step.add("all_reduce", (axis,), nbytes, ("backward", name, stage), why)
+    step.add("all_reduce", (axis,), nbytes, ("backward", name), why)
 
 
 def _loss_collective(ctx: _Context, step: _Step) -> None:
@@ -726,7 +547,7 @@ def _loss_collective(ctx: _Context, step: _Step) -> None:
             "all_reduce",
             (axis,),
             node.outputs[k].nbytes,
-            ("forward", node.name, ctx.stage_of[node.name]),
+            ("forward", node.name),
             "loss value reported by Job.step",
         )
 
@@ -747,172 +568,16 @@ def _pipeline_transfers(ctx: _Context, step: _Step) -> None:
             layout = settled(ctx.chosen[node.name].outputs[k])
             local = node.outputs[k].nbytes // math.prod(layout.splits()) // m
             why = f"{ref} from stage {src} to stage {dst} ({op.name}), once per micro-batch"
-            step.add(
-                "send_recv", (PP_AXIS,), local, ("forward", op.name, dst), why, count=m,
-                overlap=(P2P, ()),
-            )  # fmt: skip
+            step.add("send_recv", (PP_AXIS,), local, ("forward", op.name), why, count=m)
             if ctx.problem.needs_grad(ref):
                 step.add(
                     "send_recv",
                     (PP_AXIS,),
                     local,
-                    ("backward", node.name, src),
+                    ("backward", node.name),
                     "gradient of " + why,
                     count=m,
-                    overlap=(P2P, ()),
                 )
-
-
-def _predict(
-    ctx: _Context,
-    op_time: Mapping[str, float],
-    step: _Step,
-    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
-    hardware: Any,
-) -> tuple[Prediction, list[float]]:
-    """The step's prediction, and each pipeline stage's compute seconds per step."""
-    stages = ctx.cfg.pipeline_stages
-    compute = [0.0] * stages
-    ga = ctx.cfg.grad_accumulation
-    for op in ctx.graph.ops:  # one micro-step's graph, run grad_accumulation times
-        compute[ctx.stage_of[op.name]] += op_time[op.name] * ga
-    trace = StepTrace(ctx.graph, recompute_regions(ctx.graph, ctx.cfg))
-    recomputed = trace.recomputed()
-    again = recomputed_seconds(trace, op_time, ctx.stage_of, stages, ga, recomputed)
-    compute = [c + a for c, a in zip(compute, again, strict=True)]
-    pieces = {op.name: work_pieces(ctx.mesh, ctx.chosen[op.name]) for op in ctx.graph.ops}
-    split = micro_batch_seconds(
-        ctx.graph, ctx.stage_of, pieces, ctx.problem.cost.op_compute, ctx.cfg, stages
-    )
-    compute = [c + e for c, e in zip(compute, split, strict=True)]
-    memories, updated = _memory(ctx, param_layouts, trace)
-    update = [optimizer_seconds(n, e, hardware) for n, e in updated]
-    clock = StageClock(ctx.graph, ctx.stage_of, op_time, recomputed, stages, ctx.cfg.micro_batches)
-    hidden = [
-        clock.hidden(s, [i for t, i in step.overlappable if t == s], hardware.comm_overlap)
-        for s in range(stages)
-    ]
-    comm = [step.seconds_of_stage(s) for s in range(stages)]
-    busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
-    compute_s, comm_s = compute[busiest], comm[busiest]
-    bubble_s = _bubble(ctx.cfg, compute_s, step.seconds_of_stage(busiest, "forward"), comm_s)
-    peak = max(memories, key=lambda mem: mem.peak)
-    prediction = Prediction(
-        step_time_s=compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest],
-        optimizer_s=update[busiest],
-        compute_s=compute_s,
-        communication_s=comm_s,
-        overlapped_s=hidden[busiest],
-        bubble_s=bubble_s,
-        memory_bytes=peak.peak,
-        memory_by_kind={
-            "parameters": peak.parameters,
-            "gradients": peak.gradients,
-            "optimizer": peak.optimizer,
-            "activations": peak.activations,
-        },
-        flops_per_step=int(
-            ctx.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * ctx.cfg.grad_accumulation
-        ),
-    )
-    return prediction, compute
-
-
-def recomputed_seconds(
-    trace: StepTrace,
-    op_time: Mapping[str, float],
-    stage_of: Mapping[str, int],
-    stages: int,
-    grad_accumulation: int,
-    recomputed: Sequence[bool] | None = None,
-) -> list[float]:
-    """Per stage, the seconds backward spends running forwards again: a third of each
-    recomputed op's time (its forward), per micro-step. One function for the plan and the
-    outer planner's estimate, so both sum the same floats. ``recomputed``: the trace's
-    ``recomputed()``, when the caller has it already."""
-    again = [0.0] * stages
-    flags = trace.recomputed() if recomputed is None else recomputed
-    for op, recomputed_op in zip(trace.graph.ops, flags, strict=True):
-        if recomputed_op:
-            forward = op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
-            again[stage_of[op.name]] += forward * grad_accumulation
-    return again
-
-
-def with_kept_axes(mesh: MeshSpec, axes: tuple[str, ...], kept: Iterable[str]) -> tuple[str, ...]:
-    """A parameter's gradient axes with those its reader's output kept pending into it
-    (``PlannedOp.pending_grad``), in mesh order."""
-    extra = set(kept)
-    return tuple(a for a in mesh.axis_names if a in axes or a in extra)
-
-
-def _bubble(cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s: float) -> float:
-    """The schedule's bubble (timeline.bubble_seconds) on the busiest stage's times per
-    micro-batch: compute split into forward, input- and weight-gradient passes of about one
-    forward each (BACKWARD_FLOPS_FACTOR), communication counted in the pass of its phase and
-    never overlapped (so GPipe and 1F1B idle ``(stages - 1) / micro_batches`` of the stage)."""
-    m = cfg.micro_batches
-    forward = compute_s / (1 + BACKWARD_FLOPS_FACTOR)
-    weight = forward * BACKWARD_FLOPS_FACTOR / 2
-    return bubble_seconds(
-        cfg.schedule,
-        cfg.pipeline_stages,
-        (forward + forward_comm_s) / m,
-        (compute_s - forward + comm_s - forward_comm_s) / m,
-        weight / m,
-        cfg.virtual_stages or 1,
-    )
-
-
-def _memory(
-    ctx: _Context,
-    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
-    trace: StepTrace,
-) -> tuple[list[PeakMemory], list[tuple[int, float]]]:
-    """Each pipeline stage's peak (docs/memory.md, "How the plan predicts memory"): the
-    model states by ZeRO level, and a walk through one step of what the program holds; and
-    what each stage's optimizer updates (tensors, elements: a ZeRO shard's share)."""
-    graph, mesh, cfg = ctx.graph, ctx.mesh, ctx.cfg
-    stages = cfg.pipeline_stages
-    # frozen parameters: no gradient, no optimizer state; whole ones: not split by ZeRO
-    sharded, whole, frozen = [0] * stages, [0] * stages, [0] * stages
-    param_numel: dict[str, int] = {}
-    dp = mesh.axis_size(cfg.dp_axis) if cfg.dp_axis in mesh.axis_names else 1
-    shards = _weight_shard_size(cfg, mesh) or dp
-    updated: list[tuple[int, float]] = [(0, 0.0)] * stages
-    for g in graph.inputs:
-        if g.kind != "parameter":
-            continue
-        layout, op, strategy, i = param_layouts.get(
-            g.name, (TensorLayout.replicated(mesh, g.meta.ndim), "", None, 0)
-        )
-        stage = ctx.stage_of.get(op, 0)
-        numel = g.meta.numel // math.prod(layout.splits())
-        split = False
-        if not g.requires_grad:
-            frozen[stage] += numel
-        elif (
-            strategy is not None
-            and _optimizer_shard(ctx, g, layout, _grad_axes(ctx, op, strategy, i))[0] is not None
-        ):
-            sharded[stage] += numel
-            split = True
-        else:
-            whole[stage] += numel
-        if g.requires_grad and strategy is not None:
-            param_numel[g.name] = numel
-            tensors, elements = updated[stage]
-            updated[stage] = (tensors + 1, elements + (numel / shards if split else numel))
-    stage_list = [ctx.stage_of[op.name] for op in graph.ops]
-    chosen = [ctx.chosen[op.name] for op in graph.ops]
-    held = activation_buffers(trace, cfg, chosen, stage_list, lambda t: math.prod(t.splits()))
-    buckets = _memory_buckets(ctx, param_layouts)
-    sb = StateBytes.for_precision(cfg.precision)
-    walked = [h.with_gradients(param_numel, buckets[s], sb) for s, h in enumerate(held)]
-    memories = [
-        stage_memory(cfg, s, walked[s], sharded[s], whole[s], frozen[s], dp) for s in range(stages)
-    ]
-    return memories, updated
 
 
 def _grad_axes(ctx: _Context, op: str, strategy: OpStrategy, i: int) -> tuple[str, ...]:
@@ -922,144 +587,3 @@ def _grad_axes(ctx: _Context, op: str, strategy: OpStrategy, i: int) -> tuple[st
     axes = grad_reduce_axes(strategy, i)
     kept = ctx.kept.get(op, ())
     return with_kept_axes(ctx.mesh, axes, kept) if kept else axes
-
-
-def _memory_buckets(
-    ctx: _Context,
-    param_layouts: Mapping[str, tuple[TensorLayout, str, OpStrategy, int]],
-) -> list[list[GradBucket]]:
-    """Per stage, the data-parallel gradient buckets as :func:`_fused_reductions` forms them:
-    their members (gradients pending over dp alone) and which ZeRO splits."""
-    out: list[list[GradBucket]] = [[] for _ in range(ctx.cfg.pipeline_stages)]
-    if not _fused_dp(ctx):
-        return out
-    dp = ctx.cfg.dp_axis
-    per_stage: dict[int, list[tuple[str, bool, bool, int]]] = {}
-    for g in ctx.graph.inputs:
-        if g.kind != "parameter" or not g.requires_grad:
-            continue
-        placed = param_layouts.get(g.name)
-        if placed is None:  # read by no op: whole, no gradient, stage 0 (in _parameters)
-            layout = TensorLayout.replicated(ctx.mesh, g.meta.ndim)
-            if not any(dp in axes for axes in layout.dims):
-                per_stage.setdefault(0, []).append((g.name, False, False, _local_bytes(g, layout)))
-            continue
-        layout, op, strategy, i = placed
-        if any(dp in axes for axes in layout.dims):
-            continue
-        axes = _grad_axes(ctx, op, strategy, i)
-        split = _optimizer_shard(ctx, g, layout, axes)[0] is not None
-        entry = (g.name, axes == (dp,), split, _local_bytes(g, layout))
-        per_stage.setdefault(ctx.stage_of[op], []).append(entry)
-    fusion = ctx.cfg.comm_fusion or CommFusion()
-    for stage, entries in sorted(per_stage.items()):
-        for bucket in plan_buckets([size for *_, size in entries], fusion):
-            members = [entries[i] for i in sorted(bucket) if entries[i][1]]
-            if members:
-                names = tuple(m[0] for m in members)
-                out[stage].append(GradBucket(names, tuple(m[2] for m in members)))
-    return out
-
-
-def activation_buffers(
-    trace: StepTrace,
-    cfg: ParallelConfig,
-    chosen: Sequence[OpStrategy],
-    stage_list: Sequence[int],
-    pieces: Callable[[TensorLayout], int],
-) -> tuple[StageBuffers, ...]:
-    """:meth:`StepTrace.hold` with the plan's layouts: each value's local piece as its
-    producer lays it out (``chosen``: each op's strategy, graph order) or as an op reads it;
-    float32 activations take the bytes of the compute precision (autocast), buffers and the
-    batch their own. Shared by :mod:`plait.planning.estimate`, which passes its cached
-    ``pieces``; :meth:`StageBuffers.with_gradients` then adds the parameters' gradients."""
-    graph = trace.graph
-    scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
-
-    def value_bytes(ref: str) -> int:
-        i, k = trace.out_slot[ref]
-        meta = graph.ops[i].outputs[k]
-        nbytes = meta.nbytes // pieces(chosen[i].outputs[k])
-        return int(nbytes * scale) if meta.dtype == "float32" else nbytes
-
-    def read_bytes(i: int, j: int) -> int:
-        meta = graph.ops[i].input_metas[j]
-        nbytes = meta.nbytes // pieces(chosen[i].inputs[j])
-        if meta.dtype != "float32" or graph.ops[i].inputs[j] in trace.inputs:
-            return nbytes
-        return int(nbytes * scale)
-
-    def moved(i: int, j: int) -> bool:
-        producer = trace.out_slot.get(graph.ops[i].inputs[j])
-        if producer is None:  # a graph input
-            return False
-        p, k = producer
-        return communicates(chosen[p].outputs[k], chosen[i].inputs[j])
-
-    return trace.hold(
-        value_bytes=value_bytes,
-        read_bytes=read_bytes,
-        stage_of=stage_list,
-        stages=cfg.pipeline_stages,
-        # offload moves values of at least 1 MiB each (one micro-batch's)
-        offload_min=(1 << 20) * cfg.micro_batches if cfg.offload == "activations" else None,
-        moved=moved,
-    )
-
-
-def communicates(src: TensorLayout, dst: TensorLayout) -> bool:
-    """Whether moving a value laid out as ``src`` to ``dst`` takes a collective: a pending
-    sum to reduce, or a dim ``dst`` splits over fewer axes than ``src`` (a gather, an
-    all-to-all); splitting further is a local slice."""
-    if src == dst:
-        return False
-    if src.partial:
-        return True
-    return any(not set(a) <= set(b) for a, b in zip(src.dims, dst.dims, strict=True))
-
-
-def stage_memory(
-    cfg: ParallelConfig,
-    stage: int,
-    walked: StageActivations,
-    sharded: int,
-    whole: int,
-    frozen: int,
-    dp: int,
-) -> PeakMemory:
-    """One stage's peak: its model states (``sharded``, ``whole`` and ``frozen`` parameter
-    elements) and its walk, with the micro-batches its schedule keeps in flight (all ``m``
-    without pipeline stages; the stages still ahead under 1F1B: timeline.in_flight_micro_batches).
-    Shared by :mod:`plait.planning.estimate`."""
-    m = cfg.micro_batches
-    # optimizer parallel splits over HSDP's shard groups when they are set
-    dp = _weight_shard_size(cfg, MeshSpec((cfg.dp_axis,), (dp,))) or dp
-    in_flight = (
-        in_flight_micro_batches(
-            cfg.schedule, stage, cfg.pipeline_stages, m, cfg.virtual_stages or 1
-        )
-        if cfg.pipeline_stages > 1
-        else m
-    )
-    # offload="optimizer": the optimizer's states (and its step) live on the host
-    on_device = cfg.offload != "optimizer"
-    states = stage_states(
-        sharded_numel=sharded,
-        whole_numel=whole,
-        frozen_numel=frozen,
-        shard_group=dp,
-        optimizer_shard=cfg.optimizer_shard,
-        precision=cfg.precision,
-        optimizer_on_device=on_device,
-    )
-    return step_peak(
-        walked,
-        states,
-        optimizer_shard=cfg.optimizer_shard,
-        shard_group=dp,
-        in_flight=in_flight,
-        micro_batches=m,
-        # a pipeline's micro-batches add into .grad; the program's micro-steps sum after each
-        accumulation="summed" if cfg.grad_accumulation > 1 else "in_place" if m > 1 else "none",
-        optimizer_on_device=on_device,
-    )

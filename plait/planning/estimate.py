@@ -1,13 +1,12 @@
-"""Predicted step time and memory of an outer-planner option, without building its Plan.
+"""The one predictor: a plan's step time and memory per device, from the searcher's choices.
 
-The outer planner (:mod:`plait.planning.outer`) weighs, for every mesh, the searcher's
-strategies under several settings: ZeRO level, recompute policy, micro-batches. Building a
-whole :class:`~plait.planning.records.Plan` for each (``assemble_plan``: every op, parameter
-and collective as a record, with its reason) costs about a second for a 96-layer GPT; the
-choice only needs two numbers per option, ``predicted.step_time_s`` and
-``predicted.memory_bytes``. :class:`MeshEstimate` computes them from the same terms
-``assemble_plan`` adds, in the same order (so the sums are the same floats), and shares what
-the settings do not change:
+:class:`MeshEstimate` predicts, for one mesh's search result, what a training step costs
+under any setting the outer planner (:mod:`plait.planning.outer`) varies: ZeRO level,
+recompute policy, micro-batches, pipeline schedule. Both the outer planner (weighing every
+option without building its Plan) and :func:`~plait.planning.assemble.assemble_plan` (the
+``predicted`` of the Plan it builds, and each stage's compute) call :meth:`MeshEstimate.predict`,
+so the option the outer planner chose is the plan it gets, with no second computation to keep
+in step. It shares what the settings do not change:
 
 - per mesh, once: the chosen strategies, compute per op, pipeline stages, every
   redistribution on every edge (forward and backward), the gradient all-reduces outside the
@@ -21,39 +20,45 @@ the settings do not change:
 An option then costs a few additions per pipeline stage. Values no recompute policy changes
 (which outputs are kept for backward) are read once per graph (:class:`GraphFacts`).
 
-This mirrors :func:`~plait.planning.assemble.assemble_plan`'s prediction term for term; the
-outer planner assembles the option it chooses and checks that both agree (and falls back to
-assembling every option when they do not), and ``tests/unit/test_plan_speed.py`` compares
-both on every option of several graphs.
+The step (docs/planner.md, "What a step costs"): the busiest stage's compute (forward and
+backward, what recompute runs again, the fixed costs micro-batches pay again) and
+communication, less what of it runs beside compute (:mod:`plait.planning.overlap`), plus the
+schedule's bubble (:func:`schedule_bubble`) and the optimizer step. Memory: the highest
+stage's peak of a walk through one step (:func:`stage_memory`; docs/memory.md).
+
+``assemble_plan`` lists the same collectives as records with their reasons;
+``tests/unit/test_plan_speed.py`` checks that the listing sums to the predicted
+communication, and that one predictor reused across options predicts what a fresh one does.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
+from plait.cost.comm import Topology
 from plait.cost.compute import optimizer_seconds
-from plait.cost.memory import GradBucket, StageActivations, StageBuffers, StateBytes, StepTrace
+from plait.cost.memory import (
+    GradBucket,
+    PeakMemory,
+    Schedule,
+    StageActivations,
+    StageBuffers,
+    StateBytes,
+    StepTrace,
+    in_flight_micro_batches,
+    stage_states,
+    step_peak,
+)
 from plait.fusion import plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
-from plait.planning.assemble import (
-    PP_AXIS,
-    _bubble,
-    _read_by_backward,
-    activation_buffers,
-    micro_batch_seconds,
-    partition_memory,
-    recompute_regions,
-    recomputed_seconds,
-    stage_memory,
-    with_kept_axes,
-    work_pieces,
-)
+from plait.mesh import MeshSpec
+from plait.planning.entries import Prediction
 from plait.planning.overlap import (
     GATHER_BACKWARD,
     GATHER_FORWARD,
@@ -62,21 +67,295 @@ from plait.planning.overlap import (
     Overlappable,
     StageClock,
 )
+from plait.planning.timeline import BACKWARD_FLOPS_FACTOR, bubble_seconds
 from plait.rules.loss import divides_by_target_count
 from plait.rules.registry import OpStrategy, grad_reduce_axes
-from plait.search.problem import gradient_layout, kept_gradient, settled
+from plait.search.problem import OpCompute, SearchProblem, gradient_layout, kept_gradient, settled
 from plait.search.propagation import Decision
-from plait.search.stages import assign_stages
+from plait.search.stages import StageMemory, assign_stages, op_memory, stage_memory_figures
 
-if TYPE_CHECKING:
-    from plait.planning.setup import SearchSetup
+__all__ = [
+    "LOW_PRECISION_ACTIVATIONS",
+    "PP_AXIS",
+    "Estimate",
+    "GraphFacts",
+    "MeshEstimate",
+    "micro_batch_seconds",
+    "read_by_backward",
+    "recompute_regions",
+    "schedule_bubble",
+    "weight_shard_size",
+    "with_kept_axes",
+]
 
-__all__ = ["Estimate", "GraphFacts", "MeshEstimate"]
+PP_AXIS = "pp"
+LOW_PRECISION_ACTIVATIONS = {"bf16": 0.5, "fp16": 0.5, "fp32": 1.0}
+
+
+def partition_memory(
+    trace: StepTrace,
+    chosen: Sequence[OpStrategy],
+    pieces: Callable[[TensorLayout], int],
+    cfg: ParallelConfig,
+    hardware: Any,
+) -> StageMemory:
+    """The stage partitioner's memory figures (:func:`plait.search.stages.op_memory`) under
+    ``cfg``'s schedule, against the memory limit the outer planner holds plans to (the
+    profile's device memory when ``memory_limit`` is unset)."""
+    figures = op_memory(
+        trace, chosen, pieces, cfg.precision, LOW_PRECISION_ACTIVATIONS[cfg.precision]
+    )
+    limit = cast("int | None", cfg.memory_limit) or getattr(hardware, "memory_bytes", None)
+    return stage_memory_figures(figures, cfg, limit)
+
+
+def work_pieces(mesh: MeshSpec, strategy: OpStrategy) -> int:
+    """Pieces ``strategy`` cuts its op's work into: the sizes of the mesh axes it uses."""
+    return math.prod(mesh.axis_size(a) for a in strategy.used_axes())
+
+
+def micro_batch_seconds(
+    graph: OpGraph,
+    stage_of: Mapping[str, int],
+    pieces: Mapping[str, int],
+    op_compute: OpCompute,
+    cfg: ParallelConfig,
+    stages: int,
+) -> list[float]:
+    """Per stage, what running the batch as ``cfg.micro_batches`` micro-batches one after
+    another adds to its compute: each op runs once per micro-batch on a ``1 / m`` share, paying
+    its fixed costs (the kernel floor, the host's per-op cost) ``m`` times; its FLOP- or
+    byte-bound time is unchanged. ``m x op_compute(op, pieces x m) - op_compute(op, pieces)``
+    per op (the search's price of its forward and backward), per micro-step. One function for
+    the prediction and the outer planner's lower bound."""
+    extra = [0.0] * stages
+    m = cfg.micro_batches
+    if m == 1:
+        return extra
+    for op in graph.ops:
+        p = pieces[op.name]
+        again = m * op_compute(op, p * m) - op_compute(op, p)
+        extra[stage_of[op.name]] += max(0.0, again) * cfg.grad_accumulation
+    return extra
+
+
+def recompute_regions(graph: OpGraph, cfg: ParallelConfig) -> tuple[tuple[str, str], ...]:
+    """The modules whose forward backward recomputes, with the policy of each.
+
+    ``cfg.recompute`` covers every repeated layer the capture found (``OpNode.layer``: the
+    transformer blocks); a model without repeated layers has its top-level modules instead.
+    ``cfg.recompute_modules`` (``plait.recompute``) adds or overrides single modules.
+    """
+    out: dict[str, str] = {}
+    if cfg.recompute in ("full", "selective"):
+        layers = [op.layer for op in graph.ops if op.layer]
+        if not layers:  # no repeated layers: each top-level module is a region
+            layers = [op.module_path.split(".")[0] for op in graph.ops if op.module_path]
+        for path in layers:
+            out.setdefault(path, cfg.recompute)
+    # ParallelConfig holds a mapping given to it as sorted (path, mode) pairs
+    for path, mode in cast("tuple[tuple[str, str], ...]", cfg.recompute_modules):
+        out[path] = mode
+    return tuple(out.items())
+
+
+def weight_shard_size(cfg: ParallelConfig, mesh: MeshSpec) -> int | None:
+    """HSDP's shard group size on ``mesh`` (None: the whole dp axis, as without it).
+
+    Raises LayoutError when it does not divide the dp axis (a mesh the outer planner chose)."""
+    k, dp = cfg.optimizer_weight_shard_size, cfg.dp_axis
+    if k is None or cfg.optimizer_shard is None:
+        return None
+    n = mesh.axis_size(dp) if dp in mesh.axis_names else 1
+    return None if shard_group_size(dp, n, k) == n else k
+
+
+# (op, tensor input position) whose backward never reads that input's value: an embedding's
+# table (its gradient needs the indices), a bias (its gradient is a sum of the output's)
+_UNREAD_BY_BACKWARD = frozenset(
+    {
+        ("aten.embedding.default", 0),
+        ("aten.linear.default", 2),
+        ("aten.conv1d.default", 2),
+        ("aten.conv2d.default", 2),
+        ("aten.conv3d.default", 2),
+        ("aten.convolution.default", 2),
+        ("aten.add.Tensor", 0),
+        ("aten.add.Tensor", 1),
+    }
+)
+
+
+def read_by_backward(graph: OpGraph, cfg: ParallelConfig) -> set[str]:
+    """The values the backward pass reads (ZeRO-3 gathers such a parameter again then).
+
+    An op's backward reads an input unless ``_UNREAD_BY_BACKWARD`` says otherwise, and reads
+    every input when the op is in a region whose forward backward recomputes in full.
+    """
+    again = [r for r, mode in recompute_regions(graph, cfg) if mode == "full"]
+    return {
+        ref
+        for op in graph.ops
+        for k, ref in enumerate(op.inputs)
+        if (op.target, k) not in _UNREAD_BY_BACKWARD or _inside(op.module_path, again)
+    }
+
+
+def _inside(path: str, regions: Sequence[str]) -> bool:
+    return any(path == r or path.startswith(r + ".") or r == "" for r in regions)
+
+
+def recomputed_seconds(
+    trace: StepTrace,
+    op_time: Mapping[str, float],
+    stage_of: Mapping[str, int],
+    stages: int,
+    grad_accumulation: int,
+) -> list[float]:
+    """Per stage, the seconds backward spends running forwards again: a third of each
+    recomputed op's time (its forward), per micro-step. ``recomputed``: the trace's
+    ``recomputed()``, when the caller has it already."""
+    again = [0.0] * stages
+    for op, recomputed_op in zip(trace.graph.ops, trace.recomputed(), strict=True):
+        if recomputed_op:
+            forward = op_time[op.name] * (1 / (1 + BACKWARD_FLOPS_FACTOR))
+            again[stage_of[op.name]] += forward * grad_accumulation
+    return again
+
+
+def with_kept_axes(mesh: MeshSpec, axes: tuple[str, ...], kept: Iterable[str]) -> tuple[str, ...]:
+    """A parameter's gradient axes with those its reader's output kept pending into it
+    (``PlannedOp.pending_grad``), in mesh order."""
+    extra = set(kept)
+    return tuple(a for a in mesh.axis_names if a in axes or a in extra)
+
+
+def schedule_bubble(
+    cfg: ParallelConfig, compute_s: float, forward_comm_s: float, comm_s: float
+) -> float:
+    """The schedule's bubble (timeline.bubble_seconds) on the busiest stage's times per
+    micro-batch: compute split into forward, input- and weight-gradient passes of about one
+    forward each (BACKWARD_FLOPS_FACTOR), communication counted in the pass of its phase and
+    never overlapped (so GPipe and 1F1B idle ``(stages - 1) / micro_batches`` of the stage)."""
+    m = cfg.micro_batches
+    forward = compute_s / (1 + BACKWARD_FLOPS_FACTOR)
+    weight = forward * BACKWARD_FLOPS_FACTOR / 2
+    return bubble_seconds(
+        cfg.schedule,
+        cfg.pipeline_stages,
+        (forward + forward_comm_s) / m,
+        (compute_s - forward + comm_s - forward_comm_s) / m,
+        weight / m,
+        cfg.virtual_stages or 1,
+    )
+
+
+def activation_buffers(
+    trace: StepTrace,
+    cfg: ParallelConfig,
+    chosen: Sequence[OpStrategy],
+    stage_list: Sequence[int],
+    pieces: Callable[[TensorLayout], int],
+) -> tuple[StageBuffers, ...]:
+    """:meth:`StepTrace.hold` with the plan's layouts: each value's local piece as its
+    producer lays it out (``chosen``: each op's strategy, graph order) or as an op reads it;
+    float32 activations take the bytes of the compute precision (autocast), buffers and the
+    batch their own (``pieces``: the predictor's cached pieces of a layout);
+    :meth:`StageBuffers.with_gradients` then adds the parameters' gradients."""
+    graph = trace.graph
+    scale = LOW_PRECISION_ACTIVATIONS[cfg.precision]
+
+    def value_bytes(ref: str) -> int:
+        i, k = trace.out_slot[ref]
+        meta = graph.ops[i].outputs[k]
+        nbytes = meta.nbytes // pieces(chosen[i].outputs[k])
+        return int(nbytes * scale) if meta.dtype == "float32" else nbytes
+
+    def read_bytes(i: int, j: int) -> int:
+        meta = graph.ops[i].input_metas[j]
+        nbytes = meta.nbytes // pieces(chosen[i].inputs[j])
+        if meta.dtype != "float32" or graph.ops[i].inputs[j] in trace.inputs:
+            return nbytes
+        return int(nbytes * scale)
+
+    def moved(i: int, j: int) -> bool:
+        producer = trace.out_slot.get(graph.ops[i].inputs[j])
+        if producer is None:  # a graph input
+            return False
+        p, k = producer
+        return communicates(chosen[p].outputs[k], chosen[i].inputs[j])
+
+    return trace.hold(
+        value_bytes=value_bytes,
+        read_bytes=read_bytes,
+        stage_of=stage_list,
+        stages=cfg.pipeline_stages,
+        # offload moves values of at least 1 MiB each (one micro-batch's)
+        offload_min=(1 << 20) * cfg.micro_batches if cfg.offload == "activations" else None,
+        moved=moved,
+    )
+
+
+def communicates(src: TensorLayout, dst: TensorLayout) -> bool:
+    """Whether moving a value laid out as ``src`` to ``dst`` takes a collective: a pending
+    sum to reduce, or a dim ``dst`` splits over fewer axes than ``src`` (a gather, an
+    all-to-all); splitting further is a local slice."""
+    if src == dst:
+        return False
+    if src.partial:
+        return True
+    return any(not set(a) <= set(b) for a, b in zip(src.dims, dst.dims, strict=True))
+
+
+def stage_memory(
+    cfg: ParallelConfig,
+    stage: int,
+    walked: StageActivations,
+    sharded: int,
+    whole: int,
+    frozen: int,
+    dp: int,
+) -> PeakMemory:
+    """One stage's peak: its model states (``sharded``, ``whole`` and ``frozen`` parameter
+    elements) and its walk, with the micro-batches its schedule keeps in flight (all ``m``
+    without pipeline stages; the stages still ahead under 1F1B: :func:`plait.cost.memory.in_flight_micro_batches`)."""
+    m = cfg.micro_batches
+    # optimizer parallel splits over HSDP's shard groups when they are set
+    dp = weight_shard_size(cfg, MeshSpec((cfg.dp_axis,), (dp,))) or dp
+    in_flight = (
+        in_flight_micro_batches(
+            stage, cfg.pipeline_stages, m, cast(Schedule, cfg.schedule), cfg.virtual_stages or 1
+        )
+        if cfg.pipeline_stages > 1
+        else m
+    )
+    # offload="optimizer": the optimizer's states (and its step) live on the host
+    on_device = cfg.offload != "optimizer"
+    states = stage_states(
+        sharded_numel=sharded,
+        whole_numel=whole,
+        frozen_numel=frozen,
+        shard_group=dp,
+        optimizer_shard=cfg.optimizer_shard,
+        precision=cfg.precision,
+        optimizer_on_device=on_device,
+    )
+    return step_peak(
+        walked,
+        states,
+        optimizer_shard=cfg.optimizer_shard,
+        shard_group=dp,
+        in_flight=in_flight,
+        micro_batches=m,
+        # a pipeline's micro-batches add into .grad; the program's micro-steps sum after each
+        accumulation="summed" if cfg.grad_accumulation > 1 else "in_place" if m > 1 else "none",
+        optimizer_on_device=on_device,
+    )
 
 
 def _sends(pipe: list[list[_Item]] | None, stage: int) -> list[Overlappable]:
-    """A stage's pipeline transfers as the overlap model takes them (assemble's
-    _pipeline_transfers: role P2P, no bucket members)."""
+    """A stage's pipeline transfers as the overlap model takes them: role P2P, no bucket
+    members."""
     return [] if pipe is None else [Overlappable(P2P, (), seconds) for seconds, _ in pipe[stage]]
 
 
@@ -85,10 +364,21 @@ _Item = tuple[float, bool]  # a collective's seconds x count per step; is it in 
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """What the outer planner compares: predicted seconds per step and peak bytes per device."""
+    """A plan's prediction (the Plan's ``predicted``) and each pipeline stage's compute
+    seconds per step (``Plan.stage_compute_s``, what ``plan.timeline()`` draws)."""
 
-    step_time_s: float
-    memory_bytes: int
+    predicted: Prediction
+    stage_compute_s: tuple[float, ...]
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted seconds per step (what the outer planner compares)."""
+        return self.predicted.step_time_s
+
+    @property
+    def memory_bytes(self) -> int:
+        """Predicted peak bytes per device (what the outer planner holds to the limit)."""
+        return self.predicted.memory_bytes
 
 
 class GraphFacts:
@@ -126,14 +416,15 @@ class GraphFacts:
         key = (cfg.recompute, cfg.recompute_modules)
         found = self._read_again.get(key)
         if found is None:
-            found = frozenset(_read_by_backward(self.graph, cfg))
+            found = frozenset(read_by_backward(self.graph, cfg))
             found = self._read_again[key] = self._read_sets.setdefault(found, found)
         return found
 
 
 @dataclass
 class _Param:
-    """One parameter as assemble_plan places it: layout, first reader, gradient axes, stage."""
+    """One parameter as placed: the layout its first reader needs, that reader's strategy,
+    gradient axes, stage."""
 
     g: GraphInput
     layout: TensorLayout
@@ -167,7 +458,7 @@ class _Level:
     sharded_numel: list[int] = field(default_factory=list)
     whole_numel: list[int] = field(default_factory=list)
     update_s: list[float] = field(default_factory=list)
-    """Per stage, the optimizer step's seconds (assemble's _memory and _predict)."""
+    """Per stage, the optimizer step's seconds (over this device's pieces and ZeRO shards)."""
     overlappable: list[list[Overlappable]] = field(default_factory=list)
     """Per stage, the bucket collectives that may run beside compute (plait.planning.overlap)."""
 
@@ -177,22 +468,28 @@ class MeshEstimate:
 
     ``base`` is the config the search ran under (its mesh, pipeline stages, dp axis, gradient
     accumulation, fusion, precision, offload); :meth:`predict` takes a config that differs
-    from it only in ``optimizer_shard``, ``recompute`` and ``micro_batches``.
+    from it only in ``optimizer_shard``, ``recompute``, ``micro_batches``, ``schedule`` and
+    ``virtual_stages``. ``mesh``, ``problem``, ``topology`` and ``hardware`` are the search's
+    (:class:`~plait.planning.setup.SearchSetup`); ``decisions`` its choice per op.
     """
 
     def __init__(
         self,
         facts: GraphFacts,
         base: ParallelConfig,
-        setup: SearchSetup,
+        mesh: MeshSpec,
+        problem: SearchProblem,
+        topology: Topology,
+        hardware: Any,
         decisions: Mapping[str, Decision],
     ) -> None:
         self.facts = facts
         self.graph = graph = facts.graph
         self.base = base
-        self.mesh = mesh = setup.mesh
-        self.problem = problem = setup.problem
-        self.topology = setup.topology
+        self.mesh = mesh
+        self.problem = problem
+        self.topology = topology
+        self.hardware = hardware
         self.stages = stages = base.pipeline_stages
         candidates = problem.candidates
         self.chosen = {op.name: candidates[op.name][decisions[op.name].index] for op in graph.ops}
@@ -210,7 +507,7 @@ class MeshEstimate:
         op_time = {
             op.name: op_compute(op, self._work_pieces(self.chosen[op.name])) for op in graph.ops
         }
-        self._setup, self._decisions, self._op_time = setup, decisions, op_time
+        self._decisions, self._op_time = decisions, op_time
         self._others: dict[tuple[object, ...], MeshEstimate] = {}
         self.chosen_list = [self.chosen[op.name] for op in graph.ops]
         stage_list = self._partition(base)
@@ -223,18 +520,18 @@ class MeshEstimate:
         self.dp = base.dp_axis
         self.dp_size = mesh.axis_size(self.dp) if self.dp in mesh.axis_names else 1
         self.fused = self.dp in mesh.axis_names and mesh.axis_size(self.dp) > 1
-        # HSDP's shard group size (assemble's _weight_shard_size; every option has the same)
+        # HSDP's shard group size (weight_shard_size; every option has the same)
         self.shard_size = shard_group_size(self.dp, self.dp_size, base.optimizer_weight_shard_size)
         self._redistributions: dict[tuple[object, ...], tuple[float, ...]] = {}
-        # the step's collectives in assemble_plan's order: ops' redistributions (repeated per
-        # micro-step), parameters' own reductions, the buckets (per level), the loss, the
-        # pipeline transfers (per micro-batch count)
+        # the step's collectives in the order the plan lists them: ops' redistributions
+        # (repeated per micro-step), parameters' own reductions, the buckets (per level), the
+        # loss, the pipeline transfers (per micro-batch count)
         self.op_sums = self._op_collectives(ga)
         self.param_items = self._parameters()
         self.loss_items = self._loss()
         self._levels: dict[tuple[object, ...], _Level] = {}
         self._frozen: list[int] | None = None
-        self._stage_bytes: dict[tuple[object, ...], int] = {}
+        self._stage_peaks: dict[tuple[object, ...], PeakMemory] = {}
         self._walks: dict[tuple[object, ...], tuple[StageActivations, ...]] = {}
         self._again: dict[int, list[float]] = {}
         self._clocks: dict[tuple[int, int], StageClock] = {}
@@ -246,17 +543,17 @@ class MeshEstimate:
 
     def _partition(self, cfg: ParallelConfig) -> list[int]:
         """Each op's pipeline stage under ``cfg``'s schedule and micro-batches (they weigh
-        in the partitioner's memory figures), as assemble_plan cuts them."""
+        in the partitioner's memory figures): contiguous stages balanced by compute, cut at
+        repeated-layer boundaries when the model has them (:func:`assign_stages`)."""
         graph = self.graph
         if self.stages == 1:
             return [0] * len(graph.ops)
         trace = self.facts.plain_trace()
-        memory = partition_memory(trace, self.chosen_list, self._pieces, cfg,
-                                  self._setup.hardware)  # fmt: skip
+        memory = partition_memory(trace, self.chosen_list, self._pieces, cfg, self.hardware)
         return assign_stages(graph, self._op_time, self.stages, memory)
 
-    def _for_stages_of(self, cfg: ParallelConfig) -> MeshEstimate:
-        """The estimate whose stages are ``cfg``'s: this one, or (another schedule or
+    def for_stages_of(self, cfg: ParallelConfig) -> MeshEstimate:
+        """The predictor whose stages are ``cfg``'s: this one, or (another schedule or
         micro-batch count moving a cut) one built for them, kept."""
         key = (cfg.schedule, cfg.micro_batches, cfg.virtual_stages)
         if self.stages == 1 or key == (self.base.schedule, self.base.micro_batches,
@@ -268,7 +565,10 @@ class MeshEstimate:
             if self._partition(cfg) != self.stage_list:
                 base = replace(self.base, schedule=cfg.schedule, micro_batches=cfg.micro_batches,
                                virtual_stages=cfg.virtual_stages)  # fmt: skip
-                found = MeshEstimate(self.facts, base, self._setup, self._decisions)
+                found = MeshEstimate(
+                    self.facts, base, self.mesh, self.problem, self.topology, self.hardware,
+                    self._decisions,
+                )  # fmt: skip
             self._others[key] = found
         return found
 
@@ -282,7 +582,7 @@ class MeshEstimate:
         return found
 
     def _work_pieces(self, strategy: OpStrategy) -> int:
-        """Pieces ``strategy`` cuts its op's work into (assemble's _op_compute)."""
+        """Pieces ``strategy`` cuts its op's work into (:func:`work_pieces`), by identity."""
         found = self._work.get(id(strategy))
         if found is None:
             found = self._work[id(strategy)] = (strategy, work_pieces(self.mesh, strategy))
@@ -426,7 +726,7 @@ class MeshEstimate:
             numel, nbytes = g.meta.numel // pieces, g.meta.nbytes // pieces
             axes = self._reduce_axes(strategy, i) if g.requires_grad else ()
             kept = self.kept.get(op)
-            if g.requires_grad and kept is not None and kept not in axes:  # assemble's _parameters
+            if g.requires_grad and kept is not None and kept not in axes:
                 axes = with_kept_axes(self.mesh, axes, (kept,))
             self.params.append(_Param(g, layout, strategy, axes, stage, numel, nbytes))
             for axis in axes:
@@ -450,7 +750,7 @@ class MeshEstimate:
 
     def _group_seconds(self, kind: str, nbytes: int, size: int, stride: int) -> float:
         """One collective over a group of ``size`` dp ranks ``stride`` apart (the whole dp
-        axis when that is the group: assemble's _Step.add)."""
+        axis when that is the group)."""
         if size == self.dp_size:
             return self._seconds(kind, self.dp, nbytes)
         return float(
@@ -461,7 +761,8 @@ class MeshEstimate:
 
     def _shard_dims(self, cfg: ParallelConfig) -> list[int | None]:
         """Per parameter, the dim of its piece optimizer parallel splits under any ZeRO level
-        (assemble's _optimizer_shard; None: kept whole). The same for levels 1 to 3."""
+        (None: kept whole; assemble's ``_optimizer_shard`` writes why for the plan's record).
+        The same for levels 1 to 3."""
         if self._dims is None:
             threshold = int(cfg.optimizer_shard_threshold)
             self._dims = [
@@ -506,7 +807,7 @@ class MeshEstimate:
                 if p.strategy is not None:  # read by an op: it has a gradient to apply
                     tensors[p.stage] += 1
                     elements[p.stage] += p.numel / self.shard_size if dim is not None else p.numel
-        hardware = self._setup.hardware
+        hardware = self.hardware
         update = [optimizer_seconds(n, e, hardware) for n, e in zip(tensors, elements, strict=True)]
         items: list[list[_Item]] = [[] for _ in range(stages)]
         overlappable: list[list[Overlappable]] = [[] for _ in range(stages)]
@@ -519,8 +820,8 @@ class MeshEstimate:
         return _Level(items, sharded, whole, update, overlappable)
 
     def _bucket_list(self, cfg: ParallelConfig) -> list[_Bucket]:
-        """Every dp bucket in plan order (assemble's _fused_reductions): the trainable
-        parameters not split over dp, bucketed per stage by their local bytes; its members
+        """Every dp bucket in plan order, as the runtime forms them (:func:`plan_buckets`): the
+        trainable parameters not split over dp, bucketed per stage by their local bytes; its members
         are those whose gradient is pending over dp alone, split by ZeRO (at levels 1 to 3,
         :meth:`_shard_dims`) or whole."""
         if self._buckets is None:
@@ -627,7 +928,7 @@ class MeshEstimate:
         return items
 
     def _walk(self, cfg: ParallelConfig) -> tuple[StageActivations, ...]:
-        """Each stage's walk through one step (assemble's _memory): the activations' buffers
+        """Each stage's walk through one step: the activations' buffers
         once per recompute regions (and, with activation offload, micro-batch count: what
         moves depends on one micro-batch's sizes), the gradients once more per ZeRO on or
         off (which bucket members it splits)."""
@@ -672,15 +973,54 @@ class MeshEstimate:
         return self._frozen
 
     def predict(self, cfg: ParallelConfig) -> Estimate:
-        """Step time and peak memory of the plan ``assemble_plan`` would build for ``cfg``."""
-        other = self._for_stages_of(cfg)
+        """The prediction of the plan of this search under ``cfg``: the busiest stage's
+        compute and communication, less what hides behind compute, plus the schedule's
+        bubble and the optimizer step; the highest stage's peak memory."""
+        other = self.for_stages_of(cfg)
         if other is not self:
             return other.predict(cfg)
-        stages, m = self.stages, cfg.micro_batches
+        stages = self.stages
         level = self._level(cfg)
-        pipe = self._pipeline(m) if stages > 1 else None
+        pipe = self._pipeline(cfg.micro_batches) if stages > 1 else None
+        comm, forward = self._communication(level, pipe)
+        again, update = self._recomputed_s(cfg), level.update_s
+        compute = [c + a for c, a in zip(self.compute, again, strict=True)]
+        compute = [c + e for c, e in zip(compute, self._micro_batched_s(cfg), strict=True)]
+        clock, overlap = self._clock(cfg), self.hardware.comm_overlap
+        hidden = [
+            clock.hidden(s, level.overlappable[s] + _sends(pipe, s), overlap) for s in range(stages)
+        ]
+        busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
+        compute_s, comm_s = compute[busiest], comm[busiest]
+        bubble_s = schedule_bubble(cfg, compute_s, forward[busiest], comm_s)
+        peak = self._memory(cfg, level)
+        predicted = Prediction(
+            step_time_s=compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest],
+            optimizer_s=update[busiest],
+            compute_s=compute_s,
+            communication_s=comm_s,
+            overlapped_s=hidden[busiest],
+            bubble_s=bubble_s,
+            memory_bytes=peak.peak,
+            memory_by_kind={
+                "parameters": peak.parameters,
+                "gradients": peak.gradients,
+                "optimizer": peak.optimizer,
+                "activations": peak.activations,
+            },
+            flops_per_step=int(
+                self.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
+            ),
+        )
+        return Estimate(predicted, tuple(compute) if stages > 1 else ())
+
+    def _communication(
+        self, level: _Level, pipe: list[list[_Item]] | None
+    ) -> tuple[list[float], list[float]]:
+        """Per stage, the seconds of every collective it issues per step, and of those in
+        forward (the bubble counts them in the forward pass), summed in plan order."""
         comm, forward = [], []
-        for s in range(stages):
+        for s in range(self.stages):
             acc, fwd = self.op_sums[s]
             parts = [self.param_items[s], level.items[s], self.loss_items[s]]
             if pipe is not None:
@@ -692,21 +1032,10 @@ class MeshEstimate:
                         fwd += seconds
             comm.append(acc)
             forward.append(fwd)
-        again, update = self._recomputed_s(cfg), level.update_s
-        compute = [c + a for c, a in zip(self.compute, again, strict=True)]
-        compute = [c + e for c, e in zip(compute, self._micro_batched_s(cfg), strict=True)]
-        clock, overlap = self._clock(cfg), self._setup.hardware.comm_overlap
-        hidden = [
-            clock.hidden(s, level.overlappable[s] + _sends(pipe, s), overlap) for s in range(stages)
-        ]
-        busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
-        compute_s, comm_s = compute[busiest], comm[busiest]
-        bubble_s = _bubble(cfg, compute_s, forward[busiest], comm_s)
-        step = compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest]
-        return Estimate(step, self._memory(cfg, level))
+        return comm, forward
 
     def _micro_batched_s(self, cfg: ParallelConfig) -> list[float]:
-        """Per stage, the fixed op costs micro-batches pay again (assemble's _predict)."""
+        """Per stage, the fixed op costs micro-batches pay again (:func:`micro_batch_seconds`)."""
         key = (cfg.micro_batches, cfg.grad_accumulation)
         found = self._split.get(key)
         if found is None:
@@ -717,8 +1046,8 @@ class MeshEstimate:
         return found
 
     def _clock(self, cfg: ParallelConfig) -> StageClock:
-        """When each op runs inside a micro-step under ``cfg``'s recompute (assemble's
-        _predict), for what hides behind compute."""
+        """When each op runs inside a micro-step under ``cfg``'s recompute, for what hides
+        behind compute."""
         trace = self.facts.trace(cfg)
         key = (id(trace), cfg.micro_batches)
         found = self._clocks.get(key)
@@ -731,7 +1060,7 @@ class MeshEstimate:
 
     def _recomputed_s(self, cfg: ParallelConfig) -> list[float]:
         """Per stage, the forward seconds backward runs again under ``cfg``'s recompute
-        (assemble's _predict: a third of each recomputed op's time, per micro-step)."""
+        (:func:`recomputed_seconds`: a third of each recomputed op's time, per micro-step)."""
         trace = self.facts.trace(cfg)
         found = self._again.get(id(trace))
         if found is None:
@@ -740,11 +1069,12 @@ class MeshEstimate:
             )
         return found
 
-    def _memory(self, cfg: ParallelConfig, level: _Level) -> int:
-        """Peak bytes per device over the stages (assemble's _memory, per stage)."""
+    def _memory(self, cfg: ParallelConfig, level: _Level) -> PeakMemory:
+        """The peak of the stage with the highest (the first of equals): its model states by
+        ZeRO level and its walk through one step (:func:`stage_memory`)."""
         walked = self._walk(cfg)
         frozen_numel = self._frozen_numel()
-        peak = 0
+        highest: PeakMemory | None = None
         for s in range(self.stages):
             key = (
                 id(walked[s]),
@@ -757,9 +1087,9 @@ class MeshEstimate:
                 cfg.schedule,
                 cfg.virtual_stages,
             )
-            total = self._stage_bytes.get(key)
-            if total is None:
-                found = stage_memory(
+            found = self._stage_peaks.get(key)
+            if found is None:
+                found = self._stage_peaks[key] = stage_memory(
                     cfg,
                     s,
                     walked[s],
@@ -768,6 +1098,7 @@ class MeshEstimate:
                     frozen_numel[s],
                     self.dp_size,
                 )
-                total = self._stage_bytes[key] = found.peak
-            peak = max(peak, total)
-        return peak
+            if highest is None or found.peak > highest.peak:
+                highest = found
+        assert highest is not None  # a plan has at least one stage
+        return highest

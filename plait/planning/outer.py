@@ -19,9 +19,8 @@ other meshes and levels are left out.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
 options are predicted (step time and memory) from the mesh's shared work by
-:class:`~plait.planning.estimate.MeshEstimate`, term for term what ``assemble_plan`` would
-predict, and only the winner is assembled (and checked against its prediction: on any
-difference every option is assembled instead). A mesh whose lower bound (:func:`_lower_bound`)
+:class:`~plait.planning.estimate.MeshEstimate`, and only the winner is assembled, with the same
+predictor (its prediction is the plan's). A mesh whose lower bound (:func:`_lower_bound`)
 is slower than the runner-up found so far is not searched (a note names it). Where the time
 went: :class:`~plait.planning.timing.PlanTiming`.
 """
@@ -29,7 +28,6 @@ went: :class:`~plait.planning.timing.PlanTiming`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,8 +38,14 @@ from torch import nn
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
-from plait.planning.assemble import PP_AXIS, _bubble, assemble_plan, micro_batch_seconds
-from plait.planning.estimate import GraphFacts, MeshEstimate
+from plait.planning.assemble import assemble_plan
+from plait.planning.estimate import (
+    PP_AXIS,
+    GraphFacts,
+    MeshEstimate,
+    micro_batch_seconds,
+    schedule_bubble,
+)
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
 from plait.planning.setup import SearchSetup, compute_model, hardware_of, mesh_of, prepare
@@ -56,8 +60,6 @@ MAX_TP = 8  # tensor parallel beyond one node's NVLink domain rarely pays (Megat
 LEVELS: tuple[int | None, ...] = (None, 1, 2, 3)
 RECOMPUTES = ("none", "selective", "full")
 KEPT_OPTIONS = 12
-
-_log = logging.getLogger("plait.planning")
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,10 @@ def auto_plan(
             with timing.phase("estimate"):
                 # at the options' micro-batch count: it weighs in the stage partition
                 at_m = _with(base, micro_batches=variants[0][1].micro_batches)
-                done.estimate = MeshEstimate(facts, at_m, setup, decisions)
+                done.estimate = MeshEstimate(
+                    facts, at_m, setup.mesh, setup.problem, setup.topology, setup.hardware,
+                    decisions,
+                )  # fmt: skip
                 found = _escalate(len(searched) - 1, searched, limit, timing)
         trials += found
         fits = sorted(fits + [t.option.step_time_s for t in found if t.option.feasible])
@@ -250,32 +255,6 @@ def auto_plan(
         with timing.phase("assemble"):
             best.plan = _assemble(graph, best.cfg, searched[best.search], model_name)
         timing.assembled += 1
-        if not _agrees(best.plan, best.option):
-            _log.warning(
-                "plait.planning.estimate predicted %s s and %s B for %s but the assembled plan "
-                "says %s s and %s B: assembling every option instead (estimate.py no longer "
-                "matches assemble.py)",
-                best.option.step_time_s,
-                best.option.memory_bytes,
-                _describe(best.option),
-                best.plan.predicted.step_time_s,
-                best.plan.predicted.memory_bytes,
-            )
-            if pruned:  # the bounds were weighed against estimates: weigh every mesh again
-                return auto_plan(
-                    graph,
-                    cfg,
-                    model=model,
-                    hardware_file=hardware_file,
-                    runnable_only=runnable_only,
-                    timing=timing,
-                    exhaustive=True,
-                    prune=False,
-                )
-            trials = [t for t in trials if t.cfg is None]
-            for k in range(len(searched)):
-                trials += _escalate(k, searched, limit, timing, graph, model_name)
-            best, ranked, real, feasible = _rank(trials)
     plan = _winner(best, ranked, real, feasible, limit, cfg)
     if pruned:  # before the note on why the winner won, which stays last
         notes = (*plan.notes[:-1], _pruned_note(pruned), plan.notes[-1])
@@ -289,9 +268,9 @@ def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> 
     Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
     the stage's devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp``
     of the fixed costs micro-batches pay again, each op at worst whole (what an op pays again
-    only grows as its pieces do: :func:`~plait.planning.assemble.micro_batch_seconds`);
+    only grows as its pieces do: :func:`~plait.planning.estimate.micro_batch_seconds`);
     communication adds to that; and with 1F1B or GPipe the bubble grows with the stage's
-    time, so it is at least the bubble of that much compute alone (assemble's ``_bubble``).
+    time, so it is at least the bubble of that much compute alone (:func:`schedule_bubble`).
     Other schedules get no bubble in the bound.
     """
     pp = cfg.pipeline_stages
@@ -302,7 +281,7 @@ def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> 
     again = micro_batch_seconds(graph, one_stage, whole, op_compute, cfg, 1)[0]
     compute = (total + again) / pp
     if pp > 1 and cfg.schedule in ("1f1b", "gpipe"):
-        return compute + _bubble(cfg, compute, 0.0, 0.0)
+        return compute + schedule_bubble(cfg, compute, 0.0, 0.0)
     return compute
 
 
@@ -376,6 +355,7 @@ def _assemble(graph: OpGraph, cfg: ParallelConfig, done: _Searched, model_name: 
         setup.topology,
         setup.hardware,
         model_name,
+        estimate=done.estimate,  # None when every option is assembled (exhaustive)
     )
 
 
@@ -393,13 +373,6 @@ def _option(
         memory,
         fits,
         note,
-    )
-
-
-def _agrees(plan: Plan, option: PlanOption) -> bool:
-    """Does the assembled plan predict what the estimate said (up to float rounding)?"""
-    return plan.predicted.memory_bytes == option.memory_bytes and math.isclose(
-        plan.predicted.step_time_s, option.step_time_s, rel_tol=1e-9, abs_tol=1e-15
     )
 
 

@@ -29,8 +29,8 @@ seconds are ``(1 - eta) * total + eta * simulated``. Datasheet GPUs overlap full
 kernels run on their own stream); ``plait calibrate`` measures it on ``local``, where the
 cores that compute also run gloo's threads.
 
-One function for the plan (:mod:`plait.planning.assemble`) and the outer planner's estimate
-(:mod:`plait.planning.estimate`), so both hide the same floats.
+Called by the one predictor (:mod:`plait.planning.estimate`), whose prediction is both the
+outer planner's and the assembled plan's.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Overlappable:
 class StageClock:
     """When, inside one micro-step of each pipeline stage, forward reaches an op and backward
     has passed it: the op's forward and backward seconds (its recomputed forward counted in
-    backward), split off its per-step time as :func:`~plait.planning.assemble._predict` does."""
+    backward), split off its per-step time as :meth:`~plait.planning.estimate.MeshEstimate.predict` does."""
 
     def __init__(
         self,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+from plait.cost.memory import Schedule, in_flight_micro_batches
 from plait.errors import PlaitError, PlanError
 from plait.planning.checks import PHASES, Strategy, close_matches, few
-from plait.planning.timeline import in_flight_micro_batches
 
 if TYPE_CHECKING:  # reads a plan's contents (the Plan below calls this module)
     from plait.planning.entries import PlanContents, PlannedOp, PlannedParameter
@@ -224,7 +224,7 @@ def _pipeline_lines(plan: PlanContents) -> list[str]:
         if plan.predicted.step_time_s
         else 0
     )
-    held = in_flight_micro_batches(plan.schedule, 0, p, plan.micro_batches, v)
+    held = in_flight_micro_batches(0, p, plan.micro_batches, cast(Schedule, plan.schedule), v)
     shown = str(held) if held.denominator == 1 else f"{float(held):.3g}"
     return [
         f"  pipeline schedule {plan.schedule}, {v} chunk{'s' if v > 1 else ''} a rank "

@@ -22,7 +22,8 @@ from plait.errors import ConfigError, NotBuiltError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.planning.assemble import BACKWARD_FLOPS_FACTOR, LOW_PRECISION_ACTIVATIONS, PP_AXIS
+from plait.planning.estimate import LOW_PRECISION_ACTIVATIONS, PP_AXIS
+from plait.planning.timeline import BACKWARD_FLOPS_FACTOR
 from plait.rules import default_catalogue
 from plait.rules.registry import OpStrategy
 from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints

@@ -10,9 +10,10 @@ of work, the idle bubble hatched) or writes it as a Chrome trace
 the same :class:`Timeline`: :class:`StageTimer` times the passes of a real run's stages and
 :func:`timeline_from_records` puts the ranks' records together.
 
-The closed forms the planner predicts with (:func:`bubble_seconds`,
-:func:`in_flight_micro_batches`) live here too, next to the schedules they describe
-(docs/planner.md, "Pipeline timeline", cites them).
+The bubble's closed form the planner predicts with (:func:`bubble_seconds`) lives here too,
+next to the schedules it describes (docs/planner.md, "Pipeline timeline", cites it); the
+micro-batches a schedule keeps in flight are the memory model's
+(:func:`plait.cost.memory.in_flight_micro_batches`).
 
 No process group and no plotting library: the PNG is written with zlib and struct, its
 labels in a 5x7 bitmap font of capitals, digits and a little punctuation.
@@ -31,10 +32,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from plait.cost.memory import Schedule
-from plait.cost.memory import in_flight_micro_batches as _held_micro_batches
 from plait.errors import PlanError
 
 if TYPE_CHECKING:  # plan_timeline reads a plan's contents; the Plan calls it
@@ -51,7 +50,6 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "bubble_seconds",
-    "in_flight_micro_batches",
     "plan_timeline",
     "schedule_order",
     "simulate",
@@ -114,25 +112,6 @@ def bubble_seconds(
         return (p - 1) * max(f, b, f + b - w) / v
     if schedule == "zero_bubble_v":
         return (p - 1) * max(f, b, f + b - 2 * w) / 2
-    raise _bad_schedule(schedule)
-
-
-def in_flight_micro_batches(
-    schedule: str, stage: int, stages: int, micro_batches: int, virtual_stages: int = 1
-) -> Fraction:
-    """Micro-batches whose activations pipeline rank ``stage`` holds at its peak (in units of
-    the rank's whole share of the model for one micro-batch).
-
-    GPipe holds all ``m``, 1F1B ``p - stage`` (Narayanan et al. 2021), interleaving a little
-    more (its warm-up runs ahead by chunks); the zero-bubble schedules keep 1F1B's peak (Qi
-    et al. 2023: ZB-H1 and ZB-V "1x"), counted here as interleaved 1F1B's and 1F1B's.
-    """
-    if schedule in ("interleaved_1f1b", "zero_bubble"):
-        return _held_micro_batches(
-            stage, stages, micro_batches, "interleaved_1f1b", chunks=virtual_stages
-        )
-    if schedule in ("gpipe", "1f1b", "zero_bubble_v"):
-        return _held_micro_batches(stage, stages, micro_batches, cast(Schedule, schedule))
     raise _bad_schedule(schedule)
 
 

@@ -36,7 +36,9 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from plait.cost.memory import kept_by_selective as kept_by_op_base
+# the memory model's rule, which reads schema names ("aten::mm") too: what the plan predicts
+# is what the pass keeps (pipeline stages import it from here)
+from plait.cost.memory import kept_by_selective
 
 __all__ = [
     "TAG",
@@ -111,13 +113,6 @@ _is_collective = is_collective
 
 def _is_matmul_like(node: Node) -> bool:
     return kept_by_selective(_op_name(node))
-
-
-def kept_by_selective(op_name: str) -> bool:
-    """Whether selective recompute keeps the result of the op of schema name ``op_name``
-    (``"aten::mm"``): the memory model's rule (:func:`plait.cost.memory.kept_by_selective`),
-    so what the plan predicts is what the pass keeps."""
-    return kept_by_op_base(op_name.replace("::", ".", 1))
 
 
 def _argument(node: Node, index: int, arg: Any) -> Any:

@@ -127,7 +127,7 @@ def test_micro_batches_pay_each_ops_fixed_costs_again(overhead, floor) -> None:
     FLOP-bound time is the same, its per-op host cost (or the kernel floor of an op below it)
     is paid three times more, forward and backward (3 passes), per micro-step."""
     from plait.cost.hardware import local_defaults
-    from plait.planning.assemble import micro_batch_seconds
+    from plait.planning.estimate import micro_batch_seconds
     from plait.planning.setup import compute_model
 
     graph, _ = _three_linears()

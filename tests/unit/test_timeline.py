@@ -17,6 +17,7 @@ import torch
 
 from plait.cli import main
 from plait.config import ParallelConfig
+from plait.cost.memory import in_flight_micro_batches
 from plait.errors import PlanError
 from plait.graph import capture
 from plait.models import GPTConfig, TinyGPT, gpt_loss
@@ -28,7 +29,6 @@ from plait.planning.timeline import (
     Timeline,
     TimelineEvent,
     bubble_seconds,
-    in_flight_micro_batches,
     schedule_order,
     simulate,
     stage_rank,
@@ -136,10 +136,10 @@ def test_in_flight_micro_batches_by_schedule() -> None:
         v = VIRTUAL[schedule]
         timeline = simulate(schedule, p, m, EVEN, v)
         for r in range(p):
-            assert timeline.peak_in_flight(r) == in_flight_micro_batches(schedule, r, p, m, v)
-    assert in_flight_micro_batches("gpipe", 0, p, m) == m
-    assert [in_flight_micro_batches("1f1b", r, p, m) for r in range(p)] == [4, 3, 2, 1]
-    assert in_flight_micro_batches("interleaved_1f1b", 0, p, m, 2) == Fraction(11, 2)
+            assert timeline.peak_in_flight(r) == in_flight_micro_batches(r, p, m, schedule, v)
+    assert in_flight_micro_batches(0, p, m, "gpipe") == m
+    assert [in_flight_micro_batches(r, p, m, "1f1b") for r in range(p)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches(0, p, m, "interleaved_1f1b", 2) == Fraction(11, 2)
 
 
 # --------------------------------------------------------------------------- planner

@@ -10,7 +10,7 @@ TRANSFORMERS ?= transformers>=4.57,<6
 HF_TESTS := tests/sim/test_hf_capture.py tests/sim/test_plan_matrix.py tests/sim/test_pretrained.py \
 	tests/sim/test_auto_parallelize.py tests/unit/test_checkpoint_offline.py tests/sim/test_predict.py
 
-.PHONY: demo test test-nightly test-hf test-transformers4 lint typecheck install clean
+.PHONY: demo test test-nightly nightly test-hf test-transformers4 lint typecheck install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 # the larger matrix cases too (marked nightly; deselected from `make test`)
 test-nightly: $(STAMP)
 	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q tests
+
+# the nightly cases alone (what .ci/run adds after `make test`)
+nightly: $(STAMP)
+	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q -m nightly tests
 
 # the tests that build Hugging Face models (nightly cases too), on this venv's transformers
 test-hf: $(STAMP)

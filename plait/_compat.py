@@ -34,6 +34,7 @@ __all__ = [
     "implicit_replication_active",
     "load_dcp_keys",
     "local_tensor_mode_active",
+    "output_structure",
     "own_per_rank",
     "partition_joint_graph",
     "same_on_every_rank",
@@ -355,6 +356,17 @@ def unflatten_mesh_dim(device_mesh, dim: str, sizes: tuple[int, ...], names: tup
     except AttributeError as e:  # pragma: no cover
         raise _fail("DeviceMesh._unflatten", "optimizer_weight_shard_size (HSDP)", e) from e
     return unflatten(index, sizes, names)
+
+
+def output_structure(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The pytree spec of ``model(*args, **kwargs)``'s output (a Hugging Face ``ModelOutput``
+    with its fields, a tuple...), from one forward on fake tensors (nothing computed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        out = model(*args, **kwargs)
+    return tree_flatten(out)[1]
 
 
 def aot_joint_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:

@@ -8,6 +8,8 @@ features that are not built yet are accepted here (so configs are stable) and re
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import os
 import re
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, NotBuiltError
 
 __all__ = ["CommFusion", "ParallelConfig"]
 
@@ -395,3 +397,75 @@ class ParallelConfig:
             for f in fields(self)
             if f.init and getattr(self, f.name) != getattr(defaults, f.name)
         }
+
+
+# Options users of the field (MindSpore's auto-parallel context, Megatron, torchtitan) write
+# that plait has not built yet: each names what it is, so a config asking for it is refused
+# by name (a NotBuiltError), not with Python's "unexpected keyword argument".
+NOT_BUILT_FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "parameter_server": "parameter-server training (sparse tables on server ranks)",
+        "sequence_parallel": "sequence parallel (activations split along the sequence)",
+        "context_parallel": "context parallel (ring attention over a 'cp' axis)",
+        "expert_parallel": "expert parallel (mixture-of-experts layers over an 'ep' axis)",
+        "multi_copy": "multi-copy parallel (a batch cut in two to overlap communication)",
+        "elastic": "elastic training (scaling the world in and out between steps)",
+        "enable_alltoall": "all-to-all redistribution (MindSpore's enable_alltoall)",
+        "mp_comm_recompute": "re-issuing tensor-parallel collectives under recompute",
+        "parameter_broadcast": "broadcasting parameters from rank 0 (plait builds them alike "
+        "on every rank from the same seed)",
+    }
+)
+# Other tools' names for fields plait has, for "did you mean".
+_SAME_AS: Mapping[str, str] = MappingProxyType(
+    {
+        "parallel_mode": "mode",
+        "device_num": "devices",
+        "search_mode": "search",
+        "full_batch": "dataset_strategy='full_batch'",
+        "enable_parallel_optimizer": "optimizer_shard",
+        "optimizer_level": "optimizer_shard",
+        "parallel_optimizer_threshold": "optimizer_shard_threshold",
+        "pipeline_config": "schedule",
+        "pipeline_parallel_degree": "mesh={'pp': N}",
+        "tensor_parallel_degree": "mesh={'tp': N}",
+        "data_parallel_degree": "mesh={'dp': N}",
+        "gradient_accumulation_steps": "grad_accumulation",
+        "micro_batch_num": "micro_batches",
+        "mixed_precision": "precision",
+        "activation_checkpointing": "recompute",
+    }
+)
+
+
+def _refuse_unknown_fields(given: Mapping[str, Any]) -> None:
+    """A keyword ParallelConfig does not have: refused by name, with what to write instead."""
+    known = {f.name for f in fields(ParallelConfig) if f.init}
+    for name in given:
+        if name in known:
+            continue
+        if name in NOT_BUILT_FIELDS:
+            raise NotBuiltError(
+                f"ParallelConfig({name}=...): {NOT_BUILT_FIELDS[name]} is not built in this "
+                "version of plait yet; leave the field out"
+            )
+        hint = _SAME_AS.get(name) or next(iter(difflib.get_close_matches(name, known, 1)), None)
+        raise ConfigError(
+            f"ParallelConfig got an unknown field {name!r}"
+            + (f"; did you mean {hint}?" if hint else "")
+            + f" (its fields: {', '.join(sorted(known))})"
+        )
+
+
+def _with_known_fields(init: Any) -> Any:
+    """``ParallelConfig.__init__`` refusing unknown keywords by name before dataclass's."""
+
+    @functools.wraps(init)
+    def checked(self: ParallelConfig, *args: Any, **kwargs: Any) -> None:
+        _refuse_unknown_fields(kwargs)
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+ParallelConfig.__init__ = _with_known_fields(ParallelConfig.__init__)  # type: ignore[method-assign]

@@ -7,6 +7,10 @@ Models are built on the meta device: no parameter memory, no process group. Ever
 ``ParallelConfig`` field is a flag (``--mode``, ``--mesh``, ``--optimizer-shard``, ...).
 With pipeline stages, ``--timeline FILE.png`` draws the predicted schedule and ``--trace
 FILE.json`` writes it as a Chrome trace.
+
+Exit status: 0 with a plan that fits device memory, 2 for bad input, 3 when the plan printed
+does not fit (nothing the planner weighed fits ``--memory-limit`` or the profile's device
+memory): scripts see the failure, and the summary still says what was closest.
 """
 
 from __future__ import annotations
@@ -28,8 +32,19 @@ from plait.config import (
     Search,
 )
 from plait.errors import ConfigError, PlaitError, PlanError
+from plait.planning import fmt_bytes
 
-__all__ = ["add_plan_arguments", "config_from_args", "plan_command", "run_plan"]
+__all__ = [
+    "EXIT_DOES_NOT_FIT",
+    "add_plan_arguments",
+    "config_from_args",
+    "memory_verdict",
+    "plan_command",
+    "run_plan",
+]
+
+EXIT_DOES_NOT_FIT = 3
+"""`plait plan`'s exit status when the plan it prints does not fit device memory."""
 
 MODELS = ("gpt", "llama", "mlp", "bert", "cnn")
 
@@ -255,6 +270,11 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def run_plan(args: argparse.Namespace) -> str:
     """Handler of `plait plan`: never starts a process group; returns the text to print."""
+    return run_plan_with(args)[0]
+
+
+def run_plan_with(args: argparse.Namespace) -> tuple[str, Any]:
+    """`plait plan`'s text and the plan it made."""
     import plait
 
     cfg = config_from_args(args)
@@ -268,7 +288,7 @@ def run_plan(args: argparse.Namespace) -> str:
         plan.save(args.json)
         parts.append(f"plan written to {args.json}")
     parts += _timeline_files(plan, args)
-    return "\n\n".join(parts)
+    return "\n\n".join(parts), plan
 
 
 def _timeline_files(plan: Any, args: argparse.Namespace) -> list[str]:
@@ -290,13 +310,40 @@ def _timeline_files(plan: Any, args: argparse.Namespace) -> list[str]:
     return out
 
 
+def memory_verdict(plan: Any) -> str | None:
+    """Why the plan does not fit device memory, or None when it fits: the outer planner's
+    winner is marked infeasible (nothing it weighed fits its limit: ``memory_limit`` or the
+    profile's device memory), or the predicted peak is over the given ``memory_limit``."""
+    peak = plan.predicted.memory_bytes
+    if plan.options and not plan.options[0].feasible:
+        return (
+            f"none of the {len(plan.options)} options weighed fits device memory; the "
+            f"smallest shown needs {fmt_bytes(peak)} per device"
+        )
+    if plan.memory_limit is not None and peak > plan.memory_limit:
+        return (
+            f"the plan needs {fmt_bytes(peak)} per device, over memory_limit "
+            f"{fmt_bytes(plan.memory_limit)}"
+        )
+    return None
+
+
 def _plan(args: argparse.Namespace) -> int:
     try:
-        print(run_plan(args))
-        return 0
+        text, plan = run_plan_with(args)
     except PlaitError as e:
         print(f"plait plan: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    print(text)
+    verdict = memory_verdict(plan)
+    if verdict is None:
+        return 0
+    print(
+        f"plait plan: does not fit: {verdict}; the summary's notes say what else could "
+        "(more devices, optimizer_shard=3, recompute='full', offload)",
+        file=sys.stderr,
+    )
+    return EXIT_DOES_NOT_FIT
 
 
 def plan_command() -> Command:

@@ -1,6 +1,6 @@
 """plait's own handling of a few ops on DTensors, ahead of DTensor's generic dispatch.
 
-Active during a Job's forward and backward as a ``TorchFunctionMode``. Four cases:
+Active during a Job's forward and backward as a ``TorchFunctionMode``. Five cases:
 
 1. **Mean-reduced losses.** In torch 2.13/2.14 DTensor runs the backward kernels of several
    losses (``mse_loss``, ``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
@@ -27,6 +27,9 @@ Active during a Job's forward and backward as a ``TorchFunctionMode``. Four case
    summed, and divided by the global count of counted targets, they are exact (one scalar
    all-reduce for each; the backward needs none).
 
+5. **Export's assertions** (:data:`EXPORT_ASSERTIONS`) on DTensors: skipped (a pipeline
+   stage is a piece of an exported graph).
+
 Anything else goes to DTensor unchanged; plain tensors are never touched.
 """
 
@@ -43,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
 from plait.layout import TensorLayout
 
-__all__ = ["PlaitDispatchMode"]
+__all__ = ["EXPORT_ASSERTIONS", "PlaitDispatchMode", "local_attention", "local_batched_matmul"]
 
 _MEAN_LOSSES = {
     F.mse_loss,
@@ -53,6 +56,20 @@ _MEAN_LOSSES = {
     F.soft_margin_loss,
 }
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+# Shape and metadata assertions torch.export leaves in a graph (``x.to(dtype)`` leaves
+# ``_assert_tensor_metadata``): checks of the export's own tracing, nothing to compute. DTensor
+# has no strategy for them; run on DTensors (a graph split into pipeline stages) they are
+# skipped, as the plan executor skips them.
+EXPORT_ASSERTIONS = frozenset(
+    {
+        "aten._assert_tensor_metadata.default",
+        "aten._assert_async.default",
+        "aten._assert_async.msg",
+        "aten._assert_scalar.default",
+        "aten.sym_constrain_range.default",
+        "aten.sym_constrain_range_for_size.default",
+    }
+)
 _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 _ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
@@ -96,8 +113,11 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
 
     Applies to DTensor ``q[..., H, L, E]``, ``k[..., Hk, S, E]``, ``v[..., Hk, S, Ev]`` on one
     mesh whose leading (batch and head) dims are split alike and evenly, the last two dims
-    whole, no pending sum, no mask and no dropout (a mask would need its own pieces, dropout
-    each piece's own random stream). Grouped-query attention (``enable_gqa``) keeps its ratio
+    whole, no pending sum and no dropout (dropout would need each piece's own random
+    stream). A mask (a plain tensor or a replicated DTensor) is read
+    whole by every rank where it broadcasts over the split dims (size 1 there), as a causal
+    or padding mask over heads does; a mask with its own per-head or per-row values on split
+    dims is left to DTensor. Grouped-query attention (``enable_gqa``) keeps its ratio
     of query to kv heads on every rank because both head counts divide by the split.
     """
     if len(args) > len(_ATTENTION_ARGS):
@@ -109,7 +129,7 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
     q, k, v = named.get("query"), named.get("key"), named.get("value")
     if not (isinstance(q, DTensor) and isinstance(k, DTensor) and isinstance(v, DTensor)):
         return None
-    if named.get("attn_mask") is not None or named.get("dropout_p", 0.0) != 0.0:
+    if named.get("dropout_p", 0.0) != 0.0:
         return None
     if set(named) - {*_ATTENTION_ARGS, "enable_gqa"} or q.ndim < 3:
         return None
@@ -124,10 +144,14 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
         for size, axes in zip(t.shape[:-2], lead, strict=True):
             if size % math.prod(mesh.axis_size(a) for a in axes):
                 return None  # uneven pieces would pair other heads or rows
+    mask = _whole_mask(named.get("attn_mask"), lead)
+    if mask is False:
+        return None
     local = torch.ops.aten.scaled_dot_product_attention.default(
         q.to_local(),
         k.to_local(),
         v.to_local(),
+        attn_mask=mask,
         is_causal=bool(named.get("is_causal", False)),
         scale=named.get("scale"),
         enable_gqa=bool(named.get("enable_gqa", False)),
@@ -141,6 +165,29 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
         shape=shape,
         stride=contiguous_stride(shape),
     )
+
+
+def _whole_mask(mask: Any, lead: tuple[tuple[str, ...], ...]) -> Any:
+    """The attention mask each rank's local attention reads: None, or the whole mask (a
+    plain tensor, or a replicated DTensor's value) where every split dim of q's batch and
+    heads is one the mask broadcasts over (size 1 or absent); False where the mask would
+    need its own pieces."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        return False
+    if mask.requires_grad and any(lead):
+        return False  # a learned bias: each rank's gradient would be a share of the sum
+    if isinstance(mask, DTensor):
+        if any(not p.is_replicate() for p in mask.placements):
+            return False
+        mask = mask.to_local()
+    scores = len(lead) + 2  # q's batch and head dims, then query and key positions
+    for i, axes in enumerate(lead):
+        dim = i - scores + mask.ndim  # the mask aligned to the scores from the right
+        if axes and dim >= 0 and mask.shape[dim] != 1:
+            return False
+    return mask
 
 
 # The same losses as aten ops (the plan executor runs exported graphs): argument position of
@@ -223,6 +270,12 @@ class PlaitDispatchMode(TorchFunctionMode):
             out = local_batched_matmul(*args)
             if out is not None:
                 return out
+        if (
+            isinstance(func, torch._ops.OpOverload)
+            and str(func) in EXPORT_ASSERTIONS
+            and any(isinstance(a, DTensor) for a in args)
+        ):
+            return None
         if func in _ATTENTION:
             out = local_attention(args, kwargs)
             if out is not None:

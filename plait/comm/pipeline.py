@@ -14,7 +14,8 @@ inside the trace, its gradient added to ``.grad`` after) is here too, for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,13 +71,47 @@ def split_model(
     kwargs: dict[str, Any],
     starts: Sequence[str],
 ) -> Any:
-    """The model split before each module of ``starts`` (one micro-batch's inputs traced)."""
-    return pipeline(
-        model,
-        mb_args=args,
-        mb_kwargs=kwargs or None,
-        split_spec={name: SplitPoint.BEGINNING for name in starts},
-    )
+    """The model split before each module of ``starts`` (one micro-batch's inputs traced).
+
+    A Hugging Face model returns its key/value cache (a ``DynamicCache``, which torch's
+    export cannot carry out of a graph) unless its config says ``use_cache=False``; training
+    never reads it, so the split is traced without it."""
+    with without_cache(model):
+        return pipeline(
+            model,
+            mb_args=args,
+            mb_kwargs=kwargs or None,
+            split_spec={name: SplitPoint.BEGINNING for name in starts},
+        )
+
+
+def inputs_past_the_first_stage(pipe: Any) -> list[str]:
+    """The model inputs of a split that its first stage does not take (torch's schedules hand
+    all of a micro-batch's inputs to the first stage, and only to it): one read by a later
+    stage alone (a loss computed inside the model from ``labels=``), or by none (an input the
+    trace found to be another input's tensor, ``labels=input_ids``)."""
+    graph = pipe.split_gm.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    if not calls:
+        return []
+    first = set(calls[0].all_input_nodes)
+    return [n.name for n in inputs if n not in first]
+
+
+@contextlib.contextmanager
+def without_cache(model: nn.Module) -> Iterator[None]:
+    """``model.config.use_cache`` off inside (Hugging Face models), as it was after."""
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
+    if not isinstance(cached, bool) or not cached:
+        yield
+        return
+    config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.use_cache = cached  # type: ignore[union-attr]
 
 
 def stage_indices(schedule: str, rank: int, pp: int, virtual: int) -> list[int]:

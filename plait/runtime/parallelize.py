@@ -96,6 +96,52 @@ def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
     return cfg
 
 
+def _refuse_idle_settings(cfg: ParallelConfig) -> None:
+    """Settings that would do nothing on this job are refused by name, not ignored: a
+    pipeline schedule (or virtual stages) on a job with one stage. Under mode auto with the
+    mesh left to plait, or a plan file, the stages are not known yet: the plan decides."""
+    if cfg.pipeline_stages > 1 or cfg.plan is not None:
+        return
+    if cfg.mode == "auto" and cfg.mesh is None:
+        return  # the outer planner may choose stages; the schedule is theirs
+    if cfg.schedule != "1f1b":
+        raise ConfigError(
+            f"ParallelConfig(schedule={cfg.schedule!r}) on a job with one pipeline stage "
+            f"(mesh {cfg.mesh_dict or 'dp only'}, mode {cfg.mode!r}): a schedule orders the "
+            "micro-batches of several stages and would do nothing here; add a 'pp' axis to the "
+            "mesh (e.g. mesh={'pp': 2, 'dp': 2}), or leave schedule out"
+        )
+
+
+def _refuse_plan_overrides(plan: Plan, cfg: ParallelConfig, where: str) -> None:
+    """``ParallelConfig(plan=...)`` runs the plan's mesh, mode, search, recompute, stages and
+    schedule: a config field set to something else (a value other than its default) would be
+    ignored, so it is refused by name."""
+    defaults = ParallelConfig()
+    pairs = [
+        ("mesh", plan.mesh.as_dict(), cfg.mesh_dict if cfg.mesh is not None else None),
+        ("devices", plan.mesh.size, cfg.devices),
+        ("mode", plan.mode, cfg.mode if cfg.mode != defaults.mode else None),
+        ("search", plan.search, cfg.search),
+        ("recompute", plan.recompute, cfg.recompute if cfg.recompute != "none" else None),
+        (
+            "recompute_modules",
+            tuple(tuple(r) for r in plan.recompute_regions),
+            cfg.recompute_modules or None,
+        ),
+        ("micro_batches", plan.micro_batches, cfg.micro_batches if cfg.micro_batches > 1 else None),
+        ("schedule", plan.schedule, cfg.schedule if cfg.schedule != defaults.schedule else None),
+    ]
+    for name, planned, given in pairs:
+        if given is not None and given != planned:
+            raise ConfigError(
+                f"ParallelConfig(plan=..., {name}={given!r}): {where} was made with {name}="
+                f"{planned!r}, and a plan runs as it was made, so {name} would be ignored; leave "
+                f"{name} out (the plan's is used), or plan again with plait.plan(..., "
+                f"ParallelConfig({name}={given!r}, ...))"
+            )
+
+
 def _refuse_unbuilt(cfg: ParallelConfig) -> None:
     planned = cfg.mode == "auto" or cfg.plan is not None
     checks = [
@@ -242,6 +288,7 @@ def parallelize(
             f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
     _refuse_unbuilt(config)
+    _refuse_idle_settings(config)
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     world = current_world()
@@ -333,6 +380,7 @@ def _planned_job(
     micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
     if plan is None and config.plan is not None:
         plan = Plan.load(config.plan)
+        _refuse_plan_overrides(plan, config, where)
     if plan is not None:
         _check_plan_batch(plan, config, micro, where)
     world = current_world()

@@ -45,7 +45,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from plait._compat import dtensor_like, tree_leaves, tree_map
+from plait._compat import dtensor_like, output_structure, tree_leaves, tree_map, tree_unflatten
 from plait.annotate import pipeline_stage_marks
 from plait.comm import pipeline as pp_comm
 from plait.comm.dtensor import (
@@ -229,7 +229,23 @@ class PipelineJob(Job):
             layouts = inner_layouts(plan.parameters, mesh, config)
         elif inner:
             layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp)
+        with pp_comm.without_cache(model):
+            self._output_spec = output_structure(model, args, kwargs)
+        """The model's output structure: torch's split hands the last stage's output over as
+        its tensors (a Hugging Face ``ModelOutput`` comes as its logits), rebuilt for the
+        loss function (:meth:`_structured`)."""
         pipe = pp_comm.split_model(model, args, kwargs, starts)
+        late = pp_comm.inputs_past_the_first_stage(pipe)
+        if late:
+            raise NotBuiltError(
+                f"pipeline stages of {type(model).__name__}: the model inputs {late} are not "
+                "taken by the first stage (read by a later stage only, as a loss computed "
+                "inside the model from Hugging Face's labels= is), and torch's pipeline "
+                "schedules hand a micro-batch's inputs to the first stage alone. Compute the loss in loss_fn from the model's outputs "
+                "(e.g. F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), "
+                "labels.flatten())), or train without a 'pp' axis, where model(**batch).loss "
+                "runs as written"
+            )
         indices = pp_comm.stage_indices(config.schedule, pp_rank, pp, virtual)
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
         stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
@@ -334,9 +350,19 @@ class PipelineJob(Job):
         # the loss's own saved tensors (cross entropy's log-probabilities) wait on the host too
         saving = offload.saving((output, batch)) if offload else contextlib.nullcontext()
         with saving, autocast_for(self.config.precision, self._device.type):  # as one device's
-            loss = self.loss_fn(_Returns(self.model, output), batch)  # type: ignore[arg-type]
+            returned = _Returns(self.model, self._structured(output))
+            loss = self.loss_fn(returned, batch)  # type: ignore[arg-type]
         # fp16: the loss scaled before the schedule's backward (exact: a power of two)
         return loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    def _structured(self, output: Any) -> Any:
+        """The last stage's output in the structure the model returns (the loss function reads
+        ``.logits`` of a Hugging Face output, say); as it is where the leaves do not match."""
+        spec = self._output_spec
+        leaves = tree_leaves(output)
+        if spec.is_leaf() or spec.num_leaves != len(leaves):
+            return output
+        return tree_unflatten(leaves, spec)
 
     def _step(self, batch: Any) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -468,7 +494,7 @@ class PipelineJob(Job):
                 )
         finally:
             self._predicting = False
-        return self._gather_outputs(outputs[0] if outputs else None)
+        return self._structured(self._gather_outputs(outputs[0] if outputs else None))
 
     def _gather_outputs(self, mine: Any) -> Any:
         """Every data-parallel replica's last-stage outputs, concatenated in replica order,

@@ -48,7 +48,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from plait._compat import greedy_redistribution_planning, tree_unflatten
-from plait.comm.dispatch import PlaitDispatchMode
+from plait.comm.dispatch import EXPORT_ASSERTIONS, PlaitDispatchMode
 from plait.comm.dtensor import (
     build_device_mesh,
     distribute,
@@ -155,18 +155,6 @@ _UPDATES_INSIDE = {
     "aten.batch_norm.default": (3, 4),
     "aten.instance_norm.default": (3, 4),
 }
-
-# Nodes the capture drops (shape and metadata assertions): nothing to run on DTensors.
-_SKIPPED_TARGETS = frozenset(
-    {
-        "aten._assert_tensor_metadata.default",
-        "aten._assert_async.default",
-        "aten._assert_async.msg",
-        "aten._assert_scalar.default",
-        "aten.sym_constrain_range.default",
-        "aten.sym_constrain_range_for_size.default",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -775,7 +763,7 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
         outs = () if op is None else op.outputs
         steps[n.name] = _NodeStep(
             op=op,
-            skipped=str(n.target) in _SKIPPED_TARGETS,
+            skipped=str(n.target) in EXPORT_ASSERTIONS,
             local=_local_op(op) if by_rule and op is not None else None,
             mean_loss=mean_loss,
             writes=_writes_any(n.target),

@@ -182,3 +182,60 @@ def test_an_unbuilt_mode_is_refused_naming_itself_and_the_built_ones():
 def test_stand_alone_refuses_memory_passes_and_points_to_data_parallel():
     with pytest.raises(NotBuiltError, match="use mode 'data_parallel' on one process"):
         _parallelize(MLP(), ParallelConfig(mode="stand_alone", recompute="full"))
+
+
+# ----------------------------------------------------------- settings that would do nothing
+
+
+def test_error_unknown_and_unbuilt_config_fields_are_named():
+    with pytest.raises(NotBuiltError, match=r"ParallelConfig\(sequence_parallel=...\): sequence"):
+        ParallelConfig(mode="auto", sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"unknown field 'parallel_mode'; did you mean mode\?"):
+        ParallelConfig(parallel_mode="auto")
+    with pytest.raises(ConfigError, match=r"unknown field 'micro_batch'; did you mean micro_batch"):
+        ParallelConfig(micro_batch=4)
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto", "auto"])
+def test_error_a_schedule_on_one_stage_is_refused(mode):
+    config = ParallelConfig(mode=mode, mesh={"dp": 4}, schedule="zero_bubble")
+    with pytest.raises(ConfigError, match=r"schedule='zero_bubble'\) on a job with one pipeline"):
+        _parallelize(MLP((16, 32, 8)), config)
+
+
+def test_a_schedule_with_the_mesh_left_to_the_planner_is_kept():
+    """Mode auto on a free mesh may choose pipeline stages: the schedule is for them."""
+    config = ParallelConfig(mode="auto", schedule="zero_bubble")
+    with plait.testing.simulate(4):
+        plait.parallelize(
+            MLP((16, 32, 8)),
+            config,
+            optimizer=adamw,
+            loss_fn=mlp_loss,
+            example_batch=(torch.randn(8, 16), torch.randn(8, 8)),
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("mesh", {"dp": 4}),
+        ("mode", "semi_auto"),
+        ("recompute", "full"),
+        ("schedule", "gpipe"),
+        ("search", "ilp"),
+    ],
+)
+def test_error_a_plan_file_beside_a_different_setting(tmp_path, field, value):
+    """A plan runs as it was made: a config field saying otherwise would be ignored."""
+    model = MLP((16, 32, 8))
+    batch = (torch.randn(8, 16), torch.randn(8, 8))
+    made = plait.plan(
+        model, ParallelConfig(mode="auto", mesh={"dp": 2, "tp": 2}), example_batch=batch,
+        loss_fn=mlp_loss,
+    )  # fmt: skip
+    path = tmp_path / "plan.json"
+    made.save(path)
+    config = ParallelConfig(**{"mode": "auto", "plan": str(path), field: value})
+    with pytest.raises(ConfigError, match=rf"ParallelConfig\(plan=..., {field}="), no_collectives():
+        plait.parallelize(model, config, optimizer=adamw, loss_fn=mlp_loss, example_batch=batch)

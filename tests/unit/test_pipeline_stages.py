@@ -466,3 +466,34 @@ def test_a_compiled_stage_is_checked_against_the_plan(caplog: pytest.LogCaptureF
     assert PipelineJob._check_against_plan(job) == []  # type: ignore[arg-type]
     job.plan = None  # marks and even splits have no plan to check against
     assert PipelineJob._check_against_plan(job) == []  # type: ignore[arg-type]
+
+
+def _tiny_hf_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_hugging_face_model_splits_without_its_cache() -> None:
+    """torch's export cannot carry a DynamicCache out of the graph: the split is traced with
+    ``use_cache=False`` (training never reads the cache), and the config is left as it was."""
+    from plait.comm.pipeline import inputs_past_the_first_stage, split_model
+
+    model = _tiny_hf_llama()
+    ids = torch.randint(0, 64, (2, 8))
+    pipe = split_model(model, (), {"input_ids": ids}, ["model.layers.1"])
+    assert model.config.use_cache is True
+    assert inputs_past_the_first_stage(pipe) == []
+    # labels= (the loss inside the model) is read by the last stage alone (a fresh model:
+    # torch's split is made once per model)
+    labelled = {"input_ids": ids, "labels": ids.clone()}
+    pipe = split_model(_tiny_hf_llama(), (), labelled, ["model.layers.1"])
+    assert inputs_past_the_first_stage(pipe) == ["labels"]
+    # labels=input_ids, one tensor (as Hugging Face's docs write it): the trace keeps one
+    # input, which the first stage reads as labels; input_ids reaches no stage
+    pipe = split_model(_tiny_hf_llama(), (), {"input_ids": ids, "labels": ids}, ["model.layers.1"])
+    assert inputs_past_the_first_stage(pipe) == ["input_ids"]

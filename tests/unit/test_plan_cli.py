@@ -140,3 +140,16 @@ def test_bad_input_is_a_clear_error(capsys) -> None:
     assert "NAME=SIZE" in capsys.readouterr().err
     assert main(["plan", "--factory", "nosuchmodule:build", "--devices", "2"]) == 2
     assert "cannot load" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_exits_non_zero(capsys) -> None:
+    """The summary is printed (it says what came closest), the exit status says it failed."""
+    small = ["plan", "--model", "gpt", *SMALL, "--devices", "2"]
+    assert main([*small, "--mode", "semi_auto", "--memory-limit", "1KB"]) == 3
+    out = capsys.readouterr()
+    assert "DOES NOT FIT" in out.out
+    assert "does not fit: the plan needs" in out.err and "over memory_limit" in out.err
+    assert main([*small, "--mode", "auto", "--memory-limit", "1KB"]) == 3
+    assert "none of the" in capsys.readouterr().err
+    assert main([*small, "--mode", "auto", "--memory-limit", "8GiB"]) == 0
+    assert "does not fit" not in capsys.readouterr().err

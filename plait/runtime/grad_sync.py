@@ -262,7 +262,14 @@ def _write_bucket(
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
     dtype = metas[0].dtype
     with graph.inserting_before(first):
-        buffer = _node(graph, _A.new_empty.default, (ref, [sum(sizes)]), first, dtype=dtype)
+        buffer = _node(
+            graph,
+            _A.new_empty.default,
+            (ref, [sum(sizes)]),
+            first,
+            dtype=dtype,
+            device=metas[0].device,
+        )
         buffer.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
     written: list[torch.fx.Node] = []
     for writer, meta, offset in zip(writers, metas, offsets, strict=True):

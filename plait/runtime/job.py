@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from plait._compat import dtensor_like, greedy_redistribution_planning, tree_map
+from plait._compat import (
+    dtensor_like,
+    greedy_redistribution_planning,
+    same_on_every_rank,
+    tree_map,
+)
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     distribute,
@@ -251,7 +256,15 @@ class Job:
         the data-parallel axis in the plan's fused buckets and over other pending axes one by
         one, then the optimizer updates the local pieces.
         """
-        program = self._for_batch_shape(batch)
+        program = self._for_batch_shape(batch)  # may trace a new program: autograd on
+        # The rest records no autograd graph: the program holds its own backward, and a
+        # DTensor's local piece is then its tensor (``to_local`` is an autograd function
+        # otherwise, tens of microseconds per parameter and step).
+        with torch.no_grad():
+            return self._run_program_step(batch, program)
+
+    def _run_program_step(self, batch: Any, program: Program) -> float:
+        """:meth:`_step_program` once the program for ``batch``'s shapes is known."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -263,24 +276,19 @@ class Job:
         total: torch.Tensor | None = None
         flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
         for micro in split_micro_batches(batch, k):
-            # The program holds its own backward: no autograd graph is recorded around it
-            # (and a DTensor parameter's local piece is then its tensor, not a view with a
-            # backward of its own).
-            with torch.no_grad():
-                flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
-                # the program was traced on contiguous inputs: a batch sliced by the user
-                # (``ids[:, :-1]``) arrives strided, and its views would not fit it
-                flat = [_contiguous(x) for x in flat]
-                out = program.run(weight, flat)
+            flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
+            # the program was traced on contiguous inputs: a batch sliced by the user
+            # (``ids[:, :-1]``) arrives strided, and its views would not fit it
+            flat = [_contiguous(x) for x in flat]
+            out = program.run(weight, flat)
             loss, new = out[0], out[1 : 1 + len(trained)]
             if grads is None:
                 grads = list(new)
             else:  # summed in place: one set of summed gradients, not a third alongside
                 for a, b in zip(grads, new, strict=True):
                     a.add_(b)
-            with torch.no_grad():
-                for name, value in zip(program.buffers, out[1 + len(trained) :], strict=True):
-                    local_piece(self.model.get_buffer(name)).copy_(value)
+            for name, value in zip(program.buffers, out[1 + len(trained) :], strict=True):
+                local_piece(self.model.get_buffer(name)).copy_(value)
             total = loss.detach() if total is None else total + loss.detach()
             del out, new, loss  # the last micro-step's gradients die here, not after the update
         assert grads is not None and total is not None
@@ -303,9 +311,10 @@ class Job:
             self.optimizer.step()
             if zero is not None:
                 zero.after_step()
-        loss_value = dtensor_from_local(
-            total / k if k != 1 else total, self.device_mesh, program.loss_placements, (), ()
-        )
+        local = total / k if k != 1 else total
+        if all(p.is_replicate() for p in program.loss_placements):  # reduced in the program
+            return float(same_on_every_rank(local, "the loss").item())
+        loss_value = dtensor_from_local(local, self.device_mesh, program.loss_placements, (), ())
         return float(full_value(loss_value).item())
 
     def _for_batch_shape(self, batch: Any) -> Program:

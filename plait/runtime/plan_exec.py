@@ -1367,11 +1367,14 @@ def _program_passes(
     groups: ShardGroups | None = None,
 ) -> Program:
     """The passes over a plan's freshly traced program, in order: collectives on the batch
-    alone issued first (the global target count), the data-parallel gradient buckets reduced
+    alone issued first (the global target count), the loss's pending mean reduced while
+    backward computes, the data-parallel gradient buckets reduced
     inside it (``reduce``: the plan has them; with accumulation the Job
     reduces after the last micro-step instead), ZeRO's reduce-scatters and, at level 3
     (``gather``), parameter gathers, recompute, activation offload, torch.compile."""
     program.issue_batch_collectives_early()
+    if cfg.grad_accumulation == 1:  # else the Job sums the micro-steps' losses, then reduces
+        program.reduce_loss_early()
     if reduce and cfg.grad_accumulation == 1:
         _fuse_buckets(program, model, whole, cfg.dp_axis, into_buffers=not cfg.compile)
         if split:

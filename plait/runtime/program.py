@@ -43,7 +43,7 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from plait._compat import annotated, node_meta_preserved, node_tags
-from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
+from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece, replicate_placement
 from plait.comm.lower import (
     ProgramCollective,
     collectives_of,
@@ -346,6 +346,33 @@ class Program:
         self.offloaded_bytes = moved
         self._recheck_code()
         return moved
+
+    def reduce_loss_early(self) -> bool:
+        """A pass: the loss's pending mean (or sum) over one mesh axis is all-reduced inside
+        the program, started as soon as forward has computed it and waited on just before
+        the program returns, so it runs while backward computes; the Job then reads a
+        replicated loss and issues no collective of its own after the program (DDP's step
+        has none either). The same collective DTensor would issue (same op, group and
+        tensor), moved. A loss pending over several axes (reduced one axis at a time, as
+        the plan lists them) or by another rule stays for the Job. Returns whether it moved.
+        """
+        partial = [i for i, p in enumerate(self.loss_placements) if p.is_partial()]
+        if len(partial) != 1:
+            return False
+        dim = partial[0]
+        placement = self.loss_placements[dim]
+        op = getattr(placement, "reduce_op", None)
+        # exactly DTensor's Partial: its subclasses (a masked partial) reduce by other rules
+        if type(placement).__name__ != "Partial" or op not in ("sum", "avg"):
+            return False
+        group = self.device_mesh.get_group(dim).group_name
+        for graph_module in self.graphs.values():
+            _all_reduce_output(graph_module, 0, cast(str, op), group)
+        self.loss_placements = tuple(
+            replicate_placement() if i == dim else p for i, p in enumerate(self.loss_placements)
+        )
+        self._recheck_code()
+        return True
 
     def issue_batch_collectives_early(self) -> int:
         """A pass: collectives computed from the batch alone (the global count of targets a
@@ -662,6 +689,38 @@ def issue_early(graph_module: torch.fx.GraphModule, batch: set[int], *, max_node
     graph.lint()
     graph_module.recompile()
     return moved
+
+
+def _all_reduce_output(
+    graph_module: torch.fx.GraphModule, index: int, op: str, group_name: str
+) -> None:
+    """Output ``index`` (computed by forward) all-reduced (``op``: "sum" or "avg") over
+    ``group_name``: started where backward starts, waited on just before the program
+    returns.
+
+    The collective is tagged as backward's first node: its result is then no forward value
+    backward reads, which the recompute and offload passes would keep, move or copy before
+    it is waited on."""
+    graph = graph_module.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    value = outs[index]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    start = next((n for n in graph.nodes if node_tags(n).get("plait_phase") == "backward"), None)
+    if start is None or order[start] < order[value]:
+        start = value.next
+    with graph.inserting_before(start):
+        started = graph.call_function(_F.all_reduce.default, (value, op, group_name))
+    started.meta["val"] = value.meta.get("val")
+    if "custom" in start.meta:
+        started.meta["custom"] = dict(start.meta["custom"])
+    with graph.inserting_before(output):
+        done = graph.call_function(_F.wait_tensor.default, (started,))
+    done.meta["val"] = value.meta.get("val")
+    outs[index] = done
+    output.args = (tuple(outs),)
+    graph.lint()
+    graph_module.recompile()
 
 
 def _is_collective_start(node: torch.fx.Node) -> bool:

@@ -2,8 +2,10 @@
 
 ``drop_aliases`` removes the no-op views tracing through DTensor leaves (hundreds per step in
 a transformer's program, each a Python call); ``issue_early`` starts collectives computed from
-the batch alone before the forward. Both are checked on small traced graphs: what goes, what
-must stay (a reshape that copies into an ancestor's geometry), and equal results.
+the batch alone before the forward; ``write_buckets_in_place`` has the ops computing a
+gradient bucket write into its flat buffer and sums that buffer in place; the loss's reduction
+starts where backward starts. They are checked on small traced graphs: what goes, what must
+stay (a reshape that copies into an ancestor's geometry), and equal results.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plait.runtime.program import drop_aliases, issue_early
+from plait.runtime.grad_sync import write_buckets_in_place
+from plait.runtime.program import _all_reduce_output, drop_aliases, issue_early
 
 _A = torch.ops.aten
 _F = torch.ops._c10d_functional
@@ -73,3 +76,75 @@ def test_issue_early_moves_batch_collectives_to_the_top_and_leaves_the_rest():
     assert order.index("wait_tensor_default_1") == order.index("mul") - 1  # waited where needed
     # the gather reads a parameter's product: it stays after the mm that makes its input
     assert order.index("mm_default") < order.index("all_gather_into_tensor_default")
+
+
+def _local_collectives(graph_module: torch.fx.GraphModule) -> None:
+    """The graph's sum all-reduces and waits as identities: one rank's sum is its own value,
+    so the rewritten program's numbers can be compared with the original's in one process."""
+    for node in graph_module.graph.nodes:
+        if node.target in (_F.all_reduce_.default, _F.all_reduce.default):
+            node.target, node.args = torch.clone, (node.args[0],)
+        elif node.target is _F.wait_tensor.default:
+            node.target = torch.Tensor.contiguous
+    graph_module.recompile()
+
+
+def test_write_buckets_in_place_computes_gradients_into_one_summed_buffer():
+    def step(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weight = x.t() @ g  # a matrix product: written by mm.out
+        bias = g.sum(0, keepdim=True).view(-1)  # a sum and a view: sum.IntList_out
+        peak = torch.max(g, 0).values  # an element of a tuple: no out=, copied in
+        read = g @ g.t()  # also read by the loss: copied in
+        return (read.sum(), weight, bias, peak, read)
+
+    x, g = torch.randn(4, 3), torch.randn(4, 5)
+    graph_module = make_fx(step, tracing_mode="fake")(x, g)
+    assert write_buckets_in_place(graph_module, [[1, 2, 3, 4]], "0") == []
+
+    targets = _targets(graph_module)
+    assert _A.mm.out in targets and _A.sum.IntList_out in targets
+    assert targets.count(_A.copy_.default) == 2  # the max's values and the product read twice
+    assert targets.count(_F.all_reduce_.default) == 1 and _A.cat.default not in targets
+    [buffer] = [n for n in graph_module.graph.nodes if n.target is _A.new_empty.default]
+    assert buffer.args[1] == [3 * 5 + 5 + 5 + 4 * 4]
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    for value in output.args[0][1:]:  # views of the summed buffer, after its wait
+        assert value.target is _A.as_strided.default
+        assert value.args[0].target is _F.wait_tensor.default
+    _local_collectives(graph_module)
+    for got, want in zip(graph_module(x, g), step(x, g), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_write_buckets_leaves_mixed_dtypes_and_can_sum_a_copy():
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.sum(), x @ x.t(), (x * 2).to(torch.float64), x.sum(0)
+
+    x = torch.randn(3, 3)
+    graph_module = make_fx(step, tracing_mode="fake")(x)
+    left = write_buckets_in_place(graph_module, [[1, 2], [3]], "0", in_place=False)
+    assert left == [[1, 2]]  # float32 beside float64: packed by the caller
+    targets = _targets(graph_module)
+    assert _F.all_reduce.default in targets and _F.all_reduce_.default not in targets
+    _local_collectives(graph_module)
+    for got, want in zip(graph_module(x), step(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_loss_reduction_starts_where_backward_starts_and_is_tagged_so():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    loss = graph.call_function(_A.sum.default, (x,))
+    seed = graph.call_function(_A.ones_like.default, (loss,))
+    seed.meta["custom"] = {"plait_phase": "backward"}
+    grad = graph.call_function(_A.mul.Tensor, (seed, x))
+    graph.output((loss, grad))
+    graph_module = torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    _all_reduce_output(graph_module, 0, "avg", "0")
+    nodes = [n for n in graph_module.graph.nodes if n.op == "call_function"]
+    started = next(n for n in nodes if n.target is _F.all_reduce.default)
+    assert started.args == (loss, "avg", "0") and started.next is seed
+    assert started.meta["custom"] == {"plait_phase": "backward"}  # backward's first node now
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    assert output.args[0][0].target is _F.wait_tensor.default and output.prev is output.args[0][0]

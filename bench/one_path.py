@@ -1,8 +1,8 @@
 """Speed of plait's run paths against torch's own, side by side in one run (issue 12, item 4).
 
 One TinyGPT (same initial weights, same global batches, AdamW) trained on 4 gloo processes in
-six ways that take turns step by step in the same processes, so a busy spell of the machine
-hits all of them:
+six ways, and an MLP in three (below), that take turns step by step in the same processes, so a
+busy spell of the machine hits all of them:
 
 * data parallel over 4 ranks:
   (a) ``torch DDP``: ``nn.parallel.DistributedDataParallel`` with its defaults (the baseline
@@ -10,7 +10,8 @@ hits all of them:
       returns;
   (b) ``plait data_parallel``: ``ParallelConfig(mode="data_parallel")``, the plain-tensor path;
   (c) ``plait auto dp=4``: ``ParallelConfig(mode="auto", mesh={"dp": 4})``, the compiled
-      per-rank program (``plait/runtime/program.py``) and the fused gradient reduction after it;
+      per-rank program (``plait/runtime/program.py``; its gradient buckets and loss value
+      all-reduced inside it);
 * Megatron tensor parallel on a dp=2 x tp=2 mesh:
   (d) ``torch TP + DDP``, hand-written (the baseline of e and f): ``parallelize_module`` on the
       tp sub-mesh with ``ColwiseParallel`` for attn.q/k/v and fc1 and ``RowwiseParallel`` for

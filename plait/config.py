@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 
 from plait.errors import ConfigError, NotBuiltError
 
-__all__ = ["CommFusion", "ParallelConfig"]
+__all__ = ["SPLIT_BACKWARD", "CommFusion", "ParallelConfig"]
 
 Mode = Literal["stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"]
 Search = Literal["sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"]
@@ -30,6 +30,8 @@ Offload = Literal["optimizer", "parameters", "activations"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Hardware = Literal["local", "a100-40g", "a100-80g", "h100", "h200", "ascend-910"]
 DatasetStrategy = Literal["data_parallel", "full_batch"]
+SPLIT_BACKWARD = frozenset({"zero_bubble", "zero_bubble_v"})
+"""Schedules that run the weight gradient as a pass of its own (Qi et al. 2023)."""
 
 _UNITS = {
     "": 1,

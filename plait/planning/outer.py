@@ -35,6 +35,7 @@ from typing import cast
 
 from torch import nn
 
+from plait import support
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph
@@ -53,6 +54,7 @@ from plait.planning.timeline import SPLIT_BACKWARD
 from plait.planning.timing import PlanTiming
 from plait.search import Decision, get_searcher
 from plait.search.problem import OpCompute
+from plait.support import Where
 
 __all__ = ["auto_plan", "mesh_candidates"]
 
@@ -93,8 +95,8 @@ def mesh_candidates(
         for tp in _powers_of_two_up_to(min(MAX_TP, devices_per_node)):
             if devices % (pp * tp):
                 continue
-            if tp > 1 and _splits_backward(cfg, pp) and not cfg.compiled_stages:
-                continue  # tensor parallel in eager zero-bubble stages does not run
+            if pp > 1 and _refused_stages(cfg, pp, tp):
+                continue  # stages the runtime would refuse (plait.support's table)
             dp = devices // (pp * tp)
             if batch % dp:
                 continue
@@ -110,10 +112,18 @@ def mesh_candidates(
     return found
 
 
+def _refused_stages(cfg: ParallelConfig, pp: int, tp: int) -> bool:
+    """Whether ``parallelize`` would refuse ``cfg``'s plan on ``pp`` stages with ``tp``
+    inside them (a zero-bubble schedule with tp on stages that do not compile, say)."""
+    staged = dataclasses.replace(cfg, mesh=None, devices=None, pipeline_stages=pp)
+    inner = ("tp",) if tp > 1 else ()
+    return support.refusal(staged, Where("pipeline", inner, planned=True)) is not None
+
+
 def _splits_backward(cfg: ParallelConfig, pp: int) -> bool:
     """A zero-bubble schedule over ``pp > 1`` stages: its separate weight-gradient passes run
-    without optimizer parallel, and with tensor parallel only on compiled stage programs
-    (the runtime's refusals)."""
+    without optimizer parallel (plait.support's ``zero_bubble_zero`` rule), so no ZeRO level
+    is weighed there."""
     return pp > 1 and cfg.schedule in SPLIT_BACKWARD
 
 

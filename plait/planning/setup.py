@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from plait import support
 from plait.config import ParallelConfig
 from plait.cost import HardwareProfile, get_profile
 from plait.cost.comm import Topology
 from plait.cost.compute import elementwise_seconds, is_matmul, matmul_share, op_seconds
-from plait.errors import ConfigError, NotBuiltError
+from plait.errors import ConfigError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -28,6 +29,7 @@ from plait.rules import default_catalogue
 from plait.rules.registry import OpStrategy
 from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints
 from plait.search.problem import CostModel, SearchProblem
+from plait.support import Where
 
 __all__ = [
     "PLANNABLE_MODES",
@@ -60,17 +62,8 @@ def check_config(cfg: ParallelConfig) -> None:
             f"grad_accumulation={cfg.micro_batches} and micro_batches=1, or give the mesh a "
             "'pp' axis"
         )
-    plain = cfg.mode == "data_parallel" and cfg.pipeline_stages == 1
-    passes = (
-        cfg.optimizer_shard is not None or cfg.recompute != "none" or cfg.offload or cfg.compile
-    )
-    if cfg.host_modules and (not plain or passes):
-        raise NotBuiltError(
-            f"ParallelConfig(host_modules={cfg.host_modules!r}) with mode={cfg.mode!r}: modules "
-            "on the host run in mode 'data_parallel' without pipeline stages, optimizer_shard, "
-            "recompute, offload or compile (the plain data-parallel path); elsewhere they are "
-            "not built yet. Drop those settings or host_modules"
-        )
+    # what parallelize refuses on the engine this config runs on (plait.support's table)
+    support.check(cfg, Where(support.engine_of(cfg, cfg.mesh_dict)), planning=True)
 
 
 def mesh_of(cfg: ParallelConfig) -> MeshSpec:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from plait.config import SPLIT_BACKWARD
 from plait.errors import PlanError
 
 if TYPE_CHECKING:  # plan_timeline reads a plan's contents; the Plan calls it
@@ -67,8 +68,6 @@ communication (an activation or gradient sent between ranks, the step's gradient
 BACKWARD_FLOPS_FACTOR = 2
 """Backward costs about twice the forward: an input-gradient and a weight-gradient pass of
 about one forward each (the planner's split of a stage's compute)."""
-SPLIT_BACKWARD = frozenset({"zero_bubble", "zero_bubble_v"})
-"""Schedules that run the weight gradient as a pass of its own (Qi et al. 2023)."""
 PP_AXIS = "pp"
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from plait import support
 from plait._compat import tree_leaves, tree_map
 from plait.annotate import host_marks, parameter_layouts, recompute_marks
 from plait.comm.dp import host_group_mesh
@@ -52,24 +53,11 @@ from plait.runtime.meta_init import (
     move_to_device,
 )
 from plait.runtime.placement import place_parameters
+from plait.support import Where
 
 __all__ = ["parallelize"]
 
 logger = logging.getLogger(__name__)
-
-_BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto", "hybrid")
-
-
-def _needs_program(cfg: ParallelConfig) -> bool:
-    """Settings that are passes over the compiled per-rank program (not the plain-tensor
-    data-parallel path): torch.compile, optimizer parallel, recompute."""
-    return (
-        cfg.compile
-        or cfg.optimizer_shard is not None
-        or cfg.recompute != "none"
-        or bool(cfg.recompute_modules)
-        or cfg.offload is not None
-    )
 
 
 def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
@@ -94,23 +82,6 @@ def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
             cfg, optimizer_shard_exclude=(*cfg.optimizer_shard_exclude, *excluded)
         )
     return cfg
-
-
-def _refuse_idle_settings(cfg: ParallelConfig) -> None:
-    """Settings that would do nothing on this job are refused by name, not ignored: a
-    pipeline schedule (or virtual stages) on a job with one stage. Under mode auto with the
-    mesh left to plait, or a plan file, the stages are not known yet: the plan decides."""
-    if cfg.pipeline_stages > 1 or cfg.plan is not None:
-        return
-    if cfg.mode == "auto" and cfg.mesh is None:
-        return  # the outer planner may choose stages; the schedule is theirs
-    if cfg.schedule != "1f1b":
-        raise ConfigError(
-            f"ParallelConfig(schedule={cfg.schedule!r}) on a job with one pipeline stage "
-            f"(mesh {cfg.mesh_dict or 'dp only'}, mode {cfg.mode!r}): a schedule orders the "
-            "micro-batches of several stages and would do nothing here; add a 'pp' axis to the "
-            "mesh (e.g. mesh={'pp': 2, 'dp': 2}), or leave schedule out"
-        )
 
 
 def _refuse_plan_overrides(plan: Plan, cfg: ParallelConfig, where: str) -> None:
@@ -142,68 +113,6 @@ def _refuse_plan_overrides(plan: Plan, cfg: ParallelConfig, where: str) -> None:
             )
 
 
-def _refuse_unbuilt(cfg: ParallelConfig) -> None:
-    planned = cfg.mode == "auto" or cfg.plan is not None
-    checks = [
-        (cfg.mode not in _BUILT_MODES, f"mode={cfg.mode!r}", f"mode {cfg.mode!r}"),
-        (
-            cfg.search is not None and not planned,
-            f"search={cfg.search!r}",
-            "search outside mode 'auto'",
-        ),
-        (
-            cfg.pipeline_stages == 1 and cfg.micro_batches != 1,
-            f"micro_batches={cfg.micro_batches} without pipeline stages",
-            "micro-batches outside a pipeline (grad_accumulation=k cuts a step into k "
-            "micro-batches with one gradient reduction)",
-        ),
-        (
-            cfg.optimizer_shard is not None and cfg.mode == "hybrid",
-            f"optimizer_shard={cfg.optimizer_shard}, mode='hybrid'",
-            "optimizer parallel for hand-written layouts (modes data_parallel, semi_auto and "
-            "auto run it)",
-        ),
-        (
-            cfg.mode == "stand_alone"
-            and (cfg.optimizer_shard is not None or cfg.recompute != "none" or bool(cfg.offload)),
-            "mode='stand_alone' with optimizer_shard, recompute or offload",
-            "memory passes on the plain stand-alone path (use mode 'data_parallel' on one "
-            "process, which runs them)",
-        ),
-        (
-            cfg.recompute != "none" and cfg.mode == "hybrid",
-            f"recompute={cfg.recompute!r}, mode='hybrid'",
-            "recompute for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
-        ),
-        (
-            cfg.offload == "parameters",
-            f"offload={cfg.offload!r}",
-            "offloading parameters (offload='optimizer' and 'activations' are built)",
-        ),
-        (
-            cfg.offload is not None and cfg.mode == "hybrid",
-            f"offload={cfg.offload!r}, mode='hybrid'",
-            "offload for hand-written layouts (modes data_parallel, semi_auto and auto run it)",
-        ),
-        (
-            cfg.hardware is not None and not planned,
-            f"hardware={cfg.hardware!r}",
-            "a hardware profile outside mode 'auto'",
-        ),
-        (
-            cfg.memory_limit is not None and not planned and cfg.recompute != "auto",
-            f"memory_limit={cfg.memory_limit}",
-            "a memory limit outside mode 'auto' and recompute='auto'",
-        ),
-    ]
-    for unbuilt, given, feature in checks:
-        if unbuilt:
-            raise NotBuiltError(
-                f"ParallelConfig({given}): {feature} is not built in this version of plait yet; "
-                f"leave the field at its default (built so far: modes {list(_BUILT_MODES)!r})"
-            )
-
-
 def _pipeline_recompute(
     model: nn.Module, config: ParallelConfig, loss_fn: LossFn, batch: Any
 ) -> ParallelConfig:
@@ -220,20 +129,6 @@ def _pipeline_recompute(
     )
     recompute = cast(Literal["none", "full", "selective"], chosen.recompute)  # a plan's choice
     return dataclasses.replace(config, recompute=recompute)
-
-
-def _refuse_host_modules(cfg: ParallelConfig) -> None:
-    """Host modules run on the plain data-parallel path only (so far); anywhere else they are
-    refused by name, never ignored."""
-    if not cfg.host_modules:
-        return
-    raise NotBuiltError(
-        f"ParallelConfig(host_modules={cfg.host_modules!r}) with mode={cfg.mode!r}"
-        f"{', pipeline stages' if cfg.pipeline_stages > 1 else ''}: modules on the host run in "
-        "mode 'data_parallel' on a dp-only mesh without optimizer_shard, recompute, offload or "
-        "compile (the plain data-parallel path); on the per-rank program, in pipeline stages "
-        "and stand-alone they are not built yet. Drop those settings or host_modules"
-    )
 
 
 def _job_mesh(cfg: ParallelConfig, world_size: int) -> MeshSpec:
@@ -287,18 +182,17 @@ def parallelize(
             f"parallelize expects a plait.ParallelConfig or a plait.Plan, got "
             f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
-    _refuse_unbuilt(config)
-    _refuse_idle_settings(config)
+    support.check(config)  # what is refused on every engine (plait.support's table)
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     world = current_world()
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
-        _refuse_host_modules(config)
+        support.check(config, Where("pipeline"))
         return _pipeline_job(model, config, optimizer, loss_fn, example_batch)
     _stages_need_processes(config, world)
     if config.mode == "stand_alone":
-        _refuse_host_modules(config)
+        support.check(config, Where("stand_alone"))
         return _stand_alone_job(model, config, optimizer, loss_fn)
     if world is None:
         raise ConfigError(
@@ -313,15 +207,16 @@ def parallelize(
             _refuse_annotations(model)
         # annotations are checked now, before anything waits for the first batch
         named = parameter_layouts(model, mesh)
-        if _is_pure_data_parallel(config, mesh) and not _needs_program(config):
+        engine = support.engine_of(config, mesh.as_dict())
+        support.check(config, Where(engine))
+        if engine == "plain":
             plain_mesh = build_device_mesh(mesh, world.device_type)
             return _plain_job(model, config, mesh, plain_mesh, named, optimizer, loss_fn)
-        _refuse_host_modules(config)
-        if config.mode == "hybrid":
+        if engine == "hybrid":
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
     elif plan is None and config.plan is None and config.mesh is not None:
         mesh = _job_mesh(config, world.world_size)
-    _refuse_host_modules(config)
+    support.check(config, Where("program", planned=planned))
     # Every other job runs a plan: semi_auto plans from the annotations (unannotated ops data
     # parallel), auto searches, a plan file or Plan runs as it is. Without an example batch
     # the plan is made at the first step, on its batch; the mesh, when the config fixes it, is
@@ -676,19 +571,6 @@ def _check_plan_batch(plan: Plan, config: ParallelConfig, micro: Any, where: str
             f"{where} was made for batch shapes {list(plan.batch)}{per} but example_batch gives "
             f"{list(shapes)}{per}; train with the planned batch size or plan again for this one"
         )
-
-
-def _is_pure_data_parallel(cfg: ParallelConfig, mesh: MeshSpec) -> bool:
-    """Mode data_parallel, every axis but the data-parallel one of size 1, batch split on dim 0.
-
-    Then no parameter is split and no rank repeats another's work: plain tensors suffice.
-    """
-    return (
-        cfg.mode == "data_parallel"
-        and cfg.dp_axis in mesh.axis_names
-        and all(mesh.axis_size(a) == 1 for a in mesh.axis_names if a != cfg.dp_axis)
-        and cfg.dataset_strategy in ("data_parallel", "full_batch")
-    )
 
 
 def _plain_job(

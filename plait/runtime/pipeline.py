@@ -45,6 +45,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from plait import support
 from plait._compat import dtensor_like, output_structure, tree_leaves, tree_map, tree_unflatten
 from plait.annotate import pipeline_stage_marks
 from plait.comm import pipeline as pp_comm
@@ -82,6 +83,7 @@ from plait.runtime.stage_program import (
     planned_stage_collectives,
 )
 from plait.runtime.zero import ZeroOptimizer, check_elementwise
+from plait.support import Where
 
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
 
@@ -1089,77 +1091,10 @@ def check_pipeline_config(
     *,
     planned: bool = False,
 ) -> None:
-    """What the pipeline runs with today, refused by name otherwise (before anything waits).
-    ``planned``: the stages run a plan of mode auto (or a plan file)."""
-    inner = inner_axes(mesh, config)
-    refusals = [
-        (
-            bool(inner) and config.mode != "semi_auto" and not planned,
-            f"mesh {dict(mesh.as_dict())}, mode={config.mode!r}",
-            f"axes {list(inner)} inside pipeline stages outside mode 'semi_auto' (tensor "
-            "parallel in a stage follows plait.shard annotations: use mode='semi_auto'); "
-            "mode data_parallel runs a mesh of 'pp' and 'dp'",
-        ),
-        (
-            bool(inner) and config.schedule in SPLIT_BACKWARD and not compiles(config, inner),
-            f"schedule={config.schedule!r}, mesh {dict(mesh.as_dict())}, stage_programs="
-            f"{config.stage_programs}",
-            "a zero-bubble schedule with tensor parallel in stages that run on DTensors (its "
-            "separate input- and weight-gradient passes detach DTensor views in place, which "
-            "torch refuses; zero bubble with tp runs on compiled stages, stage_programs on); "
-            "use stage_programs=True, or gpipe, 1f1b or interleaved_1f1b",
-        ),
-        (
-            config.optimizer_shard is not None and config.schedule in SPLIT_BACKWARD,
-            f"optimizer_shard={config.optimizer_shard}, schedule={config.schedule!r}",
-            "optimizer parallel with a zero-bubble schedule (FSDP2 reduce-scatters a stage's "
-            "gradients before the separate weight-gradient passes have run); use gpipe, 1f1b "
-            "or interleaved_1f1b",
-        ),
-        (
-            config.mode not in ("data_parallel", "semi_auto") and not planned,
-            f"mode={config.mode!r}",
-            "pipeline stages running a searched plan (auto, plan files); use mode="
-            "'data_parallel' with a mesh of 'pp' and 'dp', or 'semi_auto' with a 'tp' axis too",
-        ),
-        (
-            config.offload == "parameters",
-            f"offload={config.offload!r}",
-            "offloading parameters (offload='optimizer' and 'activations' are built)",
-        ),
-        (
-            config.offload == "activations"
-            and "selective" in _recompute_modes(config)
-            and not compiles(config, inner),
-            f"offload='activations', recompute={config.recompute!r}, recompute_modules="
-            f"{dict(_recompute_pairs(config))!r}",
-            "activation offload beside selective recompute on stages that run op by op "
-            "(torch's selective checkpoint keeps the products it saves in a cache of its own, "
-            "which saved-tensor hooks never see, so the values the plan moves to the host "
-            "would stay on the device; compiled stages, with tensor parallel inside, recompute "
-            "as a pass over their graph and offload what it keeps); use recompute='full' or "
-            "'none' (per module too) with offload='activations'",
-        ),
-        (
-            isinstance(config.dataset_strategy, tuple),
-            f"dataset_strategy={config.dataset_strategy!r}",
-            "per-input dataset strategies (a pipeline's stages take each replica's rows "
-            "whole); use dataset_strategy='data_parallel' (each rank passes its replica's "
-            "rows) or 'full_batch' (every rank passes the global batch)",
-        ),
-        (
-            config.grad_accumulation != 1,
-            f"grad_accumulation={config.grad_accumulation}",
-            "gradient accumulation (the pipeline's micro_batches accumulate already)",
-        ),
-    ]
-    for refused, given, what in refusals:
-        if refused:
-            raise NotBuiltError(
-                f"ParallelConfig({given}) with pipeline_stages={config.pipeline_stages}: {what} "
-                "with pipeline parallel is not built yet (docs/pipeline.md lists what runs in "
-                "pipeline stages)"
-            )
+    """What the pipeline runs with today (:mod:`plait.support`'s rules for pipeline stages),
+    refused by name otherwise, and the stage and micro-batch counts checked (before anything
+    waits). ``planned``: the stages run a plan of mode auto (or a plan file)."""
+    support.check(config, Where("pipeline", inner_axes(mesh, config), planned))
     if mesh.axis_size("pp") != config.pipeline_stages:
         raise ConfigError(
             f"ParallelConfig(pipeline_stages={config.pipeline_stages}) but the mesh's 'pp' axis "
@@ -1183,16 +1118,6 @@ def check_pipeline_optimizer(
     once over the model's parameters to see its class, meta ones included)."""
     if config.offload == "optimizer":
         check_elementwise(optimizer(list(model.parameters())), None)
-
-
-def _recompute_pairs(config: ParallelConfig) -> tuple[tuple[str, str], ...]:
-    """``recompute_modules`` as (module path, mode) pairs."""
-    return cast("tuple[tuple[str, str], ...]", tuple(config.recompute_modules))
-
-
-def _recompute_modes(config: ParallelConfig) -> set[str]:
-    """Every recompute mode the config asks for: the stages' and each module's."""
-    return {config.recompute, *(mode for _, mode in _recompute_pairs(config))}
 
 
 def _rows(batch: Any) -> set[int]:

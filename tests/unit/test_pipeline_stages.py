@@ -88,7 +88,9 @@ def test_settings_refused_by_name() -> None:
             mesh,
         )
     tp = MeshSpec.from_dict({"pp": 2, "tp": 2})
-    with pytest.raises(NotBuiltError, match=r"axes \['tp'\] inside pipeline stages"):
+    with pytest.raises(
+        NotBuiltError, match=r"mesh \{'pp': 2, 'tp': 2\}, mode='data_parallel'\) with pipeline_s"
+    ):
         check_pipeline_config(
             ParallelConfig(mode="data_parallel", mesh={"pp": 2, "tp": 2}, micro_batches=2), tp
         )

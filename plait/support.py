@@ -245,6 +245,7 @@ RULES: tuple[Rule, ...] = (
         "several stages)",
         "add a 'pp' axis to the mesh (e.g. mesh={'pp': 2, 'dp': 2}), or leave schedule out",
         kind="would do nothing",
+        planning=True,
     ),
     Rule(
         "host_modules",

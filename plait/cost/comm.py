@@ -1,7 +1,8 @@
 """Communication cost: links, which mesh axes cross nodes, and alpha-beta collective times.
 
 The model (nccl-tests ``doc/PERFORMANCE.md`` bandwidth terms, plus a per-step latency as in
-alpha-beta planners; see ``/work/shared/reference/cost-model.md`` section 2.vi)::
+alpha-beta planners: Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication
+Operations in MPICH", 2005)::
 
     seconds = link.overhead + steps * link.latency + wire_bytes / link.bandwidth
 

@@ -1,8 +1,8 @@
 """Hardware profiles: peak compute, memory, links, with the sources of every number.
 
 A :class:`HardwareProfile` is a value the cost model reads; it is never looked up from a live
-device. Built-in profiles carry datasheet numbers (``/work/shared/reference/cost-model.md``
-section 2.vi, cited in each profile's ``source``); ``local`` is measured on the current machine
+device. Built-in profiles carry datasheet numbers (the vendors' published datasheets, cited in each
+profile's ``source``); ``local`` is measured on the current machine
 by ``plait calibrate`` and read from a JSON file, or, when there is none, conservative CPU
 defaults that say so in their ``source``.
 
@@ -344,7 +344,7 @@ def _is_number(value: object) -> bool:
 
 # ------------------------------------------------------------------------------ built-ins
 
-# Sources, in the words of cost-model.md section 2.vi.
+# Sources: the vendors' datasheets and NCCL's published tuning constants.
 _NV_A100 = "NVIDIA A100 datasheet (via glennklockwood.com/garden/processors/A100)"
 _NV_H100 = "NVIDIA H100 SXM5 datasheet (via glennklockwood.com/garden/processors/h100)"
 _NCCL = (

@@ -1,6 +1,6 @@
 """Per-device training memory: model states under ZeRO levels, and activations.
 
-**Model states** (Rajbhandari et al., "ZeRO", SC 2020; cost-model.md section 2.iv). Per
+**Model states** (Rajbhandari et al., "ZeRO", SC 2020). Per
 parameter element, with mixed-precision Adam: 2 B parameter + 2 B gradient + K = 12 B optimizer
 states (fp32 master copy, momentum, variance); with fp32 Adam: 4 + 4 + 8 (momentum, variance).
 ``Psi`` is the parameter count per device after tensor and pipeline sharding, ``N_d`` the size

@@ -10,7 +10,7 @@ the same ground on torch's elastic launcher (c10d rendezvous):
 - `load_rank_table` reads and validates a MindSpore-format rank table.
 - `emit` writes an sbatch script or Kubernetes manifest for the same job.
 
-`launch` knows nothing of models (DESIGN.md, "Rooms"). User guide: docs/launch.md.
+`launch` knows nothing of models (docs/architecture.md, "Layering"). User guide: docs/launch.md.
 """
 
 from plait.errors import LaunchError

@@ -105,7 +105,7 @@ _CACHE_SIZE = 1 << 16  # distinct (src, dst, shape, itemsize) keys one search ke
 STEP_BYTES = 256 * 1024
 """What one collective's start-up is worth in bytes sent, when plans are compared.
 
-About NCCL's ring base latency (8.4 us, cost-model.md) times 25-50 GB/s of inter-node
+About NCCL's ring base latency (8.4 us, Simple protocol, in NCCL's tuning tables) times 25-50 GB/s of inter-node
 bandwidth, or a gloo round trip on CPUs; so small tensors get the fewest collectives and
 large ones the fewest bytes. The planner minimises ``moved_bytes + STEP_BYTES * collectives``.
 """

@@ -2,7 +2,7 @@
 
 A :class:`Plan` holds the mesh, the strategy and layouts chosen for every op of the captured
 graph, the layout of every parameter, the collectives those layouts cause, the pipeline stages
-and the predicted step time and memory (DESIGN.md decision 2). It is pure data: building,
+and the predicted step time and memory (docs/planner.md). It is pure data: building,
 saving and reading one needs no process group, no devices and no model weights.
 
 Plan files are MindSpore's strategy checkpoint files (reference section 25.2) made readable:

@@ -7,8 +7,9 @@ orders ``torch.distributed.pipelining``'s schedules run), times it on per-rank d
 draws the result (:meth:`Timeline.to_png`: one row per rank, time across, a colour per kind
 of work, the idle bubble hatched) or writes it as a Chrome trace
 (:meth:`Timeline.to_chrome_trace`, for chrome://tracing and Perfetto). A measured step is
-the same :class:`Timeline`: :class:`StageTimer` times the passes of a real run's stages and
-:func:`timeline_from_records` puts the ranks' records together.
+the same :class:`Timeline`: the runtime's ``StageTimer`` (:mod:`plait.runtime.stage_timer`)
+times the passes of a real run's stages and :func:`timeline_from_records` puts the ranks'
+records together.
 
 The bubble's closed form the planner predicts with (:func:`bubble_seconds`) lives here too,
 next to the schedules it describes (docs/planner.md, "Pipeline timeline", cites it); the
@@ -26,7 +27,6 @@ import json
 import math
 import os
 import struct
-import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,7 +46,6 @@ __all__ = [
     "SCHEDULES",
     "SPLIT_BACKWARD",
     "Action",
-    "StageTimer",
     "StageTimes",
     "Timeline",
     "TimelineEvent",
@@ -704,94 +703,7 @@ def _plan_stage_times(plan: PlanContents) -> list[StageTimes]:
 
 Record = tuple[int, str, int, int, float, float]
 """One timed pass of a real run: (pipeline rank, kind, stage index, micro-batch, start s, end s),
-times from the rank's :meth:`StageTimer.begin_step`."""
-
-
-class StageTimer:
-    """Times the passes of a real run's pipeline stages, for :func:`timeline_from_records`.
-
-    torch's schedules call ``forward_one_chunk``, ``backward_one_chunk`` and
-    ``backward_weight_one_chunk`` on each stage object (``_PipelineStageBase``), with the
-    micro-batch index first; :meth:`wrap` replaces those on the object with timed calls
-    (the class is left alone). :meth:`begin_step` starts a step's record and :meth:`stop`
-    ends it (an evaluation's forwards after it are not recorded); :meth:`records` is what a
-    rank hands to the gather. ``sync`` (e.g. ``torch.cuda.synchronize``) runs before and after
-    each timed pass, so that a GPU's asynchronous work is timed and not its launch.
-    """
-
-    _METHODS = (
-        ("forward_one_chunk", "forward", "fwd_chunk_id"),
-        ("backward_one_chunk", "backward", "bwd_chunk_id"),
-        ("backward_weight_one_chunk", "weight", "bwd_chunk_id"),
-    )
-
-    def __init__(
-        self,
-        rank: int,
-        *,
-        clock: Callable[[], float] = time.perf_counter,
-        sync: Callable[[], None] | None = None,
-    ) -> None:
-        self.rank = rank
-        self._clock, self._sync = clock, sync
-        self._records: list[Record] = []
-        self._t0 = clock()
-        self._recording = False  # passes outside a step (none yet) are not timed
-
-    def wrap(self, stage: Any) -> None:
-        """Time ``stage``'s passes from now on (once per stage object; again does nothing)."""
-        if getattr(stage, "_plait_stage_timer", None) is self:
-            return
-        for method, kind, key in self._METHODS:
-            original = getattr(stage, method, None)
-            if original is not None:
-                setattr(stage, method, self._timed(original, kind, key, stage))
-        stage._plait_stage_timer = self
-
-    def unwrap(self, stage: Any) -> None:
-        """Undo :meth:`wrap`: the stage's own methods again."""
-        for method, _, _ in self._METHODS:
-            vars(stage).pop(method, None)
-        vars(stage).pop("_plait_stage_timer", None)
-
-    def begin_step(self) -> None:
-        """Forget the last step and record this one; its times are from this instant."""
-        self._records = []
-        self._t0 = self._clock()
-        self._recording = True
-
-    def stop(self) -> None:
-        """Record nothing more until the next :meth:`begin_step` (the step's records stay)."""
-        self._recording = False
-
-    def records(self) -> list[Record]:
-        """This rank's passes since :meth:`begin_step` (plain tuples: they pickle)."""
-        return list(self._records)
-
-    def _timed(
-        self, method: Callable[..., Any], kind: str, key: str, stage: Any
-    ) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self._recording:
-                return method(*args, **kwargs)
-            micro_batch = args[0] if args else kwargs.get(key, -1)
-            if self._sync is not None:
-                self._sync()
-            start = self._clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if self._sync is not None:
-                    self._sync()
-                end = self._clock()
-                stage_index = int(getattr(stage, "stage_index", -1))
-                self._records.append(
-                    (self.rank, kind, stage_index, int(micro_batch), start - self._t0,
-                     end - self._t0)
-                )  # fmt: skip
-
-        return timed
+times from the rank's ``StageTimer.begin_step`` (:mod:`plait.runtime.stage_timer`)."""
 
 
 def timeline_from_records(
@@ -800,7 +712,7 @@ def timeline_from_records(
     labels: Sequence[str] | None = None,
     title: str = "",
 ) -> Timeline:
-    """A measured :class:`Timeline` from every rank's :meth:`StageTimer.records` (flattened).
+    """A measured :class:`Timeline` from every rank's ``StageTimer.records`` (flattened).
 
     Each rank's times are from its own step start; the previous step ended in an all-reduce
     over every rank, so the starts agree to that collective's skew. Rows are pipeline ranks

@@ -66,7 +66,6 @@ from plait.mesh import MeshSpec
 from plait.planning import Plan, PlannedParameter
 from plait.planning.timeline import (
     SPLIT_BACKWARD,
-    StageTimer,
     Timeline,
     timeline_from_records,
 )
@@ -82,6 +81,7 @@ from plait.runtime.stage_program import (
     compiles,
     planned_stage_collectives,
 )
+from plait.runtime.stage_timer import StageTimer
 from plait.runtime.zero import ZeroOptimizer, check_elementwise
 from plait.support import Where
 

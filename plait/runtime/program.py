@@ -1,6 +1,6 @@
 """The per-rank program: a Plan compiled into one FX graph over local tensors.
 
-This is the "compile" step of the one path (DESIGN.md, "One path for every mode"; MindSpore's
+This is the "compile" step of the one path (docs/architecture.md, "Running"; MindSpore's
 ``step_parallel`` rewrites its graph the same way). The plan's operator executor
 (:class:`~plait.runtime.plan_exec.PlanExecutor`) knows, per op, the planned layouts and the
 redistributions between them, and runs them on DTensors. Running it once per rank under

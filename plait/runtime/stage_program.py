@@ -10,8 +10,8 @@ joint graph of forward and backward, on fake tensors), and cuts the joint graph 
 and a backward graph (torch's default partitioner: the backward keeps what the forward saved,
 nothing recomputed). Below DTensor the graphs are local aten ops with every redistribution an
 explicit functional collective (``_c10d_functional.all_reduce`` and its ``wait_tensor``),
-the same collectives DTensor issues eagerly, in the same places: DESIGN.md's "one path", the
-stage as the per-rank program of its slice. The plan's compiled program
+the same collectives DTensor issues eagerly, in the same places: the one path of
+docs/architecture.md, the stage as the per-rank program of its slice. The plan's compiled program
 (:mod:`plait.runtime.program`) does the same for a whole step.
 
 At run time a training micro-batch's forward calls the forward graph on the parameters' local

@@ -1,7 +1,7 @@
 """``search="dynamic_programming"``: graph elimination with (time, memory) cost lists.
 
-MindSpore's dynamic-programming search (reference mindspore.md 7.3, cost-model.md 1a), on
-plait's objective. :meth:`SearchProblem.evaluate` is a sum of terms over one op (compute,
+MindSpore's dynamic-programming search (``dp_algo_costmodel`` in MindSpore's source; node and
+edge elimination after OptCNN: Jia, Lin, Qi and Aiken, ICML 2018), on plait's objective. :meth:`SearchProblem.evaluate` is a sum of terms over one op (compute,
 parameter-gradient reduction, batch edges) and over two ops (a value's redistribution between
 its producer and a consumer; a parameter's redistribution between its first reader and a later
 reader that wants another layout). :func:`cost_graph` writes it down as a cost graph: one cost
@@ -84,7 +84,7 @@ ALTERNATIVES_KEPT = 3
 PARETO_POINTS = 4  # (time, memory) pairs kept per cost-list entry under a memory limit
 MAX_FACTOR_CELLS = 1 << 21  # largest cost table an exact elimination may build
 # Model-state bytes per parameter byte under a memory limit: fp32 Adam keeps the parameter, its
-# gradient and two moments, 4 + 4 + 8 bytes per 4-byte element (cost-model.md 2.iv)
+# gradient and two moments, 4 + 4 + 8 bytes per 4-byte element (ZeRO, Rajbhandari et al., SC 2020)
 STATE_FACTOR = 4.0
 
 

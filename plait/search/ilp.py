@@ -1,6 +1,6 @@
 """``search="ilp"``: Alpa's integer program over the whole graph, solved by CBC through PuLP.
 
-The yardstick for the other searchers (reference cost-model.md 1d). On the cost graph of
+The yardstick for the other searchers (Alpa: Zheng et al., OSDI 2022). On the cost graph of
 :func:`plait.search.dynamic.cost_graph` (the objective :meth:`SearchProblem.evaluate` as
 unary and pairwise terms, shared parameters included):
 

@@ -1,7 +1,8 @@
 """``search="recursive_programming"``: MindSpore's double recursive search on named meshes.
 
-MindSpore's SAPP planner (reference ``mindspore.md`` section 7.5, ``cost-model.md`` section 1b)
-cuts every operator in two, ``log2(N)`` times: the outer recursion walks the bisections of
+MindSpore's SAPP planner (its auto-parallel docs, "recursive_programming"; Wang et al.,
+"Efficient and Systematic Partitioning of Large and Deep Neural Networks for Parallelization",
+Euro-Par 2021) cuts every operator in two, ``log2(N)`` times: the outer recursion walks the bisections of
 the cluster, the inner one walks the operators in decreasing weight, and each operator picks
 the dimension to cut given the cuts its heavier neighbours already made. plait's candidates
 split whole named mesh axes, so here the outer recursion is **one round per mesh axis**

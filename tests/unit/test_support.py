@@ -76,3 +76,14 @@ def test_every_rule_has_its_own_key_and_words() -> None:
     keys = [r.key for r in RULES]
     assert len(keys) == len(set(keys))
     assert all(r.what and r.fix and r.scope for r in RULES)
+
+
+def test_plait_plan_applies_the_rules_marked_for_planning_only() -> None:
+    """The planner weighs what-ifs (micro-batches before it picks stages), so it refuses only
+    what would be refused whatever it picks: host modules off the plain path, a schedule
+    on a fixed mesh without stages."""
+    idle = ParallelConfig(mode="auto", mesh={"dp": 4}, schedule="gpipe")
+    assert refusal(idle, Where("program"), planning=True).key == "schedule_one_stage"
+    what_if = ParallelConfig(mode="auto", micro_batches=4)  # the planner may pick stages
+    assert refusal(what_if, Where("program"), planning=True) is None
+    assert refusal(what_if, Where("program")).key == "micro_batches"

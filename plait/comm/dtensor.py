@@ -36,9 +36,11 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 __all__ = [
+    "DeviceMesh",
     "any_rank_true",
     "as_dtensor",
     "build_device_mesh",
+    "coordinate_of",
     "distribute",
     "dtensor_from_local",
     "from_dtensor_placements",
@@ -65,6 +67,17 @@ __all__ = [
 def build_device_mesh(mesh: MeshSpec, device_type: str = "cpu") -> DeviceMesh:
     """A ``DeviceMesh`` over the current world with ``mesh``'s axis names and sizes."""
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+
+
+def coordinate_of(device_mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's coordinate on ``device_mesh`` (every plait mesh holds every rank)."""
+    coordinate = device_mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError(
+            f"this rank is not on the device mesh {device_mesh}; plait builds every mesh over "
+            "the whole world, so this is a plait bug: please report it"
+        )
+    return tuple(coordinate)
 
 
 def mesh_spec_of(device_mesh: DeviceMesh) -> MeshSpec:

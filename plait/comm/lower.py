@@ -35,6 +35,7 @@ from plait._compat import (
     simulation_suspended,
     traced_as_rank,
 )
+from plait.comm.dtensor import DeviceMesh
 from plait.errors import PlanError
 
 __all__ = [
@@ -78,7 +79,7 @@ def traced_ranks() -> tuple[tuple[int, ...], int, bool]:
 def trace_per_rank(
     make_step: Callable[[], Callable[..., Any]],
     examples: Sequence[torch.Tensor],
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
 ) -> dict[int, torch.fx.GraphModule]:
     """``make_step()`` traced by make_fx on fake tensors shaped like ``examples`` (local
     pieces), per rank: ``{rank: program}``, or ``{first rank: program}`` alone when every
@@ -125,7 +126,7 @@ def _plain_example(value: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _as_rank(device_mesh: Any, rank: int, *, simulated: bool) -> Iterator[None]:
+def _as_rank(device_mesh: DeviceMesh, rank: int, *, simulated: bool) -> Iterator[None]:
     if not simulated:
         yield
         return
@@ -133,10 +134,12 @@ def _as_rank(device_mesh: Any, rank: int, *, simulated: bool) -> Iterator[None]:
         yield
 
 
-def collectives_of(graph_module: torch.fx.GraphModule, device_mesh: Any) -> list[ProgramCollective]:
+def collectives_of(
+    graph_module: torch.fx.GraphModule, device_mesh: DeviceMesh
+) -> list[ProgramCollective]:
     """Every functional collective of a traced program, in program order, by mesh axis."""
     names = tuple(device_mesh.mesh_dim_names or ())
-    axis_of_group = {device_mesh.get_group(a).group_name: a for a in names}
+    axis_of_group: dict[str, str] = {str(device_mesh.get_group(a).group_name): a for a in names}
     out: list[ProgramCollective] = []
 
     def axis_of(group: str) -> str:
@@ -166,7 +169,7 @@ def collective_kind(node: torch.fx.Node) -> str | None:
     return _KINDS.get(getattr(target, "_opname", ""))
 
 
-def _axes_spanned(device_mesh: Any, group: str) -> str:
+def _axes_spanned(device_mesh: DeviceMesh, group: str) -> str:
     """The mesh axes a process group spans, joined by "+" (DTensor flattens several axes into
     one group for a dim split over them); the group's name when it is not on the mesh."""
     try:

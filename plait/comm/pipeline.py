@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -212,7 +213,7 @@ def mean_over_group(tensors: Sequence[torch.Tensor], group: Any, size: int) -> N
 
 def shard_stage(
     module: nn.Module,
-    dp_mesh: Any,
+    dp_mesh: DeviceMesh,
     *,
     reshard_after_forward: bool,
     whole: Sequence[nn.Parameter],
@@ -240,7 +241,7 @@ def shard_stage(
     )
 
 
-def dp_shard_mesh(device_mesh: Any, dp_axis: str, shard_size: int | None) -> Any:
+def dp_shard_mesh(device_mesh: DeviceMesh, dp_axis: str, shard_size: int | None) -> DeviceMesh:
     """The mesh FSDP2 shards a stage over: the dp sub-mesh, or under HSDP
     (``optimizer_weight_shard_size``) the dp axis cut into a 2-D (replicate, shard) mesh,
     FSDP2's hybrid sharding: shards in groups of ``shard_size`` consecutive dp ranks,
@@ -274,7 +275,7 @@ def start_sum_over_world(value: torch.Tensor) -> Callable[[], torch.Tensor]:
     return wait
 
 
-def stage_on_submesh(module: nn.Module, device_mesh: Any) -> None:
+def stage_on_submesh(module: nn.Module, device_mesh: DeviceMesh) -> None:
     """Run ``module`` (a stage whose parameters are already DTensors on ``device_mesh``, the
     mesh of the axes inside a stage) on DTensors: its tensor inputs enter replicated over
     ``device_mesh`` and its outputs leave whole (a pending sum reduced, a split gathered), so
@@ -324,7 +325,7 @@ class PieceLayout:
     """How a local piece makes a DTensor: its device mesh, placements, global shape and
     stride (a compiled stage's parameters and gradients, :mod:`plait.runtime.stage_program`)."""
 
-    mesh: Any
+    mesh: DeviceMesh
     placements: tuple[Any, ...]
     shape: tuple[int, ...]
     stride: tuple[int, ...]

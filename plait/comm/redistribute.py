@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from plait._compat import funcol
-from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
+from plait.comm.dtensor import DeviceMesh, contiguous_stride, layout_of, to_dtensor_placements
 from plait.errors import LayoutError
 from plait.layout import TensorLayout
 from plait.layout.redistribute import Redistribution, RedistStep, plan_redistribution
@@ -145,6 +145,6 @@ def execute_redistribution(tensor: DTensor, redistribution: Redistribution) -> D
     return _Redistribute.apply(tensor, redistribution)  # type: ignore[no-any-return]
 
 
-def replicated_from_local(local: torch.Tensor, device_mesh: Any) -> DTensor:
+def replicated_from_local(local: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
     """A whole value every rank computed alike, as a replicated DTensor (differentiable)."""
     return DTensor.from_local(local, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)

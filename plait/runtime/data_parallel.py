@@ -35,7 +35,7 @@ from torch import nn
 
 from plait._compat import tree_map
 from plait.comm.dp import own_copy, rank_slice, start_sum, wait_sum
-from plait.comm.dtensor import full_value
+from plait.comm.dtensor import DeviceMesh, full_value
 from plait.config import CommFusion
 from plait.errors import ShardingError
 from plait.runtime.grad_sync import _Bucket, _BucketedSync
@@ -53,9 +53,9 @@ class PlainGradSync(_BucketedSync):
     def __init__(
         self,
         params: Sequence[nn.Parameter],
-        group_mesh: Any,
+        group_mesh: DeviceMesh,
         fusion: CommFusion,
-        host_mesh: Any = None,
+        host_mesh: DeviceMesh | None = None,
     ) -> None:
         self._group_mesh = group_mesh
         self._host_mesh = host_mesh
@@ -80,8 +80,9 @@ class PlainGradSync(_BucketedSync):
             if buffer is None or buffer.numel() != numel or buffer.dtype != dtype:
                 buffer = self._buffers[id(bucket)] = grads[0].new_empty(numel, dtype=dtype)
             flat = torch.cat(grads, out=buffer)
-        on_host = self._host_mesh is not None and flat.device.type == "cpu"
-        bucket.result = start_sum(flat, self._host_mesh if on_host else self._group_mesh)
+        host = self._host_mesh
+        mesh = host if host is not None and flat.device.type == "cpu" else self._group_mesh
+        bucket.result = start_sum(flat, mesh)
 
     def _wait(self, result: torch.Tensor) -> torch.Tensor:
         return wait_sum(result)
@@ -121,7 +122,7 @@ def fresh_parameters(model: nn.Module) -> None:
 class PlainDataParallel:
     """Where this process stands in a pure data-parallel job, and its batch and loss helpers."""
 
-    group_mesh: Any
+    group_mesh: DeviceMesh
     """The 1-D device mesh of the data-parallel axis (the group the sums run over)."""
     axis: str
     """Name of the data-parallel mesh axis (for messages)."""

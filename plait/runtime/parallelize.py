@@ -29,7 +29,7 @@ from plait import support
 from plait._compat import tree_leaves, tree_map
 from plait.annotate import host_marks, parameter_layouts, recompute_marks
 from plait.comm.dp import host_group_mesh
-from plait.comm.dtensor import build_device_mesh
+from plait.comm.dtensor import DeviceMesh, build_device_mesh, coordinate_of
 from plait.comm.world import current_world
 from plait.config import CommFusion, ParallelConfig, Recompute, Schedule, Search
 from plait.data import split_micro_batches
@@ -257,7 +257,7 @@ def _planned_job(
     *,
     world_size: int,
     plan: Plan | None = None,
-    device_mesh: Any = None,
+    device_mesh: DeviceMesh | None = None,
 ) -> Job:
     """The job of a plan: made now on ``example_batch`` (semi_auto from the annotations, auto by
     search), or a plan file or Plan checked against it; run as a compiled per-rank program."""
@@ -472,7 +472,7 @@ def _deferred_job(
     build: Any,
     plan: Plan | None,
     mesh: MeshSpec | None,
-    device_mesh: Any,
+    device_mesh: DeviceMesh | None,
     simulated: bool,
 ) -> DeferredJob:
     """A job planned at its first step (no example batch given)."""
@@ -577,7 +577,7 @@ def _plain_job(
     model: nn.Module,
     cfg: ParallelConfig,
     mesh: MeshSpec,
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
     layouts: dict[str, TensorLayout],
     optimizer: OptimizerFactory,
     loss_fn: LossFn,
@@ -602,7 +602,7 @@ def _plain_job(
         group_mesh=device_mesh[dp],
         axis=dp,
         size=size,
-        rank=None if world.simulated else int(device_mesh.get_coordinate()[mesh.axis_index(dp)]),
+        rank=None if world.simulated else coordinate_of(device_mesh)[mesh.axis_index(dp)],
         slice_inputs=world.simulated or cfg.dataset_strategy == "full_batch",
         device=device,
     )

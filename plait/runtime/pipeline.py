@@ -50,6 +50,8 @@ from plait._compat import dtensor_like, output_structure, tree_leaves, tree_map,
 from plait.annotate import pipeline_stage_marks
 from plait.comm import pipeline as pp_comm
 from plait.comm.dtensor import (
+    DeviceMesh,
+    coordinate_of,
     distribute,
     dtensor_from_local,
     full_value,
@@ -202,7 +204,7 @@ class PipelineJob(Job):
         config: ParallelConfig,
         *,
         mesh: MeshSpec,
-        device_mesh: Any,
+        device_mesh: DeviceMesh,
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         example_batch: Any,
@@ -217,7 +219,7 @@ class PipelineJob(Job):
         virtual = config.virtual_stages or 1
         count = pp * virtual
         micro = config.micro_batches
-        coordinate = list(device_mesh.get_coordinate())
+        coordinate = list(coordinate_of(device_mesh))
         pp_rank = coordinate[mesh.axis_index("pp")]
         starts = plan_stage_starts(plan) if plan is not None and virtual == 1 else None
         starts = starts or stage_starts(model, count)
@@ -747,7 +749,7 @@ def _repeat_rows(x: Any, times: int) -> Any:
 
 
 def distribute_stage(
-    module: nn.Module, layouts: dict[str, TensorLayout], submesh: Any, sub: MeshSpec
+    module: nn.Module, layouts: dict[str, TensorLayout], submesh: DeviceMesh, sub: MeshSpec
 ) -> None:
     """Replace ``module``'s parameters by DTensors laid out as ``layouts`` (by the model's
     names) on ``submesh``, the device mesh of the axes inside a stage; parameters the plan
@@ -763,7 +765,7 @@ def distribute_stage(
 
 
 def shard_stages(
-    modules: list[nn.Module], config: ParallelConfig, device_mesh: Any, dp: int
+    modules: list[nn.Module], config: ParallelConfig, device_mesh: DeviceMesh, dp: int
 ) -> list[nn.Parameter] | None:
     """Optimizer parallel in the stages (``optimizer_shard``), by FSDP2 over the dp sub-mesh
     (:func:`plait.comm.pipeline.shard_stage`): level 3 gathers a stage's parameters for each
@@ -844,7 +846,7 @@ def stage_optimizer(
     factory: OptimizerFactory,
     *,
     host: bool,
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
     dp_axis: str,
 ) -> torch.optim.Optimizer:
     """The user's optimizer over this rank's stages' parameters. ``host``

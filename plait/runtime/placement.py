@@ -14,6 +14,7 @@ from torch import nn
 
 from plait._compat import own_per_rank, simulated_ranks
 from plait.comm.dtensor import (
+    DeviceMesh,
     distribute,
     from_local_piece,
     is_dtensor,
@@ -32,7 +33,7 @@ __all__ = ["place_parameters", "reshard_parameters"]
 def place_parameters(
     model: nn.Module,
     layouts: dict[str, TensorLayout],
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
     buffers: dict[str, TensorLayout] | None = None,
 ) -> dict[str, TensorLayout]:
     """Parameters -> DTensors in ``layouts`` (by name; a tied parameter once, under any of its
@@ -69,7 +70,7 @@ def place_parameters(
     return {n: layouts[n] for n, _ in model.named_parameters()}
 
 
-def _placed(tensor: torch.Tensor, device_mesh: Any, layout: TensorLayout) -> torch.Tensor:
+def _placed(tensor: torch.Tensor, device_mesh: DeviceMesh, layout: TensorLayout) -> torch.Tensor:
     """``tensor`` as a DTensor in ``layout``: sliced when it is whole on every rank; for a meta
     tensor, uninitialised, each rank allocating its own piece only (simulated ranks one private
     piece each)."""
@@ -87,7 +88,7 @@ def _placed(tensor: torch.Tensor, device_mesh: Any, layout: TensorLayout) -> tor
 def reshard_parameters(
     model: nn.Module,
     placements: dict[str, tuple[Any, ...]],
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
     layouts: dict[str, TensorLayout],
 ) -> dict[str, TensorLayout]:
     """DTensor parameters named in ``placements`` -> new parameters laid out so (in place;

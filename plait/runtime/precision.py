@@ -14,11 +14,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from plait.comm.dtensor import any_rank_true, local_piece
+from plait.comm.dtensor import DeviceMesh, any_rank_true, local_piece
 
 __all__ = ["LossScaler", "autocast_for"]
 
@@ -44,7 +43,9 @@ class LossScaler:
     clean_steps: int = 0
     skipped_steps: int = 0
 
-    def unscale_and_check(self, params: Iterable[torch.nn.Parameter], device_mesh: Any) -> bool:
+    def unscale_and_check(
+        self, params: Iterable[torch.nn.Parameter], device_mesh: DeviceMesh | None
+    ) -> bool:
         """Divide gradients by the scale; True when every rank's gradients are finite."""
         grads = [p.grad for p in params if p.grad is not None]
         finite = all(bool(torch.isfinite(local_piece(g)).all()) for g in grads)

@@ -39,7 +39,7 @@ from torch import nn
 from plait._compat import simulation_suspended, tree_leaves, tree_map
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dp import gather_pieces, rank_slice
-from plait.comm.dtensor import distribute, full_value, implicit_replication
+from plait.comm.dtensor import DeviceMesh, distribute, full_value, implicit_replication
 from plait.errors import ShardingError
 from plait.graph import in_mode
 from plait.layout import TensorLayout
@@ -71,7 +71,7 @@ class Job(Protocol):
     model: nn.Module
     config: ParallelConfig
     mesh: MeshSpec | None
-    device_mesh: Any
+    device_mesh: DeviceMesh
     plain: PlainDataParallel | None
     loss_fn: Any
 

@@ -54,7 +54,7 @@ from plait._compat import (
     simulated_ranks,
     simulation_suspended,
 )
-from plait.comm.dtensor import is_dtensor, layout_of, local_piece
+from plait.comm.dtensor import DeviceMesh, is_dtensor, layout_of, local_piece
 from plait.errors import CheckpointError
 from plait.runtime.meta_init import mark_initialised
 from plait.runtime.zero import ZeroOptimizer
@@ -284,7 +284,7 @@ def _slices(shape: tuple[int, ...], offset: tuple[int, ...]) -> tuple[slice, ...
     return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
 
 
-def _coordinates(device_mesh: Any) -> dict[int, list[int]]:
+def _coordinates(device_mesh: DeviceMesh) -> dict[int, list[int]]:
     """Where each rank sits on ``device_mesh`` (one index per mesh axis)."""
     grid = device_mesh.mesh
     return {
@@ -340,7 +340,7 @@ class _Reader:
         self.elements = 0
         """Elements read so far (what this process took from the files)."""
 
-    def coordinate(self, device_mesh: Any, rank: int) -> list[int]:
+    def coordinate(self, device_mesh: DeviceMesh, rank: int) -> list[int]:
         """Simulated ``rank``'s coordinate on ``device_mesh`` (worked out once per mesh)."""
         known = self._meshes.get(id(device_mesh))
         if known is None:

@@ -39,6 +39,7 @@ __all__ = [
     "DeviceMesh",
     "any_rank_true",
     "as_dtensor",
+    "axis_names_of",
     "build_device_mesh",
     "coordinate_of",
     "distribute",
@@ -78,6 +79,17 @@ def coordinate_of(device_mesh: DeviceMesh) -> tuple[int, ...]:
             "the whole world, so this is a plait bug: please report it"
         )
     return tuple(coordinate)
+
+
+def axis_names_of(device_mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axis names of ``device_mesh`` (plait names every axis it builds)."""
+    names = device_mesh.mesh_dim_names
+    if names is None:
+        raise RuntimeError(
+            f"the device mesh {device_mesh} has unnamed axes; plait names every axis of the "
+            "meshes it builds, so this is a plait bug: please report it"
+        )
+    return tuple(names)
 
 
 def mesh_spec_of(device_mesh: DeviceMesh) -> MeshSpec:

@@ -206,8 +206,9 @@ def dp_place(job: plait.Job) -> tuple[int, int]:
     """This rank's data-parallel (index, size); (0, 1) without a mesh."""
     if job.device_mesh is None or job.mesh is None or "dp" not in job.mesh.axis_names:
         return 0, 1  # no data-parallel axis: every rank reads the whole batch
-    axis = job.mesh.axis_index("dp")
-    return int(job.device_mesh.get_coordinate()[axis]), job.mesh.axis_size("dp")
+    coordinate = job.device_mesh.get_coordinate()
+    assert coordinate is not None  # every rank is on the job's mesh
+    return int(coordinate[job.mesh.axis_index("dp")]), job.mesh.axis_size("dp")
 
 
 def local_slice(batch: Batch, index: int, size: int) -> Batch:

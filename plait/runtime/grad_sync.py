@@ -25,6 +25,7 @@ import torch.fx
 from torch import nn
 
 from plait.comm.dtensor import (
+    DeviceMesh,
     is_pending_sum_over,
     start_all_reduce,
     sync_grad,
@@ -122,7 +123,7 @@ class GradSync(_BucketedSync):
     """Reduce gradients of DTensor ``params`` over mesh axis ``axis`` in fused, overlapped buckets."""
 
     def __init__(
-        self, params: Sequence[nn.Parameter], device_mesh: Any, axis: str, fusion: CommFusion
+        self, params: Sequence[nn.Parameter], device_mesh: DeviceMesh, axis: str, fusion: CommFusion
     ) -> None:
         names = tuple(device_mesh.mesh_dim_names or ())
         self._axis_index = names.index(axis)

@@ -19,6 +19,7 @@ from plait._compat import (
 )
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
+    DeviceMesh,
     distribute,
     dtensor_from_local,
     from_local_piece,
@@ -68,7 +69,7 @@ class Job:
         config: ParallelConfig,
         *,
         mesh: MeshSpec | None,
-        device_mesh: Any,
+        device_mesh: Any,  # None for a stand-alone job (Job still branches on its nullable fields)
         slice_inputs: bool,
         layouts: dict[str, TensorLayout],
         grad_sync: GradSync | PlainGradSync | None = None,
@@ -558,7 +559,7 @@ class DeferredJob(Job):
         build: Callable[[Any], Job],
         *,
         mesh: MeshSpec | None = None,
-        device_mesh: Any = None,
+        device_mesh: DeviceMesh | None = None,
         to_global: Callable[[Any], Any] | None = None,
     ) -> None:
         self.model = model

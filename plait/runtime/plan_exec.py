@@ -50,6 +50,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from plait._compat import greedy_redistribution_planning, tree_unflatten
 from plait.comm.dispatch import EXPORT_ASSERTIONS, PlaitDispatchMode
 from plait.comm.dtensor import (
+    DeviceMesh,
     build_device_mesh,
     distribute,
     from_local_piece,
@@ -238,7 +239,7 @@ class PlanExecutor:
         plan: Plan,
         example_batch: Any,
         loss_fn: LossFn | None,
-        device_mesh: Any,
+        device_mesh: DeviceMesh,
         *,
         dp_axis: str = "dp",
         dataset_strategy: object = "data_parallel",
@@ -1216,7 +1217,7 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
 
 
 def _grad_sync(
-    model: nn.Module, plan: Plan, device_mesh: Any, cfg: ParallelConfig
+    model: nn.Module, plan: Plan, device_mesh: DeviceMesh, cfg: ParallelConfig
 ) -> GradSync | None:
     """Fused reduction of the gradients the plan reduces over the data-parallel axis."""
     dp = cfg.dp_axis
@@ -1244,7 +1245,7 @@ def build_plan_job(
     *,
     strict: bool = False,
     captured: ExecutableCapture | None = None,
-    device_mesh: Any = None,
+    device_mesh: DeviceMesh | None = None,
 ) -> Job:
     """A Job that trains ``model`` exactly as ``plan`` says (call inside a process group).
 
@@ -1407,7 +1408,7 @@ def _optimizer(
     factory: OptimizerFactory,
     level: int | None,
     sharded: dict[int, ShardedParameter],
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
     axis: str,
     buckets: list[list[nn.Parameter]],
     *,
@@ -1453,7 +1454,7 @@ def _fuse_buckets(
 
 
 def _compile(
-    executor: PlanExecutor, model: nn.Module, cfg: ParallelConfig, device_mesh: Any
+    executor: PlanExecutor, model: nn.Module, cfg: ParallelConfig, device_mesh: DeviceMesh
 ) -> Program:
     """The per-rank program of the executor's plan (traced on zero batches of its shapes)."""
     # every name of a tied parameter: the export names it once, by any of them

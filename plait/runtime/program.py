@@ -43,7 +43,14 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from plait._compat import annotated, node_meta_preserved, node_tags
-from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece, replicate_placement
+from plait.comm.dtensor import (
+    DeviceMesh,
+    axis_names_of,
+    dtensor_from_local,
+    is_dtensor,
+    local_piece,
+    replicate_placement,
+)
 from plait.comm.lower import (
     ProgramCollective,
     collectives_of,
@@ -114,7 +121,7 @@ class Program:
         grad_placements: Sequence[tuple[Any, ...]],
         loss_placements: tuple[Any, ...],
         buffers: Sequence[str],
-        device_mesh: Any,
+        device_mesh: DeviceMesh,
         rank: int,
         trace_seconds: float,
         simulated: bool = False,
@@ -161,7 +168,7 @@ class Program:
         buckets' in-place all-reduces, :meth:`fuse_gradient_reduction`, included)."""
         listed = {c.node: c for c in collectives_of(self.graph_module, self.device_mesh)}
         names = tuple(self.device_mesh.mesh_dim_names or ())
-        axis_of = {self.device_mesh.get_group(a).group_name: a for a in names}
+        axis_of = {str(self.device_mesh.get_group(a).group_name): a for a in names}
         out: list[ProgramCollective] = []
         for node in self.graph_module.graph.nodes:
             if node.name in listed:
@@ -242,7 +249,7 @@ class Program:
         replicate = None
         if groups is not None:
             n, group, replicate = groups.n, groups.group, groups.replicate
-        index = list(self.device_mesh.mesh_dim_names).index(axis)
+        index = list(axis_names_of(self.device_mesh)).index(axis)
         grad_placements = list(self.grad_placements)
         for bucket in buckets:
             for m in bucket:
@@ -395,7 +402,7 @@ class Program:
         return moved
 
     def _axis(self, axis: str) -> tuple[int, str]:
-        index = list(self.device_mesh.mesh_dim_names).index(axis)
+        index = list(axis_names_of(self.device_mesh)).index(axis)
         return int(self.device_mesh.size(index)), self.device_mesh.get_group(axis).group_name
 
     def _placeholders(self, graph_module: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:

@@ -45,7 +45,13 @@ import torch.fx
 from torch import nn
 
 from plait._compat import simulation_suspended
-from plait.comm.dtensor import dtensor_from_local, local_piece, replicate_placement
+from plait.comm.dtensor import (
+    DeviceMesh,
+    axis_names_of,
+    dtensor_from_local,
+    local_piece,
+    replicate_placement,
+)
 from plait.errors import ConfigError
 from plait.runtime.local_optim import is_elementwise
 
@@ -150,7 +156,7 @@ class ShardGroups:
         return (*placements[:dp_index], replicate_placement(), dim_placement, *rest)
 
 
-def shard_groups(device_mesh: Any, axis: str, shard_size: int | None) -> ShardGroups:
+def shard_groups(device_mesh: DeviceMesh, axis: str, shard_size: int | None) -> ShardGroups:
     """The shard groups of ``axis`` (``shard_size`` consecutive ranks each; None or the axis
     size: the whole axis, as without HSDP). Every rank calls it: HSDP builds process groups."""
     names = list(device_mesh.mesh_dim_names or ())
@@ -309,7 +315,7 @@ class ZeroOptimizer:
         *,
         level: int | None,
         buckets: Sequence[Sequence[ShardedParameter]],
-        device_mesh: Any,
+        device_mesh: DeviceMesh,
         axis: str,
         host: bool = False,
         groups: ShardGroups | None = None,
@@ -405,7 +411,7 @@ class ZeroOptimizer:
                 local_piece(params[m.name]).copy_(whole)
 
 
-def _coordinate_on(device_mesh: Any, axis: str) -> int | None:
+def _coordinate_on(device_mesh: DeviceMesh, axis: str) -> int | None:
     """This process's coordinate on ``axis`` (None in a simulated world, or without it)."""
     from plait._compat import simulated_ranks
 
@@ -549,7 +555,7 @@ def sharded_parameters(
     parameters: Sequence[Any],
     model: nn.Module,
     trained: Sequence[str],
-    device_mesh: Any,
+    device_mesh: DeviceMesh,
     axis: str,
     groups: ShardGroups | None = None,
 ) -> dict[int, ShardedParameter]:
@@ -636,12 +642,12 @@ def reshard_to_groups(model: nn.Module, buckets: Sequence[Sequence[ShardedParame
             module._parameters[attr] = done[id(p)]
 
 
-def gathered_onto(value: Any, device_mesh: Any) -> Any:
+def gathered_onto(value: Any, device_mesh: DeviceMesh) -> Any:
     """A ZeRO-3 shard under HSDP (a DTensor on the shard groups' mesh) as a DTensor on the
     job's mesh, gathered within its group: what evaluation and prediction, which run the plan
     op by op on the job's mesh, read for the parameter."""
-    cut = list(value.device_mesh.mesh_dim_names)
-    names = list(device_mesh.mesh_dim_names)
+    cut = list(axis_names_of(value.device_mesh))
+    names = list(axis_names_of(device_mesh))
     whole = tuple(
         p if n in names else replicate_placement()
         for n, p in zip(cut, value.placements, strict=True)

@@ -107,6 +107,9 @@ class Rule:
     planning: bool = False
     """``plait.plan`` refuses it too (it plans what ``parallelize`` would run); the other
     rules concern a run (the planner weighs what-ifs: micro-batches before it picks stages)."""
+    on_engine: bool = False
+    """The rule holds on some engines only (it reads ``where``); the others hold on every
+    engine and are checked once, before the engine is chosen."""
 
     def message(self, cfg: ParallelConfig, where: Where | None) -> str:
         on = "" if self.context is None else self.context(cfg)
@@ -258,6 +261,7 @@ RULES: tuple[Rule, ...] = (
         "settings (the plain data-parallel path); drop those settings or host_modules",
         context=lambda c: f" with mode={c.mode!r}",
         planning=True,
+        on_engine=True,
     ),
     Rule(
         "tp_in_stages_mode",
@@ -273,6 +277,7 @@ RULES: tuple[Rule, ...] = (
         "tensor parallel in a stage follows plait.shard annotations: use mode='semi_auto' "
         "(or mode='auto', which plans the stages); mode data_parallel runs a mesh of 'pp' "
         "and 'dp'",
+        on_engine=True,
     ),
     Rule(
         "zero_bubble_eager_tp",
@@ -289,6 +294,7 @@ RULES: tuple[Rule, ...] = (
         "torch refuses)",
         "zero bubble with tp runs on compiled stages: use stage_programs=True (not beside "
         "optimizer_shard in bf16/fp16), or gpipe, 1f1b or interleaved_1f1b",
+        on_engine=True,
     ),
     Rule(
         "zero_bubble_zero",
@@ -300,6 +306,7 @@ RULES: tuple[Rule, ...] = (
         "optimizer parallel with a zero-bubble schedule (FSDP2 reduce-scatters a stage's "
         "gradients before the separate weight-gradient passes have run)",
         "use gpipe, 1f1b or interleaved_1f1b",
+        on_engine=True,
     ),
     Rule(
         "stages_mode",
@@ -314,6 +321,7 @@ RULES: tuple[Rule, ...] = (
         "searched plan: mode auto and plan files)",
         "use mode='data_parallel' with a mesh of 'pp' and 'dp', 'semi_auto' with a 'tp' axis "
         "too, or mode='auto'",
+        on_engine=True,
     ),
     Rule(
         "offload_selective_eager",
@@ -333,6 +341,7 @@ RULES: tuple[Rule, ...] = (
         "saved-tensor hooks never see)",
         "use recompute='full' or 'none' (per module too) with offload='activations'; "
         "compiled stages, with tensor parallel inside, run both",
+        on_engine=True,
     ),
     Rule(
         "stages_grad_accumulation",
@@ -341,6 +350,7 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"grad_accumulation={c.grad_accumulation}",
         "gradient accumulation in a pipeline",
         "the pipeline's micro_batches accumulate already: raise micro_batches instead",
+        on_engine=True,
     ),
     Rule(
         "stages_per_input_strategy",
@@ -350,24 +360,36 @@ RULES: tuple[Rule, ...] = (
         "per-input dataset strategies in pipeline stages (a stage takes each replica's rows whole)",
         "use dataset_strategy='data_parallel' (each rank passes its replica's rows) or "
         "'full_batch' (every rank passes the global batch)",
+        on_engine=True,
     ),
 )
 
 
 def refusal(
-    cfg: ParallelConfig, where: Where | None = None, *, planning: bool = False
+    cfg: ParallelConfig,
+    where: Where | None = None,
+    *,
+    planning: bool = False,
+    engine_only: bool = False,
 ) -> Rule | None:
     """The first rule that refuses ``cfg`` on ``where`` (None: the engine is not known yet,
     only the rules of every engine), or None when it runs. ``planning``: the rules
-    ``plait.plan`` applies only."""
-    rules = (r for r in RULES if r.planning or not planning)
+    ``plait.plan`` applies only; ``engine_only``: the rules of some engines only (those of
+    every engine were checked already, on the config as the user gave it)."""
+    rules = (r for r in RULES if (r.planning or not planning) and (r.on_engine or not engine_only))
     return next((r for r in rules if r.refused(cfg, where)), None)
 
 
-def check(cfg: ParallelConfig, where: Where | None = None, *, planning: bool = False) -> None:
+def check(
+    cfg: ParallelConfig,
+    where: Where | None = None,
+    *,
+    planning: bool = False,
+    engine_only: bool = False,
+) -> None:
     """Raise the first refusal of ``cfg`` on ``where``: NotBuiltError for what is not built,
     ConfigError for a setting that would do nothing."""
-    rule = refusal(cfg, where, planning=planning)
+    rule = refusal(cfg, where, planning=planning, engine_only=engine_only)
     if rule is not None:
         raise rule.error(cfg, where)
 

@@ -188,11 +188,11 @@ def parallelize(
     world = current_world()
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
-        support.check(config, Where("pipeline"))
+        support.check(config, Where("pipeline"), engine_only=True)
         return _pipeline_job(model, config, optimizer, loss_fn, example_batch)
     _stages_need_processes(config, world)
     if config.mode == "stand_alone":
-        support.check(config, Where("stand_alone"))
+        support.check(config, Where("stand_alone"), engine_only=True)
         return _stand_alone_job(model, config, optimizer, loss_fn)
     if world is None:
         raise ConfigError(
@@ -208,7 +208,7 @@ def parallelize(
         # annotations are checked now, before anything waits for the first batch
         named = parameter_layouts(model, mesh)
         engine = support.engine_of(config, mesh.as_dict())
-        support.check(config, Where(engine))
+        support.check(config, Where(engine), engine_only=True)
         if engine == "plain":
             plain_mesh = build_device_mesh(mesh, world.device_type)
             return _plain_job(model, config, mesh, plain_mesh, named, optimizer, loss_fn)
@@ -216,7 +216,7 @@ def parallelize(
             return _hybrid_job(model, config, mesh, named, optimizer, loss_fn)
     elif plan is None and config.plan is None and config.mesh is not None:
         mesh = _job_mesh(config, world.world_size)
-    support.check(config, Where("program", planned=planned))
+    support.check(config, Where("program", planned=planned), engine_only=True)
     # Every other job runs a plan: semi_auto plans from the annotations (unannotated ops data
     # parallel), auto searches, a plan file or Plan runs as it is. Without an example batch
     # the plan is made at the first step, on its batch; the mesh, when the config fixes it, is

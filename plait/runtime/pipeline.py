@@ -1096,7 +1096,8 @@ def check_pipeline_config(
     """What the pipeline runs with today (:mod:`plait.support`'s rules for pipeline stages),
     refused by name otherwise, and the stage and micro-batch counts checked (before anything
     waits). ``planned``: the stages run a plan of mode auto (or a plan file)."""
-    support.check(config, Where("pipeline", inner_axes(mesh, config), planned))
+    where = Where("pipeline", inner_axes(mesh, config), planned)
+    support.check(config, where, engine_only=True)  # the others: checked by parallelize
     if mesh.axis_size("pp") != config.pipeline_stages:
         raise ConfigError(
             f"ParallelConfig(pipeline_stages={config.pipeline_stages}) but the mesh's 'pp' axis "

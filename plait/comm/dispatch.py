@@ -27,7 +27,7 @@ Active during a Job's forward and backward as a ``TorchFunctionMode``. Five case
    summed, and divided by the global count of counted targets, they are exact (one scalar
    all-reduce for each; the backward needs none).
 
-5. **Export's assertions** (:data:`EXPORT_ASSERTIONS`) on DTensors: skipped (a pipeline
+5. **Export's assertions** (:data:`plait.graph.convert.EXPORT_ASSERTIONS`) on DTensors: skipped (a pipeline
    stage is a piece of an exported graph).
 
 Anything else goes to DTensor unchanged; plain tensors are never touched.
@@ -44,9 +44,10 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
+from plait.graph.convert import EXPORT_ASSERTIONS
 from plait.layout import TensorLayout
 
-__all__ = ["EXPORT_ASSERTIONS", "PlaitDispatchMode", "local_attention", "local_batched_matmul"]
+__all__ = ["PlaitDispatchMode", "local_attention", "local_batched_matmul"]
 
 _MEAN_LOSSES = {
     F.mse_loss,
@@ -56,20 +57,6 @@ _MEAN_LOSSES = {
     F.soft_margin_loss,
 }
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
-# Shape and metadata assertions torch.export leaves in a graph (``x.to(dtype)`` leaves
-# ``_assert_tensor_metadata``): checks of the export's own tracing, nothing to compute. DTensor
-# has no strategy for them; run on DTensors (a graph split into pipeline stages) they are
-# skipped, as the plan executor skips them.
-EXPORT_ASSERTIONS = frozenset(
-    {
-        "aten._assert_tensor_metadata.default",
-        "aten._assert_async.default",
-        "aten._assert_async.msg",
-        "aten._assert_scalar.default",
-        "aten.sym_constrain_range.default",
-        "aten.sym_constrain_range_for_size.default",
-    }
-)
 _ATTENTION = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 _ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 

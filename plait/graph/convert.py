@@ -38,6 +38,7 @@ from plait.graph.sites import (
 )
 
 __all__ = [
+    "EXPORT_ASSERTIONS",
     "WRAPPED",
     "Captured",
     "batch_leaves",
@@ -48,7 +49,11 @@ __all__ = [
 ]
 
 WRAPPED = "model"  # attribute name of the user's model inside the traced wrapper
-_DROPPED_TARGETS = frozenset(
+# Shape and metadata assertions torch.export leaves in a graph (``x.to(dtype)`` leaves
+# ``_assert_tensor_metadata``): checks of the export's own tracing, nothing to compute. The
+# capture drops them; run on DTensors (the plan executor, a graph split into pipeline stages)
+# they are skipped.
+EXPORT_ASSERTIONS = frozenset(
     {
         "aten._assert_tensor_metadata.default",
         "aten._assert_async.default",
@@ -232,7 +237,7 @@ class _Converter:
                 self.metas[node.name] = _meta(node.meta.get("val"))
                 continue
             target = str(node.target)
-            if target in _DROPPED_TARGETS:
+            if target in EXPORT_ASSERTIONS:
                 continue
             if target == _ALIAS:
                 self.refs[node.name] = self.refs[node.args[0].name]

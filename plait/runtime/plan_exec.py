@@ -48,7 +48,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from plait._compat import greedy_redistribution_planning, tree_unflatten
-from plait.comm.dispatch import EXPORT_ASSERTIONS, PlaitDispatchMode
+from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
     DeviceMesh,
     build_device_mesh,
@@ -82,6 +82,7 @@ from plait.graph import (
     capture_program,
     in_mode,
 )
+from plait.graph.convert import EXPORT_ASSERTIONS
 from plait.layout import TensorLayout
 from plait.layout.redistribute import plan_redistribution
 from plait.mesh import MeshSpec

@@ -156,15 +156,19 @@ def _layouts(names: list[str], refusal: bool = False) -> dict:
         job = plait.parallelize(
             _model(), configs[name], optimizer=_sgd, loss_fn=lm_loss, example_batch=batches[0]
         )
-        losses = [job.step(_rows_for(job, b)) for b in batches]
-        programs = getattr(job, "stage_programs", [])
-        out[name] = {
-            "run": Run(losses, job.full_state_dict()),
-            "mismatches": getattr(job, "plan_mismatches", None),
-            "eager_stages": [p.refused for p in programs if p.refused is not None],
-            "compiled_stages": sum(p.calls > 0 for p in programs),
-        }
+        out[name] = _trained(job, [job.step(_rows_for(job, b)) for b in batches])
     return out
+
+
+def _trained(job: plait.Job, losses: list[float]) -> dict:
+    """What a leg checks: the run, and how its pipeline stages ran (none without stages)."""
+    programs = getattr(job, "stage_programs", [])
+    return {
+        "run": Run(losses, job.full_state_dict()),
+        "mismatches": getattr(job, "plan_mismatches", None),
+        "eager_stages": [p.refused for p in programs if p.refused is not None],
+        "compiled_stages": sum(p.calls > 0 for p in programs),
+    }
 
 
 def _hf_layouts(names: list[str]) -> dict:
@@ -176,14 +180,7 @@ def _hf_layouts(names: list[str]) -> dict:
         job = plait.parallelize(
             _hf_llama(), HF[name], optimizer=_sgd, loss_fn=loss_fn, example_batch=batches[0]
         )
-        losses = [job.step(b) for b in batches]
-        programs = getattr(job, "stage_programs", [])
-        out[name] = {
-            "run": Run(losses, job.full_state_dict()),
-            "mismatches": getattr(job, "plan_mismatches", None),
-            "eager_stages": [p.refused for p in programs if p.refused is not None],
-            "compiled_stages": sum(p.calls > 0 for p in programs),
-        }
+        out[name] = _trained(job, [job.step(b) for b in batches])
     return out
 
 

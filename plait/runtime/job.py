@@ -277,10 +277,11 @@ class Job:
         total: torch.Tensor | None = None
         flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
         for micro in split_micro_batches(batch, k):
-            flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
             # the program was traced on contiguous inputs: a batch sliced by the user
-            # (``ids[:, :-1]``) arrives strided, and its views would not fit it
-            flat = [_contiguous(x) for x in flat]
+            # (``ids[:, :-1]``) arrives strided, and its views would not fit it (the batch
+            # only: parameters are the program's own, checked by nothing on this hot path)
+            micro = tree_map(_contiguous, micro)
+            flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
             out = program.run(weight, flat)
             loss, new = out[0], out[1 : 1 + len(trained)]
             if grads is None:

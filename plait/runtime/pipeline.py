@@ -552,19 +552,13 @@ class PipelineJob(Job):
         return list(self.stage_modules)
 
     def load_pretrained(self, path: Any) -> list[str]:
-        """As :meth:`Job.load_pretrained`, into the stages this rank holds (they share the
-        model's tensors). Refused where the stages hold pieces of their own (tensor parallel,
-        optimizer parallel): the file would be read into the model's released tensors."""
-        if self._inner or self.config.optimizer_shard is not None:
-            raise NotBuiltError(
-                f"job.load_pretrained({str(path)!r}) on a pipeline whose stages hold pieces of "
-                f"their own (axes {list(self._inner)} inside the stages, optimizer_shard="
-                f"{self.config.optimizer_shard}) is not built: the weights would not reach "
-                "them. Load them before parallelize (into the model you pass), or save a "
-                "checkpoint of a job without them and job.load it (checkpoints load under any "
-                "strategy)"
-            )
-        return super().load_pretrained(path)
+        """As :meth:`Job.load_pretrained`, into the stages this rank holds: the files are
+        checked against the whole model, and each stage's tensors (the model's own, or the
+        pieces tensor parallel and optimizer parallel gave the stage) are filled with this
+        rank's slices of them; the optimizer's host copies (``offload="optimizer"``) follow."""
+        from plait.runtime.pretrained import load_pretrained
+
+        return load_pretrained(self.model, self.optimizer, path, holders=self.stage_modules)
 
     def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
         """The last training step's measured schedule: each stage's forward, backward and

@@ -34,6 +34,7 @@ placed, at once).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -195,6 +196,20 @@ def _entries(model: nn.Module, stored: Mapping[str, _Stored]) -> list[_Entry]:
         source = next((stored[f] for f in found if f is not None), None)
         out.append(_Entry(tuple(names), tensors[key], source))
     return out
+
+
+def _held_entries(entries: list[_Entry], holders: Sequence[nn.Module]) -> list[_Entry]:
+    """The holders' tensors (each once), each with the source of the model entry its name
+    belongs to (checked already: every name has one)."""
+    source = {name: e.source for e in entries for name in e.names}
+    out: dict[int, _Entry] = {}
+    for module in holders:
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in out:
+                out[id(t)] = dataclasses.replace(out[id(t)], names=(*out[id(t)].names, name))
+            elif name in source:
+                out[id(t)] = _Entry((name,), t, source[name])
+    return list(out.values())
 
 
 def _file_name(name: str, stored: Mapping[str, _Stored], prefix: str) -> str | None:
@@ -405,20 +420,35 @@ def _copy(dest: torch.Tensor, value: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- entry point
 
 
-def load_pretrained(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> list[str]:
+def load_pretrained(
+    model: nn.Module,
+    optimizer: Any,
+    path: str | os.PathLike[str],
+    *,
+    holders: Sequence[nn.Module] | None = None,
+) -> list[str]:
     """Load the pretrained weights at ``path`` into a job's ``model`` (see the module
     docstring) and refresh ``optimizer``'s copies of them (ZeRO's shards; None before the job
     is planned); returns the ``state_dict`` names loaded. Every rank calls it; no rank waits
-    on another."""
+    on another.
+
+    ``holders``: the modules that hold this rank's tensors where they are not the model's own
+    (a pipeline's stages, whose parameters tensor parallel or FSDP2 replaced with pieces of
+    their own, under the model's names): the files are checked against the whole model, and
+    each holder's tensors are filled from the file tensor of their name (a tie split over
+    two stages, each stage's copy, from the one name the file holds it under)."""
     files = pretrained_files(path)
     stored = _stored(files)
     entries = _entries(model, stored)
     _check(Path(path), model, entries, stored)
+    if holders is not None:
+        entries = _held_entries(entries, holders)
     with ExitStack() as stack:
         reader = _Reader(stack)
         for entry in entries:
             _fill(entry, reader)
-    mark_initialised(model)
+    for module in (model, *(holders or ())):
+        mark_initialised(module)
     shadows = getattr(optimizer, "_plait_shadows", None)
     if isinstance(shadows, ZeroOptimizer):
         shadows.reload_from_parameters()  # its shards and host copies are copies

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 import plait
 from plait import ParallelConfig
 from plait._compat import TorchDispatchMode, group_ranks
 from plait.comm.dtensor import is_dtensor, local_piece
-from plait.errors import NotBuiltError
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.testing import run_workers
 from plait.testing.comm import CollectiveLog
@@ -269,11 +269,9 @@ def _workers(root: str) -> dict:
     )  # fmt: skip
     out["zero3_tied"] = (losses, job.full_state_dict())
     out["held_zero3"] = _held_bytes(job)
-    try:  # the stages' shards are not the model's tensors: refused, nothing read
-        job.load_pretrained(Path(root) / "absent.safetensors")
-        out["pretrained_zero3"] = "loaded"
-    except NotBuiltError as e:
-        out["pretrained_zero3"] = str(e)
+    # pretrained weights into FSDP2's shards, the tie's two stage copies from one name
+    job.load_pretrained(Path(root) / "tied.safetensors")
+    out["pretrained_zero3"] = job.full_state_dict()
     job, losses = _train(
         ParallelConfig(**PIPE, optimizer_shard=1, optimizer_shard_threshold="1KiB")
     )
@@ -339,6 +337,8 @@ def _workers(root: str) -> dict:
     split = sum(is_dtensor(p) and p.placements[0].is_shard() for p in params)
     out["auto_pp_tp"] = (losses, job.full_state_dict(), split, job.config.micro_batches)
     out["auto_pp_tp_collectives"] = (_planned_against_ran(job), job.plan_mismatches)
+    job.load_pretrained(Path(root) / "untied.safetensors")  # into the stages' tp pieces
+    out["pretrained_pp_tp"] = job.full_state_dict()
     auto = ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}, optimizer_shard=3,
                           optimizer_shard_threshold=0, recompute="full")  # fmt: skip
     job, losses = _train(auto)
@@ -522,9 +522,37 @@ def _same_run(losses: list[float], state: dict, reference, name: str) -> None:
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=name + key)
 
 
+def _pretrained_file(path: Path, tied: bool) -> dict[str, torch.Tensor]:
+    """Weights unlike the model's (each tensor once moved by noise; a tie saved under both
+    names, as torch saves it), written to ``path``; returns them."""
+    gen = torch.Generator().manual_seed(7)
+    moved: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, value in _model(tied=tied).state_dict(keep_vars=True).items():
+        if id(value) not in moved:
+            moved[id(value)] = value.detach() + 0.25 * torch.randn(value.shape, generator=gen)
+        state[name] = moved[id(value)]
+    save_file({k: v.clone() for k, v in state.items()}, str(path))
+    return state
+
+
+def _check_pretrained(results: list[dict], pretrained: dict[str, dict]) -> None:
+    """Every rank's stages hold the file's values after ``job.load_pretrained``."""
+    for rank, r in enumerate(results):
+        for leg, expected in pretrained.items():
+            assert r[leg].keys() == expected.keys(), (rank, leg)
+            for key, value in expected.items():
+                torch.testing.assert_close(r[leg][key], value, rtol=0, atol=0, msg=leg + key)
+
+
 def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> None:
+    pretrained = {
+        "pretrained_zero3": _pretrained_file(tmp_path / "tied.safetensors", tied=True),
+        "pretrained_pp_tp": _pretrained_file(tmp_path / "untied.safetensors", tied=False),
+    }
     reference = reference_run(_model(), gpt_loss, _sgd, _batches(STEPS + 2))
     results = run_workers(_workers, 4, str(tmp_path), timeout_s=280.0)
+    _check_pretrained(results, pretrained)
     short = reference_run(_model(), gpt_loss, _sgd, _batches())
     tied = reference_run(_model(tied=True), gpt_loss, _sgd, _batches())
     megatron_short = reference_run(_model(megatron=True), gpt_loss, _sgd, _batches())
@@ -544,7 +572,6 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         assert held == local and 0 < local < whole, (rank, r["held_plain"])
         held, local, whole = r["held_zero3"]  # FSDP2's shards: the whole tensors let go
         assert held == 0 and 0 < local < whole / 2, (rank, r["held_zero3"])
-        assert "optimizer_shard=3) is not built" in r["pretrained_zero3"], r["pretrained_zero3"]
     # bf16 (with ZeRO-2): one device under the same torch.autocast, to bf16's tolerance (its
     # matmuls sum in another order when split); parameters stay fp32
     losses, state, dtypes = results[0]["bf16_zero2"]

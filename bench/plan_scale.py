@@ -264,7 +264,7 @@ ISSUE5.append((96, 12288, 96, 1024, 8))
 
 def issue5_table(quick: bool) -> None:
     """GPTs planned on a fixed Megatron mesh (one sequence per dp rank): build, capture,
-    search + plan, JSON (the table of the "Planning time" section of docs/benchmarks.md)."""
+    search + plan, JSON (the table of the "Planning time" section of docs/benchmarks-history.md)."""
     import torch
 
     import plait

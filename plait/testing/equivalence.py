@@ -33,15 +33,23 @@ class Run:
 
 
 def reference_run(
-    model: nn.Module, loss_fn: LossFn, optimizer: OptimizerFactory, batches: Sequence[Any]
+    model: nn.Module,
+    loss_fn: LossFn,
+    optimizer: OptimizerFactory,
+    batches: Sequence[Any],
+    *,
+    autocast: torch.dtype | None = None,
 ) -> Run:
-    """Single-device training of a copy of ``model`` on ``batches``."""
+    """Single-device training of a copy of ``model`` on ``batches``; with ``autocast`` (a
+    dtype) every forward and loss under ``torch.autocast`` on the CPU, as mixed precision's
+    ``precision="bf16"`` runs them (the parameters and their update stay fp32)."""
     model = copy.deepcopy(model)
     opt = optimizer(model.parameters())
     losses = []
     for batch in batches:
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = loss_fn(model, batch)
         loss.backward()
         opt.step()
         losses.append(loss.item())

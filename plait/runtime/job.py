@@ -77,6 +77,7 @@ class Job:
         micro_step_shapes: bool = False,
         program: Program | None = None,
         program_for: Callable[[Any], Program] | None = None,
+        evaluation_for: Callable[[Any], Program] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -100,6 +101,11 @@ class Job:
         self.program_for = program_for
         """A plan job's program for another executor of its plan (a new batch shape): traced
         and given the same passes as :attr:`program`."""
+        self.evaluation_for = evaluation_for
+        """A plan job's evaluation program for an executor of its plan: the forward of the
+        model's eval-mode program, traced at the first ``evaluate`` of a batch shape."""
+        self._evaluations: dict[int, tuple[Any, Program]] = {}
+        """id(executor) -> (executor, its evaluation program)."""
         self.replan: Callable[[Any, Any], tuple[Any, Program]] | None = None
         """``replan(executor, batch)`` plans and compiles again for a laid-out batch of a new
         shape (:mod:`plait.runtime.replan`); None: the job runs its planned shapes only."""
@@ -446,9 +452,49 @@ class Job:
         k = self.config.grad_accumulation if self._micro_step_shapes else 1
         if self.program is not None:
             self._for_batch_shape(batch)
+            if self.evaluation_for is not None:
+                with torch.no_grad():
+                    return self._evaluate_program(batch, k, self._evaluation_program())
         with greedy_redistribution_planning():
             losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
         return float(sum(loss.item() for loss in losses)) / k
+
+    @property
+    def evaluation_program(self) -> Program | None:
+        """The per-rank program ``evaluate`` runs for the active batch shape (a plan job's,
+        traced at its first ``evaluate``: the forward of the model's eval-mode program), None
+        before it or for other jobs."""
+        found = self._evaluations.get(id(self.loss_fn))
+        return None if found is None else found[1]
+
+    def _evaluation_program(self) -> Program:
+        """The evaluation program of the active executor (traced once per executor)."""
+        assert self.evaluation_for is not None
+        found = self._evaluations.get(id(self.loss_fn))
+        if found is None:
+            found = self._evaluations[id(self.loss_fn)] = (
+                self.loss_fn,
+                self.evaluation_for(self.loss_fn),
+            )
+        return found[1]
+
+    def _evaluate_program(self, batch: Any, k: int, program: Program) -> float:
+        """``evaluate`` by the evaluation program: each micro-batch's forward on local pieces,
+        the mean of their global losses."""
+        one = torch.ones((), dtype=torch.float32)
+        evaluator = self.loss_fn.evaluator(self.model)  # type: ignore[attr-defined]
+        losses = []
+        for micro in split_micro_batches(batch, k):
+            micro = tree_map(_contiguous, micro)
+            flat = [
+                local_piece(x) for x in evaluator.flat_inputs(self.model, self.shard_batch(micro))
+            ]
+            out = program.run(one, flat)
+            for name, value in zip(program.buffers, out[1:], strict=True):
+                local_piece(self.model.get_buffer(name)).copy_(value)
+            loss = dtensor_from_local(out[0], self.device_mesh, program.loss_placements, (), ())
+            losses.append(float(full_value(loss).item()))
+        return sum(losses) / k
 
     def predict(self, batch: Any) -> Any:
         """The model's outputs on ``batch``, whole, on every rank (distributed inference).

@@ -25,7 +25,9 @@ program: the model is exported a second time in eval mode, so dropout is off, ba
 its running statistics and updates no buffer, and any ``if self.training`` branch of the
 user's code is taken as on one device. Its ops are matched to planned ones by module, target
 and occurrence, and keep the plan's strategies where the call is the same or the strategy is
-valid for it too; any other op runs replicated (:func:`evaluation_plan`).
+valid for it too; any other op runs replicated (:func:`evaluation_plan`). ``Job.evaluate``
+runs it as a per-rank program of its own (the forward alone, traced once per batch shape, with
+ZeRO-3's gathers: :func:`_evaluation_passes`), as a step runs the training program.
 
 :func:`build_plan_job` builds the :class:`~plait.runtime.job.Job` for a plan, the way
 ``parallelize`` builds a semi_auto job, with the executor as the job's loss function.
@@ -427,14 +429,7 @@ class PlanExecutor:
         """The loss of ``batch`` (a DTensor), computed as the plan says; with the model in eval
         mode, by its evaluation-mode program."""
         if not model.training and self._evaluation is not None:
-            if isinstance(self._evaluation, CaptureError):
-                raise CaptureError(
-                    f"evaluating {type(model).__name__}: its eval-mode program could not be "
-                    f"prepared when the job was built ({self._evaluation}); make the forward "
-                    "under model.eval() exportable (torch.export, as in training), or evaluate "
-                    "on one device"
-                ) from self._evaluation
-            return self._evaluation(model, batch)
+            return self.evaluator(model)(model, batch)
         interpreter = self._interpreter
         if interpreter is None:
             interpreter = self._interpreter = _PlanInterpreter(self)
@@ -450,6 +445,19 @@ class PlanExecutor:
             elif loss is None and spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
                 loss = value
         return loss
+
+    def evaluator(self, model: nn.Module) -> PlanExecutor:
+        """The executor of the model's eval-mode program: its own, or this one where the
+        training program has no mode-dependent op. A model whose eval-mode program could not
+        be exported is refused here, by name."""
+        if isinstance(self._evaluation, CaptureError):
+            raise CaptureError(
+                f"evaluating {type(model).__name__}: its eval-mode program could not be "
+                f"prepared when the job was built ({self._evaluation}); make the forward "
+                "under model.eval() exportable (torch.export, as in training), or evaluate "
+                "on one device"
+            ) from self._evaluation
+        return self if self._evaluation is None else self._evaluation
 
     def run_flat(self, values: list[Any]) -> tuple[Any, ...]:
         """The exported program on ``values`` (its inputs, laid out): its outputs, as a tuple.
@@ -1353,7 +1361,23 @@ def build_plan_job(
         micro_step_shapes=True,
         program=program,
         program_for=lambda ex: passes(_compile(ex, model, cfg, device_mesh), ex.plan),
+        evaluation_for=lambda ex: _evaluation_passes(
+            _compile(ex, model, cfg, device_mesh, evaluation=True),
+            split=split if level == 3 else [],
+            axis=cfg.dp_axis,
+            groups=groups,
+        ),
     )
+
+
+def _evaluation_passes(
+    program: Program, *, split: list[list[ShardedParameter]], axis: str, groups: ShardGroups | None
+) -> Program:
+    """The passes an evaluation program takes: ZeRO-3's gathers (``split``), so it reads the
+    parameters as the job holds them, their shards; the rest are the training step's."""
+    if split:
+        program.gather_parameters(split, axis, groups)
+    return program
 
 
 def _program_passes(
@@ -1455,13 +1479,25 @@ def _fuse_buckets(
 
 
 def _compile(
-    executor: PlanExecutor, model: nn.Module, cfg: ParallelConfig, device_mesh: DeviceMesh
+    executor: PlanExecutor,
+    model: nn.Module,
+    cfg: ParallelConfig,
+    device_mesh: DeviceMesh,
+    *,
+    evaluation: bool = False,
 ) -> Program:
-    """The per-rank program of the executor's plan (traced on zero batches of its shapes)."""
+    """The per-rank program of the executor's plan (traced on zero batches of its shapes).
+    ``evaluation``: the program ``job.evaluate`` runs, the forward of the model's eval-mode
+    program alone (the model in eval mode while it is traced), no passes: the parameters go in
+    as the job holds them (ZeRO-3's shards gathered inside it, as the plan's executor would)."""
     # every name of a tied parameter: the export names it once, by any of them
     trained = [
-        name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if p.requires_grad and not evaluation
     ]
+    if evaluation:
+        executor = executor.evaluator(model)
 
     def contexts() -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()

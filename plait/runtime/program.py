@@ -288,6 +288,8 @@ class Program:
                     f"optimizer_shard=3: the program has no input for {sorted(missing)}"
                 )
             gathered = gather_inputs(graph_module, buckets, placeholders, n, group)
+            if not self.trained:  # an evaluation program: no backward to gather them again
+                continue
             start = first_backward_node(graph_module)
             self._regather[rank] = parameter_derived(graph_module, gathered, start)
         by_name = {m.name: m for b in buckets for m in b}
@@ -489,7 +491,9 @@ def compile_program(
     ``flat`` are the exported program's inputs as the executor would receive them (DTensor
     parameters, buffers, constants and batch leaves, laid out as planned); only their
     placements, shapes and strides are read. ``trained`` names the parameters that take
-    gradients. ``contexts`` enters what the step runs under (autocast, DTensor settings).
+    gradients; none: an evaluation program, the forward alone (its outputs the loss and any
+    buffers it updates). ``contexts`` enters what the step runs under (autocast, DTensor
+    settings).
     """
     device_mesh = executor.device_mesh
     inputs = _input_specs(executor, flat, set(trained))
@@ -586,13 +590,15 @@ def _traced_step(
             elif loss is None and out_spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
                 loss = value
         check_loss(loss)
-        with node_meta_preserved(), annotated({"plait_phase": "backward"}), contexts():
-            # The seed is what ``loss.backward()`` would use (DTensor's ones_like of the loss),
-            # times the loss scale: fp16 scaling must act inside backward, not after it.
-            seed = torch.ones_like(loss) * replicated_from_local(scale.to(loss.dtype), mesh)
-            grads = torch.autograd.grad(
-                loss, [v for _, v in leaves], grad_outputs=seed, allow_unused=True
-            )
+        grads: Sequence[torch.Tensor | None] = ()
+        if leaves:  # an evaluation program (nothing trained) is its forward alone
+            with node_meta_preserved(), annotated({"plait_phase": "backward"}), contexts():
+                # The seed is what ``loss.backward()`` would use (DTensor's ones_like of the
+                # loss), times the loss scale: fp16 scaling must act inside backward.
+                seed = torch.ones_like(loss) * replicated_from_local(scale.to(loss.dtype), mesh)
+                grads = torch.autograd.grad(
+                    loss, [v for _, v in leaves], grad_outputs=seed, allow_unused=True
+                )
         # the leaves are DTensors, so are their gradients
         kept = [
             (name, cast("DTensor", g))

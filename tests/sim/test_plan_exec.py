@@ -344,8 +344,19 @@ def test_evaluate_runs_the_plan_in_evaluation_mode_and_changes_no_state():
     with plait.testing.simulate(4):
         job = build_plan_job(copy.deepcopy(model), plan, cfg, _mse, sgd, batch)
         before = job.full_state_dict()
-        got = [job.evaluate(batch) for _ in range(2)]
+        got = [job.evaluate(batch)]
+        with CollectiveLog(job.device_mesh) as log:
+            got.append(job.evaluate(batch))
         after = job.full_state_dict()
+        # evaluation ran as its own per-rank program (the forward alone, nothing trained),
+        # and issued its collectives and the loss's one reduction, nothing more
+        program = job.evaluation_program
+        assert program is not None and program is not job.program and program.trained == ()
+        expected = Counter((c.kind, c.axis) for c in program.collectives())
+        for i, placement in enumerate(program.loss_placements):
+            if placement.is_partial():
+                expected["all_reduce", job.device_mesh.mesh_dim_names[i]] += 1
+    assert expected and log.counts() == dict(expected)
     assert got == pytest.approx([want, want], rel=1e-5)
     for key, value in before.items():
         assert torch.equal(after[key], value), key

@@ -77,7 +77,7 @@ class Job:
         micro_step_shapes: bool = False,
         program: Program | None = None,
         program_for: Callable[[Any], Program] | None = None,
-        evaluation_for: Callable[[Any], Program] | None = None,
+        evaluation_for: Callable[[Any, bool], Program] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -102,10 +102,12 @@ class Job:
         """A plan job's program for another executor of its plan (a new batch shape): traced
         and given the same passes as :attr:`program`."""
         self.evaluation_for = evaluation_for
-        """A plan job's evaluation program for an executor of its plan: the forward of the
-        model's eval-mode program, traced at the first ``evaluate`` of a batch shape."""
+        """``evaluation_for(executor, outputs)``: a plan job's evaluation program for an
+        executor of its plan, the forward of the model's eval-mode program (traced at the
+        first ``evaluate`` of a batch shape); with ``outputs``, of the model without its loss
+        (``predict``'s executor, returning the model's outputs)."""
         self._evaluations: dict[int, tuple[Any, Program]] = {}
-        """id(executor) -> (executor, its evaluation program)."""
+        """id(executor) -> (executor, its evaluation or prediction program)."""
         self.replan: Callable[[Any, Any], tuple[Any, Program]] | None = None
         """``replan(executor, batch)`` plans and compiles again for a laid-out batch of a new
         shape (:mod:`plait.runtime.replan`); None: the job runs its planned shapes only."""
@@ -454,7 +456,7 @@ class Job:
             self._for_batch_shape(batch)
             if self.evaluation_for is not None:
                 with torch.no_grad():
-                    return self._evaluate_program(batch, k, self._evaluation_program())
+                    return self._evaluate_program(batch, k, self.program_for_evaluation())
         with greedy_redistribution_planning():
             losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
         return float(sum(loss.item() for loss in losses)) / k
@@ -467,14 +469,17 @@ class Job:
         found = self._evaluations.get(id(self.loss_fn))
         return None if found is None else found[1]
 
-    def _evaluation_program(self) -> Program:
-        """The evaluation program of the active executor (traced once per executor)."""
+    def program_for_evaluation(self, executor: Any = None) -> Program:
+        """The evaluation program of the active executor (traced once per executor); given a
+        prediction's ``executor``, its forward program."""
         assert self.evaluation_for is not None
-        found = self._evaluations.get(id(self.loss_fn))
+        outputs = executor is not None
+        executor = self.loss_fn if executor is None else executor
+        found = self._evaluations.get(id(executor))
         if found is None:
-            found = self._evaluations[id(self.loss_fn)] = (
-                self.loss_fn,
-                self.evaluation_for(self.loss_fn),
+            found = self._evaluations[id(executor)] = (
+                executor,
+                self.evaluation_for(executor, outputs),
             )
         return found[1]
 

@@ -27,7 +27,9 @@ user's code is taken as on one device. Its ops are matched to planned ones by mo
 and occurrence, and keep the plan's strategies where the call is the same or the strategy is
 valid for it too; any other op runs replicated (:func:`evaluation_plan`). ``Job.evaluate``
 runs it as a per-rank program of its own (the forward alone, traced once per batch shape, with
-ZeRO-3's gathers: :func:`_evaluation_passes`), as a step runs the training program.
+ZeRO-3's gathers: :func:`_evaluation_passes`), as a step runs the training program; so does
+``job.predict`` the model's eval-mode forward without its loss (:meth:`PlanExecutor.predictor`),
+its outputs the program's.
 
 :func:`build_plan_job` builds the :class:`~plait.runtime.job.Job` for a plan, the way
 ``parallelize`` builds a semi_auto job, with the executor as the job's loss function.
@@ -1361,8 +1363,8 @@ def build_plan_job(
         micro_step_shapes=True,
         program=program,
         program_for=lambda ex: passes(_compile(ex, model, cfg, device_mesh), ex.plan),
-        evaluation_for=lambda ex: _evaluation_passes(
-            _compile(ex, model, cfg, device_mesh, evaluation=True),
+        evaluation_for=lambda ex, outputs: _evaluation_passes(
+            _compile(ex, model, cfg, device_mesh, evaluation=True, outputs=outputs),
             split=split if level == 3 else [],
             axis=cfg.dp_axis,
             groups=groups,
@@ -1373,8 +1375,9 @@ def build_plan_job(
 def _evaluation_passes(
     program: Program, *, split: list[list[ShardedParameter]], axis: str, groups: ShardGroups | None
 ) -> Program:
-    """The passes an evaluation program takes: ZeRO-3's gathers (``split``), so it reads the
-    parameters as the job holds them, their shards; the rest are the training step's."""
+    """The passes an evaluation or prediction program takes: ZeRO-3's gathers (``split``),
+    so it reads the parameters as the job holds them, their shards; the rest are the training
+    step's."""
     if split:
         program.gather_parameters(split, axis, groups)
     return program
@@ -1485,6 +1488,7 @@ def _compile(
     device_mesh: DeviceMesh,
     *,
     evaluation: bool = False,
+    outputs: bool = False,
 ) -> Program:
     """The per-rank program of the executor's plan (traced on zero batches of its shapes).
     ``evaluation``: the program ``job.evaluate`` runs, the forward of the model's eval-mode
@@ -1496,7 +1500,7 @@ def _compile(
         for name, p in model.named_parameters(remove_duplicate=False)
         if p.requires_grad and not evaluation
     ]
-    if evaluation:
+    if evaluation and not outputs:
         executor = executor.evaluator(model)
 
     def contexts() -> contextlib.AbstractContextManager[Any]:
@@ -1508,7 +1512,12 @@ def _compile(
         return stack
 
     return compile_program(
-        executor, model, executor.example_flat_inputs(model), trained=trained, contexts=contexts
+        executor,
+        model,
+        executor.example_flat_inputs(model),
+        trained=trained,
+        contexts=contexts,
+        outputs=outputs,
     )
 
 

@@ -13,10 +13,12 @@ is generation state, not an output). Each rank computes its part and the outputs
   data-parallel ranks runs whole on every rank, with no communication;
 * plans (``semi_auto``, ``auto``, plan files, ``data_parallel`` on a mesh with other axes):
   the model's eval-mode forward is captured once per batch shape (on meta stand-ins of the
-  parameters: no rank builds the whole model) and run by the plan executor with the training
-  plan's strategies wherever they apply to the same op (as ``evaluate`` does); an op only
-  prediction runs, or whose shapes the training strategy does not fit, runs replicated. The
-  outputs are gathered from their layouts;
+  parameters: no rank builds the whole model) with the training plan's strategies wherever
+  they apply to the same op (as ``evaluate`` does); an op only prediction runs, or whose
+  shapes the training strategy does not fit, runs replicated. That forward is traced once into
+  a per-rank program (the plan executor's DTensor ops lowered to local ops and collectives,
+  ZeRO-3's gathers inside, as a training step's program), run on local pieces; the outputs
+  are gathered from their layouts;
 * ``hybrid``: the user's layout-aware forward on its DTensor parameters, outputs gathered;
 * pipelines: :meth:`plait.runtime.pipeline.PipelineJob.predict`.
 
@@ -36,10 +38,16 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from plait._compat import simulation_suspended, tree_leaves, tree_map
+from plait._compat import simulation_suspended, tree_leaves, tree_map, tree_unflatten
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dp import gather_pieces, rank_slice
-from plait.comm.dtensor import DeviceMesh, distribute, full_value, implicit_replication
+from plait.comm.dtensor import (
+    DeviceMesh,
+    distribute,
+    full_value,
+    implicit_replication,
+    local_piece,
+)
 from plait.errors import ShardingError
 from plait.graph import in_mode
 from plait.layout import TensorLayout
@@ -74,6 +82,9 @@ class Job(Protocol):
     device_mesh: DeviceMesh
     plain: PlainDataParallel | None
     loss_fn: Any
+    evaluation_for: Any
+
+    def program_for_evaluation(self, executor: Any = None) -> Any: ...
 
 
 def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -105,6 +116,8 @@ def predict(job: Job, batch: Any) -> Any:
         if job.device_mesh is None:
             with precision:
                 return call_model(job.model, batch)
+        if job.evaluation_for is not None and isinstance(job.loss_fn, PlannedForward):
+            return _predict_program(job, job.loss_fn, batch)
         with implicit_replication(), PlaitDispatchMode(), precision:
             if isinstance(job.loss_fn, PlannedForward):
                 return _predict_planned(job, job.loss_fn, batch)
@@ -185,6 +198,25 @@ class PlannedForward(Protocol):
     def predictor(self, model: nn.Module, batch: Any) -> PlannedForward: ...
 
     def outputs(self, model: nn.Module, batch: Any) -> Any: ...
+
+
+def _predict_program(job: Job, training: PlannedForward, batch: Any) -> Any:
+    """A plan job's prediction as a per-rank program: the eval-mode forward for ``batch``'s
+    shapes traced once (the executor's, on this plan's strategies), run on local pieces, its
+    outputs gathered whole."""
+    from plait.runtime.program import forward_outputs
+
+    executor: Any = training.predictor(job.model, batch)
+    program = job.program_for_evaluation(executor)
+    with torch.no_grad():
+        flat = [local_piece(x) for x in executor.flat_inputs(job.model, batch)]
+        out = program.run(torch.ones(()), flat)
+        tensors = sum(spec.placements is not None for spec in program.outputs)
+        for name, value in zip(program.buffers, out[tensors:], strict=True):
+            local_piece(job.model.get_buffer(name)).copy_(value)
+        values = forward_outputs(program, out[:tensors])
+        tree = tree_unflatten(values, executor.captured.program.call_spec.out_spec)
+        return tree_map(lambda x: full_value(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def _predict_planned(job: Job, training: PlannedForward, batch: Any) -> Any:

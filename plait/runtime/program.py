@@ -125,6 +125,7 @@ class Program:
         rank: int,
         trace_seconds: float,
         simulated: bool = False,
+        outputs: Sequence[Any] = (),
     ) -> None:
         self.graphs = graphs
         self.inputs = tuple(inputs)
@@ -136,6 +137,10 @@ class Program:
         """Position -> the mesh of a returned gradient not on :attr:`device_mesh` (HSDP's
         shards: their placements are on the mesh with dp cut into replicate and shard dims)."""
         self.loss_placements = loss_placements
+        self.outputs = tuple(outputs)
+        """A forward program's (``job.predict``'s) outputs, in the model's flat output order:
+        each an :class:`OutputSpec` of a tensor the program returns a local piece of, or a
+        constant; empty for a training or evaluation program (its output is the loss)."""
         self.buffers = tuple(buffers)
         """Buffers the forward updates, in output order."""
         self.device_mesh = device_mesh
@@ -485,6 +490,7 @@ def compile_program(
     *,
     trained: Sequence[str],
     contexts: Callable[[], contextlib.AbstractContextManager[Any]],
+    outputs: bool = False,
 ) -> Program:
     """Trace ``executor`` (a :class:`~plait.runtime.plan_exec.PlanExecutor`) into a Program.
 
@@ -493,7 +499,9 @@ def compile_program(
     placements, shapes and strides are read. ``trained`` names the parameters that take
     gradients; none: an evaluation program, the forward alone (its outputs the loss and any
     buffers it updates). ``contexts`` enters what the step runs under (autocast, DTensor
-    settings).
+    settings). ``outputs``: a forward program of a model without its loss (``job.predict``):
+    it returns the local pieces of the model's tensor outputs (:attr:`Program.outputs` says
+    how each is laid out) and nothing is trained.
     """
     device_mesh = executor.device_mesh
     inputs = _input_specs(executor, flat, set(trained))
@@ -503,8 +511,9 @@ def compile_program(
     examples = [torch.zeros((), dtype=torch.float32)] + [
         local_piece(x) for x, spec in zip(flat, inputs, strict=True) if spec.placements
     ]
+    traced_fn = _traced_forward if outputs else _traced_step
     traced = trace_per_rank(
-        lambda: _traced_step(executor, model, inputs, contexts, record), examples, device_mesh
+        lambda: traced_fn(executor, model, inputs, contexts, record), examples, device_mesh
     )
     seconds = time.perf_counter() - started
     for graph_module in traced.values():
@@ -520,6 +529,7 @@ def compile_program(
         rank=own,
         trace_seconds=seconds,
         simulated=simulated,
+        outputs=record.get("outputs", ()),
     )
     logger.info(
         "compiled per-rank program: %d nodes, %d collectives (%.2f s, %d rank(s) traced)",
@@ -564,22 +574,13 @@ def _traced_step(
     signature = executor.captured.program.graph_signature
 
     def step(scale: torch.Tensor, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        pieces = iter(local)
-        values: list[Any] = []
+        values = _laid_out_inputs(inputs, local, mesh)
         leaves: list[tuple[str, torch.Tensor]] = []
-        for spec in inputs:
-            if spec.placements is None:
-                values.append(spec.constant)
-                continue
-            assert spec.shape is not None and spec.stride is not None
-            value: torch.Tensor = dtensor_from_local(
-                next(pieces), mesh, spec.placements, spec.shape, spec.stride
-            )
+        for i, spec in enumerate(inputs):
             if spec.trained:
-                value = value.detach().requires_grad_(True)
+                values[i] = values[i].detach().requires_grad_(True)
                 assert spec.target is not None
-                leaves.append((spec.target, value))
-            values.append(value)
+                leaves.append((spec.target, values[i]))
         with node_meta_preserved(), contexts():
             outputs = executor.run_flat(values)
         loss: Any = None
@@ -617,6 +618,93 @@ def _traced_step(
         )
 
     return step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """One output of a forward program: a tensor, returned as its local piece, laid out by
+    ``placements`` with global ``shape`` and ``stride``; or a ``constant`` (a Python value)."""
+
+    placements: tuple[Any, ...] | None
+    shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    constant: Any = None
+
+
+def _laid_out_inputs(
+    inputs: Sequence[_Input], local: Sequence[torch.Tensor], mesh: DeviceMesh
+) -> list[Any]:
+    """The executor's inputs from the program's local pieces (constants as they are)."""
+    pieces = iter(local)
+    values: list[Any] = []
+    for spec in inputs:
+        if spec.placements is None:
+            values.append(spec.constant)
+            continue
+        assert spec.shape is not None and spec.stride is not None
+        values.append(
+            dtensor_from_local(next(pieces), mesh, spec.placements, spec.shape, spec.stride)
+        )
+    return values
+
+
+def _traced_forward(
+    executor: Any,
+    model: torch.nn.Module,
+    inputs: Sequence[_Input],
+    contexts: Callable[[], contextlib.AbstractContextManager[Any]],
+    record: dict[str, Any],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """What make_fx traces for a forward program: local pieces in; the local pieces of the
+    model's tensor outputs and of the buffers it updates out."""
+    mesh = executor.device_mesh
+    signature = executor.captured.program.graph_signature
+
+    def forward(scale: torch.Tensor, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        del scale  # the programs' common first input: nothing is scaled without a backward
+        values = _laid_out_inputs(inputs, local, mesh)
+        with node_meta_preserved(), contexts():
+            outputs = executor.run_flat(values)
+        specs: list[OutputSpec] = []
+        pieces: list[torch.Tensor] = []
+        buffers: list[tuple[str, torch.Tensor]] = []
+        for out_spec, value in zip(signature.output_specs, outputs, strict=True):
+            if out_spec.kind == OutputKind.BUFFER_MUTATION:
+                buffers.append((strip_wrapper(out_spec.target), value))
+            elif out_spec.kind != OutputKind.USER_OUTPUT:
+                continue
+            elif isinstance(value, torch.Tensor) and is_dtensor(value):
+                dt = cast("DTensor", value)
+                specs.append(OutputSpec(tuple(dt.placements), tuple(dt.shape), dt.stride()))
+                pieces.append(dt.to_local())
+            else:
+                specs.append(OutputSpec(None, constant=value))
+        record["trained"] = record["grad_placements"] = ()
+        record["loss_placements"] = ()
+        record["outputs"] = tuple(specs)
+        record["buffers"] = tuple(name for name, _ in buffers)
+        new_buffers = [_buffer_local(model, name, value) for name, value in buffers]
+        return (*pieces, *new_buffers)
+
+    return forward
+
+
+def forward_outputs(program: Program, out: Sequence[torch.Tensor]) -> list[Any]:
+    """A forward program's results as the model's flat outputs: DTensors laid out as traced,
+    constants as they were."""
+    pieces = iter(out)
+    values: list[Any] = []
+    for spec in program.outputs:
+        if spec.placements is None:
+            values.append(spec.constant)
+        else:
+            piece = next(pieces)
+            values.append(
+                dtensor_from_local(
+                    piece, program.device_mesh, spec.placements, spec.shape, spec.stride
+                )
+            )
+    return values
 
 
 _A = torch.ops.aten

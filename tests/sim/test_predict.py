@@ -51,9 +51,9 @@ def _predict(model, config: ParallelConfig, batch, inputs, world: int = 4):
             copy.deepcopy(model), config, optimizer=_sgd, loss_fn=gpt_loss, example_batch=batch
         )
         job.step(batch)
-        with CommDebugMode() as comm:
-            out = job.predict((inputs,))
-        again = job.predict((inputs,))  # the captured forward is reused
+        out = job.predict((inputs,))  # a plan's forward is captured and traced here, once
+        with CommDebugMode() as comm:  # what a prediction issues: the reused forward's
+            again = job.predict((inputs,))
         return out, again, _named(comm.get_comm_counts()), job
 
 
@@ -112,6 +112,9 @@ def test_megatron_plan_predicts_like_one_device_with_the_forwards_collectives(mo
     torch.testing.assert_close(out, _expected(model, batch, prompt), rtol=1e-5, atol=1e-6)
     assert torch.equal(out, again)
     (predictor,) = job.loss_fn.predictors.values()
+    # it ran as a per-rank program (the one traced for this shape: asked again, not traced)
+    program = job.program_for_evaluation(predictor)
+    assert program.trained == () and [s.placements is not None for s in program.outputs] == [True]
     runs = {op.name for op in predictor.plan.ops}
     expected = Counter(
         {"all_gather_into_tensor": 1}  # the logits, from their dp rows

@@ -74,7 +74,9 @@ def _train(model, cfg, batches, world: int):
             with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
                 losses.append(job.step(batch))
         run = Run(losses, job.full_state_dict())
-        job.evaluated = job.evaluate(batches[0])  # op by op on the plan's mesh: shards gathered
+        # evaluation and prediction programs: the shards gathered inside them
+        job.evaluated = job.evaluate(batches[0])
+        job.predicted = job.predict((batches[0][0],))
     return job, run, log, debug
 
 
@@ -137,6 +139,8 @@ def test_shard_groups_of_two_on_dp4_match_one_device_with_the_plans_collectives(
     trained.load_state_dict(expected.state)
     with torch.no_grad():
         assert job.evaluated == pytest.approx(float(gpt_loss(trained.eval(), batches[0])), rel=RTOL)
+        logits = trained.eval()(batches[0][0])
+    torch.testing.assert_close(job.predicted, logits, rtol=RTOL, atol=1e-6)
 
 
 def test_shard_groups_with_megatron_tp_on_eight_ranks(gpt_and_batches):

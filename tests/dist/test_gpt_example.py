@@ -71,6 +71,7 @@ def _summary_line(stdout: str, key: str) -> str:
     return next(line for line in stdout.splitlines() if f"  {key} " in line)
 
 
+@pytest.mark.nightly  # make test: saved auto plans replay on gloo in tests/dist/test_plan_gloo.py
 def test_gpt_example_auto_on_two_workers_and_its_saved_plan(tmp_path: Path) -> None:
     """Mode auto: plait plans the mesh and every op on the example batch and runs the plan,
     saving it; a second run replays the saved file (--plan) with the same losses."""
@@ -133,6 +134,7 @@ def test_gpt_example_saves_and_resumes_to_the_same_result(tmp_path: Path) -> Non
     ]  # fmt: skip
 
 
+@pytest.mark.nightly  # make test: pipelines train, evaluate and predict in test_pipeline_gloo.py
 def test_gpt_example_pipeline_on_two_workers(tmp_path: Path) -> None:
     """--pp 2: two pipeline stages (mode data_parallel, mesh pp=2 x dp=1), 1F1B over 4
     micro-batches, one block a stage; the loss falls, evaluation runs through the stages and

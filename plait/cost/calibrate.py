@@ -76,6 +76,7 @@ from plait.cost.link import Link
 __all__ = [
     "CalibrationSettings",
     "calibrate",
+    "calibrate_in_world",
     "fit_alpha_beta",
     "format_profile",
     "measure_batched_shares",
@@ -85,6 +86,7 @@ __all__ = [
     "measure_kernel_latency",
     "measure_matmul_flops",
     "measure_network_efficiency",
+    "mismatch",
     "worker_threads",
 ]
 
@@ -105,6 +107,8 @@ class CalibrationSettings:
     """All-reduces timed per message size."""
     thin_dims: tuple[int, ...] = (16, 32, 64, 128, 256)
     """The small dimension d of the thin matmuls (``matmul_efficiency``), below matmul_size."""
+    network_width: int = 256
+    """Width of the MLP blocks whose forward and backward give ``compute_efficiency``."""
 
     @classmethod
     def quick(cls) -> CalibrationSettings:
@@ -115,6 +119,20 @@ class CalibrationSettings:
             message_bytes=(4, 4096, 65536, 2**20, 4 * 2**20),
             collective_reps=8,
             thin_dims=(32, 128),
+        )
+
+    @classmethod
+    def brief(cls) -> CalibrationSettings:
+        """A few seconds inside a job's own workers (``make demo``'s calibration): every
+        figure measured, each over a tenth of a second, on small sizes."""
+        return cls(
+            matmul_size=256,
+            copy_bytes=16 * 2**20,
+            budget_s=0.1,
+            message_bytes=(4, 65536, 2**20),
+            collective_reps=6,
+            thin_dims=(32, 128),
+            network_width=128,
         )
 
     @classmethod
@@ -520,7 +538,9 @@ def _measure_local(
     sync()
     host = measure_host_costs(latency, budget, shared=shared)
     sync()
-    network = measure_network_efficiency(fp32, budget_s=budget, shared=shared)
+    network = measure_network_efficiency(
+        fp32, settings.network_width, budget_s=budget, shared=shared
+    )
     return {
         "matmul_size": n,
         "matmul_shares": {str(d): f for d, f in shares.items()},
@@ -547,6 +567,14 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
 
     threads = worker_threads(world_size)
     per_rank = run_workers(_rank_measurements, world_size, settings, threads)
+    return _combine(per_rank, settings, threads)
+
+
+def _combine(
+    per_rank: Sequence[dict[str, Any]], settings: CalibrationSettings, threads: int
+) -> dict[str, Any]:
+    """The world's figures from every rank's :func:`_rank_measurements`: the median rank's
+    compute figures, the slowest rank's all-reduce times."""
     locals_ = [r["local"] for r in per_rank]
 
     def median(*keys: str) -> float:
@@ -601,6 +629,23 @@ def calibrate(
         )
     settings = settings or (CalibrationSettings.quick() if quick else CalibrationSettings.full())
     world = _measure_world(settings, world_size)
+    how = f"`plait calibrate{' --quick' if quick else ''}`"
+    profile = _profile_of(world, settings, world_size, how, quick=quick)
+    save_profile(profile, out if out is not None else default_profile_path())
+    return profile
+
+
+def _profile_of(
+    world: dict[str, Any],
+    settings: CalibrationSettings,
+    world_size: int,
+    how: str,
+    *,
+    quick: bool,
+    when: str | None = None,
+) -> HardwareProfile:
+    """The ``local`` profile of a world's combined figures (:func:`_combine`); ``how`` names
+    the run in its source and ``measured["how"]`` (e.g. "`plait calibrate --quick`")."""
     local, times = world["local"], world["all_reduce"]
     link = fit_alpha_beta(settings.message_bytes, times, world_size)
     cpus = os.cpu_count() or 1
@@ -615,11 +660,12 @@ def calibrate(
         "machine": platform.machine(),
         "cpus": cpus,
         "torch": torch.__version__,
-        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "when": when or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "quick": quick,
+        "how": how,
     }
     defaults = local_defaults()
-    profile = HardwareProfile(
+    return HardwareProfile(
         name="local",
         peak_flops=local["peak_flops"],
         memory_bytes=_physical_memory(),
@@ -630,7 +676,7 @@ def calibrate(
         # node, like a GPU server. Topology(devices_per_node=...) says otherwise.
         devices_per_node=max(cpus, 8),
         source=(
-            f"measured by `plait calibrate{' --quick' if quick else ''}` on {platform.node()} "
+            f"measured by {how} on {platform.node()} "
             f"({platform.machine()}, {cpus} CPUs, torch {torch.__version__}) at "
             f"{measured['when']}: per rank of {world_size} processes measuring together "
             f"({local['threads_per_rank']} torch thread(s) each): torch.mm FLOP/s, tensor "
@@ -654,8 +700,63 @@ def calibrate(
         elementwise_rates=tuple(sorted(local["elementwise_rates"].items())),
         measured=measured,
     )
-    save_profile(profile, out if out is not None else default_profile_path())
+
+
+def calibrate_in_world(
+    settings: CalibrationSettings | None = None,
+    out: str | os.PathLike[str] | None = None,
+    how: str = "a job's own workers",
+) -> HardwareProfile:
+    """Every rank of the current process group calls this: the ranks measure together, as
+    :func:`calibrate`'s spawned workers do, but on the job's own processes and threads (no
+    processes started: ``make demo`` calibrates in a few seconds with
+    :meth:`CalibrationSettings.brief`, the default). Every rank returns the same profile;
+    rank 0 writes it to ``out`` when given, before any rank returns."""
+    # The cost model's other torch.distributed use (calibrate's is in its spawned workers):
+    # the caller's world, joined by plait.init().
+    import torch.distributed as dist  # noqa: TID251
+
+    settings = settings or CalibrationSettings.brief()
+    world_size = dist.get_world_size()
+    if world_size < 2:
+        raise CostError(
+            "calibrate_in_world: the world has 1 process; collectives need at least 2 (run "
+            "under `plait run --worker-num N`, or `plait calibrate --world-size N`)"
+        )
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    mine = _rank_measurements(settings, torch.get_num_threads())
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, {**mine, "when": when})
+    world = _combine(per_rank, settings, torch.get_num_threads())
+    profile = _profile_of(world, settings, world_size, how, quick=True, when=per_rank[0]["when"])
+    if out is not None and dist.get_rank() == 0:
+        save_profile(profile, out)
+    dist.barrier()
     return profile
+
+
+def mismatch(profile: HardwareProfile, world_size: int, threads: int | None = None) -> str | None:
+    """Why a saved ``local`` profile does not describe a job of ``world_size`` processes on
+    this machine (``threads`` torch threads each, default as ``plait run`` gives them), or
+    None when it does: measured on this host (name, CPU count, torch) by as many processes
+    with as many threads."""
+    m = profile.measured
+    if not m:
+        return "it holds no measurements (uncalibrated)"
+    threads = worker_threads(world_size) if threads is None else threads
+    here = {"host": platform.node(), "cpus": os.cpu_count() or 1, "torch": torch.__version__}
+    for key, value in here.items():
+        if m.get(key) != value:
+            return f"it was measured with {key} {m.get(key)!r}, this machine has {value!r}"
+    ranks = (m.get("all_reduce") or {}).get("world_size")
+    if ranks != world_size:
+        return f"it was measured by {ranks} processes, this job runs {world_size}"
+    if m.get("threads_per_rank") != threads:
+        return (
+            f"it was measured with {m.get('threads_per_rank')} torch thread(s) a process, "
+            f"this job runs {threads}"
+        )
+    return None
 
 
 def _share_points(shares: dict[str, float], square: int) -> tuple[tuple[int, float], ...]:

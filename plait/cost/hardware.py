@@ -36,6 +36,7 @@ from plait.cost.link import Link
 __all__ = [
     "BUILTIN_NAMES",
     "PROFILE_FORMAT",
+    "UNCALIBRATED",
     "HardwareProfile",
     "builtin_profiles",
     "default_profile_path",
@@ -50,6 +51,13 @@ PROFILE_VERSION = 1
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 
 GIB = 2**30
+
+UNCALIBRATED = (
+    "UNCALIBRATED: conservative CPU defaults, not measured here, often 10x off; run `plait "
+    "calibrate --world-size N` with N the processes a job runs here"
+)
+"""What every report of a prediction on :func:`local_defaults` prints beside it (see
+:attr:`HardwareProfile.uncalibrated`)."""
 
 
 @dataclass(frozen=True, eq=True)
@@ -216,6 +224,14 @@ class HardwareProfile:
                 "and rates > 0, e.g. (('gelu', 5e8), ('softmax', 7e8))"
             )
         object.__setattr__(self, "elementwise_rates", tuple((n, float(r)) for n, r in pairs))
+
+    @property
+    def uncalibrated(self) -> bool:
+        """True for ``local`` with nothing measured (:func:`local_defaults`, when ``plait
+        calibrate`` has written no file): its numbers are guesses, not this machine's, and a
+        plan made on it says so (``Plan.hardware_uncalibrated``). Datasheet profiles and
+        calibrated ``local`` files are not."""
+        return self.name == "local" and not self.measured
 
     def matmul_share(self, smallest_dim: int, batched: bool = False) -> float:
         """The share of the peak a matmul whose smallest dimension is ``smallest_dim``

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 import plait
 from plait.checkpoint import Checkpoints
+from plait.cost import UNCALIBRATED
 from plait.launch import detect_environment
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
@@ -104,6 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=CORPUS, help="a text file to train on")
     p.add_argument("--sample", type=int, default=120, metavar="N",
                    help="characters to generate with job.predict after training (0: none)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="plan on this machine's numbers: reuse its saved calibration for this "
+                        "many workers, or measure one first (a few seconds on the workers; "
+                        "make demo does)")  # fmt: skip
+    p.add_argument("--recalibrate", action="store_true",
+                   help="--calibrate, measuring again even when a saved calibration fits")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -298,6 +305,8 @@ class Summary:
     wall_seconds: float
     plan: str = ""
     """Mode auto: the searcher and the plan's predicted step time."""
+    hardware: str = ""
+    """With --calibrate: the hardware profile the plan was made on, and where it came from."""
     sample: str = ""
     """Text the trained model generated (``job.predict``), after an evaluation prompt."""
 
@@ -320,9 +329,19 @@ class Summary:
             f"  eval loss   {first_eval:.4f} -> {last_eval:.4f}",
             f"  throughput  {self.tokens_per_second:,.0f} tokens/s",
             f"  wall time   {self.wall_seconds:.1f} s ({self.train_seconds:.1f} s training)",
+            *([f"  hardware    {self.hardware}"] if self.hardware else []),
             *([f"  plan        {self.plan}"] if self.plan else []),
             *([f"  sample      {self.sample!r}"] if self.sample else []),
         ])  # fmt: skip
+
+
+def makes_plan(args: argparse.Namespace) -> bool:
+    """Whether the run plans (and so predicts its step time): modes auto and semi_auto, a plan
+    file, a memory pass (ZeRO, recompute, offload) or pipeline stages."""
+    memory = args.optimizer_shard is not None or args.recompute != "none" or args.offload
+    return (
+        args.mode in ("auto", "semi_auto") or args.plan is not None or bool(memory) or args.pp > 1
+    )
 
 
 def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int = 0) -> plait.Job:
@@ -352,10 +371,7 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
         args.grad_accumulation = config.grad_accumulation  # the plan's, for check_batch
     # auto and semi_auto plan on the shapes of one global batch (meta tensors: no memory);
     # given now, the plan (and its errors) come before training starts
-    memory = args.optimizer_shard is not None or args.recompute != "none" or args.offload
-    planned = (
-        auto or args.mode == "semi_auto" or args.plan is not None or bool(memory) or args.pp > 1
-    )
+    planned = makes_plan(args)
     example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     job = plait.parallelize(
         model,
@@ -386,6 +402,9 @@ def train(args: argparse.Namespace) -> Summary:
     else:
         world = plait.init()
         rank, world_size = world.rank, world.world_size
+    stream: TextIO | LineStream = sys.stdout if sys.stdout.isatty() else LineStream(sys.stdout)
+    report = reporter(rank, stream)
+    hardware = calibrate(args, world_size, report)
     corpus = load_corpus(args.corpus)
     job = build_job(args, len(corpus.chars), world_size, rank)
     index, size = dp_place(job)
@@ -399,8 +418,6 @@ def train(args: argparse.Namespace) -> Summary:
     ]
     params = sum(p.numel() for p in job.model.parameters())
     tokens = args.batch * args.seq
-    stream: TextIO | LineStream = sys.stdout if sys.stdout.isatty() else LineStream(sys.stdout)
-    report = reporter(rank, stream)
     report(
         f"plait GPT example: mode {args.mode}, mesh {job.mesh.as_dict() if job.mesh else None}, "
         f"{params:,} parameters; corpus {len(corpus.train):,} train + {len(corpus.eval):,} eval "
@@ -459,8 +476,26 @@ def train(args: argparse.Namespace) -> Summary:
         train_seconds=train_seconds,
         wall_seconds=time.perf_counter() - wall_start,
         plan=_plan_line(job, train_seconds / args.steps),
+        hardware=hardware,
         sample=sample,
     )
+
+
+def calibrate(args: argparse.Namespace, world_size: int, report: Callable[[str], None]) -> str:
+    """``--calibrate``: make this machine's calibration the profile the run plans with
+    (:mod:`plait.demo.calibration`); the summary's line about it ("" without the flag)."""
+    if not (args.calibrate or args.recalibrate):
+        return ""
+    if world_size < 2 or not makes_plan(args):
+        report("--calibrate: this run makes no plan on several processes, so nothing is "
+               "predicted: not calibrating")  # fmt: skip
+        return ""
+    from plait.demo.calibration import calibrate_for_run
+
+    calibration = calibrate_for_run(world_size, fresh=args.recalibrate)
+    report(calibration.message())
+    how = "reused" if calibration.reused else f"measured in {calibration.seconds:.1f} s"
+    return f"local, calibrated ({how}: {calibration.path})"
 
 
 def generate(job: plait.Job, corpus: Corpus, args: argparse.Namespace) -> str:
@@ -512,10 +547,13 @@ def _plan_line(job: plait.Job, measured_step_s: float) -> str:
     if plan is None:
         return ""
     split = sum(op.label != "replicate" for op in plan.ops)
+    predicted = plan.predicted.step_time_s
+    hardware = f"{plan.hardware!r}" + (f" ({UNCALIBRATED})" if plan.hardware_uncalibrated else "")
+    ratio = f" ({measured_step_s / predicted:.2f}x the prediction)" if predicted else ""
     return (
         f"{plan.search}: {split} of {len(plan.ops)} ops split, predicted "
-        f"{plan.predicted.step_time_s * 1e3:.1f} ms/step on hardware {plan.hardware!r}, "
-        f"measured {measured_step_s * 1e3:.1f} ms/step"
+        f"{predicted * 1e3:.1f} ms/step on hardware {hardware}, "
+        f"measured {measured_step_s * 1e3:.1f} ms/step{ratio}"
     )
 
 

@@ -78,7 +78,7 @@ def calibrate_for_run(
     """The ``local`` profile this run plans with (module docstring); every rank calls it,
     after ``plait.init()`` and before planning. ``fresh``: measure even when a saved profile
     describes the run. ``settings``: the measurement's sizes (default
-    :meth:`CalibrationSettings.brief`)."""
+    :meth:`CalibrationSettings.brief`). Once a process: it may move ``$PLAIT_HOME``."""
     threads = torch.get_num_threads()
     shared, own = default_profile_path(), cache_path(world_size)
     passed_over = []

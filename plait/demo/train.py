@@ -486,6 +486,10 @@ def calibrate(args: argparse.Namespace, world_size: int, report: Callable[[str],
     (:mod:`plait.demo.calibration`); the summary's line about it ("" without the flag)."""
     if not (args.calibrate or args.recalibrate):
         return ""
+    if args.plan is not None:
+        report("--calibrate: a plan file carries the prediction made when it was planned: "
+               "not calibrating")  # fmt: skip
+        return ""
     if world_size < 2 or not makes_plan(args):
         report("--calibrate: this run makes no plan on several processes, so nothing is "
                "predicted: not calibrating")  # fmt: skip

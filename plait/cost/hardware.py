@@ -113,14 +113,14 @@ class HardwareProfile:
     their own stream); measured by ``plait calibrate`` on ``local``, where the cores that
     compute also run gloo's threads; 0 (nothing hides) when not measured."""
     wait_latency: float = 0.0
-    """Seconds a rank blocked in a transfer takes to run again once its peer arrives, while
-    the ranks compute between transfers (a step: its collectives and a pipeline's sends).
-    Where ranks share cores the blocked rank also waits for the scheduler: measured by ``plait
-    calibrate`` on ``local`` as a small message's one-way time between rank pairs that compute
-    between messages (2 to 4 ms with four ranks on two cores, against 0.1 ms between idle
-    ranks). Every intra-node transfer pays it once (:meth:`plait.cost.comm.Topology.
-    axis_seconds`); 0 on the datasheet profiles (collectives in lock step, the link's latency
-    alone)."""
+    """Seconds a rank spends in a transfer waiting for its peer, while the ranks compute
+    between transfers (a step: its collectives and a pipeline's sends). Where ranks share
+    cores they arrive apart (the scheduler ran one and not the other) and a blocked rank waits
+    for a core to run again: measured by ``plait calibrate`` on ``local`` as the median time a
+    rank spends in a small exchange with its pair partner when both compute the same between
+    exchanges (2 to 4 ms with four ranks on two cores, against 0.1 ms between idle ranks).
+    Every intra-node transfer pays it once (:meth:`plait.cost.comm.Topology.axis_seconds`); 0
+    on the datasheet profiles (collectives in lock step, the link's latency alone)."""
     matmul_efficiency: tuple[tuple[int, float], ...] = ()
     """A matmul's share of the peak by its smallest dimension: ``(dim, fraction)`` points,
     dims rising, read linearly in ``log2(dim)`` between them and flat beyond (a thin product,

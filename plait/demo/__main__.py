@@ -2,9 +2,9 @@
 
 Runs ``plait run --worker-num 4 -m plait.demo.train --mode semi_auto --tp 2 --calibrate``;
 extra arguments go to the example (``python -m plait.demo --steps 300``). ``--calibrate``: the
-workers first reuse this machine's saved calibration for 4 processes, or measure one in a few
-seconds (:mod:`plait.demo.calibration`), so the summary's predicted step time is this
-machine's. The example's code lives in ``plait.demo.train`` so that the demo works from an
+workers first measure this machine for a few seconds (:mod:`plait.demo.calibration`), so the
+summary's predicted step time is this machine's as it is now
+(``python -m plait.demo --reuse-calibration`` plans on the last one instead). The example's code lives in ``plait.demo.train`` so that the demo works from an
 installed plait; ``examples/gpt/train.py`` runs the same code as a script.
 """
 

@@ -1,21 +1,21 @@
 """``--calibrate``: the example plans on this machine's numbers, not the uncalibrated defaults.
 
-Before planning, every rank of the run calls :func:`calibrate_for_run`. It reuses a saved
-``local`` profile that describes this run (measured on this host, same CPU count and torch, by
-as many processes with as many torch threads: :func:`plait.cost.calibrate.mismatch`), looking
-first at the profile every plait command reads (``$PLAIT_HOME/local.json``, else
-``~/.cache/plait/local.json``: ``plait calibrate`` writes it), then at the example's own cache
-beside it (``.../world<N>/local.json``). When neither describes the run, the run's own workers
-measure this machine together for a few seconds
-(:func:`plait.cost.calibrate.calibrate_in_world` with
-:meth:`~plait.cost.calibrate.CalibrationSettings.brief`: every figure ``plait calibrate``
-measures, on small sizes and a tenth of a second each) and write the example's cache, never
-the profile other commands read. A profile from the cache is made this process's ``local``
-by pointing ``$PLAIT_HOME`` at its folder (this process only: the planner reads ``local``
+Before planning, every rank of the run calls :func:`calibrate_for_run`. The run's own workers
+measure this machine together for a few seconds (:func:`plait.cost.calibrate.
+calibrate_in_world` with :meth:`~plait.cost.calibrate.CalibrationSettings.brief`: every
+figure ``plait calibrate`` measures, on small sizes, the host and latency ones in three
+rounds) and write the profile to the example's own cache (``world<N>/local.json`` beside the
+``local`` profile every plait command reads, ``$PLAIT_HOME/local.json`` else
+``~/.cache/plait/local.json``; never that file itself). The run plans on it: the cache's
+folder becomes this process's ``$PLAIT_HOME`` (this process only: the planner reads ``local``
 from there).
 
-The calibration measures the machine as it is at the time (a busy machine measures slower);
-a cached profile keeps the numbers of when it was made: ``--recalibrate`` measures again.
+On a shared machine the numbers are the load of the moment: measured now, they are the
+load the training then meets. ``--reuse-calibration`` skips the measurement when a saved
+profile describes the run (measured on this host, same CPU count and torch, by as many
+processes with as many torch threads: :func:`plait.cost.calibrate.mismatch`), looking first
+at the profile every plait command reads (``plait calibrate --world-size N`` writes it), then
+at the example's cache; it keeps the load of when it was made.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ class Calibration:
         if self.reused:
             return (
                 f"hardware: reused the calibration of this machine at {self.path} (measured "
-                f"{when}; --recalibrate measures again)"
+                f"{when}, under that moment's load; --calibrate measures now)"
             )
         ranks = self.profile.measured.get("all_reduce", {}).get("world_size", "?")
         why = f" ({'; '.join(self.passed_over)})" if self.passed_over else ""
         return (
             f"hardware: calibrated this machine in {self.seconds:.1f} s on the {ranks} workers"
-            f"{why}; written to {self.path}, reused by the next run "
-            f"(`plait calibrate --world-size {ranks}` measures longer)"
+            f"{why}; written to {self.path} (--reuse-calibration plans on it without measuring; "
+            f"`plait calibrate --world-size {ranks}` measures longer)"
         )
 
 
@@ -72,19 +72,19 @@ def cache_path(world_size: int) -> Path:
 def calibrate_for_run(
     world_size: int,
     *,
-    fresh: bool = False,
+    reuse: bool = False,
     settings: CalibrationSettings | None = None,
 ) -> Calibration:
     """The ``local`` profile this run plans with (module docstring); every rank calls it,
-    after ``plait.init()`` and before planning. ``fresh``: measure even when a saved profile
-    describes the run. ``settings``: the measurement's sizes (default
+    after ``plait.init()`` and before planning. ``reuse``: take a saved profile that describes
+    the run instead of measuring. ``settings``: the measurement's sizes (default
     :meth:`CalibrationSettings.brief`). Once a process: it may move ``$PLAIT_HOME``."""
     threads = torch.get_num_threads()
     shared, own = default_profile_path(), cache_path(world_size)
     passed_over = []
     # Every rank reads the same files before any rank writes (the write follows the ranks'
     # measuring together), so every rank takes the same branch.
-    for path in () if fresh else (shared, own):
+    for path in (shared, own) if reuse else ():
         if not path.exists():
             continue
         try:

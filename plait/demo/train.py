@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -106,11 +107,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample", type=int, default=120, metavar="N",
                    help="characters to generate with job.predict after training (0: none)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true",
-                   help="plan on this machine's numbers: reuse its saved calibration for this "
-                        "many workers, or measure one first (a few seconds on the workers; "
-                        "make demo does)")  # fmt: skip
-    p.add_argument("--recalibrate", action="store_true",
-                   help="--calibrate, measuring again even when a saved calibration fits")  # fmt: skip
+                   help="plan on this machine's numbers, measured first for a few seconds on "
+                        "the workers (make demo does)")  # fmt: skip
+    p.add_argument("--reuse-calibration", action="store_true",
+                   help="plan on a saved calibration of this machine for this many workers "
+                        "(plait calibrate's, or an earlier --calibrate's); measure when none "
+                        "fits")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -439,12 +441,14 @@ def train(args: argparse.Namespace) -> Summary:
     bar.update(resumed)
     losses: list[float] = []
     train_seconds = 0.0
+    step_seconds: list[float] = []
     with bar:
         for step in range(resumed + 1, args.steps + 1):
             batch = local_slice(sample_batch(corpus.train, args.seq, args.batch, gen), index, size)
             start = time.perf_counter()
             losses.append(job.step(batch))
-            train_seconds += time.perf_counter() - start
+            step_seconds.append(time.perf_counter() - start)
+            train_seconds += step_seconds[-1]
             rate = step * tokens / train_seconds
             logger.debug("step %d loss %.4f %.0f tokens/s", step, losses[-1], rate)
             bar.set_postfix_str(f"loss {losses[-1]:.4f}, {rate:,.0f} tok/s", refresh=False)
@@ -475,7 +479,7 @@ def train(args: argparse.Namespace) -> Summary:
         eval_losses=eval_losses,
         train_seconds=train_seconds,
         wall_seconds=time.perf_counter() - wall_start,
-        plan=_plan_line(job, train_seconds / args.steps),
+        plan=_plan_line(job, step_seconds),
         hardware=hardware,
         sample=sample,
     )
@@ -484,7 +488,7 @@ def train(args: argparse.Namespace) -> Summary:
 def calibrate(args: argparse.Namespace, world_size: int, report: Callable[[str], None]) -> str:
     """``--calibrate``: make this machine's calibration the profile the run plans with
     (:mod:`plait.demo.calibration`); the summary's line about it ("" without the flag)."""
-    if not (args.calibrate or args.recalibrate):
+    if not (args.calibrate or args.reuse_calibration):
         return ""
     if args.plan is not None:
         report("--calibrate: a plan file carries the prediction made when it was planned: "
@@ -496,7 +500,7 @@ def calibrate(args: argparse.Namespace, world_size: int, report: Callable[[str],
         return ""
     from plait.demo.calibration import calibrate_for_run
 
-    calibration = calibrate_for_run(world_size, fresh=args.recalibrate)
+    calibration = calibrate_for_run(world_size, reuse=args.reuse_calibration)
     report(calibration.message())
     how = "reused" if calibration.reused else f"measured in {calibration.seconds:.1f} s"
     return f"local, calibrated ({how}: {calibration.path})"
@@ -545,19 +549,23 @@ def checkpoints(args: argparse.Namespace, world_size: int) -> Checkpoints | None
     return Checkpoints(args.checkpoint_dir, every=args.save_every or 1 << 62, keep=args.keep)
 
 
-def _plan_line(job: plait.Job, measured_step_s: float) -> str:
-    """The plan a mode-auto job ran: searcher, predicted and measured step time."""
+def _plan_line(job: plait.Job, step_seconds: Sequence[float]) -> str:
+    """The plan a planned job ran: searcher, predicted and measured step time (the median
+    step after the first, which builds caches and the optimizer's states, as
+    ``job.report()`` measures it)."""
     plan = getattr(job.loss_fn, "plan", None)
     if plan is None:
         return ""
     split = sum(op.label != "replicate" for op in plan.ops)
     predicted = plan.predicted.step_time_s
     hardware = f"{plan.hardware!r}" + (f" ({UNCALIBRATED})" if plan.hardware_uncalibrated else "")
-    ratio = f" ({measured_step_s / predicted:.2f}x the prediction)" if predicted else ""
+    timed = list(step_seconds[1:] or step_seconds)
+    measured = statistics.median(timed)
+    ratio = f", {measured / predicted:.2f}x the prediction" if predicted else ""
     return (
         f"{plan.search}: {split} of {len(plan.ops)} ops split, predicted "
-        f"{predicted * 1e3:.1f} ms/step on hardware {hardware}, "
-        f"measured {measured_step_s * 1e3:.1f} ms/step{ratio}"
+        f"{predicted * 1e3:.1f} ms/step on hardware {hardware}, measured "
+        f"{measured * 1e3:.1f} ms/step (median of {len(timed)} steps{ratio})"
     )
 
 

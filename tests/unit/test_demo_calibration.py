@@ -53,34 +53,32 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     return written
 
 
-def test_a_first_run_measures_into_its_own_cache_then_reuses_it(home, tmp_path) -> None:
+def test_a_run_measures_into_its_own_cache_and_plans_on_it(home, tmp_path) -> None:
+    save_profile(_profile(4), default_profile_path())  # plait calibrate's: measured anyway
     first = calibrate_for_run(4)
     assert not first.reused and home == [tmp_path / "world4" / "local.json"] == [first.path]
-    assert not (tmp_path / "local.json").exists()  # never the profile other commands read
+    # never the profile other commands read
+    assert get_profile("local", tmp_path / "local.json").source == "measured then"
     # this process now plans with it: `local` is read from the cache's folder
     assert os.environ["PLAIT_HOME"] == str(tmp_path / "world4")
     assert get_profile("local").source == "measured measured 0"
     assert "calibrated this machine in" in first.message() and str(first.path) in first.message()
 
-    os.environ["PLAIT_HOME"] = str(tmp_path)  # the next run's process
-    again = calibrate_for_run(4)
-    assert again.reused and again.path == first.path and len(home) == 1
-    assert f"reused the calibration of this machine at {again.path}" in again.message()
-    os.environ["PLAIT_HOME"] = str(tmp_path)
-    fresh = calibrate_for_run(4, fresh=True)  # --recalibrate
-    assert not fresh.reused and home == [first.path, first.path]
 
-
-def test_plait_calibrate_profile_is_reused_when_it_describes_the_run(home, tmp_path) -> None:
+def test_reuse_takes_plait_calibrate_profile_when_it_describes_the_run(home, tmp_path) -> None:
     save_profile(_profile(4), default_profile_path())
-    run = calibrate_for_run(4)
+    run = calibrate_for_run(4, reuse=True)
     assert run.reused and run.path == tmp_path / "local.json" and home == []
     assert os.environ["PLAIT_HOME"] == str(tmp_path)  # unchanged: it is the default already
+    assert f"reused the calibration of this machine at {run.path}" in run.message()
 
 
-def test_a_profile_of_another_world_size_is_passed_over_and_kept(home, tmp_path) -> None:
+def test_reuse_passes_over_another_world_size_then_takes_the_cache(home, tmp_path) -> None:
     save_profile(_profile(2), default_profile_path())
-    run = calibrate_for_run(4)
+    run = calibrate_for_run(4, reuse=True)  # nothing fits: measured
     assert not run.reused and home == [tmp_path / "world4" / "local.json"]
     assert "measured by 2 processes, this job runs 4" in run.message()
     assert get_profile("local", tmp_path / "local.json").measured["all_reduce"]["world_size"] == 2
+    os.environ["PLAIT_HOME"] = str(tmp_path)  # the next run's process
+    again = calibrate_for_run(4, reuse=True)
+    assert again.reused and again.path == run.path and len(home) == 1

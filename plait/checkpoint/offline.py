@@ -189,7 +189,7 @@ def _plan_summary(path: Path) -> dict[str, Any] | None:
         "mesh": plan.mesh.as_dict(),
         "mode": plan.mode,
         "search": plan.search,
-        "hardware": plan.hardware,
+        "hardware": plan.hardware_label,
         "precision": plan.precision,
         "micro_batches": plan.micro_batches,
         "pipeline_stages": plan.pipeline_stages,

@@ -25,6 +25,7 @@ from plait.cost.compute import (
 from plait.cost.errors import CostError
 from plait.cost.hardware import (
     BUILTIN_NAMES,
+    UNCALIBRATED,
     HardwareProfile,
     builtin_profiles,
     default_profile_path,
@@ -47,6 +48,7 @@ from plait.cost.memory import (
 
 __all__ = [
     "BUILTIN_NAMES",
+    "UNCALIBRATED",
     "CollectiveKind",
     "CostError",
     "HardwareProfile",

@@ -32,9 +32,10 @@ repetitions on each rank) and the slowest rank of each collective:
     collective alpha and beta    gloo all_reduce between the processes,      intra_node
                                  small to large messages, fitted to
                                  t = 2(p-1) alpha + 2(p-1)/p * bytes / bw
-    wait latency                 a small send and its reply between rank      wait_latency
-                                 pairs that compute between messages (a
-                                 pipeline's stages): half the round trip
+    wait latency                 a small exchange between rank pairs that     wait_latency
+                                 both compute the same between exchanges
+                                 (a step's ranks between collectives): the
+                                 median time from arriving to its end
     overlap                      the largest all_reduce started async while   comm_overlap
                                  matmuls of about its length run: the share
                                  of the shorter of the two that the pair
@@ -76,6 +77,7 @@ from plait.cost.link import Link
 __all__ = [
     "CalibrationSettings",
     "calibrate",
+    "calibrate_in_world",
     "fit_alpha_beta",
     "format_profile",
     "measure_batched_shares",
@@ -85,8 +87,14 @@ __all__ = [
     "measure_kernel_latency",
     "measure_matmul_flops",
     "measure_network_efficiency",
+    "mismatch",
     "worker_threads",
 ]
+
+
+ELEMENTWISE_SHAPE = (512, 1024)
+"""Rows x columns of the fp32 tensor each elementwise op is measured on (2 MiB: a layer's
+activations on a rank)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +113,20 @@ class CalibrationSettings:
     """All-reduces timed per message size."""
     thin_dims: tuple[int, ...] = (16, 32, 64, 128, 256)
     """The small dimension d of the thin matmuls (``matmul_efficiency``), below matmul_size."""
+    network_width: int = 256
+    """Width of the MLP blocks whose forward and backward give ``compute_efficiency``."""
+    elementwise_shape: tuple[int, int] = ELEMENTWISE_SHAPE
+    """Rows x columns of the fp32 tensor the element rates are measured on."""
+    wait_products: int = 8
+    """256 x 256 products each rank computes between the exchanges that measure
+    ``wait_latency`` (8: about 7 ms of a core; a step whose ranks compute longer between
+    collectives arrive further apart)."""
+    rounds: int = 1
+    """Times the host and latency figures are measured (the op floor, the per-op and per-call
+    host costs, all-reduce times, the wait latency: cheap, and on a shared machine the
+    noisiest), the rounds one after another; each is the median of its rounds, so a burst of
+    another job's load spoils one round, not the figure. The throughput figures are measured
+    once."""
 
     @classmethod
     def quick(cls) -> CalibrationSettings:
@@ -115,6 +137,25 @@ class CalibrationSettings:
             message_bytes=(4, 4096, 65536, 2**20, 4 * 2**20),
             collective_reps=8,
             thin_dims=(32, 128),
+        )
+
+    @classmethod
+    def brief(cls) -> CalibrationSettings:
+        """A few seconds inside a job's own workers (``make demo``'s calibration): every
+        figure measured on small sizes for 40 ms, the host and latency ones in 3 rounds; the
+        ranks compute 4 products between the exchanges that time ``wait_latency`` (a small
+        model computes a few ms between its collectives)."""
+        return cls(
+            matmul_size=256,
+            copy_bytes=8 * 2**20,
+            budget_s=0.04,
+            message_bytes=(4, 65536, 2**20),
+            collective_reps=8,
+            thin_dims=(32, 128),
+            network_width=64,
+            elementwise_shape=(128, 1024),
+            wait_products=4,
+            rounds=3,
         )
 
     @classmethod
@@ -232,19 +273,16 @@ def measure_batched_shares(
     return shares
 
 
-ELEMENTWISE_SHAPE = (512, 1024)
-"""Rows x columns of the fp32 tensor each elementwise op is measured on (2 MiB: a layer's
-activations on a rank)."""
-
-
-def _elementwise_ops() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def _elementwise_ops(
+    shape: tuple[int, int] = ELEMENTWISE_SHAPE,
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The ops whose forward-and-backward element rate calibrate measures, by the aten name
     a capture gives them: those whose arithmetic can outrun their bytes on a CPU."""
     import torch.nn.functional as F
 
-    cols = ELEMENTWISE_SHAPE[1]
+    cols = shape[1]
     weight, bias = torch.ones(cols, requires_grad=True), torch.zeros(cols, requires_grad=True)
-    labels = torch.arange(ELEMENTWISE_SHAPE[0]) % cols
+    labels = torch.arange(shape[0]) % cols
     return {
         "gelu": F.gelu,
         "silu": F.silu,
@@ -257,13 +295,18 @@ def _elementwise_ops() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     }
 
 
-def measure_elementwise_rates(budget_s: float = 0.3, *, shared: bool = False) -> dict[str, float]:
+def measure_elementwise_rates(
+    budget_s: float = 0.3,
+    *,
+    shared: bool = False,
+    shape: tuple[int, int] = ELEMENTWISE_SHAPE,
+) -> dict[str, float]:
     """Per op of :func:`_elementwise_ops`: elements per second of its forward and backward
-    together on an fp32 tensor of :data:`ELEMENTWISE_SHAPE`."""
+    together on an fp32 tensor of ``shape`` (default :data:`ELEMENTWISE_SHAPE`)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(*ELEMENTWISE_SHAPE, generator=gen).requires_grad_()
+    x = torch.randn(*shape, generator=gen).requires_grad_()
     rates = {}
-    for name, fn in _elementwise_ops().items():
+    for name, fn in _elementwise_ops(shape).items():
 
         def step(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> None:
             y = fn(x)
@@ -360,12 +403,48 @@ def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str,
     torch.set_num_threads(threads)
     local = _measure_local(settings, sync=dist.barrier, shared=True)
     dist.barrier()
-    return {
-        "local": local,
-        "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
-        "overlap": _overlap_fraction(max(settings.message_bytes), settings.collective_reps),
-        "wait_latency": _wait_latency(2 * settings.collective_reps),
-    }
+    rounds = [
+        {
+            "local": local,
+            "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
+            "overlap": _overlap_fraction(max(settings.message_bytes), settings.collective_reps),
+            "wait_latency": _wait_latency(2 * settings.collective_reps, settings.wait_products),
+        }
+    ]
+    for _ in range(settings.rounds - 1):
+        dist.barrier()
+        latency = measure_kernel_latency(min(settings.budget_s, 0.1), shared=True)
+        dist.barrier()
+        host = measure_host_costs(latency, settings.budget_s, shared=True)
+        dist.barrier()
+        rounds.append(
+            {
+                "local": {
+                    "kernel_latency": latency,
+                    "op_overhead": host[0],
+                    "call_overhead": host[1],
+                },
+                "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
+                "wait_latency": _wait_latency(2 * settings.collective_reps, settings.wait_products),
+            }
+        )
+    return cast("dict[str, Any]", _median_of_rounds(rounds))
+
+
+def _median_of_rounds(rounds: Sequence[Any]) -> Any:
+    """The rounds' measurements (dicts, lists and numbers) as one: each number the median of
+    the rounds that have it (nan where each of them has nan); the first round holds every
+    figure, later rounds the host and latency ones alone."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: _median_of_rounds([r[k] for r in rounds if k in r]) for k in first}
+    if isinstance(first, list):
+        return [_median_of_rounds(list(z)) for z in zip(*rounds, strict=True)]
+    if all(r == first for r in rounds) or not isinstance(first, int | float):
+        return first
+    values = [float(r) for r in rounds]
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
 
 
 def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
@@ -386,12 +465,16 @@ def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
     return medians
 
 
-def _wait_latency(reps: int) -> float:
-    """One-way seconds of a small message between rank pairs (0, 1), (2, 3), ... while every
-    rank computes between messages, as pipeline stages do (inside a worker; nan on a rank that
-    does not time). The even rank computes, then times a send and the reply; the odd rank
-    replies and computes half as long, so it is waiting in its receive when the message comes
-    (a core may be busy with another rank's matmuls: the wait includes the scheduler's)."""
+def _wait_latency(reps: int, products: int = 8) -> float:
+    """Seconds a rank spends in a small exchange with its pair partner, pairs (0, 1), (2, 3),
+    ..., when both compute the same between exchanges, as a step's ranks do between its
+    collectives (``products`` 256 x 256 matmuls; inside a worker; nan on a rank that does not
+    time): the median over ``reps`` exchanges of the time from the rank's arrival to the
+    exchange's end. The even rank sends
+    and then receives the reply, the odd one receives and replies. Ranks that share cores
+    arrive apart (the scheduler ran one and not the other) and one blocked waits for a core
+    to run again, so on four ranks of two cores this is a few ms where between idle ranks it
+    is the message's round trip (0.1 ms)."""
     import torch.distributed as dist  # noqa: TID251
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -406,18 +489,17 @@ def _wait_latency(reps: int) -> float:
     times = []
     dist.barrier()
     for _ in range(reps):
+        work(products)
         if peer >= world:  # the odd one out of an odd world: compute beside the pairs
-            work(8)
-        elif rank % 2 == 0:
-            work(8)
-            t0 = time.perf_counter()
+            continue
+        t0 = time.perf_counter()
+        if rank % 2 == 0:
             dist.send(message, peer)
             dist.recv(message, peer)
-            times.append((time.perf_counter() - t0) / 2)
         else:
             dist.recv(message, peer)
             dist.send(message, peer)
-            work(4)
+        times.append(time.perf_counter() - t0)
     dist.barrier()
     return statistics.median(times) if times else float("nan")
 
@@ -516,11 +598,15 @@ def _measure_local(
     sync()
     batched = measure_batched_shares(heads, fp32, budget / (2 * max(1, len(heads))), shared=shared)
     sync()
-    elementwise = measure_elementwise_rates(budget / 8, shared=shared)
+    elementwise = measure_elementwise_rates(
+        budget / 8, shared=shared, shape=settings.elementwise_shape
+    )
     sync()
     host = measure_host_costs(latency, budget, shared=shared)
     sync()
-    network = measure_network_efficiency(fp32, budget_s=budget, shared=shared)
+    network = measure_network_efficiency(
+        fp32, settings.network_width, budget_s=budget, shared=shared
+    )
     return {
         "matmul_size": n,
         "matmul_shares": {str(d): f for d, f in shares.items()},
@@ -547,6 +633,14 @@ def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, 
 
     threads = worker_threads(world_size)
     per_rank = run_workers(_rank_measurements, world_size, settings, threads)
+    return _combine(per_rank, settings, threads)
+
+
+def _combine(
+    per_rank: Sequence[dict[str, Any]], settings: CalibrationSettings, threads: int
+) -> dict[str, Any]:
+    """The world's figures from every rank's :func:`_rank_measurements`: the median rank's
+    compute figures, the slowest rank's all-reduce times."""
     locals_ = [r["local"] for r in per_rank]
 
     def median(*keys: str) -> float:
@@ -601,6 +695,23 @@ def calibrate(
         )
     settings = settings or (CalibrationSettings.quick() if quick else CalibrationSettings.full())
     world = _measure_world(settings, world_size)
+    how = f"`plait calibrate{' --quick' if quick else ''}`"
+    profile = _profile_of(world, settings, world_size, how, quick=quick)
+    save_profile(profile, out if out is not None else default_profile_path())
+    return profile
+
+
+def _profile_of(
+    world: dict[str, Any],
+    settings: CalibrationSettings,
+    world_size: int,
+    how: str,
+    *,
+    quick: bool,
+    when: str | None = None,
+) -> HardwareProfile:
+    """The ``local`` profile of a world's combined figures (:func:`_combine`); ``how`` names
+    the run in its source and ``measured["how"]`` (e.g. "`plait calibrate --quick`")."""
     local, times = world["local"], world["all_reduce"]
     link = fit_alpha_beta(settings.message_bytes, times, world_size)
     cpus = os.cpu_count() or 1
@@ -615,11 +726,12 @@ def calibrate(
         "machine": platform.machine(),
         "cpus": cpus,
         "torch": torch.__version__,
-        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "when": when or datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "quick": quick,
+        "how": how,
     }
     defaults = local_defaults()
-    profile = HardwareProfile(
+    return HardwareProfile(
         name="local",
         peak_flops=local["peak_flops"],
         memory_bytes=_physical_memory(),
@@ -630,7 +742,7 @@ def calibrate(
         # node, like a GPU server. Topology(devices_per_node=...) says otherwise.
         devices_per_node=max(cpus, 8),
         source=(
-            f"measured by `plait calibrate{' --quick' if quick else ''}` on {platform.node()} "
+            f"measured by {how} on {platform.node()} "
             f"({platform.machine()}, {cpus} CPUs, torch {torch.__version__}) at "
             f"{measured['when']}: per rank of {world_size} processes measuring together "
             f"({local['threads_per_rank']} torch thread(s) each): torch.mm FLOP/s, tensor "
@@ -638,7 +750,8 @@ def calibrate(
             "square one, the element rates of activations and norms, the op floor and "
             "per-op host cost; gloo all_reduce among them "
             "fitted to alpha-beta, and how much of it hides behind matmuls; a small "
-            "send's one-way time between ranks computing between messages; memory is the host's RAM, shared by its processes; "
+            "exchange's time between rank pairs computing between exchanges; memory is the host's "
+            "RAM, shared by its processes; "
             "inter_node not measured (10 GbE default)"
         ),
         kernel_latency=local["kernel_latency"],
@@ -654,8 +767,63 @@ def calibrate(
         elementwise_rates=tuple(sorted(local["elementwise_rates"].items())),
         measured=measured,
     )
-    save_profile(profile, out if out is not None else default_profile_path())
+
+
+def calibrate_in_world(
+    settings: CalibrationSettings | None = None,
+    out: str | os.PathLike[str] | None = None,
+    how: str = "a job's own workers",
+) -> HardwareProfile:
+    """Every rank of the current process group calls this: the ranks measure together, as
+    :func:`calibrate`'s spawned workers do, but on the job's own processes and threads (no
+    processes started: ``make demo`` calibrates in a few seconds with
+    :meth:`CalibrationSettings.brief`, the default). Every rank returns the same profile;
+    rank 0 writes it to ``out`` when given, before any rank returns."""
+    # The cost model's other torch.distributed use (calibrate's is in its spawned workers):
+    # the caller's world, joined by plait.init().
+    import torch.distributed as dist  # noqa: TID251
+
+    settings = settings or CalibrationSettings.brief()
+    world_size = dist.get_world_size()
+    if world_size < 2:
+        raise CostError(
+            "calibrate_in_world: the world has 1 process; collectives need at least 2 (run "
+            "under `plait run --worker-num N`, or `plait calibrate --world-size N`)"
+        )
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    mine = _rank_measurements(settings, torch.get_num_threads())
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, {**mine, "when": when})
+    world = _combine(per_rank, settings, torch.get_num_threads())
+    profile = _profile_of(world, settings, world_size, how, quick=True, when=per_rank[0]["when"])
+    if out is not None and dist.get_rank() == 0:
+        save_profile(profile, out)
+    dist.barrier()
     return profile
+
+
+def mismatch(profile: HardwareProfile, world_size: int, threads: int | None = None) -> str | None:
+    """Why a saved ``local`` profile does not describe a job of ``world_size`` processes on
+    this machine (``threads`` torch threads each, default as ``plait run`` gives them), or
+    None when it does: measured on this host (name, CPU count, torch) by as many processes
+    with as many threads."""
+    m = profile.measured
+    if not m:
+        return "it holds no measurements (uncalibrated)"
+    threads = worker_threads(world_size) if threads is None else threads
+    here = {"host": platform.node(), "cpus": os.cpu_count() or 1, "torch": torch.__version__}
+    for key, value in here.items():
+        if m.get(key) != value:
+            return f"it was measured with {key} {m.get(key)!r}, this machine has {value!r}"
+    ranks = (m.get("all_reduce") or {}).get("world_size")
+    if ranks != world_size:
+        return f"it was measured by {ranks} processes, this job runs {world_size}"
+    if m.get("threads_per_rank") != threads:
+        return (
+            f"it was measured with {m.get('threads_per_rank')} torch thread(s) a process, "
+            f"this job runs {threads}"
+        )
+    return None
 
 
 def _share_points(shares: dict[str, float], square: int) -> tuple[tuple[int, float], ...]:
@@ -680,8 +848,8 @@ def format_profile(profile: HardwareProfile) -> str:
             f"  per-op host cost:  {profile.op_overhead * 1e6:.1f} us a captured op and pass, "
             f"{profile.call_overhead * 1e6:.1f} us an aten call",
             f"  comm overlap:      {profile.comm_overlap:.2f} of a collective hides behind compute",
-            f"  wait latency:      {profile.wait_latency * 1e3:.2f} ms for a blocked rank to run "
-            "again (a small send between ranks computing between messages)",
+            f"  wait latency:      {profile.wait_latency * 1e3:.2f} ms a transfer waits for its "
+            "peer (a small exchange between ranks computing between exchanges)",
             "  matmul share:      "
             + _points(
                 profile.matmul_efficiency,

@@ -36,6 +36,7 @@ from plait.cost.link import Link
 __all__ = [
     "BUILTIN_NAMES",
     "PROFILE_FORMAT",
+    "UNCALIBRATED",
     "HardwareProfile",
     "builtin_profiles",
     "default_profile_path",
@@ -50,6 +51,13 @@ PROFILE_VERSION = 1
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 
 GIB = 2**30
+
+UNCALIBRATED = (
+    "UNCALIBRATED: conservative CPU defaults, not measured here, often 10x off; run `plait "
+    "calibrate --world-size N` with N the processes a job runs here"
+)
+"""What every report of a prediction on :func:`local_defaults` prints beside it (see
+:attr:`HardwareProfile.uncalibrated`)."""
 
 
 @dataclass(frozen=True, eq=True)
@@ -105,14 +113,14 @@ class HardwareProfile:
     their own stream); measured by ``plait calibrate`` on ``local``, where the cores that
     compute also run gloo's threads; 0 (nothing hides) when not measured."""
     wait_latency: float = 0.0
-    """Seconds a rank blocked in a transfer takes to run again once its peer arrives, while
-    the ranks compute between transfers (a step: its collectives and a pipeline's sends).
-    Where ranks share cores the blocked rank also waits for the scheduler: measured by ``plait
-    calibrate`` on ``local`` as a small message's one-way time between rank pairs that compute
-    between messages (2 to 4 ms with four ranks on two cores, against 0.1 ms between idle
-    ranks). Every intra-node transfer pays it once (:meth:`plait.cost.comm.Topology.
-    axis_seconds`); 0 on the datasheet profiles (collectives in lock step, the link's latency
-    alone)."""
+    """Seconds a rank spends in a transfer waiting for its peer, while the ranks compute
+    between transfers (a step: its collectives and a pipeline's sends). Where ranks share
+    cores they arrive apart (the scheduler ran one and not the other) and a blocked rank waits
+    for a core to run again: measured by ``plait calibrate`` on ``local`` as the median time a
+    rank spends in a small exchange with its pair partner when both compute the same between
+    exchanges (2 to 4 ms with four ranks on two cores, against 0.1 ms between idle ranks).
+    Every intra-node transfer pays it once (:meth:`plait.cost.comm.Topology.axis_seconds`); 0
+    on the datasheet profiles (collectives in lock step, the link's latency alone)."""
     matmul_efficiency: tuple[tuple[int, float], ...] = ()
     """A matmul's share of the peak by its smallest dimension: ``(dim, fraction)`` points,
     dims rising, read linearly in ``log2(dim)`` between them and flat beyond (a thin product,
@@ -216,6 +224,14 @@ class HardwareProfile:
                 "and rates > 0, e.g. (('gelu', 5e8), ('softmax', 7e8))"
             )
         object.__setattr__(self, "elementwise_rates", tuple((n, float(r)) for n, r in pairs))
+
+    @property
+    def uncalibrated(self) -> bool:
+        """True for ``local`` with nothing measured (:func:`local_defaults`, when ``plait
+        calibrate`` has written no file): its numbers are guesses, not this machine's, and a
+        plan made on it says so (``Plan.hardware_uncalibrated``). Datasheet profiles and
+        calibrated ``local`` files are not."""
+        return self.name == "local" and not self.measured
 
     def matmul_share(self, smallest_dim: int, batched: bool = False) -> float:
         """The share of the peak a matmul whose smallest dimension is ``smallest_dim``

@@ -1,16 +1,18 @@
 """``make demo``: the GPT example on 4 local workers, Megatron dp=2 x tp=2.
 
-Runs ``plait run --worker-num 4 -m plait.demo.train --mode semi_auto --tp 2``; extra arguments
-go to the example (``python -m plait.demo --steps 300``). The example's code lives in
-``plait.demo.train`` so that the demo works from an installed plait; ``examples/gpt/train.py``
-runs the same code as a script.
+Runs ``plait run --worker-num 4 -m plait.demo.train --mode semi_auto --tp 2 --calibrate``;
+extra arguments go to the example (``python -m plait.demo --steps 300``). ``--calibrate``: the
+workers first measure this machine for a few seconds (:mod:`plait.demo.calibration`), so the
+summary's predicted step time is this machine's as it is now
+(``python -m plait.demo --reuse-calibration`` plans on the last one instead). The example's code lives in ``plait.demo.train`` so that the demo works from an
+installed plait; ``examples/gpt/train.py`` runs the same code as a script.
 """
 
 import sys
 
 from plait.cli import main
 
-DEMO_ARGS = ("--mode", "semi_auto", "--tp", "2")
+DEMO_ARGS = ("--mode", "semi_auto", "--tp", "2", "--calibrate")
 
 
 def demo_argv(extra: list[str]) -> list[str]:

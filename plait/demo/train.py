@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 import plait
 from plait.checkpoint import Checkpoints
+from plait.cost import UNCALIBRATED
 from plait.launch import detect_environment
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 
@@ -104,6 +106,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=CORPUS, help="a text file to train on")
     p.add_argument("--sample", type=int, default=120, metavar="N",
                    help="characters to generate with job.predict after training (0: none)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="plan on this machine's numbers, measured first for a few seconds on "
+                        "the workers (make demo does)")  # fmt: skip
+    p.add_argument("--reuse-calibration", action="store_true",
+                   help="plan on a saved calibration of this machine for this many workers "
+                        "(plait calibrate's, or an earlier --calibrate's); measure when none "
+                        "fits")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -298,6 +307,8 @@ class Summary:
     wall_seconds: float
     plan: str = ""
     """Mode auto: the searcher and the plan's predicted step time."""
+    hardware: str = ""
+    """With --calibrate: the hardware profile the plan was made on, and where it came from."""
     sample: str = ""
     """Text the trained model generated (``job.predict``), after an evaluation prompt."""
 
@@ -320,9 +331,19 @@ class Summary:
             f"  eval loss   {first_eval:.4f} -> {last_eval:.4f}",
             f"  throughput  {self.tokens_per_second:,.0f} tokens/s",
             f"  wall time   {self.wall_seconds:.1f} s ({self.train_seconds:.1f} s training)",
+            *([f"  hardware    {self.hardware}"] if self.hardware else []),
             *([f"  plan        {self.plan}"] if self.plan else []),
             *([f"  sample      {self.sample!r}"] if self.sample else []),
         ])  # fmt: skip
+
+
+def makes_plan(args: argparse.Namespace) -> bool:
+    """Whether the run plans (and so predicts its step time): modes auto and semi_auto, a plan
+    file, a memory pass (ZeRO, recompute, offload) or pipeline stages."""
+    memory = args.optimizer_shard is not None or args.recompute != "none" or args.offload
+    return (
+        args.mode in ("auto", "semi_auto") or args.plan is not None or bool(memory) or args.pp > 1
+    )
 
 
 def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int = 0) -> plait.Job:
@@ -352,10 +373,7 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
         args.grad_accumulation = config.grad_accumulation  # the plan's, for check_batch
     # auto and semi_auto plan on the shapes of one global batch (meta tensors: no memory);
     # given now, the plan (and its errors) come before training starts
-    memory = args.optimizer_shard is not None or args.recompute != "none" or args.offload
-    planned = (
-        auto or args.mode == "semi_auto" or args.plan is not None or bool(memory) or args.pp > 1
-    )
+    planned = makes_plan(args)
     example = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     job = plait.parallelize(
         model,
@@ -386,6 +404,9 @@ def train(args: argparse.Namespace) -> Summary:
     else:
         world = plait.init()
         rank, world_size = world.rank, world.world_size
+    stream: TextIO | LineStream = sys.stdout if sys.stdout.isatty() else LineStream(sys.stdout)
+    report = reporter(rank, stream)
+    hardware = calibrate(args, world_size, report)
     corpus = load_corpus(args.corpus)
     job = build_job(args, len(corpus.chars), world_size, rank)
     index, size = dp_place(job)
@@ -399,8 +420,6 @@ def train(args: argparse.Namespace) -> Summary:
     ]
     params = sum(p.numel() for p in job.model.parameters())
     tokens = args.batch * args.seq
-    stream: TextIO | LineStream = sys.stdout if sys.stdout.isatty() else LineStream(sys.stdout)
-    report = reporter(rank, stream)
     report(
         f"plait GPT example: mode {args.mode}, mesh {job.mesh.as_dict() if job.mesh else None}, "
         f"{params:,} parameters; corpus {len(corpus.train):,} train + {len(corpus.eval):,} eval "
@@ -422,12 +441,14 @@ def train(args: argparse.Namespace) -> Summary:
     bar.update(resumed)
     losses: list[float] = []
     train_seconds = 0.0
+    step_seconds: list[float] = []
     with bar:
         for step in range(resumed + 1, args.steps + 1):
             batch = local_slice(sample_batch(corpus.train, args.seq, args.batch, gen), index, size)
             start = time.perf_counter()
             losses.append(job.step(batch))
-            train_seconds += time.perf_counter() - start
+            step_seconds.append(time.perf_counter() - start)
+            train_seconds += step_seconds[-1]
             rate = step * tokens / train_seconds
             logger.debug("step %d loss %.4f %.0f tokens/s", step, losses[-1], rate)
             bar.set_postfix_str(f"loss {losses[-1]:.4f}, {rate:,.0f} tok/s", refresh=False)
@@ -458,9 +479,31 @@ def train(args: argparse.Namespace) -> Summary:
         eval_losses=eval_losses,
         train_seconds=train_seconds,
         wall_seconds=time.perf_counter() - wall_start,
-        plan=_plan_line(job, train_seconds / args.steps),
+        plan=_plan_line(job, step_seconds),
+        hardware=hardware,
         sample=sample,
     )
+
+
+def calibrate(args: argparse.Namespace, world_size: int, report: Callable[[str], None]) -> str:
+    """``--calibrate``: make this machine's calibration the profile the run plans with
+    (:mod:`plait.demo.calibration`); the summary's line about it ("" without the flag)."""
+    if not (args.calibrate or args.reuse_calibration):
+        return ""
+    if args.plan is not None:
+        report("--calibrate: a plan file carries the prediction made when it was planned: "
+               "not calibrating")  # fmt: skip
+        return ""
+    if world_size < 2 or not makes_plan(args):
+        report("--calibrate: this run makes no plan on several processes, so nothing is "
+               "predicted: not calibrating")  # fmt: skip
+        return ""
+    from plait.demo.calibration import calibrate_for_run
+
+    calibration = calibrate_for_run(world_size, reuse=args.reuse_calibration)
+    report(calibration.message())
+    how = "reused" if calibration.reused else f"measured in {calibration.seconds:.1f} s"
+    return f"local, calibrated ({how}: {calibration.path})"
 
 
 def generate(job: plait.Job, corpus: Corpus, args: argparse.Namespace) -> str:
@@ -506,16 +549,23 @@ def checkpoints(args: argparse.Namespace, world_size: int) -> Checkpoints | None
     return Checkpoints(args.checkpoint_dir, every=args.save_every or 1 << 62, keep=args.keep)
 
 
-def _plan_line(job: plait.Job, measured_step_s: float) -> str:
-    """The plan a mode-auto job ran: searcher, predicted and measured step time."""
+def _plan_line(job: plait.Job, step_seconds: Sequence[float]) -> str:
+    """The plan a planned job ran: searcher, predicted and measured step time (the median
+    step after the first, which builds caches and the optimizer's states, as
+    ``job.report()`` measures it)."""
     plan = getattr(job.loss_fn, "plan", None)
     if plan is None:
         return ""
     split = sum(op.label != "replicate" for op in plan.ops)
+    predicted = plan.predicted.step_time_s
+    hardware = f"{plan.hardware!r}" + (f" ({UNCALIBRATED})" if plan.hardware_uncalibrated else "")
+    timed = list(step_seconds[1:] or step_seconds)
+    measured = statistics.median(timed)
+    ratio = f", {measured / predicted:.2f}x the prediction" if predicted else ""
     return (
         f"{plan.search}: {split} of {len(plan.ops)} ops split, predicted "
-        f"{plan.predicted.step_time_s * 1e3:.1f} ms/step on hardware {plan.hardware!r}, "
-        f"measured {measured_step_s * 1e3:.1f} ms/step"
+        f"{predicted * 1e3:.1f} ms/step on hardware {hardware}, measured "
+        f"{measured * 1e3:.1f} ms/step (median of {len(timed)} steps{ratio})"
     )
 
 

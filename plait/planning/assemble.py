@@ -172,6 +172,7 @@ def assemble_plan(
         mode=cfg.mode,
         search=cfg.search or "sharding_propagation",
         hardware=hardware.name,
+        hardware_uncalibrated=hardware.uncalibrated,
         precision=cfg.precision,
         micro_batches=cfg.micro_batches,
         pipeline_stages=stages,

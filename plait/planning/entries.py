@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, get_args
 
 from plait.config import CommFusion, DatasetStrategy, Mode, Precision, Schedule
+from plait.cost.hardware import UNCALIBRATED
 from plait.errors import PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -354,11 +355,16 @@ class PlanContents:
     """Ranks of ``dp_axis`` one parameter's shards spread over under ``optimizer_shard``
     (``ParallelConfig.optimizer_weight_shard_size``, HSDP): shard groups of this many
     consecutive ranks, each holding a whole copy; None: the whole axis."""
+    hardware_uncalibrated: bool = False
+    """The prediction was made on the uncalibrated ``local`` defaults (no ``plait calibrate``
+    file: :attr:`plait.cost.HardwareProfile.uncalibrated`); every report of it says so
+    (:attr:`hardware_label`). Files written before the field: False."""
     schema_version: ClassVar[int] = 1
     # The file reads top-down: what was planned (model, batch, mesh, settings), what it costs,
     # then the long per-op and per-parameter lists.
     file_order: ClassVar[tuple[str, ...]] = (
-        "model", "batch", "mesh", "mode", "search", "hardware", "precision", "micro_batches",
+        "model", "batch", "mesh", "mode", "search", "hardware", "hardware_uncalibrated",
+        "precision", "micro_batches",
         "pipeline_stages", "schedule", "virtual_stages", "optimizer_shard",
         "optimizer_weight_shard_size", "recompute",
         "memory_limit", "grad_accumulation", "dp_axis", "dataset_strategy", "comm_fusion",
@@ -388,6 +394,7 @@ class PlanContents:
         check_choice("Plan.mode", self.mode, get_args(Mode))
         check_str("Plan.search", self.search)
         check_str("Plan.hardware", self.hardware, empty=False)
+        check_bool("Plan.hardware_uncalibrated", self.hardware_uncalibrated)
         check_choice("Plan.precision", self.precision, get_args(Precision))
         check_int("Plan.micro_batches", self.micro_batches, 1)
         check_int("Plan.grad_accumulation", self.grad_accumulation, 1)
@@ -411,6 +418,14 @@ class PlanContents:
         check_str("Plan.model", self.model)
         if self.memory_limit is not None:
             check_int("Plan.memory_limit", self.memory_limit, 1)
+
+    @property
+    def hardware_label(self) -> str:
+        """``hardware`` as every report of a predicted time or memory prints it: the name, and
+        on the uncalibrated ``local`` defaults a warning that says how to calibrate."""
+        if self.hardware_uncalibrated:
+            return f"{self.hardware} ({UNCALIBRATED})"
+        return self.hardware
 
     def _check_weight_shard_size(self) -> None:
         size = self.optimizer_weight_shard_size

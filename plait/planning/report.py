@@ -33,14 +33,17 @@ def explain(plan: PlanContents, name: str) -> str:
     """
     ops = {op.name: op for op in plan.ops}
     params = {p.name: p for p in plan.parameters}
+    lines: list[str] | None = None
     if name in ops:
-        return "\n".join(_explain_op(plan, ops[name])) + "\n"
-    if name in params:
-        return "\n".join(_explain_param(plan, params[name], ops)) + "\n"
-    if name and name in module_paths(plan):
-        return "\n".join(_explain_module(plan, name)) + "\n"
-    if name in ("mesh", "options") and (plan.options or plan.notes):
-        return "\n".join(_explain_options(plan)) + "\n"
+        lines = _explain_op(plan, ops[name])
+    elif name in params:
+        lines = _explain_param(plan, params[name], ops)
+    elif name and name in module_paths(plan):
+        lines = _explain_module(plan, name)
+    elif name in ("mesh", "options") and (plan.options or plan.notes):
+        lines = _explain_options(plan)
+    if lines is not None:
+        return "\n".join([*lines, *_uncalibrated_lines(plan)]) + "\n"
     known = [*ops, *params, *module_paths(plan), "mesh"]
     raise PlanError(
         f"explain({name!r}): no op, parameter or module of that name in the plan"
@@ -202,7 +205,9 @@ def _prediction_lines(plan: PlanContents) -> list[str]:
         mem += f" of {fmt_bytes(plan.memory_limit)} limit ({share:.0f}%, {verdict})"
     kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in p.memory_by_kind.items())
     return [
-        "predicted",
+        f"predicted on hardware {plan.hardware_label}"
+        if plan.hardware_uncalibrated
+        else "predicted",
         f"  step time {fmt_seconds(p.step_time_s)}: compute {fmt_seconds(p.compute_s)}, "
         f"communication {fmt_seconds(p.communication_s)}"
         + (f" ({fmt_seconds(p.overlapped_s)} of it beside compute)" if p.overlapped_s else "")
@@ -212,6 +217,13 @@ def _prediction_lines(plan: PlanContents) -> list[str]:
         mem + (f": {kinds}" if kinds else ""),
         f"  FLOPs per step {fmt_flops(p.flops_per_step)}",
     ]
+
+
+def _uncalibrated_lines(plan: PlanContents) -> list[str]:
+    """explain's last line on a plan made on the uncalibrated ``local`` defaults."""
+    if not plan.hardware_uncalibrated:
+        return []
+    return [f"times above are predicted on hardware {plan.hardware_label}"]
 
 
 def _pipeline_lines(plan: PlanContents) -> list[str]:

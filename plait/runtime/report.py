@@ -11,6 +11,9 @@ A :class:`RunReport` holds, for this rank:
   on any device), else on CUDA the allocator's peak since the job was made. On CPU without a
   measurement the memory is "not measured".
 
+A plan made on the uncalibrated ``local`` defaults (no ``plait calibrate`` file) says so under
+the table, with the command that calibrates.
+
 Jobs that run no plan (plain data parallel, stand-alone, hybrid, pipelines of marks) have no
 prediction: ``plait.plan(model, config, example_batch=...)`` makes one to compare with.
 """
@@ -42,6 +45,11 @@ class RunReport:
     or ``"not measured"``."""
     predicted_by_kind: tuple[tuple[str, int], ...] = ()
     measured_by_kind: tuple[tuple[str, int], ...] = ()
+    hardware: str = ""
+    """The plan's hardware profile as reports print it (``Plan.hardware_label``: on the
+    uncalibrated ``local`` defaults, a warning and how to calibrate); empty without a plan."""
+    hardware_uncalibrated: bool = False
+    """The prediction is on the uncalibrated ``local`` defaults (the table says so)."""
 
     @property
     def step_ratio(self) -> float | None:
@@ -76,6 +84,8 @@ class RunReport:
         for kind, predicted in self.predicted_by_kind:
             got = measured.get(kind)
             rows.append(_row(kind, format_bytes(predicted), _bytes(got), _ratio(got, predicted)))
+        if self.hardware_uncalibrated:
+            rows += ["", f"predicted on hardware {self.hardware}"]
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -102,6 +112,8 @@ def run_report(
         if predicted is None
         else tuple((k, int(v)) for k, v in predicted.memory_by_kind.items()),
         measured_by_kind=by_kind,
+        hardware="" if plan is None else plan.hardware_label,
+        hardware_uncalibrated=plan is not None and plan.hardware_uncalibrated,
     )
 
 

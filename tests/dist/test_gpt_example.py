@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import plait
+from plait.cost import load_profile
 from plait.demo.train import load_corpus, parse_args, sample_batch, train
 
 pytestmark = pytest.mark.dist
@@ -39,14 +40,26 @@ def clean_env() -> dict[str, str]:
 
 
 def test_gpt_example_semi_auto_on_two_workers(tmp_path: Path) -> None:
+    """make demo's run (semi_auto, --calibrate) on 2 workers: the workers calibrate this
+    machine briefly into the example's own cache and plan on it (#35 item 2)."""
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "plait", "run", "--worker-num", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(logs),
-           str(EXAMPLE), "--mode", "semi_auto", "--tp", "2", *TINY]  # fmt: skip
-    proc = subprocess.run(
-        cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+           str(EXAMPLE), "--mode", "semi_auto", "--tp", "2", "--calibrate", *TINY]  # fmt: skip
+    env = clean_env()
+    env["PLAIT_HOME"] = str(tmp_path / "home")  # nothing saved: the workers measure
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cache = tmp_path / "home" / "world2" / "local.json"
+    assert "hardware: calibrated this machine in" in proc.stdout
+    assert f"on the 2 workers; written to {cache}" in proc.stdout
+    assert "  hardware    local, calibrated (measured in " in proc.stdout
+    plan_line = _summary_line(proc.stdout, "plan")
+    assert "on hardware 'local', measured" in plan_line and "UNCALIBRATED" not in plan_line
+    profile = load_profile(cache)
+    assert profile.measured["all_reduce"]["world_size"] == 2 and not profile.uncalibrated
+    assert "the GPT example's --calibrate" in profile.source
+    assert not (tmp_path / "home" / "local.json").exists()  # plait calibrate's file: untouched
     assert "[rank0]: summary" in proc.stdout
     assert "mode        semi_auto, mesh {'dp': 1, 'tp': 2}" in proc.stdout
     assert "step     8  eval loss" in proc.stdout
@@ -81,6 +94,8 @@ def test_gpt_example_auto_on_two_workers_and_its_saved_plan(tmp_path: Path) -> N
     assert "mode        auto, mesh {'dp': " in auto.stdout
     assert "plan        recursive_programming: " in auto.stdout
     assert "predicted" in auto.stdout and "step     8  eval loss" in auto.stdout
+    # no calibration in this PLAIT_HOME: the plan line says its prediction is the defaults'
+    assert "on hardware 'local' (UNCALIBRATED: " in _summary_line(auto.stdout, "plan")
     saved = plait.Plan.load(path)
     assert saved.search == "recursive_programming" and saved.mesh.size == 2
 

@@ -328,6 +328,39 @@ def test_local_profile_default_path_and_fallback(tmp_path, monkeypatch) -> None:
     assert get_profile("local").source == "from PLAIT_HOME"
 
 
+def test_only_the_local_defaults_are_uncalibrated() -> None:
+    assert local_defaults().uncalibrated
+    assert not any(get_profile(name).uncalibrated for name in BUILTIN_NAMES)
+    measured = HardwareProfile(**{**_fields(local_defaults()), "measured": {"cpus": 2}})
+    assert not measured.uncalibrated
+
+
+def test_a_saved_calibration_describes_a_run_of_its_world_on_this_machine() -> None:
+    import os
+    import platform
+
+    import torch
+
+    from plait.cost.calibrate import mismatch, worker_threads
+
+    here = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    fields = _fields(local_defaults())
+
+    def saved(**changes: object) -> HardwareProfile:
+        measured = {**here, "all_reduce": {"world_size": 4}, "threads_per_rank": 1, **changes}
+        return HardwareProfile(**{**fields, "measured": measured})
+
+    assert mismatch(saved(), 4, threads=1) is None
+    assert mismatch(saved(threads_per_rank=worker_threads(4)), 4) is None  # plait run's threads
+    assert "measured by 2 processes, this job runs 4" in str(
+        mismatch(saved(all_reduce={"world_size": 2}), 4, 1)
+    )
+    assert "1 torch thread(s) a process, this job runs 2" in str(mismatch(saved(), 4, threads=2))
+    assert "host 'elsewhere'" in str(mismatch(saved(host="elsewhere"), 4, 1))
+    assert "torch '1.0'" in str(mismatch(saved(torch="1.0"), 4, 1))
+    assert "no measurements" in str(mismatch(local_defaults(), 4, 1))
+
+
 def test_local_profile_bad_files_are_errors(tmp_path) -> None:
     with pytest.raises(CostError, match=r"cannot be read.*plait calibrate --out"):
         get_profile("local", tmp_path / "missing.json")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pickle
+import types
 
 import pytest
 import torch
@@ -434,6 +435,35 @@ def test_summary_states_the_key_facts():
     gather = next(line for line in lines if line.split()[:3] == ["all_gather", "dp", "forward"])
     assert gather.split()[3:6] == ["2", "512", "B"]
     assert "over the limit" in text and "dp=4" in text
+
+
+def test_a_prediction_on_the_uncalibrated_local_defaults_says_so():
+    """#35 item 2: summary, explain and job.report() of a plan made on the uncalibrated
+    ``local`` defaults say so and how to calibrate; a datasheet or calibrated profile's do not."""
+    from plait.runtime.report import RunReport, run_report
+
+    plan = toy_plan(hardware="local", hardware_uncalibrated=True)
+    summary = plan.summary()
+    warning = "predicted on hardware local (UNCALIBRATED: conservative CPU defaults"
+    assert warning in summary and "`plait calibrate --world-size N`" in summary
+    assert summary.index(warning) < summary.index("step time 12.50 ms")  # above the numbers
+    for name in ("linear_0", "layers.0.fc1.weight", "layers.1"):
+        assert "times above are predicted on hardware local (UNCALIBRATED" in plan.explain(name)
+    assert plan.hardware_label.startswith("local (UNCALIBRATED")
+    job = types.SimpleNamespace(plan=plan)  # what job.report() reads: the job's plan
+    report = run_report(job, [0.2, 0.1, 0.1], None, warmup=1)
+    assert report.hardware_uncalibrated
+    assert "predicted on hardware local (UNCALIBRATED" in report.table()
+    # kept by the plan file; files written before the field read as not flagged
+    assert Plan.from_json(plan.to_json()).hardware_uncalibrated
+    data = json.loads(plan.to_json())
+    del data["hardware_uncalibrated"]
+    assert not Plan.from_json(json.dumps(data)).hardware_uncalibrated
+    calibrated = toy_plan(hardware="local")
+    for text in (calibrated.summary(), calibrated.explain("linear_0"), toy_plan().summary()):
+        assert "UNCALIBRATED" not in text
+    assert calibrated.hardware_label == "local"
+    assert "UNCALIBRATED" not in RunReport(0.1, 0.1, 1, None, None, "not measured").table()
 
 
 def test_summary_keeps_layers_that_differ_apart():

@@ -118,6 +118,17 @@ def test_plan_builtin_models(model, capsys) -> None:
     assert "predicted" in capsys.readouterr().out
 
 
+def test_plan_on_the_uncalibrated_local_defaults_says_so(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("PLAIT_HOME", str(tmp_path))  # no `plait calibrate` file
+    args = ["plan", "--model", "mlp", "--devices", "4", "--batch", "8", "--mode", "auto"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "predicted on hardware local (UNCALIBRATED: " in text
+    assert "run `plait calibrate --world-size N`" in text
+    assert main([*args, "--hardware", "h100"]) == 0
+    assert "UNCALIBRATED" not in capsys.readouterr().out
+
+
 def test_factory_model(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "mymodels.py").write_text(
         "import torch\n"

@@ -383,16 +383,12 @@ def bench_worker(models: list[str], sides: list[str], args: argparse.Namespace) 
 def global_losses(per_rank: list[dict[str, Any]], side: str) -> list[float]:
     n = len(per_rank[0]["losses"][side])
     return [
-        statistics.mean(
-            r["losses"][side][i] for r in per_rank if r["losses"][side][i] is not None
-        )
+        statistics.mean(r["losses"][side][i] for r in per_rank if r["losses"][side][i] is not None)
         for i in range(n)
     ]
 
 
-def report(
-    results: list[dict[str, Any]], args: argparse.Namespace
-) -> tuple[str, str, float]:
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, str, float]:
     lines = [
         "| model | side | median ms/step | p90 ms | plait / torch | median of paired ratios "
         f"| target <= {TARGET:.2f} | step-1 loss | max rel. loss diff vs torch | setup s |",
@@ -403,9 +399,9 @@ def report(
     for kind in results[0]:
         per_rank = [r[kind] for r in results]
         sides = list(per_rank[0]["times"])
+        n = len(per_rank[0]["times"][sides[0]])
         steps = {
-            s: [max(r["times"][s][i] for r in per_rank) for i in range(args.warmup,
-                len(per_rank[0]["times"][s]))]  # fmt: skip
+            s: [max(r["times"][s][i] for r in per_rank) for i in range(args.warmup, n)]
             for s in sides
         }
         med = {s: statistics.median(v) for s, v in steps.items()}
@@ -418,9 +414,8 @@ def report(
             if ref is not None and side != "torch":
                 r = med[side] / med["torch"]
                 ratio = f"{r:.3f}"
-                paired = (
-                    f"{statistics.median(a / b for a, b in zip(steps[side], steps['torch'])):.3f}"
-                )
+                pairs = zip(steps[side], steps["torch"], strict=True)
+                paired = f"{statistics.median(a / b for a, b in pairs):.3f}"
                 met = "met" if r <= TARGET else "missed"
                 d = max(abs(a - b) / abs(b) for a, b in zip(mine, ref, strict=True))
                 worst = max(worst, d)
@@ -431,9 +426,10 @@ def report(
                 f"| {paired} | {met} | {mine[0]:.6f} | {diff} | {setup:.1f} |"
             )
         info = per_rank[0]
-        for side, per_stage in info["collectives"].items():
+        for side in info["collectives"]:
             stages = [
-                f"stage on rank {rank}: {', '.join(f'{k} {v}' for k, v in r[kind]['collectives'][side][0].items())}"
+                f"stage on rank {rank}: "
+                + ", ".join(f"{k} {v}" for k, v in r[kind]["collectives"][side][0].items())
                 for rank, r in enumerate(results)
                 if rank in (0, WORLD - 1) and r[kind]["collectives"][side]
             ]

@@ -325,28 +325,22 @@ class _PendingSumsReduced(TorchFunctionMode):
         if (
             isinstance(out, DTensor)
             and out.requires_grad
+            and not out.is_leaf  # an op that returns a parameter itself: its sum stays pending
             and torch.is_grad_enabled()
             and all(p.is_replicate() for p in out.placements)
         ):
-            return _GradReduced.apply(out)
+            # a hook, not an op: a traced stage's forward graph stays as it was
+            out.register_hook(_pending_sum_reduced)
         return out
 
 
-class _GradReduced(torch.autograd.Function):
-    """Identity on a replicated DTensor; its gradient leaves replicated (a pending sum
-    all-reduced, anything else untouched: no collective where none is pending)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: DTensor) -> DTensor:
-        local = x._local_tensor
-        return DTensor(local.view_as(local), x._spec, requires_grad=x.requires_grad)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            whole = [Replicate() if p.is_partial() else p for p in grad.placements]
-            return grad.redistribute(grad.device_mesh, whole)
-        return grad
+def _pending_sum_reduced(grad: Any) -> Any:
+    """A replicated value's gradient, a pending sum in it all-reduced (anything else is left
+    as it is: no collective where no sum is pending)."""
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        whole = [Replicate() if p.is_partial() else p for p in grad.placements]
+        return grad.redistribute(grad.device_mesh, whole)
+    return None
 
 
 # ------------------------------------------------------------ a stage as a per-rank program

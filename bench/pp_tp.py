@@ -46,9 +46,16 @@ untimed steps, ``--steps`` timed steps; each step starts after a barrier, is tim
 rank, and counts as its slowest rank's time; the table gives the median over steps and the
 ratio plait / torch (the issue's target: <= 1.05), and the median of the per-step ratios.
 ``--profile SIDE`` adds a cProfile of rank 0 over ``--profile-steps`` extra steps of a side.
+Below the table: where plait cut the stages and the collectives each compiled stage issues a
+micro-batch (plait's Llama split hands the rotary tables from the first stage to the second
+as activations, so the second stage computes their gradients, all-reduces them over tp (2
+all-reduces a micro-batch more than TinyGPT's) and sends them back; torch's hand-cut stages
+compute the tables in each stage). Mode auto logs, per stage, where its compiled stage's
+collectives differ from those its plan lists (the stages follow DTensor's propagation from
+the plan's parameter layouts).
 
 Run from the repository root: ``.venv/bin/python bench/pp_tp.py`` (CPU, 4 gloo processes,
-about 2 minutes on 2 shared cores). ``--models llama --steps 4`` for a short run.
+about 3 minutes on 2 shared cores). ``--models llama --steps 4`` for a short run.
 """
 
 from __future__ import annotations

@@ -307,14 +307,40 @@ def stage_on_submesh(module: nn.Module, device_mesh: DeviceMesh) -> None:
 class _PendingSumsReduced(TorchFunctionMode):
     """Every op's pending-sum output is reduced at once (Megatron's all-reduce right after a
     row-parallel linear). Left pending, DTensor reduces it where the next norm reads it, but
-    autograd keeps the unreduced value for that norm's backward, which reduces it again."""
+    autograd keeps the unreduced value for that norm's backward, which reduces it again.
+
+    The same in backward: the gradient of an op's replicated output is reduced where it
+    arrives as a pending sum (Megatron's all-reduce of a column-parallel input's gradient,
+    at the norm's output). Left pending, DTensor carries it on through ops whose backward is
+    linear in the gradient (``rms_norm``'s, unlike ``layer_norm``'s, and the residual adds)
+    down to a row-parallel weight, whose gradient then comes out a whole-sized pending sum
+    (its activation all-gathered for it), and to a vocabulary-split embedding, whose backward
+    cannot take one (DTensor refuses a sum into its masked partial)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
             whole = [Replicate() if p.is_partial() else p for p in out.placements]
-            return out.redistribute(out.device_mesh, whole)
+            out = out.redistribute(out.device_mesh, whole)
+        if (
+            isinstance(out, DTensor)
+            and out.requires_grad
+            and not out.is_leaf  # an op that returns a parameter itself: its sum stays pending
+            and torch.is_grad_enabled()
+            and all(p.is_replicate() for p in out.placements)
+        ):
+            # a hook, not an op: a traced stage's forward graph stays as it was
+            out.register_hook(_pending_sum_reduced)
         return out
+
+
+def _pending_sum_reduced(grad: Any) -> Any:
+    """A replicated value's gradient, a pending sum in it all-reduced (anything else is left
+    as it is: no collective where no sum is pending)."""
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        whole = [Replicate() if p.is_partial() else p for p in grad.placements]
+        return grad.redistribute(grad.device_mesh, whole)
+    return None
 
 
 # ------------------------------------------------------------ a stage as a per-rank program
@@ -371,12 +397,22 @@ class _FromPiece(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, piece: torch.Tensor, layout: PieceLayout, grad_layout: Any) -> DTensor:
         ctx.grad_layout = grad_layout
+        ctx.placements = layout.placements
         return DTensor(piece.view_as(piece), layout.spec, requires_grad=piece.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         if grad is None:
             return None, None, None
+        # laid out as the parameter, but for a pending sum where the parameter is whole (the
+        # job reduces it once a step): a whole gradient of a split parameter (a vocabulary-split
+        # embedding's, computed whole from a whole output gradient) is cut to this rank's piece
+        wanted = tuple(
+            g if g.is_partial() and p.is_replicate() else p
+            for g, p in zip(grad.placements, ctx.placements, strict=True)
+        )
+        if wanted != tuple(grad.placements):
+            grad = grad.redistribute(grad.device_mesh, wanted)
         ctx.grad_layout(PieceLayout.of(grad))
         return grad._local_tensor, None, None
 

@@ -378,6 +378,15 @@ def aot_joint_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
     return cast("torch.fx.GraphModule", aot_export_joint_simple(fn, example, trace_joint=True))
 
 
+def aot_forward_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
+    """AOTAutograd's forward graph of ``fn`` on ``example``, no backward (fake tensors; tensor
+    subclasses such as DTensor desugared into their local ops): a pipeline stage's evaluation
+    program (:mod:`plait.runtime.stage_program`)."""
+    from torch._functorch.aot_autograd import aot_export_joint_simple
+
+    return cast("torch.fx.GraphModule", aot_export_joint_simple(fn, example, trace_joint=False))
+
+
 def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Any:
     """Inside it, ``module``'s parameters and buffers named in ``tensors`` are those tensors
     (what ``torch.func.functional_call`` does around a call, without calling the module)."""

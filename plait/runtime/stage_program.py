@@ -51,8 +51,10 @@ again before the backward graph runs, and the gradients the program adds to the 
 parameters are reduce-scattered by FSDP2's post-backward; the trace calls the stage's own
 forward with the traced parameters in place, not the module (whose hooks would put FSDP2's
 back). Everything else keeps the stage's eager forward: optimizer parallel beside mixed
-precision (FSDP2's bf16 gathers under autocast do not trace yet), and evaluation, prediction
-and a forward without gradients, which run eagerly in any case. With tensor
+precision (FSDP2's bf16 gathers under autocast do not trace yet). Evaluation, prediction
+and any forward without gradients run a forward graph of their own (:meth:`StageProgram._forward_only`:
+the stage's forward alone, traced once per input signature and mode; eager where that trace
+fails or draws random numbers). With tensor
 parallel in the stages the zero-bubble schedules run on compiled stages only
 (:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
 
@@ -88,6 +90,7 @@ import torch.fx
 from torch import nn
 
 from plait._compat import (
+    aot_forward_graph,
     aot_joint_graph,
     partition_joint_graph,
     reparametrized,
@@ -208,17 +211,22 @@ class StageProgram:
         self._out_spec: Any = None
         self._tracing = False
         self._signature: Any = None
+        self._forwards: dict[Any, tuple[torch.fx.GraphModule, Any] | None] = {}
+        """Forwards without gradients (evaluation, prediction), by the call's input signature
+        and mode: the traced graph and its output spec; None where its trace was refused."""
+        self.forward_calls = 0
+        """Micro-batches run by a forward graph without gradients (evaluation, prediction)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = tree_flatten((args, kwargs))
         if (
             self._tracing
             or self.refused is not None
-            or not torch.is_grad_enabled()
-            or not self.module.training
             or not all(isinstance(x, torch.Tensor) and not is_dtensor(x) for x in flat)
         ):
             return self.eager(*args, **kwargs)
+        if not torch.is_grad_enabled() or not self.module.training:
+            return self._forward_only(args, kwargs, flat, spec)
         signature = (spec, tuple((x.shape, x.dtype, x.requires_grad) for x in flat))
         if self.forward is None:
             self._signature = signature
@@ -250,6 +258,76 @@ class StageProgram:
                 return None
             self._seen = params
         return params  # type: ignore[return-value]
+
+    def _forward_only(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], spec: Any
+    ) -> Any:
+        """A call without gradients (evaluation, prediction: no autograd graph wanted) by the
+        forward graph traced for its inputs and mode, once; eager where that is refused."""
+        params = self._parameters()
+        key = (spec, tuple((x.shape, x.dtype) for x in flat), self.module.training)
+        if key not in self._forwards and params is not None:
+            self._forwards[key] = self._trace_forward(flat, spec)
+        found = self._forwards.get(key)
+        if found is None or params is None:
+            return self.eager(*args, **kwargs)
+        graph, out_spec = found
+        self.forward_calls += 1
+        with torch.no_grad():
+            outs = graph(
+                *(layout_piece(p).detach() for p in params),
+                *(b for _, b in self.buffers),
+                *flat,
+            )
+        return tree_unflatten(list(outs), out_spec)
+
+    def _trace_forward(
+        self, inputs: list[torch.Tensor], in_spec: Any
+    ) -> tuple[torch.fx.GraphModule, Any] | None:
+        """The stage's forward alone on local pieces (no backward: evaluation, prediction),
+        its DTensor ops desugared into local ops and functional collectives; None (with a
+        warning) where it cannot be traced or draws random numbers."""
+        n_params, n_buffers = len(self.names), len(self.buffers)
+        out_spec: list[Any] = [None]
+
+        def forward(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            state: dict[str, torch.Tensor] = {
+                name: layout.dtensor(piece)  # type: ignore[union-attr]
+                for name, piece, layout in zip(
+                    self.names, flat[:n_params], self.layouts, strict=True
+                )
+            }
+            for (name, _), b in zip(self.buffers, flat[n_params:], strict=False):
+                state[name] = b
+            args, kwargs = tree_unflatten(list(flat[n_params + n_buffers :]), in_spec)
+            with reparametrized(self.module, state):
+                out = self.eager(*args, **kwargs)
+            leaves, out_spec[0] = tree_flatten(out)
+            if not all(isinstance(x, torch.Tensor) and not is_dtensor(x) for x in leaves):
+                raise TypeError("a stage's outputs must be plain tensors")
+            return tuple(x.clone() for x in leaves)  # never an alias of an input
+
+        with torch.no_grad():
+            pieces = [layout_piece(p).detach() for p in self._parameters() or ()]
+        example = (*pieces, *(b for _, b in self.buffers), *inputs)
+        why = None
+        graph: Any = None
+        self._tracing = True
+        try:
+            with implicit_replication():
+                graph = aot_forward_graph(forward, example)
+        except Exception as e:
+            why = f"its trace failed: {type(e).__name__}: {e}"
+        finally:
+            self._tracing = False
+        if graph is not None:
+            seeded = sorted({str(n.target) for n in graph.graph.nodes if draws_random(n)})
+            if seeded:
+                why = f"it draws random numbers ({', '.join(seeded)})"
+        if why is not None:
+            logger.warning("pipeline: a stage's forward without gradients runs eagerly: %s", why)
+            return None
+        return graph, out_spec[0]
 
     # ----------------------------------------------------------------------------- tracing
 

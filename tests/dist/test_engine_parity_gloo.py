@@ -167,6 +167,11 @@ def _layouts(names: list[str], refusal: bool = False) -> dict:
             _model(), configs[name], optimizer=_sgd, loss_fn=lm_loss, example_batch=batches[0]
         )
         out[name] = _trained(job, [job.step(_rows_for(job, b)) for b in batches])
+        if name in DEFAULT:  # evaluation after training: through the compiled stages too
+            out[name]["evaluated"] = job.evaluate(_rows_for(job, batches[0]))
+            out[name]["eval_calls"] = sum(
+                p.forward_calls for p in getattr(job, "stage_programs", [])
+            )
     return out
 
 
@@ -223,6 +228,17 @@ def _check(results: list[dict], names: list[str], hf: bool = False) -> None:
             if "pp2_tp2" in name:
                 assert got["compiled_stages"] == 1, (name, rank)
                 assert got["mismatches"] == [], (name, rank, got["mismatches"])
+            if "evaluated" in got:  # the trained model's eval loss on the first batch
+                assert got["evaluated"] == pytest.approx(_eval_loss(expected), rel=1e-5)
+                if name == "pp2_tp2":  # each micro-batch by the stage's forward graph
+                    assert got["eval_calls"] == DEFAULT[name].micro_batches, (name, rank)
+
+
+def _eval_loss(run: Run) -> float:
+    model = _model()
+    model.load_state_dict(run.state)
+    with torch.no_grad():
+        return float(lm_loss(model.eval(), _batches()[0]))
 
 
 def test_sdpa_model_trains_like_one_device_in_pipelines_and_hf_losses_are_refused_there():

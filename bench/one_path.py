@@ -246,7 +246,7 @@ def plait_job(work: Workload, config: ParallelConfig, megatron: bool) -> Built:
     return job.step, [chunk(b, dp, index) for b in batches], program_collectives(job)
 
 
-def _local_head_attention(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
+def local_head_attention(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
     """TinyGPT's attention on this rank's heads: q, k, v give local widths under ColwiseParallel
     (``use_local_output``), attn.out (RowwiseParallel) takes the local width back."""
     b, t, _ = x_BTD.shape
@@ -268,7 +268,7 @@ def torch_tp(work: Workload) -> Built:
     plan = {name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "fc1")}
     plan.update({name: RowwiseParallel() for name in ("attn.out", "fc2")})
     for block in model.blocks:
-        block.attn.forward = types.MethodType(_local_head_attention, block.attn)
+        block.attn.forward = types.MethodType(local_head_attention, block.attn)
         parallelize_module(block, mesh["tp"], plan)
     _pre_dp_module_transform(model)  # DTensor parameters -> local ones DDP can bucket
     dp_group = mesh["dp"].get_group()

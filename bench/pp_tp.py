@@ -68,10 +68,12 @@ import math
 import os
 import pstats
 import statistics
+import sys
 import time
 import types
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +95,11 @@ from plait import ParallelConfig
 from plait.annotate import megatron
 from plait.models import ModelSpec, build
 from plait.testing import run_workers
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # bench/one_path.py's TinyGPT attention on local heads
+
+from one_path import local_head_attention  # noqa: E402
 
 WORLD, PP, TP = 4, 2, 2
 LR = 1e-3
@@ -203,21 +210,6 @@ class Stage(nn.Module):
         return x
 
 
-def _gpt_local_attention(self: nn.Module, x_BTD: torch.Tensor) -> torch.Tensor:
-    """TinyGPT's attention on this rank's heads: q, k, v give local widths under
-    ColwiseParallel, attn.out (RowwiseParallel) takes the local width back."""
-    b, t, _ = x_BTD.shape
-    head_dim = self.q.out_features // self.heads  # the whole layer's head width
-
-    def split(y: torch.Tensor) -> torch.Tensor:
-        return y.view(b, t, -1, head_dim).transpose(1, 2)
-
-    q, k, v = split(self.q(x_BTD)), split(self.k(x_BTD)), split(self.v(x_BTD))
-    scores_BHTT = q @ k.transpose(-2, -1) / math.sqrt(head_dim) + self.mask[:t, :t]
-    y_BHTK = scores_BHTT.softmax(dim=-1) @ v
-    return self.out(y_BHTK.transpose(1, 2).reshape(b, t, -1))
-
-
 def tp_plan(kind: str, blocks: range, first: bool, last: bool) -> dict[str, Any]:
     """Megatron's layout in torch's styles (see the module docstring)."""
     shared_input = PrepareModuleInput(
@@ -266,7 +258,7 @@ def build_torch(
             attn.heads //= TP
             attn.kv_heads //= TP
         else:
-            attn.forward = types.MethodType(_gpt_local_attention, attn)
+            attn.forward = types.MethodType(local_head_attention, attn)
     module = Stage(model, spec.kind, blocks, first, last)
     parallelize_module(module, device_mesh["tp"], tp_plan(spec.kind, blocks, first, last))
     ids, _ = example

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TORCH_VERSION",
+    "CustomReducer",
     "FakeStore",
     "HigherOrderOperator",
     "LocalTensor",
@@ -81,6 +82,11 @@ try:  # collectives on plain tensors that autograd and tracing see through
     import torch.distributed._functional_collectives as funcol
 except ImportError as e:  # pragma: no cover
     raise _fail("torch.distributed._functional_collectives", "redistribution", e) from e
+
+try:  # a pipeline's per-micro-batch scalar outputs (a loss inside the model) merged by mean
+    from torch.distributed.pipelining.microbatch import _CustomReducer as CustomReducer
+except ImportError as e:  # pragma: no cover
+    raise _fail("torch.distributed.pipelining.microbatch._CustomReducer", "pipeline outputs", e) from e
 
 try:  # watching every op a step dispatches (plait.testing.comm.CollectiveLog)
     from torch._ops import HigherOrderOperator

@@ -15,6 +15,7 @@ inside the trace, its gradient added to ``.grad`` after) is here too, for
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,20 +33,24 @@ from torch.distributed.pipelining import (
     SplitPoint,
     pipeline,
 )
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-from plait._compat import tree_map, unflatten_mesh_dim
+from plait._compat import CustomReducer, tree_map, unflatten_mesh_dim
 
 __all__ = [
     "SCHEDULES",
+    "CarriedInputs",
     "PieceLayout",
     "add_piece_to_grad",
     "build_stages",
+    "carry_late_inputs",
     "defer_weight_pass",
     "layout_of",
     "make_schedule",
     "mean_over_group",
+    "output_merge",
     "parameter_from_piece",
     "run_schedule",
     "shard_stage",
@@ -86,18 +91,119 @@ def split_model(
         )
 
 
-def inputs_past_the_first_stage(pipe: Any) -> list[str]:
-    """The model inputs of a split that its first stage does not take (torch's schedules hand
-    all of a micro-batch's inputs to the first stage, and only to it): one read by a later
-    stage alone (a loss computed inside the model from ``labels=``), or by none (an input the
-    trace found to be another input's tensor, ``labels=input_ids``)."""
+@dataclass(frozen=True)
+class CarriedInputs:
+    """What :func:`carry_late_inputs` did to a split: ``carried`` model inputs the first stage
+    now takes and hands on, stage to stage, to the later stages that read them; ``unread``
+    model inputs no stage reads (the trace found them to be another input's tensor), which
+    the first stage is not given."""
+
+    carried: tuple[str, ...] = ()
+    unread: tuple[str, ...] = ()
+
+
+def carry_late_inputs(pipe: Any) -> CarriedInputs:
+    """Rewrite ``pipe``'s split so that every model input read by a later stage (Hugging
+    Face's ``labels=``, read by the loss inside the model, in the last stage) enters at the
+    first stage and travels with the activations: each stage from the first to the last
+    reader takes it as one more input and returns it as one more output, and the readers
+    read that. torch's schedules hand a micro-batch's inputs to the first stage alone, so
+    this is what lets ``model(**batch).loss`` run in stages as written. Carried tensors
+    need no gradient (token ids); they cost one more send per stage boundary."""
     graph = pipe.split_gm.graph
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
     calls = [n for n in graph.nodes if n.op == "call_module"]
-    if not calls:
-        return []
-    first = set(calls[0].all_input_nodes)
-    return [n.name for n in inputs if n not in first]
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    carried: list[str] = []
+    for root in inputs:
+        readers = [i for i, call in enumerate(calls) if root in call.args]
+        if any(i > 0 for i in readers):
+            _carry(pipe.split_gm, calls, root, last=max(readers), first_reads=0 in readers)
+            carried.append(root.name)
+    unread = tuple(n.name for n in inputs if not n.users)
+    if not carried:
+        return CarriedInputs((), unread)
+    for name, sub in pipe.split_gm.named_children():
+        if isinstance(sub, torch.fx.GraphModule) and name in {c.target for c in calls}:
+            sub.recompile()
+    pipe.split_gm.recompile()
+    return CarriedInputs(tuple(carried), unread)
+
+
+def _carry(
+    root_gm: torch.fx.GraphModule, calls: list[Any], root: Any, *, last: int, first_reads: bool
+) -> None:
+    """Thread the model input ``root`` from the first stage to stage ``last`` (see
+    :func:`carry_late_inputs`): stage ``s`` returns it, stage ``s + 1`` takes it."""
+    graph = root_gm.graph
+    value = root  # what the current stage's call takes it as, in the split graph
+    for s in range(last):
+        sub = root_gm.get_submodule(calls[s].target)
+        inner = _inner_input(sub, calls[s], value, name=root.target if s == 0 else None)
+        if s == 0 and not first_reads:
+            calls[0].args = (*calls[0].args, root)
+        index = _append_output(root_gm, calls[s], sub, inner)
+        with graph.inserting_after(_last_user(calls[s])):
+            handed = graph.call_function(operator.getitem, (calls[s], index))
+        nxt = calls[s + 1]
+        if root in nxt.args:  # a reader: it reads the carried value where it read the input
+            nxt.args = tuple(handed if a is root else a for a in nxt.args)
+        else:
+            nxt_sub = root_gm.get_submodule(nxt.target)
+            _new_placeholder(nxt_sub, f"carried_{root.name}", inner.meta.get("val"))
+            nxt.args = (*nxt.args, handed)
+        value = handed
+
+
+def _inner_input(sub: Any, call: Any, value: Any, *, name: str | None) -> Any:
+    """The placeholder of stage module ``sub`` that the split graph's ``value`` feeds (one is
+    added, named ``name``, where the stage does not take it: the first stage, for an input it
+    does not read itself)."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for placeholder, arg in zip(placeholders, call.args, strict=False):
+        if arg is value:
+            return placeholder
+    example = value.meta.get("val") if hasattr(value, "meta") else None
+    return _new_placeholder(sub, name or value.name, example)
+
+
+def _new_placeholder(sub: Any, name: str, example: Any) -> Any:
+    """A placeholder appended after ``sub``'s others (torch's stage pairs a stage's
+    placeholders with its call's arguments in order), its example value kept for the
+    stage's receive buffers."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else next(iter(sub.graph.nodes))
+    insert = sub.graph.inserting_after if placeholders else sub.graph.inserting_before
+    with insert(anchor):
+        node = sub.graph.placeholder(name)
+    node.meta["val"] = example
+    return node
+
+
+def _append_output(root_gm: Any, call: Any, sub: Any, value: Any) -> int:
+    """``value`` returned by stage module ``sub`` as its last output (a copy: torch's stage
+    hands outputs on as they are, and an output that is an input of the same stage would
+    alias it); its index. A stage returning one value is made to return a tuple, its one
+    reader in the split graph reading the tuple's first item."""
+    out = next(n for n in sub.graph.nodes if n.op == "output")
+    returned = out.args[0]
+    if not isinstance(returned, tuple | list):
+        graph = root_gm.graph
+        with graph.inserting_after(call):
+            first = graph.call_function(operator.getitem, (call, 0))
+        call.replace_all_uses_with(first, delete_user_cb=lambda user: user is not first)
+        returned = (returned,)
+    with sub.graph.inserting_before(out):
+        copied = sub.graph.call_function(torch.ops.aten.clone.default, (value,))
+    copied.meta["val"] = value.meta.get("val")
+    out.args = ((*returned, copied),)
+    return len(returned)
+
+
+def _last_user(call: Any) -> Any:
+    """The split graph node after which a new reader of ``call``'s outputs goes: its last
+    ``getitem`` (torch's stage numbers a stage's outputs by the order of their readers)."""
+    items = [u for u in call.users if u.target is operator.getitem]
+    return max(items, key=lambda u: u.args[1]) if items else call
 
 
 @contextlib.contextmanager
@@ -161,14 +267,37 @@ def defer_weight_pass(stage: Any, builder: Callable[[], Callable[[], None]]) -> 
 
 
 def make_schedule(
-    name: str, stages: list[Any], micro_batches: int, loss_fn: Callable[..., torch.Tensor]
+    name: str,
+    stages: list[Any],
+    micro_batches: int,
+    loss_fn: Callable[..., torch.Tensor],
+    merge: tuple[Any, ...] | None = None,
 ) -> Any:
     """A schedule over this rank's stages; gradients are scaled by 1/micro_batches (the loss
-    of a step is the mean of its micro-batches' losses)."""
+    of a step is the mean of its micro-batches' losses); ``merge`` (:func:`output_merge`)
+    says how the last stage's outputs of the micro-batches merge for ``job.predict``."""
     cls = SCHEDULES[name]
-    if name in ("gpipe", "1f1b"):
-        return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, micro_batches, loss_fn=loss_fn, scale_grads=True)
+    first = stages[0] if name in ("gpipe", "1f1b") else stages
+    return cls(first, micro_batches, loss_fn=loss_fn, scale_grads=True, output_merge_spec=merge)
+
+
+def output_merge(pipe: Any, micro_batches: int) -> tuple[Any, ...] | None:
+    """How the micro-batches' outputs of ``pipe``'s last stage merge into the batch's: along
+    the batch dim (torch's default), but a scalar (a loss computed inside the model) by the
+    mean over micro-batches (the batch's loss, micro-batches being equal); None where no
+    output is a scalar."""
+    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    last = pipe.split_gm.get_submodule(calls[-1].target)
+    out = next(n for n in last.graph.nodes if n.op == "output")
+    returned = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)
+    values = [getattr(node, "meta", {}).get("val") for node in returned]
+    if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in values):
+        return None
+    mean = CustomReducer(0.0, lambda total, x: total + x / micro_batches)
+    return tuple(
+        mean if isinstance(v, torch.Tensor) and v.ndim == 0 else TensorChunkSpec(0)
+        for v in values
+    )
 
 
 def run_schedule(

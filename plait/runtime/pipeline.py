@@ -239,17 +239,10 @@ class PipelineJob(Job):
         its tensors (a Hugging Face ``ModelOutput`` comes as its logits), rebuilt for the
         loss function (:meth:`_structured`)."""
         pipe = pp_comm.split_model(model, args, kwargs, starts)
-        late = pp_comm.inputs_past_the_first_stage(pipe)
-        if late:
-            raise NotBuiltError(
-                f"pipeline stages of {type(model).__name__}: the model inputs {late} are not "
-                "taken by the first stage (read by a later stage only, as a loss computed "
-                "inside the model from Hugging Face's labels= is), and torch's pipeline "
-                "schedules hand a micro-batch's inputs to the first stage alone. Compute the loss in loss_fn from the model's outputs "
-                "(e.g. F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), "
-                "labels.flatten())), or train without a 'pp' axis, where model(**batch).loss "
-                "runs as written"
-            )
+        self._carried = pp_comm.carry_late_inputs(pipe)
+        """Model inputs a later stage reads (``labels=``), carried from the first stage on;
+        inputs no stage reads, which the first stage is not given."""
+        _refuse_unread_positional(model, args, pipe, self._carried)
         indices = pp_comm.stage_indices(config.schedule, pp_rank, pp, virtual)
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
         stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
@@ -309,7 +302,9 @@ class PipelineJob(Job):
         """Parameters whose gradients ``step`` averages over dp itself (None: all of them;
         under optimizer parallel, those kept whole: FSDP reduce-scatters the others)."""
         self._micro_batches: list[Any] = []
-        self._schedule = pp_comm.make_schedule(config.schedule, stages, micro, self._micro_loss)
+        self._schedule = pp_comm.make_schedule(
+            config.schedule, stages, micro, self._micro_loss, pp_comm.output_merge(pipe, micro)
+        )
         self._ties = tied_copies(model, modules)
         release_other_stages(model, modules)
         self._device = device
@@ -479,7 +474,7 @@ class PipelineJob(Job):
             ),
             batch,
         )
-        args, kwargs = call_arguments(local)
+        args, kwargs = self._first_stage_inputs(*call_arguments(local), predicting=True)
         for m in self.stage_modules:
             m.eval()
         self._timer.stop()  # job.timeline() shows the last training step
@@ -520,7 +515,7 @@ class PipelineJob(Job):
         for m in self.stage_modules:
             m.train(training)
         self._micro_batches = split_micro_batches(batch, micro)
-        args, kwargs = model_inputs(self.model, self.loss_fn, batch)
+        args, kwargs = self._first_stage_inputs(*model_inputs(self.model, self.loss_fn, batch))
         if training:
             self._timer.begin_step()
         else:
@@ -537,6 +532,26 @@ class PipelineJob(Job):
                 )
         finally:
             self._micro_batches = []
+
+    def _first_stage_inputs(
+        self, args: tuple, kwargs: dict[str, Any], *, predicting: bool = False
+    ) -> tuple[tuple, dict[str, Any]]:
+        """The model's arguments as the first stage takes them: keywords no stage reads left
+        out (:class:`~plait.comm.pipeline.CarriedInputs`); for ``job.predict``, the inputs
+        the stages carry to a later stage must be in the batch (the split was traced with
+        them)."""
+        carried = self._carried
+        missing = [name for name in carried.carried if name not in kwargs] if predicting else []
+        if missing:
+            raise ShardingError(
+                f"job.predict on a pipeline: the batch has no {missing}, which the stages "
+                "were split to read (the training batch had it: the model computes its loss "
+                "from it in the last stage); pass it in the batch as in training (its values "
+                "do not change the outputs), or predict on a job without a 'pp' axis"
+            )
+        if not carried.unread:
+            return args, kwargs
+        return args, {k: v for k, v in kwargs.items() if k not in carried.unread}
 
     def _start_mean_loss(self, losses: list[torch.Tensor]) -> Callable[[], float]:
         """The step's loss on every rank: the last stages' micro losses, averaged over
@@ -1115,6 +1130,22 @@ def check_pipeline_optimizer(
     once over the model's parameters to see its class, meta ones included)."""
     if config.offload == "optimizer":
         check_elementwise(optimizer(list(model.parameters())), None)
+
+
+def _refuse_unread_positional(
+    model: nn.Module, args: tuple, pipe: Any, carried: pp_comm.CarriedInputs
+) -> None:
+    """A positional model input that no stage reads cannot be left out of the first stage's
+    arguments (the others would shift): refused, with the keyword way that works."""
+    names = [n.name for n in pipe.split_gm.graph.nodes if n.op == "placeholder"][: len(args)]
+    unread = [n for n in names if n in carried.unread]
+    if unread:
+        raise NotBuiltError(
+            f"pipeline stages of {type(model).__name__}: the positional model inputs {unread} "
+            "are read by no stage (the trace found each to be the same tensor as another "
+            "input); pass the model's inputs by keyword in loss_fn (model(input_ids=ids, "
+            "labels=ids)), or pass distinct tensors (labels=ids.clone())"
+        )
 
 
 def _rows(batch: Any) -> set[int]:

@@ -470,11 +470,11 @@ def test_a_compiled_stage_is_checked_against_the_plan(caplog: pytest.LogCaptureF
     assert PipelineJob._check_against_plan(job) == []  # type: ignore[arg-type]
 
 
-def _tiny_hf_llama() -> nn.Module:
+def _tiny_hf_llama(layers: int = 2) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
@@ -483,19 +483,52 @@ def _tiny_hf_llama() -> nn.Module:
 def test_a_hugging_face_model_splits_without_its_cache() -> None:
     """torch's export cannot carry a DynamicCache out of the graph: the split is traced with
     ``use_cache=False`` (training never reads the cache), and the config is left as it was."""
-    from plait.comm.pipeline import inputs_past_the_first_stage, split_model
+    from plait.comm.pipeline import CarriedInputs, carry_late_inputs, split_model
 
     model = _tiny_hf_llama()
     ids = torch.randint(0, 64, (2, 8))
     pipe = split_model(model, (), {"input_ids": ids}, ["model.layers.1"])
     assert model.config.use_cache is True
-    assert inputs_past_the_first_stage(pipe) == []
-    # labels= (the loss inside the model) is read by the last stage alone (a fresh model:
-    # torch's split is made once per model)
-    labelled = {"input_ids": ids, "labels": ids.clone()}
-    pipe = split_model(_tiny_hf_llama(), (), labelled, ["model.layers.1"])
-    assert inputs_past_the_first_stage(pipe) == ["labels"]
-    # labels=input_ids, one tensor (as Hugging Face's docs write it): the trace keeps one
-    # input, which the first stage reads as labels; input_ids reaches no stage
-    pipe = split_model(_tiny_hf_llama(), (), {"input_ids": ids, "labels": ids}, ["model.layers.1"])
-    assert inputs_past_the_first_stage(pipe) == ["input_ids"]
+    assert carry_late_inputs(pipe) == CarriedInputs()  # nothing read past the first stage
+
+
+def _run_split(pipe, *inputs):
+    """The split graph run whole, stage after stage, as the schedules hand values on."""
+    return torch.fx.Interpreter(pipe.split_gm).run(*inputs)
+
+
+def test_labels_read_by_the_last_stage_are_carried_through_every_stage() -> None:
+    """``model(**batch).loss``: the loss inside the model reads ``labels`` on the last stage;
+    after the rewrite the first stage takes it and each stage hands it on (a middle stage
+    that does not read it included), and the split computes the model's own loss."""
+    from plait.comm.pipeline import CarriedInputs, carry_late_inputs, split_model
+
+    model = _tiny_hf_llama(layers=3)
+    ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    expected = model(input_ids=ids, labels=labels).loss
+    pipe = split_model(model, (), {"input_ids": ids, "labels": labels}, ["model.layers.1", "model.layers.2"])  # fmt: skip
+    assert carry_late_inputs(pipe) == CarriedInputs(carried=("labels",))
+    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+    root = {n.name: n for n in pipe.split_gm.graph.nodes if n.op == "placeholder"}
+    assert root["labels"] in calls[0].args  # enters at the first stage ...
+    assert all(root["labels"] not in call.args for call in calls[1:])  # ... and only there
+    middle = [n.name for n in pipe.split_gm.submod_pp_1.graph.nodes if n.op == "placeholder"]
+    assert middle[-1] == "carried_labels"  # the middle stage takes it to hand it on
+    loss, _logits = _run_split(pipe, ids, labels)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
+def test_an_input_that_is_another_inputs_tensor_reaches_the_stages_once() -> None:
+    """``labels=input_ids`` (one tensor, as Hugging Face's docs write it): the trace keeps one
+    input, which the first stage reads as the ids and hands on to the loss; the other reaches
+    no stage, and the first stage is not given it."""
+    from plait.comm.pipeline import CarriedInputs, carry_late_inputs, split_model
+
+    model = _tiny_hf_llama()
+    ids = torch.randint(0, 64, (2, 8))
+    expected = model(input_ids=ids, labels=ids).loss
+    pipe = split_model(model, (), {"input_ids": ids, "labels": ids}, ["model.layers.1"])
+    assert carry_late_inputs(pipe) == CarriedInputs(carried=("labels",), unread=("input_ids",))
+    loss, _logits = _run_split(pipe, ids, ids)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+

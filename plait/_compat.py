@@ -9,7 +9,7 @@ torch version and what plait needed it for.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TORCH_VERSION",
-    "CustomReducer",
     "FakeStore",
     "HigherOrderOperator",
     "LocalTensor",
@@ -29,6 +28,7 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "aot_joint_graph",
+    "custom_reducer",
     "dispatch_modes_suspended",
     "funcol",
     "functorch_levels_restored",
@@ -83,16 +83,22 @@ try:  # collectives on plain tensors that autograd and tracing see through
 except ImportError as e:  # pragma: no cover
     raise _fail("torch.distributed._functional_collectives", "redistribution", e) from e
 
-try:  # a pipeline's per-micro-batch scalar outputs (a loss inside the model) merged by mean
-    from torch.distributed.pipelining.microbatch import _CustomReducer as CustomReducer
-except ImportError as e:  # pragma: no cover
-    raise _fail("torch.distributed.pipelining.microbatch._CustomReducer", "pipeline outputs", e) from e
-
 try:  # watching every op a step dispatches (plait.testing.comm.CollectiveLog)
     from torch._ops import HigherOrderOperator
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError as e:  # pragma: no cover
     raise _fail("TorchDispatchMode, HigherOrderOperator", "collective logs", e) from e
+
+
+def custom_reducer(init: Any, reduce: Callable[[Any, Any], Any]) -> Any:
+    """torch's private reducer of a pipeline's per-micro-batch outputs (``merge_chunks``), for
+    a scalar output (a loss computed inside the model); imported here, when a pipeline is
+    built, since torch's pipelining pulls in dynamo (seconds of ``import plait``)."""
+    try:
+        from torch.distributed.pipelining.microbatch import _CustomReducer
+    except ImportError as e:  # pragma: no cover
+        raise _fail("pipelining.microbatch._CustomReducer", "pipeline outputs", e) from e
+    return _CustomReducer(init, reduce)
 
 
 def local_tensor_mode_active() -> bool:

@@ -37,7 +37,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-from plait._compat import CustomReducer, tree_map, unflatten_mesh_dim
+from plait._compat import custom_reducer, tree_map, unflatten_mesh_dim
 
 __all__ = [
     "SCHEDULES",
@@ -293,7 +293,7 @@ def output_merge(pipe: Any, micro_batches: int) -> tuple[Any, ...] | None:
     values = [getattr(node, "meta", {}).get("val") for node in returned]
     if not any(isinstance(v, torch.Tensor) and v.ndim == 0 for v in values):
         return None
-    mean = CustomReducer(0.0, lambda total, x: total + x / micro_batches)
+    mean = custom_reducer(0.0, lambda total, x: total + x / micro_batches)
     return tuple(
         mean if isinstance(v, torch.Tensor) and v.ndim == 0 else TensorChunkSpec(0)
         for v in values

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["EXIT_USAGE", "Command", "build_parser", "main", "register_command"]
+__all__ = ["EXIT_USAGE", "Command", "build_parser", "main", "register_command", "version_line"]
 
 EXIT_USAGE = 2
 """Exit code for bad flags or input (argparse's convention)."""
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plait", description="Train one PyTorch model on many devices."
     )
+    parser.add_argument("--version", action="version", version=version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for command in _COMMANDS.values():
@@ -57,6 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_arguments(sub)
         sub.set_defaults(handler=command.handler)
     return parser
+
+
+def version_line() -> str:
+    """``plait --version``: plait's version and the torch it runs on (read from the installed
+    packages' metadata, so printing it imports nothing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from plait import __version__
+
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:  # pragma: no cover - torch is a dependency
+        torch = "not installed"
+    return f"plait {__version__} (torch {torch})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -141,18 +141,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 "--checkpoint-dir)")  # fmt: skip
     if args.width % args.heads:
         p.error(f"--width {args.width} is not divisible by --heads {args.heads}")
-    if args.plot is not None:
-        from plait.planning.plots import require_matplotlib
-
-        try:  # before training, not after it
-            require_matplotlib("--plot")
-        except plait.MissingExtraError as e:
-            p.error(str(e))
+    _check_plot(p, args)
     if args.plan is not None and args.mode != "auto":
         p.error(f"--plan runs a saved plan, which is mode auto; drop --mode {args.mode}")
     if args.save_plan is not None and (args.mode != "auto" or args.plan is not None):
         p.error("--save-plan saves the plan mode auto makes: use it with --mode auto, no --plan")
     return args
+
+
+def _check_plot(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--plot`` without matplotlib is refused before training, not after it."""
+    if args.plot is None:
+        return
+    from plait.planning.plots import require_matplotlib
+
+    try:
+        require_matplotlib("--plot")
+    except plait.MissingExtraError as e:
+        p.error(str(e))
 
 
 def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None:

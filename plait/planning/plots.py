@@ -247,9 +247,7 @@ class MemoryColumn:
 
     def __post_init__(self) -> None:
         if self.source not in ("predicted", "measured"):
-            raise PlanError(
-                f"MemoryColumn.source={self.source!r}; use 'predicted' or 'measured'"
-            )
+            raise PlanError(f"MemoryColumn.source={self.source!r}; use 'predicted' or 'measured'")
         for kind, value in self.by_kind.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise PlanError(f"MemoryColumn.by_kind[{kind!r}]={value!r}; give bytes >= 0")
@@ -273,9 +271,7 @@ def memory_figure(
     ranks = list(dict.fromkeys(c.rank for c in columns))
     kinds = list(dict.fromkeys(k for c in columns for k in c.by_kind))
     largest = max(
-        [sum(c.by_kind.values()) for c in columns]
-        + [c.peak or 0 for c in columns]
-        + [limit or 0]
+        [sum(c.by_kind.values()) for c in columns] + [c.peak or 0 for c in columns] + [limit or 0]
     )
     unit, per = _bytes_unit(largest)
     fig = _figure(max(480, 160 + 110 * len(columns)), 420, "the memory picture")
@@ -299,7 +295,9 @@ def memory_figure(
     ax.set_ylabel(f"memory per device ({unit})")
     ax.set_title(title or "memory per rank by kind", fontsize=10, loc="left")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(
+        fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, markerscale=0.3
+    )
     return fig
 
 
@@ -358,13 +356,13 @@ def options_figure(plan: PlanContents, *, limit: int | None = None) -> Figure:
     t_unit, t_per = _time_unit(max(o.step_time_s for o in options))
     fig = _figure(900, 520, "the planner's options")
     ax = fig.subplots()
-    for fits, style in ((True, {"marker": "o"}), (False, {"marker": "x"})):
+    for fits, marker in ((True, "o"), (False, "x")):
         group = [o for o in options if o.feasible == fits]
         if group:
             ax.scatter(
                 [o.memory_bytes / per for o in group], [o.step_time_s / t_per for o in group],
                 color="#1f77b4" if fits else "#7f7f7f",
-                label="fits" if fits else "over the memory limit", zorder=2, **style,
+                label="fits" if fits else "over the memory limit", zorder=2, marker=marker,
             )  # fmt: skip
     for o in options:
         ax.annotate(

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import cast
 
 from plait.errors import PlaitError, PlanError

@@ -129,7 +129,9 @@ def test_cli_plot_writes_the_plans_pictures(tmp_path, capsys) -> None:
 
 def test_run_report_plots_predicted_beside_measured(tmp_path) -> None:
     predicted = simulate("1f1b", 2, 2, StageTimes(forward_s=1.0, backward_s=2.0))
-    measured = timeline_from_records([(0, "forward", 0, 0, 0.0, 1.0), (1, "forward", 1, 0, 1.0, 2.0)])
+    measured = timeline_from_records(
+        [(0, "forward", 0, 0, 0.0, 1.0), (1, "forward", 1, 0, 1.0, 2.0)]
+    )
     report = RunReport(
         predicted_step_s=1.0, measured_step_s=1.2, steps_measured=2,
         predicted_memory_bytes=3000, measured_peak_bytes=3500,
@@ -143,7 +145,9 @@ def test_run_report_plots_predicted_beside_measured(tmp_path) -> None:
         ("rank 0", "predicted", 3000), ("rank 0", "measured", 3500)
     ]  # fmt: skip
     bars = _bars(plots.memory_figure(columns).axes[0])
-    assert [p.get_height() for p in bars["activations"]] == pytest.approx([2000 / 1024, 2400 / 1024])
+    assert [p.get_height() for p in bars["activations"]] == pytest.approx(
+        [2000 / 1024, 2400 / 1024]
+    )
     written = report.plot(tmp_path)
     assert [p.name for p in written] == ["memory_rank0.png", "timeline.png"]
     assert all(p.read_bytes()[:8] == PNG for p in written)

@@ -115,9 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "fits")  # fmt: skip
     p.add_argument("--plot", type=Path, metavar="DIR", default=None,
                    help="write pictures into DIR after training (needs matplotlib: pip install "
-                        "'plait[plot]'): training.png (loss per step, rank 0) and the run "
-                        "report's (job.report().plot: memory by kind, predicted beside "
-                        "measured; pipelines: the timeline)")  # fmt: skip
+                        "'plait[plot]'): training.png (loss per step), memory.png (every "
+                        "rank's memory by kind, predicted beside measured), timeline.png "
+                        "(pipelines: the last step measured)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -518,20 +518,32 @@ def train(args: argparse.Namespace) -> Summary:
 def plot_run(
     job: plait.Job, summary: Summary, args: argparse.Namespace, batch: Batch, rank: int
 ) -> list[Path]:
-    """``--plot DIR``: the training curve (rank 0) and the run report's pictures. The memory
-    is measured over one more step (``measure_step_memory``; pipelines: not measured), after
-    the summary's numbers and the sample are taken."""
-    from plait.planning.plots import loss_figure, write_png
+    """``--plot DIR`` (rank 0 writes): ``training.png``, the training curve; ``memory.png``,
+    every rank's memory by kind, predicted beside measured (over one more step,
+    ``measure_step_memory``, after the summary's numbers and the sample are taken; a
+    pipeline's is not measured); ``timeline.png`` with pipeline stages: the last training
+    step as measured (under the plan's prediction where the job runs a plan)."""
+    from plait.comm.checkpoint_io import all_gather_objects
+    from plait.planning.plots import loss_figure, timeline_figure, write_png
     from plait.runtime.measure import measure_step_memory
+    from plait.runtime.report import plot_memory
 
-    memory = None if args.pp > 1 else measure_step_memory(job, batch)
+    pipeline = getattr(job, "stage_modules", None) is not None  # --pp, or a plan's stages
+    memory = None if pipeline else measure_step_memory(job, batch)
     report = job.report(memory)  # every rank: a pipeline gathers its timeline here
-    written = report.plot(args.plot)
-    if rank == 0:
-        title = f"TinyGPT on the bundled corpus: mode {summary.mode}, mesh {summary.mesh}"
-        figure = loss_figure(summary.losses, first_step=summary.steps_from,
-                             eval_losses=summary.eval_losses, title=title)  # fmt: skip
-        written.insert(0, write_png(figure, args.plot / "training.png"))
+    reports = all_gather_objects(report)
+    if rank != 0:
+        return []
+    args.plot.mkdir(parents=True, exist_ok=True)
+    title = f"TinyGPT on the bundled corpus: mode {summary.mode}, mesh {summary.mesh}"
+    figure = loss_figure(summary.losses, first_step=summary.steps_from,
+                         eval_losses=summary.eval_losses, title=title)  # fmt: skip
+    written = [write_png(figure, args.plot / "training.png")]
+    if any(r.memory_columns() for r in reports):
+        written.append(plot_memory(reports, args.plot / "memory.png"))
+    timelines = [t for t in (report.predicted_timeline, report.measured_timeline) if t]
+    if timelines:
+        written.append(write_png(timeline_figure(*timelines), args.plot / "timeline.png"))
     return written
 
 

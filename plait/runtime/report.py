@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from plait.planning import plots
 from plait.planning.timeline import Timeline
 from plait.runtime.measure import MemoryMeasurement, format_bytes, plan_of
 
-__all__ = ["RunReport", "run_report"]
+__all__ = ["RunReport", "plot_memory", "run_report"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +161,20 @@ class RunReport:
             figure = plots.timeline_figure(*timelines)
             written.append(plots.write_png(figure, out / "timeline.png"))
         return written
+
+
+def plot_memory(reports: Sequence[RunReport], path: str | os.PathLike[str]) -> Path:
+    """Several ranks' memory in one picture (e.g. every rank's report gathered on rank 0):
+    for each rank its prediction beside its measurement, stacked by kind; returns ``path``."""
+    plots.require_matplotlib("plot_memory")
+    columns = [c for r in sorted(reports, key=lambda r: r.rank) for c in r.memory_columns()]
+    if not columns:
+        raise PlanError(
+            f"plot_memory: the {len(reports)} reports hold no memory by kind (no plan, nothing "
+            "measured); pass measurements: job.report(measure_step_memory(job, batch))"
+        )
+    title = f"memory per rank by kind: predicted beside measured ({len(reports)} ranks)"
+    return plots.write_png(plots.memory_figure(columns, title=title), path)
 
 
 def run_report(

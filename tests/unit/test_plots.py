@@ -3,6 +3,7 @@ written, and the refusal without matplotlib. Single process, no process group.""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from plait.graph import capture
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.planning import plan_graph, plots
 from plait.planning.timeline import StageTimes, schedule_order, simulate, timeline_from_records
-from plait.runtime.report import RunReport
+from plait.runtime.report import RunReport, plot_memory
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMALL = ["plan", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab",
@@ -154,6 +155,18 @@ def test_run_report_plots_predicted_beside_measured(tmp_path) -> None:
     empty = RunReport(None, None, 0, None, None, "not measured")
     with pytest.raises(PlanError, match="nothing to draw"):
         empty.plot(tmp_path)
+    # every rank's report in one picture: each rank's prediction beside its measurement
+    other = dataclasses.replace(report, rank=1, measured_by_kind=(("activations", 5000),))
+    path = plot_memory([other, report], tmp_path / "memory.png")
+    assert path.read_bytes()[:8] == PNG
+    columns = [c for r in (report, other) for c in r.memory_columns()]
+    assert [(c.rank, c.source) for c in columns][2:] == [
+        ("rank 1", "predicted"),
+        ("rank 1", "measured"),
+    ]
+    assert len(_bars(plots.memory_figure(columns).axes[0])["activations"]) == 4
+    with pytest.raises(PlanError, match="hold no memory by kind"):
+        plot_memory([empty], tmp_path / "none.png")
 
 
 def test_loss_figure_draws_every_step() -> None:
@@ -181,3 +194,15 @@ def test_import_plait_does_not_import_matplotlib() -> None:
     code = "import sys, plait, plait.planning.plots; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_demos_plot_flag_is_refused_before_training_without_matplotlib(
+    monkeypatch, tmp_path, capsys
+) -> None:
+    from plait.demo.train import parse_args
+
+    assert parse_args(["--plot", str(tmp_path)]).plot == tmp_path
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        parse_args(["--plot", str(tmp_path)])
+    assert "--plot draws with matplotlib" in capsys.readouterr().err

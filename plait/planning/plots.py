@@ -364,9 +364,17 @@ def options_figure(plan: PlanContents, *, limit: int | None = None) -> Figure:
                 color="#1f77b4" if fits else "#7f7f7f",
                 label="fits" if fits else "over the memory limit", zorder=2, marker=marker,
             )  # fmt: skip
+    # options drawn at about one point (within 1% of the axes: ZeRO levels that change little
+    # here) share one label, written once
+    slowest = max(o.step_time_s for o in options)
+    at: dict[tuple[int, int], list[PlanOption]] = {}
     for o in options:
+        key = (round(100 * o.memory_bytes / largest), round(100 * o.step_time_s / slowest))
+        at.setdefault(key, []).append(o)
+    for group in at.values():
         ax.annotate(
-            option_label(o), (o.memory_bytes / per, o.step_time_s / t_per), fontsize=7,
+            "; ".join(map(option_label, group)),
+            (group[0].memory_bytes / per, group[0].step_time_s / t_per), fontsize=7,
             xytext=(4, 3), textcoords="offset points", color="#444444",
         )  # fmt: skip
     ax.scatter(

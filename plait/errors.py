@@ -16,6 +16,7 @@ __all__ = [
     "CostError",
     "LaunchError",
     "LayoutError",
+    "MissingExtraError",
     "NotBuiltError",
     "PlaitError",
     "PlanError",
@@ -42,6 +43,11 @@ class ShardingError(PlaitError):
 
 class NotBuiltError(PlaitError):
     """A configured feature exists in the config surface but is not implemented yet."""
+
+
+class MissingExtraError(PlaitError, ImportError):
+    """A feature needs an optional extra that is not installed (e.g. pictures need
+    matplotlib: ``pip install 'plait[plot]'``); an ``ImportError`` too."""
 
 
 class PlanError(PlaitError):

@@ -6,7 +6,9 @@
 Models are built on the meta device: no parameter memory, no process group. Every
 ``ParallelConfig`` field is a flag (``--mode``, ``--mesh``, ``--optimizer-shard``, ...).
 With pipeline stages, ``--timeline FILE.png`` draws the predicted schedule and ``--trace
-FILE.json`` writes it as a Chrome trace.
+FILE.json`` writes it as a Chrome trace. ``--plot DIR`` writes the plan's pictures (memory by
+kind, the planner's options, the pipeline timeline: ``Plan.plot``); pictures need matplotlib
+(``pip install 'plait[plot]'``).
 
 Exit status: 0 with a plan that fits device memory, 2 for bad input, 3 when the plan printed
 does not fit (nothing the planner weighed fits ``--memory-limit`` or the profile's device
@@ -192,6 +194,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="draw the predicted pipeline schedule (stages x time) as a PNG; needs pipeline stages",
     )
     out.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write the plan's pictures into DIR: memory.png, options.png (mode auto), "
+        "timeline.png (pipeline stages); needs matplotlib (pip install 'plait[plot]')",
+    )
+    out.add_argument(
         "--trace",
         metavar="FILE.json",
         help="write the predicted pipeline schedule as a Chrome trace (Perfetto, chrome://tracing)",
@@ -288,7 +296,21 @@ def run_plan_with(args: argparse.Namespace) -> tuple[str, Any]:
         plan.save(args.json)
         parts.append(f"plan written to {args.json}")
     parts += _timeline_files(plan, args)
+    if args.plot:
+        limit = plan.memory_limit or _device_memory(args)
+        written = plan.plot(args.plot, limit=limit)
+        parts.append("pictures written: " + ", ".join(map(str, written)))
     return "\n\n".join(parts), plan
+
+
+def _device_memory(args: argparse.Namespace) -> int | None:
+    """The device memory of the profile planned on: the outer planner's limit by default."""
+    from plait.cost.hardware import get_profile
+
+    try:
+        return get_profile(args.hardware, args.hardware_file).memory_bytes
+    except (PlaitError, OSError):  # the plan itself read it: only a race can land here
+        return None
 
 
 def _timeline_files(plan: Any, args: argparse.Namespace) -> list[str]:

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -113,6 +113,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="plan on a saved calibration of this machine for this many workers "
                         "(plait calibrate's, or an earlier --calibrate's); measure when none "
                         "fits")  # fmt: skip
+    p.add_argument("--plot", type=Path, metavar="DIR", default=None,
+                   help="write pictures into DIR after training (needs matplotlib: pip install "
+                        "'plait[plot]'): training.png (loss per step), memory.png (every "
+                        "rank's memory by kind, predicted beside measured), timeline.png "
+                        "(pipelines: the last step measured)")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -136,11 +141,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 "--checkpoint-dir)")  # fmt: skip
     if args.width % args.heads:
         p.error(f"--width {args.width} is not divisible by --heads {args.heads}")
+    _check_plot(p, args)
     if args.plan is not None and args.mode != "auto":
         p.error(f"--plan runs a saved plan, which is mode auto; drop --mode {args.mode}")
     if args.save_plan is not None and (args.mode != "auto" or args.plan is not None):
         p.error("--save-plan saves the plan mode auto makes: use it with --mode auto, no --plan")
     return args
+
+
+def _check_plot(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--plot`` without matplotlib is refused before training, not after it."""
+    if args.plot is None:
+        return
+    from plait.planning.plots import require_matplotlib
+
+    try:
+        require_matplotlib("--plot")
+    except plait.MissingExtraError as e:
+        p.error(str(e))
 
 
 def mesh_for(args: argparse.Namespace, world_size: int) -> dict[str, int] | None:
@@ -311,6 +329,11 @@ class Summary:
     """With --calibrate: the hardware profile the plan was made on, and where it came from."""
     sample: str = ""
     """Text the trained model generated (``job.predict``), after an evaluation prompt."""
+    losses: list[float] = field(default_factory=list)
+    """The training loss of every step run, in order (from step ``steps_from``)."""
+    steps_from: int = 1
+    pictures: list[Path] = field(default_factory=list)
+    """With --plot: the pictures this rank wrote."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -334,6 +357,7 @@ class Summary:
             *([f"  hardware    {self.hardware}"] if self.hardware else []),
             *([f"  plan        {self.plan}"] if self.plan else []),
             *([f"  sample      {self.sample!r}"] if self.sample else []),
+            *([f"  pictures    {', '.join(map(str, self.pictures))}"] if self.pictures else []),
         ])  # fmt: skip
 
 
@@ -468,7 +492,7 @@ def train(args: argparse.Namespace) -> Summary:
         raise SystemExit(f"nothing to train: the checkpoint is at step {resumed} of {args.steps}")
     tail = losses[-max(1, len(losses) // 10) :]
     sample = generate(job, corpus, args) if args.sample else ""
-    return Summary(
+    summary = Summary(
         mode=args.mode,
         mesh=job.mesh.as_dict() if job.mesh else None,
         parameters=params,
@@ -482,7 +506,45 @@ def train(args: argparse.Namespace) -> Summary:
         plan=_plan_line(job, step_seconds),
         hardware=hardware,
         sample=sample,
+        losses=losses,
+        steps_from=resumed + 1,
     )
+    if args.plot is not None:
+        batch = local_slice(sample_batch(corpus.train, args.seq, args.batch, gen), index, size)
+        summary.pictures = plot_run(job, summary, args, batch, rank)
+    return summary
+
+
+def plot_run(
+    job: plait.Job, summary: Summary, args: argparse.Namespace, batch: Batch, rank: int
+) -> list[Path]:
+    """``--plot DIR`` (rank 0 writes): ``training.png``, the training curve; ``memory.png``,
+    every rank's memory by kind, predicted beside measured (over one more step,
+    ``measure_step_memory``, after the summary's numbers and the sample are taken; a
+    pipeline's is not measured); ``timeline.png`` with pipeline stages: the last training
+    step as measured (under the plan's prediction where the job runs a plan)."""
+    from plait.comm.checkpoint_io import all_gather_objects
+    from plait.planning.plots import loss_figure, timeline_figure, write_png
+    from plait.runtime.measure import measure_step_memory
+    from plait.runtime.report import plot_memory
+
+    pipeline = getattr(job, "stage_modules", None) is not None  # --pp, or a plan's stages
+    memory = None if pipeline else measure_step_memory(job, batch)
+    report = job.report(memory)  # every rank: a pipeline gathers its timeline here
+    reports = all_gather_objects(report)
+    if rank != 0:
+        return []
+    args.plot.mkdir(parents=True, exist_ok=True)
+    title = f"TinyGPT on the bundled corpus: mode {summary.mode}, mesh {summary.mesh}"
+    figure = loss_figure(summary.losses, first_step=summary.steps_from,
+                         eval_losses=summary.eval_losses, title=title)  # fmt: skip
+    written = [write_png(figure, args.plot / "training.png")]
+    if any(r.memory_columns() for r in reports):
+        written.append(plot_memory(reports, args.plot / "memory.png"))
+    timelines = [t for t in (report.predicted_timeline, report.measured_timeline) if t]
+    if timelines:
+        written.append(write_png(timeline_figure(*timelines), args.plot / "timeline.png"))
+    return written
 
 
 def calibrate(args: argparse.Namespace, world_size: int, report: Callable[[str], None]) -> str:

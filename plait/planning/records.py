@@ -23,10 +23,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import cast
 
 from plait.errors import PlaitError, PlanError
-from plait.planning import codec, report
+from plait.planning import codec, plots, report
 from plait.planning.checks import check_shape, check_str, close_matches, few
 from plait.planning.entries import (
     FILE_FORMAT,
@@ -124,6 +125,18 @@ class Plan(PlanContents):
         """
         return plan_timeline(self)
 
+    def plot(self, directory: str | os.PathLike[str], *, limit: int | None = None) -> list[Path]:
+        """Write the plan's pictures into ``directory`` and return their paths (needs
+        matplotlib: ``pip install 'plait[plot]'``): ``memory.png`` (the predicted memory per
+        device by kind), ``options.png`` (mode auto: the options weighed, step time against
+        memory, the chosen one starred, the memory limit drawn) and ``timeline.png`` (with
+        pipeline stages: the predicted schedule). ``limit`` is the memory limit (bytes) the
+        options were weighed against: default ``memory_limit``, else a built-in hardware
+        profile's device memory (:mod:`plait.planning.plots`)."""
+        if limit is None and self.memory_limit is None:
+            limit = _profile_memory(self.hardware)
+        return plots.plan_pictures(self, directory, limit=limit)
+
     def explain(self, name: str) -> str:
         """Why an op, a parameter (FQN) or a module path is laid out as it is, and what it costs.
 
@@ -215,3 +228,12 @@ def _model_shapes(model_or_params: object) -> dict[str, tuple[int, ...]]:
         f"validate({type(model_or_params).__name__}): give an nn.Module or a mapping of "
         "parameter name to shape"
     )
+
+
+def _profile_memory(hardware: str) -> int | None:
+    """A built-in profile's device memory (the outer planner's default limit); None for
+    ``local``, whose limit depends on the calibration file the plan was made with."""
+    from plait.cost.hardware import builtin_profiles
+
+    profile = builtin_profiles().get(hardware)
+    return None if profile is None else profile.memory_bytes

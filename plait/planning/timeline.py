@@ -4,9 +4,9 @@ A pipeline step runs every micro-batch's forward and backward through the stages
 the schedule fixes. This module writes that order down per rank (:func:`schedule_order`: the
 orders ``torch.distributed.pipelining``'s schedules run), times it on per-rank durations
 (:func:`simulate`: each pass starts when its rank is free and its input has arrived) and
-draws the result (:meth:`Timeline.to_png`: one row per rank, time across, a colour per kind
-of work, the idle bubble hatched) or writes it as a Chrome trace
-(:meth:`Timeline.to_chrome_trace`, for chrome://tracing and Perfetto). A measured step is
+draws the result (:meth:`Timeline.to_png`, with matplotlib: :mod:`plait.planning.plots`) or
+writes it as a Chrome trace (:meth:`Timeline.to_chrome_trace`, for chrome://tracing and
+Perfetto). A measured step is
 the same :class:`Timeline`: the runtime's ``StageTimer`` (:mod:`plait.runtime.stage_timer`)
 times the passes of a real run's stages and :func:`timeline_from_records` puts the ranks'
 records together.
@@ -16,8 +16,7 @@ next to the schedules it describes (docs/planner.md, "Pipeline timeline", cites 
 micro-batches a schedule keeps in flight are the memory model's
 (:func:`plait.cost.memory.in_flight_micro_batches`).
 
-No process group and no plotting library: the PNG is written with zlib and struct, its
-labels in a 5x7 bitmap font of capitals, digits and a little punctuation.
+No process group; matplotlib (the extra ``plait[plot]``) only when a picture is drawn.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ import functools
 import json
 import math
 import os
-import struct
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -626,15 +623,21 @@ class Timeline:
             f.write("\n")
 
     def png(self, width: int = 1200) -> bytes:
-        """The picture (module docstring) as PNG bytes, ``width`` pixels wide."""
-        return _draw(self, width).png()
+        """The picture (:func:`plait.planning.plots.timeline_figure`: one row per rank, time
+        across, a colour per kind of pass, the bubble hatched) as PNG bytes, ``width`` pixels
+        wide. Needs matplotlib (``pip install 'plait[plot]'``)."""
+        from plait.planning import plots
+
+        return plots.png_bytes(plots.timeline_figure(self, width=width))
 
     def to_png(self, path: str | os.PathLike[str], width: int = 1200) -> tuple[int, int]:
         """Write the picture to ``path``; returns its (width, height) in pixels."""
-        canvas = _draw(self, width)
-        with open(path, "wb") as f:
-            f.write(canvas.png())
-        return canvas.width, canvas.height
+        from plait.planning import plots
+
+        figure = plots.timeline_figure(self, width=width)
+        plots.write_png(figure, path)
+        w, h = figure.get_size_inches() * plots.DPI
+        return round(w), round(h)
 
 
 # --------------------------------------------------------------------------- from a plan
@@ -728,306 +731,3 @@ def timeline_from_records(
     rows = max((e.rank for e in events), default=0) + 1
     names = tuple(labels) if labels is not None else tuple(f"pp {r}" for r in range(rows))
     return Timeline(tuple(events), names, title, measured=True)
-
-
-# --------------------------------------------------------------------------- the picture
-
-_WHITE = (255, 255, 255)
-_INK = (34, 34, 34)
-_GRID = (120, 120, 120)
-_HATCH = (190, 190, 190)
-_COLOURS = {
-    "forward": (66, 133, 244),
-    "backward": (234, 117, 33),
-    "weight": (52, 168, 83),
-    "communication": (142, 104, 196),
-}
-_NAMES = {
-    "forward": "forward",
-    "backward": "backward",
-    "weight": "weight gradient",
-    "communication": "communication",
-}
-_PAD = 12
-_LANE = 30  # a rank's passes
-_COMM_LANE = 8  # its communication, under them
-_ROW_GAP = 12
-_TEXT = 2  # label font scale: 5x7 glyphs drawn 10x14
-
-
-def _draw(timeline: Timeline, width: int) -> _Canvas:
-    if not isinstance(width, int) or width < 480:
-        raise PlanError(f"timeline picture width={width!r}; give at least 480 pixels")
-    label_w = max((_text_width(s, _TEXT) for s in timeline.labels), default=0) + 2 * _PAD
-    x0, x1 = label_w, width - 2 * _PAD
-    legend = _legend_items(timeline)
-    legend_lines = _layout_legend(legend, width - 2 * _PAD)
-    top = _PAD + 7 * _TEXT + _PAD
-    pitch = _LANE + _COMM_LANE + _ROW_GAP
-    axis_y = top + timeline.ranks * pitch
-    legend_y = axis_y + 2 * (7 * _TEXT) + 3 * _PAD
-    height = legend_y + len(legend_lines) * (7 * _TEXT + _PAD) + _PAD
-    canvas = _Canvas(width, height)
-    span = timeline.span_s or 1e-9
-    scale = (x1 - x0) / span
-
-    def x_of(t: float) -> int:
-        return x0 + round(t * scale)
-
-    canvas.text_fitted(_PAD, _PAD, _title(timeline), _INK, width - 2 * _PAD)
-    for r, label in enumerate(timeline.labels):
-        y = top + r * pitch
-        canvas.text(_PAD, y + (_LANE - 7 * _TEXT) // 2, label, _INK, _TEXT)
-        for start, end in timeline.idle(r):
-            canvas.hatch(x_of(start), y, x_of(end), y + _LANE, _HATCH)
-        _draw_events(canvas, timeline, r, y, x_of)
-    _draw_axis(canvas, x0, x1, axis_y, span)
-    _draw_legend(canvas, legend_lines, legend_y)
-    return canvas
-
-
-def _title(timeline: Timeline) -> str:
-    what = "measured" if timeline.measured else "predicted"
-    head = timeline.title or f"{what} pipeline step"
-    bubble = f"bubble {_fmt_time(timeline.bubble_s)} ({100 * timeline.bubble_fraction:.0f}%)"
-    return f"{head}: {bubble}"
-
-
-def _draw_events(
-    canvas: _Canvas, timeline: Timeline, rank: int, y: int, x_of: Callable[[float], int]
-) -> None:
-    chunks = sorted({e.stage for e in timeline.compute(rank)})
-    for e in timeline.events:
-        if e.rank != rank:
-            continue
-        a, b = x_of(e.start_s), x_of(e.end_s)
-        b = max(b - 1, a + 1) if b - a >= 3 else max(b, a + 1)  # a 1px seam between passes
-        if e.kind == "communication":
-            canvas.fill(a, y + _LANE + 2, b, y + _LANE + 2 + _COMM_LANE, _COLOURS[e.kind])
-            continue
-        # Later chunks of a rank (virtual stages) are drawn darker, as Megatron's figures do.
-        k = chunks.index(e.stage) if e.stage in chunks else 0
-        colour = _shade(_COLOURS[e.kind], 0.35 * k / max(1, len(chunks) - 1))
-        canvas.fill(a, y, b, y + _LANE, colour)
-        text = str(e.micro_batch) if e.micro_batch >= 0 else ""
-        for size in (_TEXT, 1):
-            if text and _text_width(text, size) + 4 <= b - a:
-                tx = a + (b - a - _text_width(text, size)) // 2
-                canvas.text(tx, y + (_LANE - 7 * size) // 2, text, _WHITE, size)
-                break
-
-
-def _draw_axis(canvas: _Canvas, x0: int, x1: int, y: int, span: float) -> None:
-    canvas.fill(x0, y, x1 + 1, y + 1, _GRID)
-    unit, per = _time_unit(span)
-    step = _nice_step(span / 8)
-    n = int(span / step + 1e-9)
-    for i in range(n + 1):
-        x = x0 + round(i * step * (x1 - x0) / span)
-        canvas.fill(x, y, x + 1, y + 6, _GRID)
-        text = f"{round(i * step / per, 6):g}"
-        w = _text_width(text, _TEXT)
-        canvas.text(min(max(x - w // 2, x0), x1 - w), y + 9, text, _INK, _TEXT)
-    title = f"time ({unit})"
-    canvas.text(
-        x0 + (x1 - x0 - _text_width(title, _TEXT)) // 2, y + 9 + 7 * _TEXT + 6, title, _INK, _TEXT
-    )
-
-
-def _legend_items(timeline: Timeline) -> list[tuple[str, tuple[int, int, int] | None]]:
-    kinds = {e.kind for e in timeline.events}
-    split = "weight" in kinds
-    items: list[tuple[str, tuple[int, int, int] | None]] = []
-    for kind in KINDS:
-        if kind in kinds:
-            name = "backward (input gradient)" if kind == "backward" and split else _NAMES[kind]
-            items.append((name, _COLOURS[kind]))
-    items.append(("idle: bubble", None))
-    if any(len({e.stage for e in timeline.compute(r)}) > 1 for r in range(timeline.ranks)):
-        items.append(("darker: later chunk", (90, 90, 90)))
-    return items
-
-
-def _layout_legend(
-    items: list[tuple[str, tuple[int, int, int] | None]], room: int
-) -> list[list[tuple[int, str, tuple[int, int, int] | None]]]:
-    lines: list[list[tuple[int, str, tuple[int, int, int] | None]]] = [[]]
-    x = _PAD
-    for name, colour in items:
-        w = 7 * _TEXT + 6 + _text_width(name, _TEXT) + 3 * _PAD
-        if lines[-1] and x + w > room:
-            lines.append([])
-            x = _PAD
-        lines[-1].append((x, name, colour))
-        x += w
-    return lines
-
-
-def _draw_legend(
-    canvas: _Canvas,
-    lines: list[list[tuple[int, str, tuple[int, int, int] | None]]],
-    y: int,
-) -> None:
-    box = 7 * _TEXT
-    for line in lines:
-        for x, name, colour in line:
-            if colour is None:
-                canvas.fill(x, y, x + box, y + box, _WHITE)
-                canvas.hatch(x, y, x + box, y + box, _HATCH)
-                canvas.outline(x, y, x + box, y + box, _HATCH)
-            else:
-                canvas.fill(x, y, x + box, y + box, colour)
-            canvas.text(x + box + 6, y, name, _INK, _TEXT)
-        y += box + _PAD
-
-
-def _shade(colour: tuple[int, int, int], darker: float) -> tuple[int, int, int]:
-    r, g, b = (round(c * (1 - darker)) for c in colour)
-    return r, g, b
-
-
-def _time_unit(span: float) -> tuple[str, float]:
-    for unit, per in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if span >= per:
-            return unit, per
-    return "ns", 1e-9
-
-
-def _nice_step(raw: float) -> float:
-    """The smallest 1, 2 or 5 times a power of ten at least ``raw`` (axis ticks)."""
-    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1e-9
-    return next(k * power for k in (1, 2, 5, 10) if k * power >= raw * (1 - 1e-9))
-
-
-def _fmt_time(s: float) -> str:
-    unit, per = _time_unit(s) if s > 0 else ("s", 1.0)
-    return f"{s / per:.3g} {unit}"
-
-
-def _text_width(text: str, scale: int) -> int:
-    return max(0, len(text) * 6 * scale - scale)
-
-
-class _Canvas:
-    """An RGB image in memory: filled rectangles, hatching, bitmap text, PNG bytes."""
-
-    def __init__(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(_WHITE) * (width * height))
-
-    def fill(self, x0: int, y0: int, x1: int, y1: int, colour: tuple[int, int, int]) -> None:
-        x0, x1 = max(0, x0), min(self.width, x1)
-        y0, y1 = max(0, y0), min(self.height, y1)
-        if x1 <= x0 or y1 <= y0:
-            return
-        row = bytes(colour) * (x1 - x0)
-        for y in range(y0, y1):
-            at = (y * self.width + x0) * 3
-            self.pixels[at : at + len(row)] = row
-
-    def outline(self, x0: int, y0: int, x1: int, y1: int, colour: tuple[int, int, int]) -> None:
-        self.fill(x0, y0, x1, y0 + 1, colour)
-        self.fill(x0, y1 - 1, x1, y1, colour)
-        self.fill(x0, y0, x0 + 1, y1, colour)
-        self.fill(x1 - 1, y0, x1, y1, colour)
-
-    def hatch(self, x0: int, y0: int, x1: int, y1: int, colour: tuple[int, int, int]) -> None:
-        """Diagonal lines every 6 pixels: the bubble is empty, and reads as empty on purpose."""
-        x0, x1 = max(0, x0), min(self.width, x1)
-        y0, y1 = max(0, y0), min(self.height, y1)
-        dot = bytes(colour)
-        for y in range(y0, y1):
-            for x in range(x0 + (-(x0 + y)) % 6, x1, 6):
-                at = (y * self.width + x) * 3
-                self.pixels[at : at + 3] = dot
-
-    def text(self, x: int, y: int, text: str, colour: tuple[int, int, int], scale: int) -> None:
-        for ch in text:
-            glyph = _FONT.get(ch.upper(), _FONT["?"])
-            for row, bits in enumerate(glyph.split("|")):
-                for col, bit in enumerate(bits):
-                    if bit == "#":
-                        px, py = x + col * scale, y + row * scale
-                        self.fill(px, py, px + scale, py + scale, colour)
-            x += 6 * scale
-
-    def text_fitted(
-        self, x: int, y: int, text: str, colour: tuple[int, int, int], room: int
-    ) -> None:
-        """``text`` at the label size, smaller if it does not fit ``room``, cut if still not."""
-        scale = _TEXT if _text_width(text, _TEXT) <= room else 1
-        keep = max(1, (room + scale) // (6 * scale))
-        self.text(x, y, text if len(text) <= keep else text[: keep - 2] + "..", colour, scale)
-
-    def png(self) -> bytes:
-        stride = self.width * 3
-        raw = b"".join(
-            b"\x00" + bytes(self.pixels[y * stride : (y + 1) * stride]) for y in range(self.height)
-        )
-        head = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return (
-            b"\x89PNG\r\n\x1a\n"
-            + _chunk(b"IHDR", head)
-            + _chunk(b"IDAT", zlib.compress(raw, 9))
-            + _chunk(b"IEND", b"")
-        )
-
-
-def _chunk(tag: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-
-# 5x7 glyphs, rows top to bottom separated by "|": capitals (lower case is drawn as them),
-# digits and the punctuation the labels use; anything else is drawn as "?".
-_FONT = {
-    " ": ".....|.....|.....|.....|.....|.....|.....",
-    "A": ".###.|#...#|#...#|#####|#...#|#...#|#...#",
-    "B": "####.|#...#|#...#|####.|#...#|#...#|####.",
-    "C": ".###.|#...#|#....|#....|#....|#...#|.###.",
-    "D": "####.|#...#|#...#|#...#|#...#|#...#|####.",
-    "E": "#####|#....|#....|####.|#....|#....|#####",
-    "F": "#####|#....|#....|####.|#....|#....|#....",
-    "G": ".###.|#...#|#....|#.###|#...#|#...#|.####",
-    "H": "#...#|#...#|#...#|#####|#...#|#...#|#...#",
-    "I": ".###.|..#..|..#..|..#..|..#..|..#..|.###.",
-    "J": "..###|...#.|...#.|...#.|...#.|#..#.|.##..",
-    "K": "#...#|#..#.|#.#..|##...|#.#..|#..#.|#...#",
-    "L": "#....|#....|#....|#....|#....|#....|#####",
-    "M": "#...#|##.##|#.#.#|#.#.#|#...#|#...#|#...#",
-    "N": "#...#|#...#|##..#|#.#.#|#..##|#...#|#...#",
-    "O": ".###.|#...#|#...#|#...#|#...#|#...#|.###.",
-    "P": "####.|#...#|#...#|####.|#....|#....|#....",
-    "Q": ".###.|#...#|#...#|#...#|#.#.#|#..#.|.##.#",
-    "R": "####.|#...#|#...#|####.|#.#..|#..#.|#...#",
-    "S": ".####|#....|#....|.###.|....#|....#|####.",
-    "T": "#####|..#..|..#..|..#..|..#..|..#..|..#..",
-    "U": "#...#|#...#|#...#|#...#|#...#|#...#|.###.",
-    "V": "#...#|#...#|#...#|#...#|#...#|.#.#.|..#..",
-    "W": "#...#|#...#|#...#|#.#.#|#.#.#|#.#.#|.#.#.",
-    "X": "#...#|#...#|.#.#.|..#..|.#.#.|#...#|#...#",
-    "Y": "#...#|#...#|.#.#.|..#..|..#..|..#..|..#..",
-    "Z": "#####|....#|...#.|..#..|.#...|#....|#####",
-    "0": ".###.|#...#|#..##|#.#.#|##..#|#...#|.###.",
-    "1": "..#..|.##..|..#..|..#..|..#..|..#..|.###.",
-    "2": ".###.|#...#|....#|...#.|..#..|.#...|#####",
-    "3": "#####|...#.|..#..|...#.|....#|#...#|.###.",
-    "4": "...#.|..##.|.#.#.|#..#.|#####|...#.|...#.",
-    "5": "#####|#....|####.|....#|....#|#...#|.###.",
-    "6": "..##.|.#...|#....|####.|#...#|#...#|.###.",
-    "7": "#####|....#|...#.|..#..|.#...|.#...|.#...",
-    "8": ".###.|#...#|#...#|.###.|#...#|#...#|.###.",
-    "9": ".###.|#...#|#...#|.####|....#|...#.|.##..",
-    ".": ".....|.....|.....|.....|.....|.##..|.##..",
-    ",": ".....|.....|.....|.....|.##..|..#..|.#...",
-    ":": ".....|.##..|.##..|.....|.##..|.##..|.....",
-    "-": ".....|.....|.....|#####|.....|.....|.....",
-    "+": ".....|..#..|..#..|#####|..#..|..#..|.....",
-    "=": ".....|.....|#####|.....|#####|.....|.....",
-    "/": ".....|....#|...#.|..#..|.#...|#....|.....",
-    "(": "...#.|..#..|.#...|.#...|.#...|..#..|...#.",
-    ")": ".#...|..#..|...#.|...#.|...#.|..#..|.#...",
-    "%": "##...|##..#|...#.|..#..|.#...|#..##|...##",
-    "_": ".....|.....|.....|.....|.....|.....|#####",
-    "'": "..#..|..#..|.#...|.....|.....|.....|.....",
-    "?": ".###.|#...#|....#|...#.|..#..|.....|..#..",
-}

@@ -38,7 +38,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -86,6 +86,10 @@ from plait.runtime.stage_program import (
 from plait.runtime.stage_timer import StageTimer
 from plait.runtime.zero import ZeroOptimizer, check_elementwise
 from plait.support import Where
+
+if TYPE_CHECKING:
+    from plait.runtime.measure import MemoryMeasurement
+    from plait.runtime.report import RunReport
 
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
 
@@ -574,6 +578,15 @@ class PipelineJob(Job):
         from plait.runtime.pretrained import load_pretrained
 
         return load_pretrained(self.model, self.optimizer, path, holders=self.stage_modules)
+
+    def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
+        """As :meth:`Job.report`, with the last training step's measured timeline and the
+        plan's predicted one (``report.plot(DIR)`` draws them). Every rank calls it: it
+        gathers the pipeline group's pass times, as :meth:`timeline` does."""
+        from plait.runtime.report import run_report
+
+        measured = self.timeline() if self.steps_taken else None
+        return run_report(self, self._step_seconds, memory, warmup, measured_timeline=measured)
 
     def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
         """The last training step's measured schedule: each stage's forward, backward and

@@ -16,19 +16,31 @@ the table, with the command that calibrates.
 
 Jobs that run no plan (plain data parallel, stand-alone, hybrid, pipelines of marks) have no
 prediction: ``plait.plan(model, config, example_batch=...)`` makes one to compare with.
+
+A pipeline job's report also holds the last training step's measured timeline (gathered over
+the pipeline group, as ``job.timeline()``: every rank calls ``report()`` there) and the
+plan's predicted one. :meth:`RunReport.plot` draws the report (matplotlib, ``pip install
+'plait[plot]'``): memory by kind, predicted beside measured, and the timelines.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from plait.comm.world import current_world
+from plait.errors import PlanError
+from plait.planning import plots
+from plait.planning.timeline import Timeline
 from plait.runtime.measure import MemoryMeasurement, format_bytes, plan_of
 
-__all__ = ["RunReport", "run_report"]
+__all__ = ["RunReport", "plot_memory", "run_report"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +62,12 @@ class RunReport:
     uncalibrated ``local`` defaults, a warning and how to calibrate); empty without a plan."""
     hardware_uncalibrated: bool = False
     """The prediction is on the uncalibrated ``local`` defaults (the table says so)."""
+    rank: int = 0
+    """The rank that measured (the world's rank; 0 without a process group or simulated)."""
+    measured_timeline: Timeline | None = None
+    """A pipeline job's last training step as measured (every pipeline rank's passes)."""
+    predicted_timeline: Timeline | None = None
+    """A pipeline job's plan's predicted schedule (None without a plan)."""
 
     @property
     def step_ratio(self) -> float | None:
@@ -91,9 +109,81 @@ class RunReport:
     def __str__(self) -> str:
         return self.table()
 
+    def memory_columns(self) -> list[plots.MemoryColumn]:
+        """This rank's memory by kind as the memory picture's columns: the prediction, and
+        beside it the measurement where one has kinds (``measure_step_memory``)."""
+        rank = f"rank {self.rank}"
+        columns = []
+        if self.predicted_by_kind:
+            columns.append(
+                plots.MemoryColumn(
+                    rank, "predicted", dict(self.predicted_by_kind), self.predicted_memory_bytes
+                )
+            )
+        if self.measured_by_kind:
+            columns.append(
+                plots.MemoryColumn(
+                    rank, "measured", dict(self.measured_by_kind), self.measured_peak_bytes
+                )
+            )
+        return columns
+
+    def plot(self, directory: str | os.PathLike[str]) -> list[Path]:
+        """Write the report's pictures into ``directory`` (made if missing) and return their
+        paths (needs matplotlib: ``pip install 'plait[plot]'``):
+
+        * ``memory_rank{R}.png``: this rank's memory by kind, predicted beside measured
+          (the measurement where ``job.report(measure_step_memory(job, batch))`` gave one);
+        * ``timeline.png`` (a pipeline job, written by rank 0): the predicted schedule above
+          the last training step as measured.
+
+        Every rank may call it: file names carry the rank, the shared timeline is rank 0's.
+        """
+        plots.require_matplotlib("RunReport.plot")
+        columns = self.memory_columns()
+        timelines = [t for t in (self.predicted_timeline, self.measured_timeline) if t]
+        if not columns and not timelines:
+            raise PlanError(
+                "RunReport.plot: nothing to draw: the job has no plan (no predicted memory), "
+                "no memory was measured and it is not a pipeline; pass a measurement "
+                "(job.report(plait.runtime.measure.measure_step_memory(job, batch))) or plan "
+                "the job"
+            )
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        if columns:
+            figure = plots.memory_figure(
+                columns, title=f"memory by kind on rank {self.rank}: predicted beside measured"
+            )
+            written.append(plots.write_png(figure, out / f"memory_rank{self.rank}.png"))
+        if timelines and self.rank == 0:
+            figure = plots.timeline_figure(*timelines)
+            written.append(plots.write_png(figure, out / "timeline.png"))
+        return written
+
+
+def plot_memory(reports: Sequence[RunReport], path: str | os.PathLike[str]) -> Path:
+    """Several ranks' memory in one picture (e.g. every rank's report gathered on rank 0):
+    for each rank its prediction beside its measurement, stacked by kind; returns ``path``."""
+    plots.require_matplotlib("plot_memory")
+    columns = [c for r in sorted(reports, key=lambda r: r.rank) for c in r.memory_columns()]
+    if not columns:
+        raise PlanError(
+            f"plot_memory: the {len(reports)} reports hold no memory by kind (no plan, nothing "
+            "measured); pass measurements: job.report(measure_step_memory(job, batch))"
+        )
+    title = f"memory per rank by kind: predicted beside measured ({len(reports)} ranks)"
+    return plots.write_png(plots.memory_figure(columns, title=title), path)
+
 
 def run_report(
-    job: Any, step_seconds: list[float], memory: MemoryMeasurement | None, warmup: int
+    job: Any,
+    step_seconds: list[float],
+    memory: MemoryMeasurement | None,
+    warmup: int,
+    *,
+    measured_timeline: Timeline | None = None,
 ) -> RunReport:
     """The report of ``job`` after the steps timed in ``step_seconds`` (see :meth:`Job.report
     <plait.runtime.job.Job.report>`)."""
@@ -114,7 +204,17 @@ def run_report(
         measured_by_kind=by_kind,
         hardware="" if plan is None else plan.hardware_label,
         hardware_uncalibrated=plan is not None and plan.hardware_uncalibrated,
+        rank=_rank(),
+        measured_timeline=measured_timeline,
+        predicted_timeline=None
+        if measured_timeline is None or plan is None or plan.pipeline_stages < 2
+        else plan.timeline(),
     )
+
+
+def _rank() -> int:
+    world = current_world()
+    return 0 if world is None else world.rank
 
 
 def _measured_memory(

@@ -354,6 +354,8 @@ def _workers(root: str) -> dict:
     png = Path(root) / "measured.png"
     timeline = job.timeline(png, trace=Path(root) / "measured.json")
     out["timeline"] = sorted({(e.rank, e.kind) for e in timeline.events})
+    report = job.report()  # every rank: it gathers the same pass times as job.timeline()
+    out["report_timeline"] = (report.measured_timeline == timeline, report.predicted_timeline)
     # a pipeline checkpoint -> plain data parallel -> back into a pipeline (ZeRO-2 stages)
     batches = _batches(STEPS + 2)
     job.save(Path(root) / "pipe")
@@ -623,6 +625,8 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     assert results[0]["timeline"] == [
         (0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")
     ]  # fmt: skip
+    # job.report() holds the same measured timeline (report.plot draws it); marks: no plan
+    assert all(r["report_timeline"] == (True, None) for r in results)
     png = (tmp_path / "measured.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") > 100
     assert json.loads((tmp_path / "measured.json").read_text())["traceEvents"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from fractions import Fraction
 
 import pytest
@@ -218,12 +217,8 @@ def test_plan_timeline_png_and_chrome_trace(graph, tmp_path) -> None:
     png = tmp_path / "step.png"
     width, height = timeline.to_png(png, width=900)
     data = png.read_bytes()
+    # drawn by matplotlib (what the figure holds: tests/unit/test_plots.py)
     assert _png_size(data) == (width, height) == (900, height) and 150 < height < 400
-    # the image data is whole: one filter byte and width RGB pixels per row
-    idat = data[data.index(b"IDAT") + 4 : data.index(b"IEND") - 8]
-    pixels = zlib.decompress(idat)
-    assert len(pixels) == height * (1 + 3 * width)
-    assert bytes((66, 133, 244)) in pixels  # forward blue is drawn
     trace_path = tmp_path / "step.json"
     timeline.to_chrome_trace(trace_path)
     trace = json.loads(trace_path.read_text())

@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import plait
 from plait import ConfigError, NotBuiltError, ParallelConfig
+from plait.demo.train import plan_file_config
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.runtime import metrics
 from plait.runtime.metrics import JSONL_NAME, TAGS, MetricsLog, StepMetrics, metrics_log
@@ -96,22 +97,27 @@ def test_plain_data_parallel_writes_its_losses_to_tensorboard_and_json_lines(tmp
 
 
 def test_a_plan_job_logs_its_predicted_step_time_beside_the_measured(tmp_path) -> None:
-    """A semi_auto plan made at the first step (a deferred job), jsonl alone: the plan's
-    prediction in every record; closing the job closes its file."""
+    """A saved semi_auto plan run from its file as the demo's ``--plan PATH --log-dir DIR``
+    does: the plan's prediction in every record, beside the measured step time; closing the
+    job closes its files."""
     batches = _batches(2)
+    plan = plait.plan(_model(), ParallelConfig(mode="semi_auto", mesh={"dp": 2}),
+                      example_batch=batches[0], loss_fn=gpt_loss)  # fmt: skip
+    plan.save(tmp_path / "plan.json")
+    config = plan_file_config(tmp_path / "plan.json", plan, tmp_path / "run")
     with plait.testing.simulate(2):
-        config = ParallelConfig(mode="semi_auto", mesh={"dp": 2}, log_dir=tmp_path,
-                                log_formats=("jsonl",))  # fmt: skip
-        job = plait.parallelize(_model(), config, optimizer=sgd, loss_fn=gpt_loss)
+        job = plait.parallelize(_model(), config, optimizer=sgd, loss_fn=gpt_loss,
+                                example_batch=batches[0])  # fmt: skip
         losses = [job.step(b) for b in batches]
-        plan = job.loss_fn.plan
         job.close()
         job.step(batches[0])  # after close: trains, logs nothing
-    records = read_jsonl(tmp_path)
+    records = read_jsonl(tmp_path / "run")
     assert [(r["step"], r["loss"]) for r in records] == [(1, losses[0]), (2, losses[1])]
     assert {r["predicted_step_time_s"] for r in records} == {plan.predicted.step_time_s}
     assert all(r["step_time_s"] > 0 for r in records)
-    assert not list(tmp_path.glob("events.out.tfevents.*"))  # no TensorBoard asked for
+    scalars = read_events(tmp_path / "run")
+    _same_in_both(records, scalars)
+    assert [s for s, _ in scalars["step_time/predicted_s"]] == [1, 2]
     reference = reference_run(_model(), gpt_loss, sgd, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses))
 

@@ -122,7 +122,7 @@ class Job:
         self._save_group: Any = None
         self._step_seconds: list[float] = []
         """Wall time of each ``step`` call on this rank (for :meth:`report`)."""
-        self.metrics = metrics_log(config, _global_rank())
+        self.metrics = None if config.log_dir is None else metrics_log(config, _global_rank())
         """Global rank 0's metrics files under ``ParallelConfig.log_dir``, written at every
         step (:mod:`plait.runtime.metrics`); None without ``log_dir`` and on other ranks."""
         if self.metrics is not None:  # closed when the job goes, or at the process's end

@@ -10,29 +10,24 @@ keeps one file). ``log_formats`` picks what is written:
   DIR``;
 * ``"jsonl"``: ``DIR/metrics.jsonl``, one JSON object a line.
 
-A record (JSON key, TensorBoard tag):
+A record, key (TensorBoard tag): value:
 
-==========================  ===========================  =====================================
-key                         tag                          value
-==========================  ===========================  =====================================
-``step``                    (the event's step)           optimizer steps taken, from 1
-``loss``                    ``loss/train``               the global loss ``step`` returned
-``lr``                      ``lr``                       the optimizer's first group's rate
-``step_time_s``             ``step_time/measured_s``     wall time of the ``step`` call
-``predicted_step_time_s``   ``step_time/predicted_s``    the plan's prediction (null: no plan)
-``samples_per_s``           ``throughput/samples_per_s`` global batch rows / step time
-``tokens_per_s``            ``throughput/tokens_per_s``  null unless the batch holds token ids
-``peak_memory_bytes``       ``memory/peak_bytes``        see below
-``memory_source``           -                            ``"cuda max allocated"`` or
-                                                         ``"process peak rss"``
-``wall_time``               (the event's time)           seconds since the epoch
-==========================  ===========================  =====================================
+* ``step`` (the event's step): optimizer steps taken, from 1;
+* ``loss`` (``loss/train``): the global loss ``step`` returned;
+* ``lr`` (``lr``): the learning rate of the optimizer's first parameter group;
+* ``step_time_s`` (``step_time/measured_s``): wall time of the ``step`` call;
+* ``predicted_step_time_s`` (``step_time/predicted_s``): the plan's (null: the job runs no
+  plan);
+* ``samples_per_s`` (``throughput/samples_per_s``): rows of the global batch / step time;
+* ``tokens_per_s`` (``throughput/tokens_per_s``): null unless the batch holds token ids;
+* ``peak_memory_bytes`` (``memory/peak_bytes``) and ``memory_source`` (no tag): below;
+* ``wall_time`` (the event's time): seconds since the epoch.
 
-Samples: dim 0 of the batch's first tensor, times the data-parallel processes whose slices
-make the global batch when each process passes its own slice (``dataset_strategy=
-"data_parallel"`` on real processes); as it is when the batch given is the global one
-(``"full_batch"``, simulated worlds, stand-alone). Tokens: when the batch holds an integer
-tensor of two dims (token ids, ``(batch, seq)``), samples times ``seq``.
+Samples: dim 0 of the token ids (below) or else of the batch's first tensor, times the
+data-parallel processes whose slices make the global batch when each process passes its own
+slice (``dataset_strategy="data_parallel"`` on real processes); as it is when the batch
+given is the global one (``"full_batch"``, simulated worlds, stand-alone). Tokens: when the batch holds an integer
+tensor of two dims (its first: token ids, ``(batch, seq)``), samples times ``seq``.
 
 Memory: on CUDA the allocator's peak since the process started
 (``torch.cuda.max_memory_allocated``, not reset, so ``job.report()`` reads the same); on the

@@ -18,6 +18,9 @@ A record, key (TensorBoard tag): value:
 * ``step_time_s`` (``step_time/measured_s``): wall time of the ``step`` call;
 * ``predicted_step_time_s`` (``step_time/predicted_s``): the plan's (null: the job runs no
   plan);
+* ``predicted_on`` (a text, ``step_time/predicted_on``, written when it changes): the
+  hardware profile the prediction was made on, as every report prints it (on the
+  uncalibrated ``local`` defaults it says so and how to calibrate); null without a plan;
 * ``samples_per_s`` (``throughput/samples_per_s``): rows of the global batch / step time;
 * ``tokens_per_s`` (``throughput/tokens_per_s``): null unless the batch holds token ids;
 * ``peak_memory_bytes`` (``memory/peak_bytes``) and ``memory_source`` (no tag): below;
@@ -63,6 +66,7 @@ from plait.runtime.measure import plan_of
 
 __all__ = [
     "JSONL_NAME",
+    "PREDICTED_ON_TAG",
     "TAGS",
     "MetricsLog",
     "StepMetrics",
@@ -90,6 +94,10 @@ TAGS: Mapping[str, str] = MappingProxyType(
 """A record's numeric keys -> their TensorBoard scalar tags (the sections ``loss``,
 ``step_time``, ``throughput`` and ``memory`` group them in TensorBoard's view)."""
 
+PREDICTED_ON_TAG = "step_time/predicted_on"
+"""The TensorBoard text tag of ``predicted_on`` (stored by torch's ``add_text`` as
+``step_time/predicted_on/text_summary``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class StepMetrics:
@@ -104,6 +112,7 @@ class StepMetrics:
     memory_source: str
     lr: float | None
     predicted_step_time_s: float | None
+    predicted_on: str | None = None
 
     def record(self, wall_time: float) -> dict[str, Any]:
         """The JSON-lines record (the module docstring's keys, in its order): rates per
@@ -115,6 +124,7 @@ class StepMetrics:
             "lr": self.lr,
             "step_time_s": seconds,
             "predicted_step_time_s": self.predicted_step_time_s,
+            "predicted_on": self.predicted_on,
             "samples_per_s": _rate(self.samples, seconds),
             "tokens_per_s": _rate(self.tokens, seconds),
             "peak_memory_bytes": self.peak_memory_bytes,
@@ -169,6 +179,8 @@ class MetricsLog:
         self._jsonl: Any = None
         self._events: Any = None
         self._opened = False
+        self._predicted_on: str | None = None
+        """The hardware label last written as text to the event files."""
         self.closed = False
 
     def write(self, metrics: StepMetrics) -> None:
@@ -187,6 +199,10 @@ class MetricsLog:
                 value = record[key]
                 if value is not None:
                     self._events.add_scalar(tag, value, metrics.step, walltime=now)
+            label = metrics.predicted_on
+            if label is not None and label != self._predicted_on:
+                self._events.add_text(PREDICTED_ON_TAG, label, metrics.step, walltime=now)
+                self._predicted_on = label
             self._events.flush()
 
     def _open(self, first_step: int) -> None:
@@ -243,6 +259,7 @@ def step_metrics(job: Any, batch: Any, loss: float, seconds: float) -> StepMetri
         memory_source=source,
         lr=learning_rate(job.optimizer),
         predicted_step_time_s=None if plan is None else float(plan.predicted.step_time_s),
+        predicted_on=None if plan is None else str(plan.hardware_label),
     )
 
 

@@ -21,7 +21,14 @@ from plait import ConfigError, NotBuiltError, ParallelConfig
 from plait.demo.train import plan_file_config
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.runtime import metrics
-from plait.runtime.metrics import JSONL_NAME, TAGS, MetricsLog, StepMetrics, metrics_log
+from plait.runtime.metrics import (
+    JSONL_NAME,
+    PREDICTED_ON_TAG,
+    TAGS,
+    MetricsLog,
+    StepMetrics,
+    metrics_log,
+)
 from plait.testing.equivalence import reference_run
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
@@ -88,7 +95,7 @@ def test_plain_data_parallel_writes_its_losses_to_tensorboard_and_json_lines(tmp
     _same_in_both(records, scalars)
     assert "step_time/predicted_s" not in scalars  # no plan: nothing predicted
     for r in records:
-        assert r["lr"] == 0.1 and r["predicted_step_time_s"] is None
+        assert r["lr"] == 0.1 and r["predicted_step_time_s"] is r["predicted_on"] is None
         # a simulated world's step takes the global batch: 8 sequences of 8 tokens
         assert r["samples_per_s"] * r["step_time_s"] == pytest.approx(8)
         assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(64)
@@ -118,6 +125,13 @@ def test_a_plan_job_logs_its_predicted_step_time_beside_the_measured(tmp_path) -
     scalars = read_events(tmp_path / "run")
     _same_in_both(records, scalars)
     assert [s for s, _ in scalars["step_time/predicted_s"]] == [1, 2]
+    # the profile the prediction was made on, as reports print it (UNCALIBRATED on `local`)
+    assert {r["predicted_on"] for r in records} == {plan.hardware_label}
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    # written once (it never changed), under torch's suffix for text
+    (text,) = events.Tensors(PREDICTED_ON_TAG + "/text_summary")
+    assert (text.step, text.tensor_proto.string_val[0].decode()) == (1, plan.hardware_label)
     reference = reference_run(_model(), gpt_loss, sgd, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses))
 

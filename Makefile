@@ -18,7 +18,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "torch==2.13.0"
 	$(BIN)/pip install --quiet --upgrade "$(TRANSFORMERS)"
-	$(BIN)/pip install --quiet -e ".[dev,plot]"
+	$(BIN)/pip install --quiet -e ".[dev,plot,metrics]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 
 from plait.errors import ConfigError, NotBuiltError
 
-__all__ = ["SPLIT_BACKWARD", "CommFusion", "ParallelConfig"]
+__all__ = ["SPLIT_BACKWARD", "CommFusion", "LogFormat", "ParallelConfig"]
 
 Mode = Literal["stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"]
 Search = Literal["sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"]
@@ -30,6 +30,7 @@ Offload = Literal["optimizer", "parameters", "activations"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Hardware = Literal["local", "a100-40g", "a100-80g", "h100", "h200", "ascend-910"]
 DatasetStrategy = Literal["data_parallel", "full_batch"]
+LogFormat = Literal["tensorboard", "jsonl"]
 SPLIT_BACKWARD = frozenset({"zero_bubble", "zero_bubble_v"})
 """Schedules that run the weight gradient as a pass of its own (Qi et al. 2023)."""
 
@@ -204,9 +205,19 @@ class ParallelConfig:
     """Run pipeline stages with tensor parallel inside as traced per-rank programs (graphs over
     local tensors, collectives explicit: :mod:`plait.runtime.stage_program`) where built;
     False keeps DTensor's per-op dispatch in the stages."""
+    log_dir: str | os.PathLike[str] | None = None
+    """A directory where the process of global rank 0 writes one record per training step
+    (step, loss, step time beside the plan's prediction, samples and tokens per second, peak
+    memory, learning rate), as ``log_formats`` say (:mod:`plait.runtime.metrics`); None = no
+    metrics files (the demo's progress bar and ``job.report()`` are there either way)."""
+    log_formats: tuple[LogFormat, ...] = ("tensorboard", "jsonl")
+    """What ``log_dir`` gets: ``"tensorboard"`` event files (``tensorboard --logdir DIR``;
+    needs ``pip install 'plait[metrics]'``) and ``"jsonl"``, ``DIR/metrics.jsonl`` (one JSON
+    object a step, no extra package)."""
     _mesh: MappingProxyType[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_metrics()
         if not isinstance(self.stage_programs, bool):
             raise ConfigError(
                 f"ParallelConfig.stage_programs={self.stage_programs!r}: give True or False "
@@ -255,6 +266,34 @@ class ParallelConfig:
             raise ConfigError(
                 f"ParallelConfig.comm_fusion={self.comm_fusion!r} is not allowed; use a CommFusion "
                 "or a dict such as {'mode': 'size', 'bucket_mb': 25}"
+            )
+
+    def _check_metrics(self) -> None:
+        formats = self.log_formats
+        allowed = get_args(LogFormat)
+        if (
+            isinstance(formats, str)
+            or not isinstance(formats, tuple | list)
+            or not formats
+            or any(f not in allowed for f in formats)
+        ):
+            raise ConfigError(
+                f"ParallelConfig.log_formats={formats!r} is not allowed; give a non-empty tuple "
+                f"of {_allowed(LogFormat)}, e.g. ('jsonl',)"
+            )
+        object.__setattr__(self, "log_formats", tuple(f for f in allowed if f in formats))
+        log_dir = self.log_dir
+        if log_dir is None:
+            if self.log_formats != allowed:
+                raise ConfigError(
+                    f"ParallelConfig(log_formats={self.log_formats!r}) without log_dir writes "
+                    "nothing; give log_dir='DIR' (where the metrics go) or leave log_formats out"
+                )
+            return
+        if not isinstance(log_dir, str | os.PathLike) or not os.fspath(log_dir):
+            raise ConfigError(
+                f"ParallelConfig.log_dir={log_dir!r} is not allowed; give a directory path "
+                "(created if missing), e.g. 'runs/gpt'"
             )
 
     def _check_weight_shard_size(self) -> None:

@@ -17,6 +17,7 @@ LayerNorm and an LM head.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import statistics
@@ -32,6 +33,7 @@ from tqdm import tqdm
 
 import plait
 from plait.checkpoint import Checkpoints
+from plait.config import LogFormat
 from plait.cost import UNCALIBRATED
 from plait.launch import detect_environment
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
@@ -118,6 +120,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "'plait[plot]'): training.png (loss per step), memory.png (every "
                         "rank's memory by kind, predicted beside measured), timeline.png "
                         "(pipelines: the last step measured)")  # fmt: skip
+    p.add_argument("--log-dir", type=Path, metavar="DIR", default=None,
+                   help="rank 0 writes each step's loss, step time (and the plan's predicted "
+                        "one), tokens/s and peak memory to DIR: TensorBoard event files "
+                        "(tensorboard --logdir DIR) and DIR/metrics.jsonl")  # fmt: skip
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level")  # fmt: skip
     args = p.parse_args(argv)
@@ -391,10 +397,14 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
         offload=args.offload,
         micro_batches=args.micro_batches,
         schedule=args.schedule,
+        log_dir=args.log_dir,
+        log_formats=metrics_formats(args.log_dir),
     )
     if args.plan is not None:
         config = plait.Plan.load(args.plan)
         args.grad_accumulation = config.grad_accumulation  # the plan's, for check_batch
+        if args.log_dir is not None:  # a Plan object runs as it is: the file, with metrics
+            config = plan_file_config(args.plan, config, args.log_dir)
     # auto and semi_auto plan on the shapes of one global batch (meta tensors: no memory);
     # given now, the plan (and its errors) come before training starts
     planned = makes_plan(args)
@@ -411,6 +421,33 @@ def build_job(args: argparse.Namespace, vocab: int, world_size: int, rank: int =
         plan.save(args.save_plan)
         logger.info("plan saved to %s", args.save_plan)
     return job
+
+
+def metrics_formats(log_dir: Path | None) -> tuple[LogFormat, ...]:
+    """--log-dir writes TensorBoard event files where tensorboard is installed (``pip install
+    'plait[metrics]'``), and the JSON-lines log always."""
+    if log_dir is None or importlib.util.find_spec("tensorboard") is not None:
+        return ("tensorboard", "jsonl")
+    logger.warning("--log-dir: tensorboard is not installed (pip install 'plait[metrics]'): "
+                   "writing %s/metrics.jsonl alone", log_dir)  # fmt: skip
+    return ("jsonl",)
+
+
+def plan_file_config(path: Path, plan: plait.Plan, log_dir: Path) -> plait.ParallelConfig:
+    """``--plan PATH --log-dir DIR``: the saved plan as a config naming its file, with the
+    job settings it was made with (a plan runs with those) and the metrics directory."""
+    return plait.ParallelConfig(
+        plan=path,
+        precision=plan.precision,  # type: ignore[arg-type]
+        grad_accumulation=plan.grad_accumulation,
+        dp_axis=plan.dp_axis,
+        dataset_strategy=plan.dataset_strategy,  # type: ignore[arg-type]
+        comm_fusion=plan.comm_fusion,
+        optimizer_shard=plan.optimizer_shard,  # type: ignore[arg-type]
+        offload=plan.offload,  # type: ignore[arg-type]
+        log_dir=log_dir,
+        log_formats=metrics_formats(log_dir),
+    )
 
 
 def evaluate(job: plait.Job, batches: list[Batch], index: int, size: int) -> float:
@@ -488,6 +525,7 @@ def train(args: argparse.Namespace) -> Summary:
 
     if ckpt is not None:
         job.wait_for_save()
+    job.close()  # the --log-dir files: complete now
     if not losses:
         raise SystemExit(f"nothing to train: the checkpoint is at step {resumed} of {args.steps}")
     tail = losses[-max(1, len(losses) // 10) :]

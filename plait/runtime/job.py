@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,6 +30,7 @@ from plait.comm.dtensor import (
     local_piece,
     sync_grad,
 )
+from plait.comm.world import current_world
 from plait.config import ParallelConfig
 from plait.data import input_layouts, split_micro_batches
 from plait.errors import CheckpointError, NotBuiltError, ShardingError
@@ -37,6 +39,7 @@ from plait.mesh import MeshSpec
 from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
 from plait.runtime.grad_sync import GradSync
 from plait.runtime.meta_init import require_initialised
+from plait.runtime.metrics import metrics_log, step_metrics
 from plait.runtime.precision import LossScaler, autocast_for
 from plait.runtime.predict import batch_key
 from plait.runtime.program import Program, check_loss
@@ -119,6 +122,11 @@ class Job:
         self._save_group: Any = None
         self._step_seconds: list[float] = []
         """Wall time of each ``step`` call on this rank (for :meth:`report`)."""
+        self.metrics = None if config.log_dir is None else metrics_log(config, _global_rank())
+        """Global rank 0's metrics files under ``ParallelConfig.log_dir``, written at every
+        step (:mod:`plait.runtime.metrics`); None without ``log_dir`` and on other ranks."""
+        if self.metrics is not None:  # closed when the job goes, or at the process's end
+            weakref.finalize(self, self.metrics.close)
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -133,7 +141,39 @@ class Job:
         loss = self._step(batch)
         self._step_seconds.append(time.perf_counter() - started)
         self.steps_taken += 1
+        if self.metrics is not None:
+            self.metrics.write(step_metrics(self, batch, loss, self._step_seconds[-1]))
         return loss
+
+    def close(self) -> None:
+        """Close this job's metrics files (``ParallelConfig.log_dir``), flushed after every
+        step already; the end of the process, or the job's collection, closes them too.
+        Steps after it are not logged."""
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def _batch_processes(self, batch: Any) -> int:
+        """How many processes' batches make up a step's global batch (for the metrics'
+        samples per second): 1 where ``step`` takes the global batch (simulated worlds,
+        ``full_batch``, stand-alone), else the data-parallel processes whose slices it is
+        (per-input strategies: the cuts of the first input's dim 0)."""
+        if self._slice_inputs or self.mesh is None:
+            return 1
+        strategies = self.config.dataset_strategy
+        if isinstance(strategies, tuple):
+            first = strategies[0] if strategies else ()
+            cuts = first.splits() if isinstance(first, TensorLayout) else tuple(first)
+            return int(cuts[0]) if cuts else 1
+        dp = self.config.dp_axis
+        return self.mesh.axis_size(dp) if dp in self.mesh.axis_names else 1
+
+    def _memory_device(self) -> str:
+        """The device type whose peak memory the metrics report: the mesh's, or where a
+        stand-alone model's parameters are."""
+        if self.device_mesh is not None:
+            return str(self.device_mesh.device_type)
+        first = next(iter(self.model.parameters()), None)
+        return "cpu" if first is None else first.device.type
 
     def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
         """What the plan predicted beside what this rank measured: the median step time of
@@ -745,6 +785,10 @@ class DeferredJob(Job):
         if self._built is not None:
             self._built.wait_for_save()
 
+    def close(self) -> None:
+        if self._built is not None:
+            self._built.close()
+
     def load_pretrained(self, path: str | os.PathLike[str]) -> list[str]:
         """As :meth:`Job.load_pretrained`. Before the first step the whole model is loaded on
         every rank (placement slices it at the first step); a meta model is refused."""
@@ -766,6 +810,17 @@ class DeferredJob(Job):
         if self._built is None:  # not planned yet: the model is still whole
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return self._built.full_state_dict()
+
+
+def _global_rank() -> int:
+    """This process's rank in the whole job: the world's (0 in a simulated world, which one
+    process runs), else the launcher's (a stand-alone job under several processes)."""
+    world = current_world()
+    if world is not None:
+        return world.rank
+    from plait.launch.environment import detect_environment
+
+    return detect_environment().rank
 
 
 def _shapes(batch: Any) -> list[tuple[int, ...]]:

@@ -52,6 +52,7 @@ from plait.runtime.meta_init import (
     materialize_meta,
     move_to_device,
 )
+from plait.runtime.metrics import check_log_dir
 from plait.runtime.placement import place_parameters
 from plait.support import Where
 
@@ -183,6 +184,7 @@ def parallelize(
             f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
     support.check(config)  # what is refused on every engine (plait.support's table)
+    check_log_dir(config)  # metrics that could not be written: before any collective
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     world = current_world()

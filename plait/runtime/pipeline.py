@@ -623,6 +623,11 @@ class PipelineJob(Job):
         order = [k for k in self.model.state_dict() if k in merged]
         return {k: merged[k] for k in order}
 
+    def _batch_processes(self, batch: Any) -> int:
+        """Each data-parallel replica passes its own rows (``full_batch``: every rank the
+        global batch); the ranks of one replica pass the same."""
+        return 1 if self.config.dataset_strategy == "full_batch" else self._dp
+
     def shard_batch(self, batch: Any) -> Any:
         """This pipeline replica's part of a step's batch. ``dataset_strategy="data_parallel"``:
         each rank passes its replica's own rows, taken as they are; ``"full_batch"``: every

@@ -6,6 +6,7 @@ saved plan replayed) and one in-process run in stand_alone mode, all with a tiny
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -112,9 +113,15 @@ def test_gpt_example_refuses_a_plan_with_another_mode() -> None:
     assert parse_args(["--plan", "gpt.plan.json"]).mode == "auto"
 
 
-def test_gpt_example_stand_alone_in_process() -> None:
-    summary = train(parse_args(["--mode", "stand_alone", *TINY]))
+def test_gpt_example_stand_alone_in_process(tmp_path: Path) -> None:
+    summary = train(parse_args(["--mode", "stand_alone", *TINY, "--log-dir", str(tmp_path)]))
     assert summary.mesh is None and summary.steps == 8
+    # --log-dir: a record a step (TensorBoard's files beside them: tests/sim/test_metrics.py)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[0]["loss"] == summary.first_loss
+    assert records[0]["tokens_per_s"] * records[0]["step_time_s"] == pytest.approx(4 * 16)
+    assert list(tmp_path.glob("events.out.tfevents.*"))
     assert len(summary.sample) == 6  # the characters job.predict's logits chose
     assert summary.loss_fell, (summary.first_loss, summary.last_loss)
     assert [step for step, _ in summary.eval_losses] == [0, 4, 8]

@@ -39,6 +39,12 @@ def test_config_defaults_and_mesh():
         ({"dataset_strategy": "sharded"}, r"dataset_strategy='sharded'"),
         ({"plan": 3}, r"plan=3 is not allowed"),
         ({"dp_axis": ""}, r"dp_axis='' is not allowed"),
+        ({"log_dir": 3}, r"log_dir=3 is not allowed; give a directory path"),
+        ({"log_dir": ""}, r"log_dir='' is not allowed"),
+        ({"log_dir": "runs", "log_formats": "jsonl"}, r"log_formats='jsonl' is not allowed; give a non-empty tuple"),
+        ({"log_dir": "runs", "log_formats": ()}, r"log_formats=\(\) is not allowed"),
+        ({"log_dir": "runs", "log_formats": ("csv",)}, r"log_formats=\('csv',\) is not allowed; give a non-empty tuple of 'tensorboard', 'jsonl'"),
+        ({"log_formats": ("jsonl",)}, r"log_formats=\('jsonl',\)\) without log_dir writes nothing; give log_dir="),
     ],
 )
 def test_config_invalid_field_is_refused(kwargs, message):
@@ -54,6 +60,12 @@ def test_config_memory_limit_units():
 def test_config_comm_fusion_from_dict():
     cfg = ParallelConfig(comm_fusion={"mode": "index", "boundaries": [2, 5]})
     assert cfg.comm_fusion == CommFusion(mode="index", boundaries=(2, 5))
+
+
+def test_config_log_formats_are_held_in_one_order() -> None:
+    cfg = ParallelConfig(log_dir="runs", log_formats=["jsonl", "tensorboard", "jsonl"])
+    assert cfg.log_formats == ("tensorboard", "jsonl") and cfg.log_dir == "runs"
+    assert ParallelConfig(log_dir="runs").log_formats == ("tensorboard", "jsonl")
 
 
 def test_config_is_frozen():

@@ -34,7 +34,6 @@ from plait.config import (
     Search,
 )
 from plait.errors import ConfigError, PlaitError, PlanError
-from plait.planning import fmt_bytes
 
 __all__ = [
     "EXIT_DOES_NOT_FIT",
@@ -336,6 +335,8 @@ def memory_verdict(plan: Any) -> str | None:
     """Why the plan does not fit device memory, or None when it fits: the outer planner's
     winner is marked infeasible (nothing it weighed fits its limit: ``memory_limit`` or the
     profile's device memory), or the predicted peak is over the given ``memory_limit``."""
+    from plait.planning import fmt_bytes  # the planner loads when a plan is made, not for --help
+
     peak = plan.predicted.memory_bytes
     if plan.options and not plan.options[0].feasible:
         return (

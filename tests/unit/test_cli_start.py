@@ -33,6 +33,13 @@ def test_import_plait_loads_neither_torch_nor_a_room() -> None:
     assert not {"plait.runtime.job", "plait.planning.planner", "torch._dynamo"} & config
 
 
+def test_the_command_line_parser_loads_no_torch() -> None:
+    """``plait --help``, ``--version`` and ``completion`` build the parser alone: every
+    subcommand imports its heavy rooms when it runs."""
+    loaded = _loaded_after("from plait.cli import build_parser\nbuild_parser()")
+    assert "torch" not in loaded
+
+
 def test_lazy_names_are_the_rooms_objects_and_unknown_ones_are_attribute_errors() -> None:
     import plait
     from plait.runtime.parallelize import parallelize

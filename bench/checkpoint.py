@@ -77,8 +77,8 @@ from plait.comm import checkpoint_io as io
 from plait.comm.dtensor import is_dtensor, local_piece
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
 from plait.planning.records import Plan as PlanRecord
-from plait.runtime import checkpoint as ckpt
-from plait.runtime.checkpoint import tensor_state
+from plait.runtime.engine import checkpoint as ckpt
+from plait.runtime.engine.checkpoint import tensor_state
 from plait.testing import run_workers
 
 WORLD = 4

@@ -8,7 +8,7 @@ largest difference between the two variants' losses, which must be ~1e-6 (both e
 single-device training), and the machine's load average before and after the run.
 
 plait runs pure data parallelism on plain tensors (no DTensor): gradients are summed in
-buckets started from backward hooks, as DDP does (plait/runtime/data_parallel.py).
+buckets started from backward hooks, as DDP does (plait/runtime/engine/data_parallel.py).
 
     .venv/bin/python bench/dp_overhead.py [--steps 30] [--width 512] [--layers 4] [--batch 256] [--bucket-mb MB]
 """

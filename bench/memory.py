@@ -19,7 +19,7 @@ gradient buckets, gradient accumulation over 2 micro-steps (with and without ZeR
 Megatron plan with full recompute.
 
 Each case is built, takes ``--warmup`` steps (AdamW makes its states), then one step is
-measured by :func:`plait.runtime.measure.measure_step_memory` on every rank: parameters,
+measured by :func:`plait.runtime.engine.measure.measure_step_memory` on every rank: parameters,
 gradients and optimizer states held (ZeRO-1/2's shard copies count as optimizer, as the plan
 counts them), activations (the peak minus the model states alive at it: everything else the
 step holds at once) and the peak. The job is then dropped before the next case is built. The
@@ -66,7 +66,7 @@ import plait
 from plait import ParallelConfig
 from plait.config import CommFusion
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
-from plait.runtime.measure import (
+from plait.runtime.engine.measure import (
     KINDS,
     ComparisonRow,
     MemoryMeasurement,

@@ -1,7 +1,7 @@
 """What ``ParallelConfig(log_dir=...)`` adds to a step on rank 0: one record written and
 flushed, per format (#35 item 4).
 
-Times :meth:`plait.runtime.metrics.MetricsLog.write` alone on 1,000 records into a temporary
+Times :meth:`plait.runtime.engine.metrics.MetricsLog.write` alone on 1,000 records into a temporary
 directory: the JSON line by itself, then a TensorBoard event file beside it (seven scalars and
 a flush of the event writer's queue each step). The other ranks write nothing.
 
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plait.runtime.metrics import MetricsLog, StepMetrics
+from plait.runtime.engine.metrics import MetricsLog, StepMetrics
 
 RECORDS = 1000
 

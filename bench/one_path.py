@@ -10,7 +10,7 @@ busy spell of the machine hits all of them:
       returns;
   (b) ``plait data_parallel``: ``ParallelConfig(mode="data_parallel")``, the plain-tensor path;
   (c) ``plait auto dp=4``: ``ParallelConfig(mode="auto", mesh={"dp": 4})``, the compiled
-      per-rank program (``plait/runtime/program.py``; its gradient buckets and loss value
+      per-rank program (``plait/runtime/program/compile.py``; its gradient buckets and loss value
       all-reduced inside it);
 * Megatron tensor parallel on a dp=2 x tp=2 mesh:
   (d) ``torch TP + DDP``, hand-written (the baseline of e and f): ``parallelize_module`` on the

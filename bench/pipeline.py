@@ -149,7 +149,7 @@ from plait import ParallelConfig
 from plait.comm import pipeline as pp_comm
 from plait.errors import PlaitError
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
-from plait.runtime import pipeline as pp_job
+from plait.runtime.pipeline import job as pp_job
 from plait.testing import run_workers
 
 WORLD = 4

@@ -17,7 +17,7 @@ alternates), so a busy spell of the shared machine hits all of them:
   head split over the vocabulary), then ``plait.parallelize(model, ParallelConfig(
   mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=M, schedule="1f1b"), ...)`` and
   ``job.step(batch)``. Its stages run as compiled per-rank programs
-  (``plait/runtime/stage_program.py``);
+  (``plait/runtime/pipeline/stage_program.py``);
 * ``plait auto``: the same annotations, ``mode="auto"`` on the same mesh (``--no-auto``
   leaves it out);
 * ``torch``: what a user writes with torch's own tools, as torchtitan does. A 2-D

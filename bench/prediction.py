@@ -17,7 +17,7 @@ on 4 gloo processes in each of these ways, one after another:
 
 Each case takes ``--warmup`` steps, then ``--steps`` timed steps (``job.report()``: rank 0's
 median wall time per step), then one step measured by
-:func:`plait.runtime.measure.measure_step_memory` (rank 0's peak). The table puts them beside
+:func:`plait.runtime.engine.measure.measure_step_memory` (rank 0's peak). The table puts them beside
 the plan's ``predicted.step_time_s`` and ``predicted.memory_bytes``, with the targets of the
 issue: step time within 25 %, peak memory within 15 %. The script reports; it does not fail on
 a missed target.
@@ -44,7 +44,7 @@ import plait
 from plait import ParallelConfig
 from plait.cost.calibrate import worker_threads
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss, token_batches
-from plait.runtime.measure import format_bytes, measure_step_memory, plan_of
+from plait.runtime.engine.measure import format_bytes, measure_step_memory, plan_of
 from plait.testing import run_workers
 
 Batch = tuple[torch.Tensor, torch.Tensor]

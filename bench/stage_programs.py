@@ -1,7 +1,7 @@
 """Compiled pipeline stages against the same stages on DTensors, per setting.
 
 Pipeline stages with tensor parallel inside run as compiled per-rank programs
-(``plait/runtime/stage_program.py``) unless ``ParallelConfig(stage_programs=False)``; recompute
+(``plait/runtime/pipeline/stage_program.py``) unless ``ParallelConfig(stage_programs=False)``; recompute
 (the stage's and per module), activation offload, mixed precision and ZeRO on such stages
 compile too. This script measures what that buys, setting by setting, in one run: for each
 setting, two jobs built from the same weights on the same 4 gloo processes (pp=2 x tp=2,

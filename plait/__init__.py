@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and readers
     from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
     from plait.mesh import MeshSpec
     from plait.planning import Plan, plan
-    from plait.runtime.job import Job
+    from plait.runtime.engine.job import Job
     from plait.runtime.parallelize import parallelize
 
 __version__ = "0.1.0"
@@ -62,7 +62,7 @@ _LAZY: dict[str, str] = {
     "MeshSpec": "plait.mesh",
     "Plan": "plait.planning",
     "plan": "plait.planning",
-    "Job": "plait.runtime.job",
+    "Job": "plait.runtime.engine.job",
     "parallelize": "plait.runtime.parallelize",
 }
 """Each public name and the module it is defined in (loaded on first use)."""

@@ -384,7 +384,7 @@ def output_structure(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
 def aot_joint_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
     """AOTAutograd's joint forward-and-backward graph of ``fn`` on ``example`` (fake
     tensors; tensor subclasses such as DTensor desugared into their local ops): a pipeline
-    stage's per-rank program (:mod:`plait.runtime.stage_program`)."""
+    stage's per-rank program (:mod:`plait.runtime.pipeline.stage_program`)."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
 
     return cast("torch.fx.GraphModule", aot_export_joint_simple(fn, example, trace_joint=True))
@@ -393,7 +393,7 @@ def aot_joint_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
 def aot_forward_graph(fn: Any, example: tuple[Any, ...]) -> torch.fx.GraphModule:
     """AOTAutograd's forward graph of ``fn`` on ``example``, no backward (fake tensors; tensor
     subclasses such as DTensor desugared into their local ops): a pipeline stage's evaluation
-    program (:mod:`plait.runtime.stage_program`)."""
+    program (:mod:`plait.runtime.pipeline.stage_program`)."""
     from torch._functorch.aot_autograd import aot_export_joint_simple
 
     return cast("torch.fx.GraphModule", aot_export_joint_simple(fn, example, trace_joint=False))

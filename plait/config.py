@@ -203,12 +203,12 @@ class ParallelConfig:
     """Run a plan's per-rank program through ``torch.compile`` (inductor), on real processes."""
     stage_programs: bool = True
     """Run pipeline stages with tensor parallel inside as traced per-rank programs (graphs over
-    local tensors, collectives explicit: :mod:`plait.runtime.stage_program`) where built;
+    local tensors, collectives explicit: :mod:`plait.runtime.pipeline.stage_program`) where built;
     False keeps DTensor's per-op dispatch in the stages."""
     log_dir: str | os.PathLike[str] | None = None
     """A directory where the process of global rank 0 writes one record per training step
     (step, loss, step time beside the plan's prediction, samples and tokens per second, peak
-    memory, learning rate), as ``log_formats`` say (:mod:`plait.runtime.metrics`); None = no
+    memory, learning rate), as ``log_formats`` say (:mod:`plait.runtime.engine.metrics`); None = no
     metrics files (the demo's progress bar and ``job.report()`` are there either way)."""
     log_formats: tuple[LogFormat, ...] = ("tensorboard", "jsonl")
     """What ``log_dir`` gets: ``"tensorboard"`` event files (``tensorboard --logdir DIR``;
@@ -420,7 +420,7 @@ class ParallelConfig:
     @property
     def compiled_stages(self) -> bool:
         """Whether pipeline stages with tensor parallel inside run as compiled per-rank
-        programs under these settings (:mod:`plait.runtime.stage_program`): ``stage_programs``
+        programs under these settings (:mod:`plait.runtime.pipeline.stage_program`): ``stage_programs``
         on, and not optimizer parallel beside mixed precision. Mixed precision is traced under
         the stage's autocast; recompute, the stage's or its modules', is a pass over its
         traced graph; activation offload moves what the program saves; optimizer parallel

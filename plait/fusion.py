@@ -3,7 +3,7 @@
 MindSpore's ``comm_fusion`` and DDP's buckets pack several gradients into one flat buffer and
 reduce it with a single collective. :func:`plan_buckets` decides the grouping from sizes alone,
 so the planner (:mod:`plait.planning.assemble`, which lists one collective per bucket) and
-the runtime (:mod:`plait.runtime.grad_sync`, which runs them) form exactly the same buckets.
+the runtime (:mod:`plait.runtime.program.grad_sync`, which runs them) form exactly the same buckets.
 
 * ``mode="size"``: parameters in reverse order (the order backward produces gradients) are
   packed greedily into buckets of at most ``bucket_mb`` megabytes; a parameter larger than that

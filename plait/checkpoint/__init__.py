@@ -2,7 +2,7 @@
 every N steps (:class:`Checkpoints`), and the offline tools behind ``plait checkpoint``.
 
 Saving and loading a job are :meth:`plait.Job.save` and :meth:`plait.Job.load`
-(``plait/runtime/checkpoint.py``).
+(``plait/runtime/engine/checkpoint.py``).
 """
 
 from plait.checkpoint.files import latest

@@ -14,7 +14,7 @@ A checkpoint is one directory::
 It is written under ``<name>.partial`` and renamed to ``<name>`` once every file is on disk
 and the manifest (written last) lists them: a directory with a manifest is complete, and a
 crash during a save leaves the previous checkpoint as it was. Nothing here touches a process
-group; ``plait/runtime/checkpoint.py`` runs the protocol across ranks.
+group; ``plait/runtime/engine/checkpoint.py`` runs the protocol across ranks.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class Stateful(Protocol):
 
 
 class Job(Protocol):
-    """What a directory of checkpoints asks of a job (:class:`plait.runtime.job.Job` is one;
+    """What a directory of checkpoints asks of a job (:class:`plait.runtime.engine.job.Job` is one;
     this module sits below the runtime and does not import it)."""
 
     @property

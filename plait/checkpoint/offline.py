@@ -38,7 +38,7 @@ __all__ = [
     "tensor_kind",
 ]
 
-# The key prefixes of a saved job (plait/runtime/checkpoint.py writes them). Spelled out here
+# The key prefixes of a saved job (plait/runtime/engine/checkpoint.py writes them). Spelled out here
 # rather than imported: the runtime imports this package, and the format is what matters.
 PLAN_FILE = "plan.json"
 

@@ -6,7 +6,7 @@ every piece of every tensor lies, and a load under any other layout reads, on ea
 the overlap of the saved pieces with the pieces it will hold. This module is the only place
 checkpoints touch ``torch.distributed``: saving and loading flat tensor dicts, reading the
 metadata, reading whole tensors on one process, and the few object collectives the save and
-load protocol needs (``plait/runtime/checkpoint.py`` holds the protocol itself).
+load protocol needs (``plait/runtime/engine/checkpoint.py`` holds the protocol itself).
 
 The protocol rides on DCP's own collectives rather than adding its own. DCP's save is a plan
 exchange (gather, scatter) then a write exchange (gather, broadcast); its load is a plan

@@ -93,7 +93,7 @@ def gather_pieces(local: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
 
 def host_group_mesh(group_mesh: DeviceMesh, device_mesh: DeviceMesh, axis: str) -> DeviceMesh:
     """The 1-D mesh that sums host tensors over the ranks of ``group_mesh`` (host modules'
-    gradients, :mod:`plait.runtime.host`): ``group_mesh`` itself when the world's collectives
+    gradients, :mod:`plait.runtime.engine.host`): ``group_mesh`` itself when the world's collectives
     run on CPU tensors (gloo, simulated ranks), else :func:`gloo_axis_mesh` (NCCL moves device
     memory only)."""
     if group_mesh.device_type == "cpu":

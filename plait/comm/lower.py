@@ -4,7 +4,7 @@ A function written on DTensors, traced by ``make_fx`` on fake local tensors, bec
 program one rank runs: DTensor's sharding propagation happens once, at trace time, and what is
 recorded are local aten ops and explicit functional collectives
 (``_c10d_functional.all_reduce`` and friends, each followed by ``wait_tensor``). This is the
-door :mod:`plait.runtime.program` goes through to compile a plan.
+door :mod:`plait.runtime.program.compile` goes through to compile a plan.
 
 In a simulated world (one process, :func:`plait.testing.simulate`) every rank's program is
 traced with that rank's mesh coordinate (which chunk it keeps, the vocabulary offset of a split

@@ -6,10 +6,10 @@ underneath) and cutting the graph at the first module of every stage after the f
 (``SplitPoint.BEGINNING``); each stage keeps the original parameter names. Stage ``s`` runs on
 the pipeline group's rank ``s % pp`` (looped: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` with
 several stages a rank) or, for the V-shaped zero-bubble schedule, ranks ``s`` and
-``2 pp - 1 - s``. ``plait/runtime/pipeline.py`` holds the job that uses them. The DTensor
+``2 pp - 1 - s``. ``plait/runtime/pipeline/job.py`` holds the job that uses them. The DTensor
 side of a stage compiled into a per-rank program (a parameter made from its local piece
 inside the trace, its gradient added to ``.grad`` after) is here too, for
-``plait/runtime/stage_program.py``.
+``plait/runtime/pipeline/stage_program.py``.
 """
 
 from __future__ import annotations
@@ -478,7 +478,7 @@ def _pending_sum_reduced(grad: Any) -> Any:
 @dataclass(frozen=True)
 class PieceLayout:
     """How a local piece makes a DTensor: its device mesh, placements, global shape and
-    stride (a compiled stage's parameters and gradients, :mod:`plait.runtime.stage_program`)."""
+    stride (a compiled stage's parameters and gradients, :mod:`plait.runtime.pipeline.stage_program`)."""
 
     mesh: DeviceMesh
     placements: tuple[Any, ...]

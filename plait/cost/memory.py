@@ -477,7 +477,7 @@ _CONVOLUTIONS = (
     "conv_transpose3d",
 )
 # Selective recompute keeps the outputs of matrix products, convolutions, attention kernels and
-# embedding lookups (the one rule: plait/runtime/remat.py's pass and pipeline stages ask
+# embedding lookups (the one rule: plait/runtime/program/remat.py's pass and pipeline stages ask
 # :func:`kept_by_selective` too); random ops are never recomputed (their results are kept).
 _SELECTIVE_KEEPS = frozenset(
     f"aten.{name}"
@@ -503,7 +503,7 @@ def kept_by_selective(base: str) -> bool:
 
     ``base`` is the op's namespace and name without an overload, as the graph's targets give
     it (``"aten.mm"``) or as a schema names it (``"aten::mm"``: what the recompute pass of
-    plait/runtime/remat.py and pipeline stages read), so the memory model and the runtime
+    plait/runtime/program/remat.py and pipeline stages read), so the memory model and the runtime
     ask the same rule."""
     if "::" in base:
         base = base.replace("::", ".", 1)
@@ -838,7 +838,7 @@ class StepTrace:
 
     ``regions`` are the recompute regions, ``(module path, "full" | "selective")`` as
     :func:`plait.planning.estimate.recompute_regions` gives them; an op lies in the longest
-    region path its module path is in (as the runtime's :func:`plait.runtime.remat.regions`).
+    region path its module path is in (as the runtime's :func:`plait.runtime.program.remat.regions`).
     """
 
     def __init__(self, graph: OpGraph, regions: Sequence[tuple[str, str]] = ()) -> None:
@@ -1569,7 +1569,7 @@ def _frontier(points: Sequence[_Point]) -> tuple[_Point, ...]:
 @dataclass(frozen=True, slots=True)
 class PeakMemory:
     """Bytes of one device at the peak of its step: the model states it holds after the step
-    (as :func:`plait.runtime.measure.measure_step_memory` counts them), the rest alive at the
+    (as :func:`plait.runtime.engine.measure.measure_step_memory` counts them), the rest alive at the
     peak (``activations``: kept values, working sets, gradients still being produced, the
     batch, gathered parameters, communication buffers), the peak and when it comes."""
 

@@ -563,8 +563,8 @@ def plot_run(
     step as measured (under the plan's prediction where the job runs a plan)."""
     from plait.comm.checkpoint_io import all_gather_objects
     from plait.planning.plots import loss_figure, timeline_figure, write_png
-    from plait.runtime.measure import measure_step_memory
-    from plait.runtime.report import plot_memory
+    from plait.runtime.engine.measure import measure_step_memory
+    from plait.runtime.engine.report import plot_memory
 
     pipeline = getattr(job, "stage_modules", None) is not None  # --pp, or a plan's stages
     memory = None if pipeline else measure_step_memory(job, batch)

@@ -7,7 +7,7 @@ orders ``torch.distributed.pipelining``'s schedules run), times it on per-rank d
 draws the result (:meth:`Timeline.to_png`, with matplotlib: :mod:`plait.planning.plots`) or
 writes it as a Chrome trace (:meth:`Timeline.to_chrome_trace`, for chrome://tracing and
 Perfetto). A measured step is
-the same :class:`Timeline`: the runtime's ``StageTimer`` (:mod:`plait.runtime.stage_timer`)
+the same :class:`Timeline`: the runtime's ``StageTimer`` (:mod:`plait.runtime.pipeline.stage_timer`)
 times the passes of a real run's stages and :func:`timeline_from_records` puts the ranks'
 records together.
 
@@ -706,7 +706,7 @@ def _plan_stage_times(plan: PlanContents) -> list[StageTimes]:
 
 Record = tuple[int, str, int, int, float, float]
 """One timed pass of a real run: (pipeline rank, kind, stage index, micro-batch, start s, end s),
-times from the rank's ``StageTimer.begin_step`` (:mod:`plait.runtime.stage_timer`)."""
+times from the rank's ``StageTimer.begin_step`` (:mod:`plait.runtime.pipeline.stage_timer`)."""
 
 
 def timeline_from_records(

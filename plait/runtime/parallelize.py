@@ -6,12 +6,12 @@ DTensors and build the optimizer. Errors therefore come before any process waits
 
 Pure data parallelism (mode ``data_parallel`` on a mesh whose only axis larger than one is the
 data-parallel one) skips DTensor: parameters stay plain tensors and gradients are summed in
-hook-driven buckets (:mod:`plait.runtime.data_parallel`), as DDP does.
+hook-driven buckets (:mod:`plait.runtime.engine.data_parallel`), as DDP does.
 
 A model built under ``with torch.device("meta"):`` (meta init) is never made whole: placement
-gives each rank uninitialised pieces of its own (:mod:`plait.runtime.placement`), ranks that
+gives each rank uninitialised pieces of its own (:mod:`plait.runtime.engine.placement`), ranks that
 hold the whole model (stand-alone, plain data parallel) an uninitialised model on their device,
-and ``job.load_pretrained`` or ``job.load`` fills them (:mod:`plait.runtime.pretrained`).
+and ``job.load_pretrained`` or ``job.load`` fills them (:mod:`plait.runtime.engine.pretrained`).
 """
 
 from __future__ import annotations
@@ -37,23 +37,23 @@ from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning import Plan
-from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
-from plait.runtime.grad_sync import GradSync
-from plait.runtime.host import (
+from plait.runtime.engine.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
+from plait.runtime.engine.host import (
     host_module_paths,
     place_on_host,
     plan_host_placement,
 )
-from plait.runtime.job import DeferredJob, Job, LossFn, OptimizerFactory
-from plait.runtime.local_optim import build_optimizer
-from plait.runtime.meta_init import (
+from plait.runtime.engine.job import DeferredJob, Job, LossFn, OptimizerFactory
+from plait.runtime.engine.meta_init import (
     capture_on_device,
     check_meta_buffers,
     materialize_meta,
     move_to_device,
 )
-from plait.runtime.metrics import check_log_dir
-from plait.runtime.placement import place_parameters
+from plait.runtime.engine.metrics import check_log_dir
+from plait.runtime.engine.placement import place_parameters
+from plait.runtime.program.grad_sync import GradSync
+from plait.runtime.program.local_optim import build_optimizer
 from plait.support import Where
 
 __all__ = ["parallelize"]
@@ -264,7 +264,7 @@ def _planned_job(
     """The job of a plan: made now on ``example_batch`` (semi_auto from the annotations, auto by
     search), or a plan file or Plan checked against it; run as a compiled per-rank program."""
     from plait.planning import plan_graph
-    from plait.runtime.plan_exec import build_plan_job
+    from plait.runtime.engine.plan_exec import build_plan_job
 
     if plan is not None:
         where = "the given plan"
@@ -317,10 +317,10 @@ def _planned_job(
 def _replanner(
     model: nn.Module, config: ParallelConfig, loss_fn: LossFn, plan: Plan, program_for: Any
 ) -> Any:
-    """Plans the job again for a batch of a new shape (:mod:`plait.runtime.replan`): same
+    """Plans the job again for a batch of a new shape (:mod:`plait.runtime.engine.replan`): same
     mode, mesh and searcher as ``plan``, the parameters pinned where they are."""
     from plait.planning import plan_graph
-    from plait.runtime.replan import Replanner
+    from plait.runtime.engine.replan import Replanner
 
     # the outer planner's choice of searcher, when mode auto left it to plait
     again = config
@@ -345,8 +345,8 @@ def _pipeline_of_plan(
 ) -> Job:
     """A plan with pipeline stages (the outer planner's pp x dp x tp, or a plan file) run as
     pipeline parallel: its mesh, stage split, micro-batches, schedule, ZeRO level and
-    recompute, and its parameters' layouts inside each stage (:mod:`plait.runtime.pipeline`)."""
-    from plait.runtime.pipeline import (
+    recompute, and its parameters' layouts inside each stage (:mod:`plait.runtime.pipeline.job`)."""
+    from plait.runtime.pipeline.job import (
         PipelineJob,
         check_pipeline_config,
         check_pipeline_optimizer,
@@ -418,9 +418,9 @@ def _pipeline_job(
     loss_fn: LossFn,
     example_batch: Any,
 ) -> Job:
-    """Pipeline parallel (``runtime/pipeline.py``): stages built now on ``example_batch``, or
+    """Pipeline parallel (``runtime/pipeline/job.py``): stages built now on ``example_batch``, or
     at the first step on its batch."""
-    from plait.runtime.pipeline import (
+    from plait.runtime.pipeline.job import (
         PipelineJob,
         check_pipeline_config,
         check_pipeline_optimizer,

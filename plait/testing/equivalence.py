@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from plait.config import ParallelConfig
-from plait.runtime.job import Job, LossFn, OptimizerFactory
+from plait.runtime.engine.job import Job, LossFn, OptimizerFactory
 from plait.runtime.parallelize import parallelize
 from plait.testing.simulate import simulate
 

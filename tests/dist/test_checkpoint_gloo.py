@@ -35,7 +35,7 @@ import plait
 from plait import CheckpointError, ParallelConfig
 from plait.data import ShardedLoader
 from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
-from plait.runtime.checkpoint import _shares, tensor_state
+from plait.runtime.engine.checkpoint import _shares, tensor_state
 from plait.testing import run_workers
 from plait.testing.equivalence import reference_run
 

@@ -1,6 +1,6 @@
 """Real processes: a mode-auto plan, and the same plan replayed from a file, on 4 gloo workers.
 
-The plan executor (plait/runtime/plan_exec.py) is otherwise tested on simulated ranks
+The plan executor (plait/runtime/engine/plan_exec.py) is otherwise tested on simulated ranks
 (tests/sim/test_auto_parallelize.py); here its DTensors, redistributions and gradient
 reductions run over real gloo collectives. One spawn does both checks (a spawn costs ~15 s):
 
@@ -14,7 +14,7 @@ reductions run over real gloo collectives. One spawn does both checks (a spawn c
 4. Memory passes over real collectives: ZeRO-3 with full recompute, and ZeRO-2 with gradient
    accumulation (one reduce-scatter per step), semi_auto on the same mesh; and HSDP (ZeRO-3 in
    shard groups of 2 on a dp=4 mesh, data_parallel): the same result.
-5. A new batch shape plans again (plait.runtime.replan) from each rank's own slice: semi_auto
+5. A new batch shape plans again (plait.runtime.engine.replan) from each rank's own slice: semi_auto
    planned at its first step, then a batch of 4 sequences of 6 tokens: equal to one device.
 
 SGD, not Adam: a wrong gradient scale (a missing or doubled reduction) shows in the parameters.

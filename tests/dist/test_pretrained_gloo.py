@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 import plait
 from plait import ParallelConfig
 from plait.models import MLP, mlp_loss
-from plait.runtime import pretrained
-from plait.runtime.meta_init import is_uninitialised
+from plait.runtime.engine import pretrained
+from plait.runtime.engine.meta_init import is_uninitialised
 from plait.testing import run_workers
 from plait.testing.equivalence import reference_run
 

@@ -1,5 +1,5 @@
 """A Llama pipeline stage in Megatron's layout, on 2 gloo processes (tp=2), as a compiled
-per-rank program (plait.runtime.stage_program) and on DTensors, against one device.
+per-rank program (plait.runtime.pipeline.stage_program) and on DTensors, against one device.
 
 The stage is the first of a pipeline cut: the vocabulary-split token embedding and one Llama
 block (RMSNorm, rotary positions, SwiGLU, grouped-query attention through SDPA), run as
@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from plait.comm.dtensor import implicit_replication
 from plait.comm.pipeline import stage_on_submesh
 from plait.models import Llama, ModelSpec
-from plait.runtime.stage_program import compile_stage
+from plait.runtime.pipeline.stage_program import compile_stage
 from plait.testing import run_workers
 
 pytestmark = pytest.mark.dist

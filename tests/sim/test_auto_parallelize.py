@@ -226,7 +226,7 @@ def test_auto_plan_with_gradient_accumulation_matches_one_device() -> None:
         losses.append(job.step(batches[2]))
         actual = Run(losses, job.full_state_dict())
         evaluated = job.evaluate(batches[0])  # the step's batch size: two micro-batches
-        # half the batch: micro-batches of 2, a new shape, planned again (plait.runtime.replan)
+        # half the batch: micro-batches of 2, a new shape, planned again (plait.runtime.engine.replan)
         half = job.evaluate(tuple(x[:4] for x in batches[0]))
     assert_same_run(expected, actual, rtol=1e-4, atol=1e-5)
     assert plan.grad_accumulation == 2 and plan.batch == ((4, GPT.seq), (4, GPT.seq))

@@ -10,7 +10,7 @@ import torch
 import plait
 from plait import CommFusion, ParallelConfig
 from plait.models import annotate_megatron, gpt_loss, mlp_loss
-from plait.runtime.grad_sync import plan_buckets
+from plait.runtime.program.grad_sync import plan_buckets
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, reference_run, simulated_run
 from tests.sim.conftest import adamw

@@ -15,8 +15,8 @@ from torch import nn
 import plait
 from plait import ConfigError, NotBuiltError, ParallelConfig
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.runtime.grad_sync import _same_device_runs
-from plait.runtime.host import host_module_paths, plan_host_placement
+from plait.runtime.engine.host import host_module_paths, plan_host_placement
+from plait.runtime.program.grad_sync import _same_device_runs
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import Run, assert_same_run, reference_run
 from tests.sim.conftest import adamw
@@ -143,7 +143,7 @@ def test_host_modules_are_never_made_or_put_on_the_device():
     """Meta init makes a host module's tensors in host memory, and the move to the device
     leaves them there (a table larger than the device never visits it). The "device" here
     is meta, the one other device a CPU machine has: what lands there was moved."""
-    from plait.runtime.meta_init import materialize_meta, move_to_device
+    from plait.runtime.engine.meta_init import materialize_meta, move_to_device
 
     def build() -> nn.Module:  # "0": the embedding table kept on the host
         return nn.Sequential(nn.Embedding(64, 16), nn.LayerNorm(16), nn.Linear(16, 64))

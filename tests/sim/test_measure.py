@@ -1,4 +1,4 @@
-"""plait.runtime.measure: one step's memory by kind, on one device and on simulated ranks.
+"""plait.runtime.engine.measure: one step's memory by kind, on one device and on simulated ranks.
 
 A stand-alone step is measured exactly (the kinds are the tensors' bytes; the peak is the one
 PyTorch's own MemTracker records); on 2 simulated ranks ZeRO-3's parameters are their local
@@ -19,7 +19,7 @@ import plait
 from plait.comm.dtensor import local_piece
 from plait.config import ParallelConfig
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.runtime.measure import (
+from plait.runtime.engine.measure import (
     ComparisonRow,
     MemoryMeasurement,
     compare,

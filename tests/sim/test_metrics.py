@@ -20,8 +20,8 @@ import plait
 from plait import ConfigError, NotBuiltError, ParallelConfig
 from plait.demo.train import plan_file_config
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.runtime import metrics
-from plait.runtime.metrics import (
+from plait.runtime.engine import metrics
+from plait.runtime.engine.metrics import (
     JSONL_NAME,
     PREDICTED_ON_TAG,
     TAGS,

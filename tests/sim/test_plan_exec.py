@@ -1,4 +1,4 @@
-"""Plans run operator by operator (plait.runtime.plan_exec) on simulated ranks.
+"""Plans run operator by operator (plait.runtime.engine.plan_exec) on simulated ranks.
 
 Each case plans a model with ``plait.plan``, runs the plan with ``build_plan_job`` on N
 simulated ranks and trains it; losses and final parameters must match single-device training
@@ -28,7 +28,7 @@ from plait.graph import ExecutableCapture, capture_program
 from plait.layout.redistribute import plan_redistribution
 from plait.models import GPTConfig, ModelSpec, TinyGPT, annotate_megatron, build, gpt_loss
 from plait.planning import Plan, plan_graph
-from plait.runtime.plan_exec import PlanExecutor, build_plan_job
+from plait.runtime.engine.plan_exec import PlanExecutor, build_plan_job
 from plait.testing.comm import CollectiveLog, collective_kind
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
 
@@ -453,7 +453,7 @@ def test_training_only_ops_and_parameters_leave_evaluation_correct(search: str):
 def test_python_values_in_the_batch_are_fixed_by_the_export():
     """A float in the batch is a constant of the exported program: the same value runs; under
     a given plan another is refused by name before any collective (it would silently be
-    ignored); a job plait planned exports and plans again for it (plait.runtime.replan)."""
+    ignored); a job plait planned exports and plans again for it (plait.runtime.engine.replan)."""
 
     def scaled(model, batch):
         x, y, scale = batch

@@ -40,7 +40,7 @@ from plait.graph import ExecutableCapture, capture_program
 from plait.layout import TensorLayout
 from plait.models import GPTConfig, ModelSpec, TinyGPT, build, gpt_loss
 from plait.planning import Plan, plan_graph
-from plait.runtime.plan_exec import PlanExecutor
+from plait.runtime.engine.plan_exec import PlanExecutor
 from plait.testing.equivalence import Run, assert_same_run, reference_run
 from tests.sim.test_plan_exec import (
     adamw,

@@ -1,4 +1,4 @@
-"""Pretrained weights into sharded jobs (plait/runtime/pretrained.py) and meta init.
+"""Pretrained weights into sharded jobs (plait/runtime/engine/pretrained.py) and meta init.
 
 A model built under ``torch.device("meta")`` is parallelized without values (each rank's
 pieces created empty), filled from a safetensors file or a Hugging Face directory with each
@@ -22,8 +22,8 @@ from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.models import MLP, GPTConfig, TinyGPT, annotate_megatron, gpt_loss, mlp_loss
 from plait.models.gpt import Attention
-from plait.runtime import pretrained
-from plait.runtime.meta_init import is_uninitialised, require_initialised
+from plait.runtime.engine import pretrained
+from plait.runtime.engine.meta_init import is_uninitialised, require_initialised
 from plait.testing import simulate
 from plait.testing.equivalence import assert_same_run, parallel_steps, reference_run
 

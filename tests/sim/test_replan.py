@@ -1,4 +1,4 @@
-"""A batch of a new shape plans again (plait.runtime.replan): per shape, cached, logged.
+"""A batch of a new shape plans again (plait.runtime.engine.replan): per shape, cached, logged.
 
 Training on batches of three shapes (another batch size, another sequence length, and back)
 equals one device; each new shape is planned once, with the parameters pinned where the first
@@ -23,7 +23,7 @@ from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.models import MLP, GPTConfig, TinyGPT, annotate_megatron, gpt_loss, mlp_loss
 from plait.planning import plan_graph
-from plait.runtime.replan import check_same_parameters
+from plait.runtime.engine.replan import check_same_parameters
 from plait.testing.comm import CollectiveLog
 from plait.testing.equivalence import assert_same_run, parallel_steps, reference_run
 from tests.sim.test_plan_exec import executed_collectives, planned_collectives
@@ -63,7 +63,7 @@ def test_new_batch_shapes_plan_again_and_train_like_one_device(config, caplog) -
     model = TinyGPT(GPT)
     batches = _batches()
     expected = reference_run(model, gpt_loss, sgd, batches)
-    with plait.testing.simulate(4), caplog.at_level(logging.INFO, logger="plait.runtime.replan"):
+    with plait.testing.simulate(4), caplog.at_level(logging.INFO, logger="plait.runtime.engine.replan"):
         job = plait.parallelize(copy.deepcopy(model), config, optimizer=sgd, loss_fn=gpt_loss)
         actual = parallel_steps(job, batches)
         assert job.loss_fn.plan.batch == ((4, 8), (4, 8))  # the last step's plan is active

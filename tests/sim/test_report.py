@@ -8,7 +8,7 @@ import torch
 import plait
 from plait import NotBuiltError, ParallelConfig
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.runtime.measure import measure_step_memory
+from plait.runtime.engine.measure import measure_step_memory
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
 

@@ -229,7 +229,7 @@ def test_every_file_is_checked_by_some_rank_on_load() -> None:
     """The load splits the checksums: each rank checks what it reads itself (DCP's metadata,
     its small state) and a share of the rest, balanced by size; together they cover every
     listed file, whatever world saved and whatever world loads."""
-    from plait.runtime.checkpoint import _extras_name, _shares
+    from plait.runtime.engine.checkpoint import _extras_name, _shares
 
     for saved_world in range(1, 6):
         listed = {".metadata": {"bytes": 10}, "plan.json": {"bytes": 5}}
@@ -446,7 +446,7 @@ def test_a_sync_save_leaves_torch_saves_zip_crc_out_and_loads_with_plain_dcp(
     setting back; a background save keeps the CRC. Both load with plain DCP as with plait."""
     import torch.distributed.checkpoint as dcp
 
-    from plait.runtime.checkpoint import tensor_state
+    from plait.runtime.engine.checkpoint import tensor_state
 
     seen: list[bool] = []
     real_save = torch.save
@@ -492,7 +492,7 @@ def test_python_rng_state_restores_from_either_saved_form() -> None:
     written before hold them as a tuple (a list after some round trips): all three restore."""
     import random
 
-    from plait.runtime.checkpoint import _rng_state, _set_rng_state
+    from plait.runtime.engine.checkpoint import _rng_state, _set_rng_state
 
     random.seed(7)
     old_tuple = random.getstate()
@@ -559,8 +559,8 @@ def test_an_offloaded_optimizer_over_plain_parameters_names_its_states_by_parame
     from torch import nn
 
     from plait.comm.checkpoint_io import SavedTensor
-    from plait.runtime.checkpoint import _destination, _Slot, _slots, tensor_state
-    from plait.runtime.zero import ZeroOptimizer
+    from plait.runtime.engine.checkpoint import _destination, _Slot, _slots, tensor_state
+    from plait.runtime.program.zero import ZeroOptimizer
 
     torch.manual_seed(0)
     stage = nn.Linear(4, 3)

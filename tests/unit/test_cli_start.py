@@ -30,7 +30,7 @@ def test_import_plait_loads_neither_torch_nor_a_room() -> None:
     assert {m for m in bare if m.startswith("plait")} == {"plait", "plait.errors"}
     config = _loaded_after("from plait import ParallelConfig")
     assert "plait.config" in config
-    assert not {"plait.runtime.job", "plait.planning.planner", "torch._dynamo"} & config
+    assert not {"plait.runtime.engine.job", "plait.planning.planner", "torch._dynamo"} & config
 
 
 def test_the_command_line_parser_loads_no_torch() -> None:

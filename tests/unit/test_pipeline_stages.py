@@ -14,7 +14,7 @@ import plait
 from plait import ConfigError, NotBuiltError, ParallelConfig
 from plait.mesh import MeshSpec
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.runtime.pipeline import (
+from plait.runtime.pipeline.job import (
     check_pipeline_config,
     check_pipeline_optimizer,
     model_inputs,
@@ -147,10 +147,10 @@ def test_model_inputs_are_what_the_loss_function_passes() -> None:
 
 
 def test_selective_recompute_keeps_products_and_recomputes_the_cheap_ops() -> None:
-    """The stage policy is the program pass's rule (plait.runtime.remat.kept_by_selective)."""
+    """The stage policy is the program pass's rule (plait.runtime.program.remat.kept_by_selective)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from plait.runtime.pipeline import selective_policy
+    from plait.runtime.pipeline.job import selective_policy
 
     aten = torch.ops.aten
     for op in (aten.mm.default, aten.addmm.default, aten.embedding.default,
@@ -190,7 +190,7 @@ def test_recompute_auto_in_a_pipeline_takes_the_planners_choice(limit_of: str) -
 def _tanh_between(offload: bool, min_bytes: int = 0) -> tuple[list[torch.Tensor], int, bool]:
     """Linear -> tanh -> linear on CPU, its forward under SavedOnHost or not: (the gradients,
     the tensors copied to the host, whether tanh's output outlived the forward)."""
-    from plait.runtime.pipeline import SavedOnHost
+    from plait.runtime.pipeline.job import SavedOnHost
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -269,7 +269,7 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
     stage holds its input for the input gradient."""
     from plait.comm import pipeline as pp_comm
     from plait.cost.memory import StepTrace
-    from plait.runtime.pipeline import SavedOnHost, _Returns
+    from plait.runtime.pipeline.job import SavedOnHost, _Returns
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=512, seq=256, width=256, heads=4, layers=4))
@@ -311,7 +311,7 @@ def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> N
     """A stage with axes inside runs as its traced per-rank program (fp32 or mixed precision,
     every schedule, optimizer offload); settings whose work hooks into the eager stage keep
     it."""
-    from plait.runtime import stage_program
+    from plait.runtime.pipeline import stage_program
 
     tp = ("tp",)
     base = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4)
@@ -343,7 +343,7 @@ def test_a_traced_backward_splits_into_input_and_weight_gradient_passes() -> Non
     graph gives the input's gradient and hands the weight-gradient graph what it reads; the
     two together give the whole backward's gradients, no matrix product computed twice."""
     from plait._compat import aot_joint_graph, partition_joint_graph
-    from plait.runtime.stage_program import split_backward
+    from plait.runtime.pipeline.stage_program import split_backward
 
     torch.manual_seed(0)
     w1, w2, b2 = torch.randn(6, 4), torch.randn(3, 6), torch.randn(3)
@@ -379,7 +379,7 @@ def test_recompute_is_a_pass_over_a_traced_stage(mode: str) -> None:
     products' inputs it needs; selective: the products' results too), and zero bubble's split
     of the rewritten backward still gives the same gradients."""
     from plait._compat import aot_joint_graph, partition_joint_graph
-    from plait.runtime.stage_program import recompute_in_backward, split_backward
+    from plait.runtime.pipeline.stage_program import recompute_in_backward, split_backward
 
     torch.manual_seed(0)
     w1, w2, b2 = torch.randn(64, 32), torch.randn(32, 64), torch.randn(32)
@@ -425,8 +425,8 @@ def test_a_compiled_stage_is_checked_against_the_plan(caplog: pytest.LogCaptureF
     from types import SimpleNamespace
 
     from plait.planning.entries import PlannedCollective
-    from plait.runtime.pipeline import PipelineJob
-    from plait.runtime.stage_program import StageProgram, planned_stage_collectives
+    from plait.runtime.pipeline.job import PipelineJob
+    from plait.runtime.pipeline.stage_program import StageProgram, planned_stage_collectives
 
     def reduce(op: str, phase: str, axes: tuple[str, ...] = ("tp",)) -> PlannedCollective:
         return PlannedCollective(
@@ -459,7 +459,7 @@ def test_a_compiled_stage_is_checked_against_the_plan(caplog: pytest.LogCaptureF
     program.forward, program.backward = traced(2), traced(1)
     assert program.collectives() == {("forward", "all_reduce"): 2, ("backward", "all_reduce"): 1}
     job = SimpleNamespace(plan=plan, stage_indices=[1], stage_programs=[program], _inner=("tp",))
-    with caplog.at_level("WARNING", logger="plait.runtime.pipeline"):
+    with caplog.at_level("WARNING", logger="plait.runtime.pipeline.job"):
         found = PipelineJob._check_against_plan(job)  # type: ignore[arg-type]
     assert len(found) == 1 and "pipeline stage 1 issues" in found[0], found
     assert "('forward', 'all_reduce'): 2" in found[0] and "('forward', 'all_reduce'): 1" in found[0]

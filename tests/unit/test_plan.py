@@ -440,7 +440,7 @@ def test_summary_states_the_key_facts():
 def test_a_prediction_on_the_uncalibrated_local_defaults_says_so():
     """#35 item 2: summary, explain and job.report() of a plan made on the uncalibrated
     ``local`` defaults say so and how to calibrate; a datasheet or calibrated profile's do not."""
-    from plait.runtime.report import RunReport, run_report
+    from plait.runtime.engine.report import RunReport, run_report
 
     plan = toy_plan(hardware="local", hardware_uncalibrated=True)
     summary = plan.summary()

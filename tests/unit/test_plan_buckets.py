@@ -151,7 +151,7 @@ def test_needs_grad_follows_trainable_parameters_only(gpt) -> None:
 
 
 def test_plan_buckets_is_one_pure_function() -> None:
-    from plait.runtime import grad_sync
+    from plait.runtime.program import grad_sync
 
     assert grad_sync.plan_buckets is plan_buckets
     assert plan_buckets([10, 10, 10], CommFusion(bucket_mb=25e-6)) == [[2, 1], [0]]

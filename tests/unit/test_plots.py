@@ -18,7 +18,7 @@ from plait.graph import capture
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.planning import plan_graph, plots
 from plait.planning.timeline import StageTimes, schedule_order, simulate, timeline_from_records
-from plait.runtime.report import RunReport, plot_memory
+from plait.runtime.engine.report import RunReport, plot_memory
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMALL = ["plan", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab",

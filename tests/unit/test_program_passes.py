@@ -16,8 +16,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plait.runtime.grad_sync import write_buckets_in_place
-from plait.runtime.program import _all_reduce_output, drop_aliases, issue_early
+from plait.runtime.program.compile import _all_reduce_output, drop_aliases, issue_early
+from plait.runtime.program.grad_sync import write_buckets_in_place
 
 _A = torch.ops.aten
 _F = torch.ops._c10d_functional

@@ -1,4 +1,4 @@
-"""Activation recompute as a graph pass (plait/runtime/remat.py).
+"""Activation recompute as a graph pass (plait/runtime/program/remat.py).
 
 Toy training steps are traced by make_fx the way plait compiles a per-rank program: a forward
 whose module code runs inside ``annotate({"plait_module": path})``, the loss, then
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from plait.runtime.remat import (
+from plait.runtime.program.remat import (
     TAG,
     module_of,
     recompute_policy,

@@ -1,5 +1,5 @@
 """The pipeline stage partitioner (plait.search.stages) and the layer split without marks
-(plait.runtime.stage_balance): min-max stages checked against every cut set of small cases."""
+(plait.runtime.pipeline.stage_balance): min-max stages checked against every cut set of small cases."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from plait import ConfigError
 from plait.graph import GraphInput, LayerGroup, OpGraph, OpNode, TensorMeta
 from plait.models import GPTConfig, TinyGPT
-from plait.runtime.pipeline import stage_starts
-from plait.runtime.stage_balance import module_cost
+from plait.runtime.pipeline.job import stage_starts
+from plait.runtime.pipeline.stage_balance import module_cost
 from plait.search.stages import StageMemory, assign_stages, balanced_cuts
 
 META = TensorMeta((4, 4))

@@ -1,4 +1,4 @@
-"""A compiled pipeline stage's ways back to its eager forward (plait.runtime.stage_program).
+"""A compiled pipeline stage's ways back to its eager forward (plait.runtime.pipeline.stage_program).
 
 A stage with axes inside runs as its traced per-rank program; a call it was not traced for
 (another batch shape, a parameter no longer laid out as traced) and a stage it cannot trace
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from plait._compat import FakeStore
-from plait.runtime.stage_program import StageProgram, compile_stage
+from plait.runtime.pipeline.stage_program import StageProgram, compile_stage
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from plait.planning.timeline import (
     stage_rank,
     timeline_from_records,
 )
-from plait.runtime.stage_timer import StageTimer
+from plait.runtime.pipeline.stage_timer import StageTimer
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zero_bubble_v": 2}
 EVEN = StageTimes(forward_s=1.0, backward_s=2.0, weight_s=1.0)  # F = B = W, no communication

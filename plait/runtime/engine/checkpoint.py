@@ -46,13 +46,13 @@ from plait.checkpoint.manager import Stateful
 from plait.comm import checkpoint_io as io
 from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
 from plait.errors import CheckpointError
-from plait.runtime.local_optim import LocalShadows
-from plait.runtime.meta_init import mark_initialised
-from plait.runtime.zero import ZeroOptimizer
+from plait.runtime.engine.meta_init import mark_initialised
+from plait.runtime.program.local_optim import LocalShadows
+from plait.runtime.program.zero import ZeroOptimizer
 
 
 class CheckpointedJob(Protocol):
-    """What saving and loading read and restore of a job (:class:`plait.runtime.job.Job` and
+    """What saving and loading read and restore of a job (:class:`plait.runtime.engine.job.Job` and
     its subclasses are ones; this module is called by the job and does not import it)."""
 
     model: nn.Module

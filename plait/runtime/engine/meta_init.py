@@ -1,10 +1,10 @@
 """Meta init: a model built under ``with torch.device("meta"):`` laid out without its values.
 
 Such a model has shapes and no memory. ``plait.parallelize`` never makes it whole: placement
-gives each rank uninitialised pieces of its own (:mod:`plait.runtime.placement`), ranks that
+gives each rank uninitialised pieces of its own (:mod:`plait.runtime.engine.placement`), ranks that
 hold the whole model (stand-alone, plain data parallel) get an uninitialised copy on their
 device (:func:`materialize_meta`), and the model is recorded as uninitialised until
-``job.load_pretrained`` (:mod:`plait.runtime.pretrained`) or ``job.load`` fills every piece;
+``job.load_pretrained`` (:mod:`plait.runtime.engine.pretrained`) or ``job.load`` fills every piece;
 :func:`require_initialised` refuses to train it before.
 
 Two things a file cannot give and this module checks or works around:

@@ -2,7 +2,7 @@
 
 This is the "compile" step of the one path (docs/architecture.md, "Running"; MindSpore's
 ``step_parallel`` rewrites its graph the same way). The plan's operator executor
-(:class:`~plait.runtime.plan_exec.PlanExecutor`) knows, per op, the planned layouts and the
+(:class:`~plait.runtime.engine.plan_exec.PlanExecutor`) knows, per op, the planned layouts and the
 redistributions between them, and runs them on DTensors. Running it once per rank under
 ``make_fx`` on fake tensors records what that costs *below* DTensor: the local aten ops of the
 forward *and* the backward pass, with every redistribution as an explicit functional collective
@@ -61,11 +61,11 @@ from plait.comm.lower import (
 )
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
-from plait.runtime.grad_sync import write_buckets_in_place
-from plait.runtime.offload import offload_saved
-from plait.runtime.remat import is_collective, recompute_policy, rematerialize, saved_bytes
-from plait.runtime.remat import regions as region_map
-from plait.runtime.zero import (
+from plait.runtime.program.grad_sync import write_buckets_in_place
+from plait.runtime.program.offload import offload_saved
+from plait.runtime.program.remat import is_collective, recompute_policy, rematerialize, saved_bytes
+from plait.runtime.program.remat import regions as region_map
+from plait.runtime.program.zero import (
     ShardedParameter,
     ShardGroups,
     gather_inputs,
@@ -204,7 +204,7 @@ class Program:
         gradient is computed and overlap the rest of backward.
 
         ``into_buffers``: the ops computing a bucket's gradients write straight into its flat
-        buffer, summed in place (:func:`plait.runtime.grad_sync.write_buckets_in_place`);
+        buffer, summed in place (:func:`plait.runtime.program.grad_sync.write_buckets_in_place`);
         otherwise they are packed by a copy (``cat``), which torch.compile takes (inductor
         computes a ``cat``'s inputs into its buffer itself; fake tensors lack some ``out=``
         overloads).
@@ -248,7 +248,7 @@ class Program:
         """A pass (optimizer parallel, levels 2 and 3): the gradients of each bucket's split
         parameters are reduce-scattered inside the program (within HSDP's shard groups, then
         summed across them, when ``groups`` has them); the program returns this rank's shards
-        (:func:`plait.runtime.zero.reduce_scatter_outputs`), on ``groups.mesh``
+        (:func:`plait.runtime.program.zero.reduce_scatter_outputs`), on ``groups.mesh``
         (:attr:`grad_meshes`)."""
         n, group = self._axis(axis)
         replicate = None
@@ -310,7 +310,7 @@ class Program:
         """The last pass: backward recomputes what it would otherwise keep from forward.
 
         ``regions`` are (module path, "full" | "selective") pairs, the plan's recompute
-        regions (:mod:`plait.runtime.remat`); their collectives' results are kept, not issued
+        regions (:mod:`plait.runtime.program.remat`); their collectives' results are kept, not issued
         again (MindSpore's ``mp_comm_recompute=False``: the plan's collectives are what runs).
         ZeRO-3's parameter gathers are recomputed (:meth:`gather_parameters`). One rematerialization per rank's graph, so the two never
         keep each other's values alive. Returns the nodes cloned into this rank's backward.
@@ -343,7 +343,7 @@ class Program:
 
     def offload_activations(self, *, min_bytes: int = 1 << 20, side_stream: bool = True) -> int:
         """A pass (``offload="activations"``): large forward values backward reads wait in
-        host memory in between (:mod:`plait.runtime.offload`). Returns this rank's bytes moved
+        host memory in between (:mod:`plait.runtime.program.offload`). Returns this rank's bytes moved
         per step."""
         device = torch.device(self.device_mesh.device_type)
         moved = 0
@@ -492,7 +492,7 @@ def compile_program(
     contexts: Callable[[], contextlib.AbstractContextManager[Any]],
     outputs: bool = False,
 ) -> Program:
-    """Trace ``executor`` (a :class:`~plait.runtime.plan_exec.PlanExecutor`) into a Program.
+    """Trace ``executor`` (a :class:`~plait.runtime.engine.plan_exec.PlanExecutor`) into a Program.
 
     ``flat`` are the exported program's inputs as the executor would receive them (DTensor
     parameters, buffers, constants and batch leaves, laid out as planned); only their

@@ -36,19 +36,19 @@ from plait.data import input_layouts, split_micro_batches
 from plait.errors import CheckpointError, NotBuiltError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.runtime.data_parallel import PlainDataParallel, PlainGradSync
-from plait.runtime.grad_sync import GradSync
-from plait.runtime.meta_init import require_initialised
-from plait.runtime.metrics import metrics_log, step_metrics
-from plait.runtime.precision import LossScaler, autocast_for
-from plait.runtime.predict import batch_key
-from plait.runtime.program import Program, check_loss
-from plait.runtime.zero import ZeroOptimizer, reduce_scatter_accumulated
+from plait.runtime.engine.data_parallel import PlainDataParallel, PlainGradSync
+from plait.runtime.engine.meta_init import require_initialised
+from plait.runtime.engine.metrics import metrics_log, step_metrics
+from plait.runtime.engine.precision import LossScaler, autocast_for
+from plait.runtime.engine.predict import batch_key
+from plait.runtime.program.compile import Program, check_loss
+from plait.runtime.program.grad_sync import GradSync
+from plait.runtime.program.zero import ZeroOptimizer, reduce_scatter_accumulated
 
 if TYPE_CHECKING:
-    from plait.runtime.checkpoint import SaveHandle, Stateful
-    from plait.runtime.measure import MemoryMeasurement
-    from plait.runtime.report import RunReport
+    from plait.runtime.engine.checkpoint import SaveHandle, Stateful
+    from plait.runtime.engine.measure import MemoryMeasurement
+    from plait.runtime.engine.report import RunReport
 
 __all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
 
@@ -113,7 +113,7 @@ class Job:
         """id(executor) -> (executor, its evaluation or prediction program)."""
         self.replan: Callable[[Any, Any], tuple[Any, Program]] | None = None
         """``replan(executor, batch)`` plans and compiles again for a laid-out batch of a new
-        shape (:mod:`plait.runtime.replan`); None: the job runs its planned shapes only."""
+        shape (:mod:`plait.runtime.engine.replan`); None: the job runs its planned shapes only."""
         self._by_shape: dict[tuple[Any, ...], tuple[Any, Program]] = {}
         self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
         self.steps_taken = 0
@@ -124,7 +124,7 @@ class Job:
         """Wall time of each ``step`` call on this rank (for :meth:`report`)."""
         self.metrics = None if config.log_dir is None else metrics_log(config, _global_rank())
         """Global rank 0's metrics files under ``ParallelConfig.log_dir``, written at every
-        step (:mod:`plait.runtime.metrics`); None without ``log_dir`` and on other ranks."""
+        step (:mod:`plait.runtime.engine.metrics`); None without ``log_dir`` and on other ranks."""
         if self.metrics is not None:  # closed when the job goes, or at the process's end
             weakref.finalize(self, self.metrics.close)
 
@@ -178,10 +178,10 @@ class Job:
     def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
         """What the plan predicted beside what this rank measured: the median step time of
         the steps so far (the first ``warmup`` left out) and the peak memory of ``memory``
-        (``plait.runtime.measure.measure_step_memory(job, batch)``; on CUDA the allocator's
+        (``plait.runtime.engine.measure.measure_step_memory(job, batch)``; on CUDA the allocator's
         peak when not given). ``print(job.report())`` shows the table; see
-        :mod:`plait.runtime.report`."""
-        from plait.runtime.report import run_report
+        :mod:`plait.runtime.engine.report`."""
+        from plait.runtime.engine.report import run_report
 
         return run_report(self, self._step_seconds, memory, warmup)
 
@@ -206,7 +206,7 @@ class Job:
         written in a background thread while training goes on. The next save, load, or
         ``handle.wait()`` waits for it. Returns a handle either way.
         """
-        from plait.runtime.checkpoint import save_job
+        from plait.runtime.engine.checkpoint import save_job
 
         self._saving = save_job(self, path, loader=loader, stateful=stateful, async_save=async_save)
         return self._saving
@@ -229,16 +229,16 @@ class Job:
         loaded. ``optimizer=False`` loads the model alone. RNG streams are restored when the
         number of processes is the same.
         """
-        from plait.runtime.checkpoint import load_job
+        from plait.runtime.engine.checkpoint import load_job
 
         return load_job(self, path, loader=loader, stateful=stateful, optimizer=optimizer)
 
     def load_pretrained(self, path: str | os.PathLike[str]) -> list[str]:
         """Load pretrained weights (a ``.safetensors`` file, or a Hugging Face model directory
         with one or several of them) into this job's parameters and buffers, each rank reading
-        only the slices it holds. Returns the names loaded. See :mod:`plait.runtime.pretrained`.
+        only the slices it holds. Returns the names loaded. See :mod:`plait.runtime.engine.pretrained`.
         """
-        from plait.runtime.pretrained import load_pretrained
+        from plait.runtime.engine.pretrained import load_pretrained
 
         return load_pretrained(self.model, self.optimizer, path)
 
@@ -298,7 +298,7 @@ class Job:
         return float(full_value(total if k == 1 else total / k).item())
 
     def _step_program(self, batch: Any, program: Program) -> float:
-        """``step`` by the compiled per-rank program (:mod:`plait.runtime.program`).
+        """``step`` by the compiled per-rank program (:mod:`plait.runtime.program.compile`).
 
         Each micro-batch is one call of the program (forward and backward on local pieces,
         the plan's redistributions inside it); gradients are summed locally, then reduced over
@@ -370,7 +370,7 @@ class Job:
     def _for_batch_shape(self, batch: Any) -> Program:
         """The program for ``batch``'s micro-batch shapes, made active (``loss_fn`` and
         ``program``): the planned one, one planned before for these shapes, or planned now
-        (once per shape, logged; :mod:`plait.runtime.replan`). A job that cannot plan again
+        (once per shape, logged; :mod:`plait.runtime.engine.replan`). A job that cannot plan again
         keeps its program, whose executor refuses other shapes by name."""
         assert self.program is not None
         micro = split_micro_batches(batch, self.config.grad_accumulation)[0]
@@ -549,9 +549,9 @@ class Job:
         ``model(batch)`` for a tensor) in eval mode without gradients. Each rank computes its
         part under the job's layout and the outputs (logits, hidden states, a Hugging Face
         ``ModelOutput``) come back whole, equal to one device's. Every rank must call it.
-        See :mod:`plait.runtime.predict`.
+        See :mod:`plait.runtime.engine.predict`.
         """
-        from plait.runtime.predict import predict
+        from plait.runtime.engine.predict import predict
 
         return predict(self, batch)
 
@@ -641,7 +641,7 @@ class DeferredJob(Job):
     Until then the model is untouched and only ``model`` and ``config`` exist; ``step``,
     ``evaluate`` and ``full_state_dict`` plan first; any other attribute (``optimizer``,
     ``program``, ``loss_fn``...) is there once the job is planned. The plan is for the first
-    batch's shapes; a later batch of another shape plans again (:mod:`plait.runtime.replan`).
+    batch's shapes; a later batch of another shape plans again (:mod:`plait.runtime.engine.replan`).
     """
 
     def __init__(
@@ -775,7 +775,7 @@ class DeferredJob(Job):
         are loaded once the first step has planned the job."""
         if self._built is not None:
             return self._built.load(path, loader=loader, stateful=stateful, optimizer=optimizer)
-        from plait.runtime.checkpoint import prepare_deferred_load
+        from plait.runtime.engine.checkpoint import prepare_deferred_load
 
         where, step = prepare_deferred_load(path, loader=loader, stateful=stateful)
         self._pending_load = (where, optimizer, step)
@@ -794,8 +794,8 @@ class DeferredJob(Job):
         every rank (placement slices it at the first step); a meta model is refused."""
         if self._built is not None:
             return self._built.load_pretrained(path)
-        from plait.runtime.meta_init import has_meta_tensors
-        from plait.runtime.pretrained import load_pretrained
+        from plait.runtime.engine.meta_init import has_meta_tensors
+        from plait.runtime.engine.pretrained import load_pretrained
 
         if has_meta_tensors(self.model):
             raise CheckpointError(

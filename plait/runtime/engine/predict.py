@@ -20,7 +20,7 @@ is generation state, not an output). Each rank computes its part and the outputs
   ZeRO-3's gathers inside, as a training step's program), run on local pieces; the outputs
   are gathered from their layouts;
 * ``hybrid``: the user's layout-aware forward on its DTensor parameters, outputs gathered;
-* pipelines: :meth:`plait.runtime.pipeline.PipelineJob.predict`.
+* pipelines: :meth:`plait.runtime.pipeline.job.PipelineJob.predict`.
 
 A 0-d output (the loss a model computes when the batch holds labels) is averaged over the
 data-parallel ranks where each rank computed its own slice: it equals one device's when every
@@ -51,13 +51,13 @@ from plait.comm.dtensor import (
 from plait.errors import ShardingError
 from plait.graph import in_mode
 from plait.layout import TensorLayout
-from plait.runtime.meta_init import require_initialised
-from plait.runtime.precision import autocast_for
+from plait.runtime.engine.meta_init import require_initialised
+from plait.runtime.engine.precision import autocast_for
 
 if TYPE_CHECKING:
     from plait.config import ParallelConfig
     from plait.mesh import MeshSpec
-    from plait.runtime.data_parallel import PlainDataParallel
+    from plait.runtime.engine.data_parallel import PlainDataParallel
 
 __all__ = [
     "PlannedForward",
@@ -192,7 +192,7 @@ def _predict_plain(
 
 @runtime_checkable
 class PlannedForward(Protocol):
-    """What a plan job's executor (:class:`plait.runtime.plan_exec.PlanExecutor`) gives
+    """What a plan job's executor (:class:`plait.runtime.engine.plan_exec.PlanExecutor`) gives
     prediction: the executor of the eval-mode forward for a batch, and its outputs."""
 
     def predictor(self, model: nn.Module, batch: Any) -> PlannedForward: ...
@@ -204,7 +204,7 @@ def _predict_program(job: Job, training: PlannedForward, batch: Any) -> Any:
     """A plan job's prediction as a per-rank program: the eval-mode forward for ``batch``'s
     shapes traced once (the executor's, on this plan's strategies), run on local pieces, its
     outputs gathered whole."""
-    from plait.runtime.program import forward_outputs
+    from plait.runtime.program.compile import forward_outputs
 
     executor: Any = training.predictor(job.model, batch)
     program = job.program_for_evaluation(executor)

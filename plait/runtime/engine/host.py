@@ -34,7 +34,7 @@ from plait._compat import tree_map
 from plait.annotate import host_marks
 from plait.config import ParallelConfig
 from plait.errors import ConfigError
-from plait.runtime.meta_init import under_paths
+from plait.runtime.engine.meta_init import under_paths
 
 __all__ = [
     "HostPlacement",

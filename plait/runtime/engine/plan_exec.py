@@ -18,7 +18,7 @@ Backward is DTensor's autograd: a redistribution's backward brings the gradient 
 source's layout with a planned redistribution; elsewhere DTensor reduces pending sums where
 the next op needs it. Parameter gradients left pending over an axis (the plan's
 ``grad_reduce_axes``) are reduced by the Job: over the data-parallel axis in fused buckets
-(:class:`~plait.runtime.grad_sync.GradSync`), over other axes one by one (``sync_grad``).
+(:class:`~plait.runtime.program.grad_sync.GradSync`), over other axes one by one (``sync_grad``).
 
 Evaluation (``model.eval()``, as ``Job.evaluate`` sets it) runs the model's evaluation-mode
 program: the model is exported a second time in eval mode, so dropout is off, batch norm reads
@@ -31,7 +31,7 @@ ZeRO-3's gathers: :func:`_evaluation_passes`), as a step runs the training progr
 ``job.predict`` the model's eval-mode forward without its loss (:meth:`PlanExecutor.predictor`),
 its outputs the program's.
 
-:func:`build_plan_job` builds the :class:`~plait.runtime.job.Job` for a plan, the way
+:func:`build_plan_job` builds the :class:`~plait.runtime.engine.job.Job` for a plan, the way
 ``parallelize`` builds a semi_auto job, with the executor as the job's loss function.
 """
 
@@ -95,15 +95,15 @@ from plait.rules.catalogue import default_catalogue
 from plait.rules.loss import divides_by_target_count
 from plait.rules.pooling import pooling_rules
 from plait.rules.registry import OpStrategy, grad_reduce_axes, replicated_strategy
-from plait.runtime.grad_sync import GradSync
-from plait.runtime.job import Job, LossFn, OptimizerFactory
-from plait.runtime.local_optim import build_optimizer
-from plait.runtime.meta_init import capture_on_device
-from plait.runtime.placement import place_parameters, reshard_parameters
-from plait.runtime.precision import autocast_for
-from plait.runtime.predict import batch_key, meta_stand_ins
-from plait.runtime.program import Program, compile_program, strip_wrapper
-from plait.runtime.zero import (
+from plait.runtime.engine.job import Job, LossFn, OptimizerFactory
+from plait.runtime.engine.meta_init import capture_on_device
+from plait.runtime.engine.placement import place_parameters, reshard_parameters
+from plait.runtime.engine.precision import autocast_for
+from plait.runtime.engine.predict import batch_key, meta_stand_ins
+from plait.runtime.program.compile import Program, compile_program, strip_wrapper
+from plait.runtime.program.grad_sync import GradSync
+from plait.runtime.program.local_optim import build_optimizer
+from plait.runtime.program.zero import (
     ShardedParameter,
     ShardGroups,
     ZeroOptimizer,
@@ -464,7 +464,7 @@ class PlanExecutor:
     def run_flat(self, values: list[Any]) -> tuple[Any, ...]:
         """The exported program on ``values`` (its inputs, laid out): its outputs, as a tuple.
 
-        This is what :func:`plait.runtime.program.compile_program` traces into the per-rank
+        This is what :func:`plait.runtime.program.compile.compile_program` traces into the per-rank
         program; a training step runs that program, not this.
         """
         interpreter = self._interpreter
@@ -859,7 +859,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.moved: dict[tuple[str, TensorLayout], torch.Tensor] = {}
         # Each op's node carries the model's module that runs it: the Interpreter makes a
         # node's meta the current trace meta, so the per-rank program's nodes traced from it
-        # carry the tag too (recompute regions, plait.runtime.remat).
+        # carry the tag too (recompute regions, plait.runtime.program.remat).
         modules = {op.name: op.module_path for op in executor.captured.graph.ops}
         for node in cast(torch.fx.GraphModule, self.module).graph.nodes:
             if node.name in modules:
@@ -1472,7 +1472,7 @@ def _fuse_buckets(
 ) -> None:
     """The plan's gradient buckets, all-reduced inside the program (overlapping backward);
     ``into_buffers``: computed straight into the buckets (see
-    :meth:`~plait.runtime.program.Program.fuse_gradient_reduction`)."""
+    :meth:`~plait.runtime.program.compile.Program.fuse_gradient_reduction`)."""
     position = {id(model.get_parameter(name)): i for i, name in enumerate(program.trained)}
     indices = [[position[id(p)] for p in bucket if id(p) in position] for bucket in buckets]
     placements = [

@@ -12,7 +12,7 @@ nothing recomputed). Below DTensor the graphs are local aten ops with every redi
 explicit functional collective (``_c10d_functional.all_reduce`` and its ``wait_tensor``),
 the same collectives DTensor issues eagerly, in the same places: the one path of
 docs/architecture.md, the stage as the per-rank program of its slice. The plan's compiled program
-(:mod:`plait.runtime.program`) does the same for a whole step.
+(:mod:`plait.runtime.program.compile`) does the same for a whole step.
 
 At run time a training micro-batch's forward calls the forward graph on the parameters' local
 pieces and the stage's inputs, inside one autograd function; its backward calls the backward
@@ -39,7 +39,7 @@ activations that it reads are held until it runs, as in torch's own split).
 
 Where it runs (:func:`compiles`): stages with axes inside (tensor parallel), every schedule,
 fp32 or mixed precision. Under ``precision="bf16"`` or ``"fp16"`` the stage's autocast
-(:func:`plait.runtime.pipeline.autocast_stage`) is active when the first micro-batch is
+(:func:`plait.runtime.pipeline.job.autocast_stage`) is active when the first micro-batch is
 traced, so the graphs hold autocast's casts as explicit ops (the products in bf16, the
 norms and the softmax in fp32, as eager autocast runs them) and the backward graph their
 casts back. Activation offload (``offload="activations"``) enters its saved-tensor hooks
@@ -56,7 +56,7 @@ and any forward without gradients run a forward graph of their own (:meth:`Stage
 the stage's forward alone, traced once per input signature and mode; eager where that trace
 fails or draws random numbers). With tensor
 parallel in the stages the zero-bubble schedules run on compiled stages only
-(:func:`plait.runtime.pipeline.check_pipeline_config` refuses the rest).
+(:func:`plait.runtime.pipeline.job.check_pipeline_config` refuses the rest).
 
 A stage that draws random numbers (dropout: eager DTensor keeps each piece's random stream
 apart, a trace would not), a micro-batch whose inputs differ from the traced one's, parameters
@@ -70,7 +70,7 @@ slice of the plan's own compiled program.
 Recompute, of the whole stage (``recompute="full"`` or ``"selective"``) or of named modules
 (``recompute_modules``), is a pass over the traced joint graph before it is cut
 (:func:`recompute_in_backward`: the per-rank program's
-:func:`plait.runtime.remat.rematerialize`, the stage one region and each named module one,
+:func:`plait.runtime.program.remat.rematerialize`, the stage one region and each named module one,
 collectives' results kept), so the partitioner saves only what the rewritten backward still
 reads.
 
@@ -101,7 +101,7 @@ from plait.comm.dtensor import implicit_replication, is_dtensor
 from plait.comm.lower import collective_kind
 from plait.comm.pipeline import PieceLayout, add_piece_to_grad, layout_of, parameter_from_piece
 from plait.config import ParallelConfig
-from plait.runtime.remat import (
+from plait.runtime.program.remat import (
     draws_random,
     is_collective,
     recompute_policy,
@@ -155,7 +155,7 @@ class StageProgram:
         of the same pass (``recompute_modules``); set before the first training call."""
         self.saving: Callable[[Any, nn.Module], Any] | None = None
         """Activation offload's saved-tensor hooks for one call (``offload="activations"``:
-        :meth:`plait.runtime.pipeline.SavedOnHost.saving`), given the call's inputs and the
+        :meth:`plait.runtime.pipeline.job.SavedOnHost.saving`), given the call's inputs and the
         stage: what the program's autograd function saves for backward goes through them.
         Entered around the function's call only (a trace on fake tensors must not meet
         them)."""
@@ -462,7 +462,7 @@ def recompute_in_backward(
 ) -> tuple[int, int]:
     """Recompute (``"full"`` or ``"selective"``) over a stage's joint graph, in place, before
     it is cut into forward and backward: the plan's recompute pass
-    (:func:`plait.runtime.remat.rematerialize`) with the whole stage as one region, and each
+    (:func:`plait.runtime.program.remat.rematerialize`) with the whole stage as one region, and each
     of ``modules`` ((path, mode) pairs: the nodes traced inside that module of the model,
     :func:`_exported_module`) as a region of its own, so the backward reads clones of forward
     values computed again from what it keeps, and the partitioner saves only those. Collectives' results are kept, never issued again (as the

@@ -6,8 +6,8 @@ A :class:`RunReport` holds, for this rank:
   the median wall time of the job's steps so far (``Job.step`` times every call; the first
   ``warmup`` steps, which build caches and the optimizer's states, are left out);
 * **peak memory**: the plan's predicted bytes per device (``plan.predicted.memory_bytes``) and
-  a measured peak: the :class:`~plait.runtime.measure.MemoryMeasurement` passed in (from
-  :func:`~plait.runtime.measure.measure_step_memory`, which counts every tensor a step holds,
+  a measured peak: the :class:`~plait.runtime.engine.measure.MemoryMeasurement` passed in (from
+  :func:`~plait.runtime.engine.measure.measure_step_memory`, which counts every tensor a step holds,
   on any device), else on CUDA the allocator's peak since the job was made. On CPU without a
   measurement the memory is "not measured".
 
@@ -38,7 +38,7 @@ from plait.comm.world import current_world
 from plait.errors import PlanError
 from plait.planning import plots
 from plait.planning.timeline import Timeline
-from plait.runtime.measure import MemoryMeasurement, format_bytes, plan_of
+from plait.runtime.engine.measure import MemoryMeasurement, format_bytes, plan_of
 
 __all__ = ["RunReport", "plot_memory", "run_report"]
 
@@ -146,7 +146,7 @@ class RunReport:
             raise PlanError(
                 "RunReport.plot: nothing to draw: the job has no plan (no predicted memory), "
                 "no memory was measured and it is not a pipeline; pass a measurement "
-                "(job.report(plait.runtime.measure.measure_step_memory(job, batch))) or plan "
+                "(job.report(plait.runtime.engine.measure.measure_step_memory(job, batch))) or plan "
                 "the job"
             )
         out = Path(directory)
@@ -186,7 +186,7 @@ def run_report(
     measured_timeline: Timeline | None = None,
 ) -> RunReport:
     """The report of ``job`` after the steps timed in ``step_seconds`` (see :meth:`Job.report
-    <plait.runtime.job.Job.report>`)."""
+    <plait.runtime.engine.job.Job.report>`)."""
     plan = plan_of(job)
     predicted = None if plan is None else plan.predicted
     timed = step_seconds[warmup:] if len(step_seconds) > warmup else []

@@ -1,6 +1,6 @@
 """Turning a model's parameters and buffers into DTensors in given layouts (in place).
 
-Meta init (:mod:`plait.runtime.meta_init`): parameters and buffers on the meta device become
+Meta init (:mod:`plait.runtime.engine.meta_init`): parameters and buffers on the meta device become
 uninitialised pieces, each rank allocating only its own, and the model is marked
 uninitialised until a load fills them.
 """
@@ -22,7 +22,7 @@ from plait.comm.dtensor import (
     mesh_spec_of,
 )
 from plait.layout import TensorLayout
-from plait.runtime.meta_init import check_meta_buffers, mark_uninitialised
+from plait.runtime.engine.meta_init import check_meta_buffers, mark_uninitialised
 
 if TYPE_CHECKING:
     from plait.comm.dtensor import DTensor

@@ -38,7 +38,7 @@ from plait.comm.dp import own_copy, rank_slice, start_sum, wait_sum
 from plait.comm.dtensor import DeviceMesh, full_value
 from plait.config import CommFusion
 from plait.errors import ShardingError
-from plait.runtime.grad_sync import _Bucket, _BucketedSync
+from plait.runtime.program.grad_sync import _Bucket, _BucketedSync
 
 __all__ = ["PlainDataParallel", "PlainGradSync", "fresh_parameters"]
 

@@ -62,7 +62,7 @@ import torch
 from plait._compat import tree_leaves
 from plait.config import ParallelConfig
 from plait.errors import ConfigError, NotBuiltError
-from plait.runtime.measure import plan_of
+from plait.runtime.engine.measure import plan_of
 
 __all__ = [
     "JSONL_NAME",

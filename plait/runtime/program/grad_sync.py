@@ -50,7 +50,7 @@ class _Bucket:
 
 def _same_device_runs(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     """``params`` cut where the device changes: one flat buffer holds one device's gradients
-    (host modules keep theirs in host memory, :mod:`plait.runtime.host`)."""
+    (host modules keep theirs in host memory, :mod:`plait.runtime.engine.host`)."""
     runs: list[list[nn.Parameter]] = []
     for p in params:
         if runs and runs[-1][-1].device == p.device:

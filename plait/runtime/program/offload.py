@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from plait.runtime.remat import memory_root
+from plait.runtime.program.remat import memory_root
 
 __all__ = ["SideCopies", "offload_saved"]
 

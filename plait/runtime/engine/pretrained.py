@@ -10,7 +10,7 @@ just those bytes. Jobs whose ranks hold the whole model (stand-alone, plain data
 read whole tensors. Under :func:`plait.testing.simulate` the one process reads each
 simulated rank's slice into that rank's piece.
 
-With meta init (a model built under ``torch.device("meta")``, :mod:`plait.runtime.meta_init`)
+With meta init (a model built under ``torch.device("meta")``, :mod:`plait.runtime.engine.meta_init`)
 no rank ever holds the whole model: parallelize places empty pieces and this fills them.
 
 Everything is checked before anything is written: every name present (no missing, no
@@ -25,7 +25,7 @@ model's names and absent from the file's, or the other way round (weights of the
 loaded into a model with a head, and back); names its class lists in
 ``_keys_to_ignore_on_load_unexpected`` may be in the file without being in the model.
 
-A job planned at its first step (:class:`~plait.runtime.job.DeferredJob`) that is not planned
+A job planned at its first step (:class:`~plait.runtime.engine.job.DeferredJob`) that is not planned
 yet still holds the whole model: its weights are loaded whole, on every rank, and placement
 slices them at the first step. A meta model there has nothing to load into: that is refused
 (pass ``example_batch=`` to ``plait.parallelize`` so the job is planned, and its pieces
@@ -57,8 +57,8 @@ from plait._compat import (
 )
 from plait.comm.dtensor import DeviceMesh, is_dtensor, layout_of, local_piece
 from plait.errors import CheckpointError
-from plait.runtime.meta_init import mark_initialised
-from plait.runtime.zero import ZeroOptimizer
+from plait.runtime.engine.meta_init import mark_initialised
+from plait.runtime.program.zero import ZeroOptimizer
 
 __all__ = ["load_pretrained", "pretrained_files"]
 

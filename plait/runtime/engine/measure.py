@@ -370,7 +370,7 @@ def measure_step_memory(job: Any, batch: Any, *, rank: int | None = None) -> Mem
     """Run one ``job.step(batch)`` and measure this rank's memory (see the module docstring).
 
     Args:
-        job: a :class:`~plait.runtime.job.Job` (a DeferredJob that has planned: step it once
+        job: a :class:`~plait.runtime.engine.job.Job` (a DeferredJob that has planned: step it once
             first, or give ``parallelize`` an ``example_batch``).
         batch: what ``job.step`` takes on this rank.
         rank: under ``plait.testing.simulate``, the simulated rank to measure (default the

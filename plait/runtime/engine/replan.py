@@ -7,14 +7,14 @@ it plans again for that shape, as ``torch.compile`` recompiles for a new shape a
 compiles a new graph:
 
 1. the training forward and loss are captured for the new shapes on meta stand-ins of the
-   parameters (no rank builds the whole model; :func:`~plait.runtime.predict.meta_stand_ins`);
+   parameters (no rank builds the whole model; :func:`~plait.runtime.engine.predict.meta_stand_ins`);
 2. the plan is made again with the job's mode, searcher and mesh, each parameter pinned to the
    layout the job's parameters have (``fixed_parameters`` of :func:`plait.planning.plan_graph`),
    so the parameters, the optimizer's states and the gradient buckets stay as they are; a plan
    that would reduce a gradient over other axes is refused by name;
 3. the program is compiled with the same passes as the first (fused gradient buckets, ZeRO,
    recompute, offload, ``torch.compile``): :attr:`Job.program_for
-   <plait.runtime.job.Job.program_for>`.
+   <plait.runtime.engine.job.Job.program_for>`.
 
 The Job caches each shape's executor and program (by batch structure and shapes) and logs each
 new plan. A job running a plan it was given (a Plan or plan file) runs the shapes it was made
@@ -36,10 +36,10 @@ from plait.errors import PlanError
 from plait.graph import OpGraph, batch_leaves
 from plait.layout import TensorLayout
 from plait.planning import Plan
-from plait.runtime.meta_init import capture_on_device
-from plait.runtime.plan_exec import PlanExecutor
-from plait.runtime.predict import meta_stand_ins
-from plait.runtime.program import Program
+from plait.runtime.engine.meta_init import capture_on_device
+from plait.runtime.engine.plan_exec import PlanExecutor
+from plait.runtime.engine.predict import meta_stand_ins
+from plait.runtime.program.compile import Program
 
 __all__ = ["Replanner"]
 
@@ -56,7 +56,7 @@ class Replanner:
         model: the job's model (its parameters are DTensors by now).
         loss_fn: the job's loss function, as ``parallelize`` took it.
         plan_for: plans a captured graph with the job's config and mesh, parameters pinned.
-        program_for: the job's :attr:`~plait.runtime.job.Job.program_for`.
+        program_for: the job's :attr:`~plait.runtime.engine.job.Job.program_for`.
     """
 
     def __init__(

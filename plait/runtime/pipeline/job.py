@@ -20,7 +20,7 @@ micro-batch's loss by calling it with a stand-in that returns the pipeline's out
 With tensor parallel inside the stages (axes besides ``pp`` and ``dp``), each stage's
 parameters are DTensors on the inner sub-mesh, and where it applies the stage runs as a
 per-rank program: its forward and backward traced once into FX graphs over local tensors,
-collectives explicit (:mod:`plait.runtime.stage_program`; ``job.stage_programs``).
+collectives explicit (:mod:`plait.runtime.pipeline.stage_program`; ``job.stage_programs``).
 
 Offload: ``offload="optimizer"`` builds the optimizer over host copies of the stages'
 parameter pieces (:func:`stage_optimizer`, the per-rank program's ``ZeroOptimizer``);
@@ -71,25 +71,25 @@ from plait.planning.timeline import (
     Timeline,
     timeline_from_records,
 )
-from plait.runtime.job import Job, LossFn, OptimizerFactory
-from plait.runtime.meta_init import require_initialised
-from plait.runtime.precision import autocast_for
-from plait.runtime.predict import call_arguments
-from plait.runtime.remat import kept_by_selective
-from plait.runtime.stage_balance import balanced_layer_starts as _balanced_starts
-from plait.runtime.stage_program import (
+from plait.runtime.engine.job import Job, LossFn, OptimizerFactory
+from plait.runtime.engine.meta_init import require_initialised
+from plait.runtime.engine.precision import autocast_for
+from plait.runtime.engine.predict import call_arguments
+from plait.runtime.pipeline.stage_balance import balanced_layer_starts as _balanced_starts
+from plait.runtime.pipeline.stage_program import (
     StageProgram,
     compile_stage,
     compiles,
     planned_stage_collectives,
 )
-from plait.runtime.stage_timer import StageTimer
-from plait.runtime.zero import ZeroOptimizer, check_elementwise
+from plait.runtime.pipeline.stage_timer import StageTimer
+from plait.runtime.program.remat import kept_by_selective
+from plait.runtime.program.zero import ZeroOptimizer, check_elementwise
 from plait.support import Where
 
 if TYPE_CHECKING:
-    from plait.runtime.measure import MemoryMeasurement
-    from plait.runtime.report import RunReport
+    from plait.runtime.engine.measure import MemoryMeasurement
+    from plait.runtime.engine.report import RunReport
 
 __all__ = ["PipelineJob", "SavedOnHost", "model_inputs", "stage_optimizer", "stage_starts"]
 
@@ -105,7 +105,7 @@ def stage_starts(model: nn.Module, stages: int) -> list[str]:
     From ``plait.pipeline_stage`` marks when there are any, else the longest list of layers
     (an ``nn.ModuleList`` or ``nn.Sequential``) cut where per-stage cost balances, the
     embeddings counted in the first stage and the head in the last
-    (:mod:`plait.runtime.stage_balance`).
+    (:mod:`plait.runtime.pipeline.stage_balance`).
     """
     marks = pipeline_stage_marks(model)
     return _starts_from_marks(model, marks, stages) if marks else _balanced_starts(model, stages)
@@ -291,7 +291,7 @@ class PipelineJob(Job):
         self.stages = stages
         self.stage_modules = modules
         self.stage_programs = programs
-        """Each stage as a per-rank program (:mod:`plait.runtime.stage_program`) where it
+        """Each stage as a per-rank program (:mod:`plait.runtime.pipeline.stage_program`) where it
         applies (tensor parallel in the stages); empty where the stages run eagerly."""
         self.plan = plan
         """The plan the stages run (mode auto, plan files), None for marks and even splits."""
@@ -575,7 +575,7 @@ class PipelineJob(Job):
         checked against the whole model, and each stage's tensors (the model's own, or the
         pieces tensor parallel and optimizer parallel gave the stage) are filled with this
         rank's slices of them; the optimizer's host copies (``offload="optimizer"``) follow."""
-        from plait.runtime.pretrained import load_pretrained
+        from plait.runtime.engine.pretrained import load_pretrained
 
         return load_pretrained(self.model, self.optimizer, path, holders=self.stage_modules)
 
@@ -583,7 +583,7 @@ class PipelineJob(Job):
         """As :meth:`Job.report`, with the last training step's measured timeline and the
         plan's predicted one (``report.plot(DIR)`` draws them). Every rank calls it: it
         gathers the pipeline group's pass times, as :meth:`timeline` does."""
-        from plait.runtime.report import run_report
+        from plait.runtime.engine.report import run_report
 
         measured = self.timeline() if self.steps_taken else None
         return run_report(self, self._step_seconds, memory, warmup, measured_timeline=measured)
@@ -846,7 +846,7 @@ def wrap_stages(
     """What runs around each stage's forward, in place: recompute (the stage's, then each
     named module's), autocast, and activation offload; returns the offload, if any.
     ``programs``: the stages' compiled programs (one a module, or none), which recompute in
-    their own backward graphs (:func:`plait.runtime.stage_program.recompute_in_backward`), not
+    their own backward graphs (:func:`plait.runtime.pipeline.stage_program.recompute_in_backward`), not
     under torch's checkpoint, and offload what their autograd function saves (the hooks
     around the function's call, not around the trace)."""
     if config.recompute in ("full", "selective") and not programs:
@@ -878,7 +878,7 @@ def stage_optimizer(
 ) -> torch.optim.Optimizer:
     """The user's optimizer over this rank's stages' parameters. ``host``
     (``offload="optimizer"``, ZeRO-Offload): over host copies of their local pieces instead
-    (:class:`plait.runtime.zero.ZeroOptimizer`, the same object the per-rank program's
+    (:class:`plait.runtime.program.zero.ZeroOptimizer`, the same object the per-rank program's
     offload uses), so its states and its step live in host memory; under optimizer parallel
     the pieces are FSDP2's shards, so each rank keeps only its shard's states there. On a
     CPU device the host is the device: the pieces themselves, nothing copied."""
@@ -920,7 +920,7 @@ class SavedOnHost:
     to the device when backward reads it (saved-tensor hooks, as torch's ``save_on_cpu``), so
     between a micro-batch's forward and its backward the device holds none of it. The stages
     run the user's modules under torch's pipelining, not the compiled program, so the
-    program's pass (:mod:`plait.runtime.offload`) cannot apply; the plan's rule is kept:
+    program's pass (:mod:`plait.runtime.program.offload`) cannot apply; the plan's rule is kept:
 
     - values under ``min_bytes`` (1 MiB a micro-batch, the plan's threshold) stay;
     - parameters, buffers and views of them stay (held anyway; FSDP2 frees and gathers its
@@ -1050,7 +1050,7 @@ def recompute_stage(module: nn.Module, mode: str = "full") -> None:
     recompute, torch's selective checkpoint): the results of matrix products, convolutions,
     attention kernels and embedding lookups are kept, the cheap rest (pointwise ops,
     activations, norms, softmax) recomputed; the same rule as the program's pass
-    (:func:`plait.runtime.remat.kept_by_selective`). Wraps ``forward`` in place."""
+    (:func:`plait.runtime.program.remat.kept_by_selective`). Wraps ``forward`` in place."""
     inner = module.forward
     context: dict[str, Any] = {}
     if mode == "selective":
@@ -1144,7 +1144,7 @@ def check_pipeline_optimizer(
     model: nn.Module, config: ParallelConfig, optimizer: OptimizerFactory
 ) -> None:
     """``offload="optimizer"`` updates each piece of a parameter apart, on the host: the
-    user's optimizer must be elementwise (:func:`plait.runtime.zero.check_elementwise`; built
+    user's optimizer must be elementwise (:func:`plait.runtime.program.zero.check_elementwise`; built
     once over the model's parameters to see its class, meta ones included)."""
     if config.offload == "optimizer":
         check_elementwise(optimizer(list(model.parameters())), None)

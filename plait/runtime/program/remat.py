@@ -1,6 +1,6 @@
 """Activation recompute (rematerialization) as a pass over a per-rank program.
 
-The per-rank program (:mod:`plait.runtime.program`) is one FX graph: the forward's local aten
+The per-rank program (:mod:`plait.runtime.program.compile`) is one FX graph: the forward's local aten
 ops, then the backward's, with functional collectives explicit. A forward value read by a
 backward node is what autograd would have saved: it stays alive from where forward computes it
 until backward's last read. :func:`rematerialize` rewrites such reads to read a *clone* of the

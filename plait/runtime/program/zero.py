@@ -14,7 +14,7 @@ that out with MindSpore's levels (``ParallelConfig.optimizer_shard``):
 * **3**: as 2, and the parameters themselves are kept split (a DTensor whose piece's dim is
   split over dp too): the program all-gathers each bucket before its first use in forward,
   frees the whole values after forward, and gathers again before backward needs them (a
-  rematerialization pass, :mod:`plait.runtime.remat`). The optimizer updates the shards in place.
+  rematerialization pass, :mod:`plait.runtime.program.remat`). The optimizer updates the shards in place.
 
 With shard groups (``ParallelConfig.optimizer_weight_shard_size``, MindSpore's HSDP) the
 shards spread over a group of ``k`` consecutive ranks of the dp axis instead of all of it, and
@@ -53,7 +53,7 @@ from plait.comm.dtensor import (
     replicate_placement,
 )
 from plait.errors import ConfigError
-from plait.runtime.local_optim import is_elementwise
+from plait.runtime.program.local_optim import is_elementwise
 
 __all__ = [
     "Apply",
@@ -527,8 +527,8 @@ def parameter_derived(
     """ZeRO-3: the forward values computed from the gathered parameters alone (the gathers
     themselves, and views, transposes or casts of the whole parameters).
 
-    Backward recomputes them before its first reader (:func:`plait.runtime.remat.rematerialize`,
-    run by :meth:`~plait.runtime.program.Program.rematerialize`): it gathers the parameters
+    Backward recomputes them before its first reader (:func:`plait.runtime.program.remat.rematerialize`,
+    run by :meth:`~plait.runtime.program.compile.Program.rematerialize`): it gathers the parameters
     again instead of keeping them, so they are freed once forward is done with them.
     """
     derived = set(gathered)

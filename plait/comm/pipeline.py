@@ -15,6 +15,7 @@ inside the trace, its gradient added to ``.grad`` after) is here too, for
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,11 +43,14 @@ from plait._compat import custom_reducer, tree_map, unflatten_mesh_dim
 __all__ = [
     "SCHEDULES",
     "CarriedInputs",
+    "Handovers",
     "PieceLayout",
     "add_piece_to_grad",
     "build_stages",
     "carry_late_inputs",
+    "constant_handovers",
     "defer_weight_pass",
+    "keep_constants_without_gradient",
     "layout_of",
     "make_schedule",
     "mean_over_group",
@@ -228,11 +232,22 @@ def stage_indices(schedule: str, rank: int, pp: int, virtual: int) -> list[int]:
     return [rank + k * pp for k in range(virtual)]
 
 
-def build_stages(pipe: Any, indices: Sequence[int], device: torch.device, group: Any) -> list:
-    """This rank's stages of ``pipe``, each warming up its links to other ranks only."""
+def build_stages(
+    pipe: Any,
+    indices: Sequence[int],
+    device: torch.device,
+    group: Any,
+    example: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}),
+) -> list:
+    """This rank's stages of ``pipe``, each warming up its links to other ranks only, and
+    none computing or waiting for the gradient of a value that carries none
+    (:func:`keep_constants_without_gradient`; ``example``: one micro-batch's model inputs,
+    as traced)."""
     stages = [pipe.build_stage(i, device, group) for i in indices]
+    handovers = constant_handovers(pipe, *example)
     for stage in stages:
         _warm_up_remote_peers_only(stage)
+        keep_constants_without_gradient(stage, handovers)
     return stages
 
 
@@ -250,6 +265,102 @@ def _warm_up_remote_peers_only(stage: Any) -> None:
         return [op for op in all_ops() if op.group_peer != me]  # a group rank, always set
 
     stage._get_init_p2p_neighbors_ops = remote_ops
+
+
+@dataclass(frozen=True)
+class Handovers:
+    """Which values between stages carry no gradient (:func:`constant_handovers`): by stage
+    index, the positions of the outputs it hands on and of the inputs it receives."""
+
+    outputs: dict[int, frozenset[int]]
+    inputs: dict[int, frozenset[int]]
+
+
+def constant_handovers(pipe: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Handovers:
+    """The values stages hand each other that carry no gradient (rotary tables, masks,
+    positions made in the first stage and read by later ones). torch's stages mark every
+    floating value they receive as needing a gradient, so a receiving stage would compute
+    one, sum it over tensor parallel (collectives for nothing) and send it back to be
+    dropped. Found by running the split once on fake tensors (no memory, no compute) with
+    the model's inputs (``args``, ``kwargs``: one micro-batch), as autograd sees it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    names = [n.target for n in graph.nodes if n.op == "placeholder"]
+    given = dict(zip(names, args, strict=False)) | kwargs
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.enable_grad():
+        inputs = [_fake(mode, given.get(name)) for name in names]
+        flags = _StageGradients(pipe.split_gm).flags(inputs)
+    outputs: dict[int, frozenset[int]] = {}
+    inputs_of: dict[int, frozenset[int]] = {}
+    carrying: dict[Any, bool] = {}
+    for i, call in enumerate(calls):
+        inputs_of[i] = frozenset(
+            k for k, arg in enumerate(call.args) if arg in carrying and not carrying[arg]
+        )
+        mine = flags[call.name]
+        outputs[i] = frozenset(k for k, flag in enumerate(mine) if not flag)
+        for user in call.users:
+            carrying[user] = mine[user.args[1] if user.target is operator.getitem else 0]
+    return Handovers(outputs, inputs_of)
+
+
+def _fake(mode: Any, value: Any) -> Any:
+    return mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+
+class _StageGradients(torch.fx.Interpreter):
+    """Runs a split graph whole, recording per stage call whether each output it returns
+    needs a gradient."""
+
+    def flags(self, inputs: list[Any]) -> dict[str, list[bool]]:
+        self._flags: dict[str, list[bool]] = {}
+        self.run(*inputs)
+        return self._flags
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        result = super().call_module(target, args, kwargs)
+        returned = result if isinstance(result, tuple | list) else (result,)
+        self._flags[self._current] = [
+            isinstance(v, torch.Tensor) and v.requires_grad for v in returned
+        ]
+        return result
+
+    def run_node(self, n: Any) -> Any:
+        self._current = n.name
+        return super().run_node(n)
+
+
+def keep_constants_without_gradient(stage: Any, handovers: Handovers) -> None:
+    """A built stage neither waits for a gradient of the values it hands on that carry none
+    nor computes one for such values it receives (:func:`constant_handovers`): both ends
+    read the same table, so the backward's sends and receives stay paired."""
+    outputs = handovers.outputs.get(stage.stage_index, frozenset())
+    inputs = handovers.inputs.get(stage.stage_index, frozenset())
+    send_info, recv_info = stage._create_act_send_info, stage._create_act_recv_info
+
+    def sends() -> Any:
+        info = send_info()
+        metas = list(stage._stage_meta.outputs)
+        for k in outputs:
+            metas[k] = dataclasses.replace(metas[k], requires_grad=False)
+        stage._stage_meta.outputs = tuple(metas)
+        return info
+
+    def receives() -> Any:
+        infos = recv_info()
+        for k in inputs:
+            info = infos[k]
+            if info.buffer is not None:
+                info.buffer.requires_grad_(False)
+                info.tensor_meta = dataclasses.replace(info.tensor_meta, requires_grad=False)
+        return infos
+
+    if outputs:
+        stage._create_act_send_info = sends
+    if inputs:
+        stage._create_act_recv_info = receives
 
 
 def stage_module(stage: Any) -> nn.Module:

@@ -62,7 +62,7 @@ from plait.comm.dtensor import (
 )
 from plait.config import ParallelConfig
 from plait.data import split_micro_batches
-from plait.errors import ConfigError, NotBuiltError, ShardingError
+from plait.errors import ConfigError, NotBuiltError, PlaitError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning import Plan, PlannedParameter
@@ -235,8 +235,15 @@ class PipelineJob(Job):
         layouts: dict[str, TensorLayout] = {}
         if inner and plan is not None:
             layouts = inner_layouts(plan.parameters, mesh, config)
-        elif inner:
-            layouts = stage_parameter_layouts(model, config, mesh, loss_fn, local, dp)
+        elif inner:  # semi_auto: the plan of the user's annotations, stages included
+            whole = semi_auto_plan(model, config, mesh, loss_fn, local, dp * micro)
+            if whole is not None and virtual == 1 and plan_stage_starts(whole) == starts:
+                plan = whole  # the stages are the plan's: checked against it (plan_mismatches)
+            layouts = (
+                inner_layouts(whole.parameters, mesh, config)
+                if whole is not None
+                else stage_parameter_layouts(model, config, mesh, loss_fn, local, dp)
+            )
         with pp_comm.without_cache(model):
             self._output_spec = output_structure(model, args, kwargs)
         """The model's output structure: torch's split hands the last stage's output over as
@@ -249,7 +256,9 @@ class PipelineJob(Job):
         _refuse_unread_positional(model, args, pipe, self._carried)
         indices = pp_comm.stage_indices(config.schedule, pp_rank, pp, virtual)
         device = torch.device("cpu" if device_mesh.device_type == "cpu" else "cuda")
-        stages = pp_comm.build_stages(pipe, indices, device, device_mesh.get_group("pp"))
+        stages = pp_comm.build_stages(
+            pipe, indices, device, device_mesh.get_group("pp"), example=(args, kwargs)
+        )
         modules = [pp_comm.stage_module(s) for s in stages]
         submesh = None
         if inner:
@@ -740,6 +749,32 @@ def stage_parameter_layouts(
         loss_fn=loss_fn,
     )  # fmt: skip
     return inner_layouts(planned.parameters, mesh, config)
+
+
+def semi_auto_plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    mesh: MeshSpec,
+    loss_fn: LossFn,
+    micro_batch: Any,
+    micro_batches: int,
+) -> Plan | None:
+    """The semi_auto plan of the whole model on the pipeline's mesh (the user's
+    ``plait.shard`` annotations, their propagation, and the planner's stage cut), made on
+    the global batch; the stages are checked against its collectives when they are the
+    plan's stages. None, with the reason logged, where the planner refuses the config for
+    pipelines (the stages then take their layouts from the plan without ``pp``,
+    :func:`stage_parameter_layouts`, and are not checked)."""
+    from plait.planning import plan as make_plan
+
+    try:
+        return make_plan(
+            model, config, example_batch=tree_map(lambda x: _repeat_rows(x, micro_batches), micro_batch),
+            loss_fn=loss_fn,
+        )  # fmt: skip
+    except PlaitError as e:
+        logger.info("pipeline: the semi_auto stages are not checked against a plan: %s", e)
+        return None
 
 
 def inner_layouts(

@@ -27,26 +27,22 @@ went: :class:`~plait.planning.timing.PlanTiming`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from torch import nn
 
 from plait import support
 from plait.config import ParallelConfig
+from plait.cost.compute import optimizer_seconds
 from plait.errors import ConfigError, PlaitError
-from plait.graph import OpGraph
+from plait.graph import OpGraph, OpNode
 from plait.planning.assemble import assemble_plan
-from plait.planning.estimate import (
-    PP_AXIS,
-    GraphFacts,
-    MeshEstimate,
-    micro_batch_seconds,
-    schedule_bubble,
-)
+from plait.planning.estimate import PP_AXIS, GraphFacts, MeshEstimate
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
 from plait.planning.setup import SearchSetup, compute_model, hardware_of, mesh_of, prepare
@@ -71,28 +67,25 @@ class _Variant:
     micro_batches: int
 
 
-def _powers_of_two_up_to(limit: int) -> list[int]:
-    out, n = [], 1
-    while n <= limit:
-        out.append(n)
-        n *= 2
-    return out
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    """The divisors of ``n`` (at most ``limit``), ascending."""
+    top = n if limit is None else min(n, limit)
+    return [d for d in range(1, top + 1) if n % d == 0]
 
 
 def mesh_candidates(
     devices: int, cfg: ParallelConfig, graph: OpGraph, devices_per_node: int
 ) -> list[dict[str, int]]:
-    """Mesh factorisations ``{pp, dp, tp}`` worth trying (axes of size 1 left out)."""
+    """Mesh factorisations ``{pp, dp, tp}`` worth trying (axes of size 1 left out): every
+    pipeline degree that divides the devices (no more stages than repeated layers), every
+    tensor-parallel degree that divides a node (at most :data:`MAX_TP`), the rest data
+    parallel, when the global batch divides over it and a micro-batch count runs."""
     batch = _global_batch(graph)
     layers = max((len(g.members) for g in graph.layers), default=1)
-    stages = (
-        [cfg.pipeline_stages]
-        if cfg.pipeline_stages != 1
-        else [p for p in range(1, layers + 1) if devices % p == 0 and (p & (p - 1) == 0)]
-    )
+    stages = [cfg.pipeline_stages] if cfg.pipeline_stages != 1 else _divisors(devices, layers)
     found: list[dict[str, int]] = []
     for pp in stages:
-        for tp in _powers_of_two_up_to(min(MAX_TP, devices_per_node)):
+        for tp in _divisors(devices_per_node, MAX_TP):
             if devices % (pp * tp):
                 continue
             if pp > 1 and _refused_stages(cfg, pp, tp):
@@ -102,6 +95,8 @@ def mesh_candidates(
                 continue
             if dp % (cfg.optimizer_weight_shard_size or 1):
                 continue  # HSDP's shard groups must cut the dp axis evenly
+            if not _micro_batch_counts(cfg, pp, batch // dp):
+                continue  # fewer rows per replica than the schedule needs micro-batches
             mesh = {"pp": pp, cfg.dp_axis: dp, "tp": tp}
             found.append({k: v for k, v in mesh.items() if v > 1 or k == cfg.dp_axis})
     if not found:
@@ -110,6 +105,22 @@ def mesh_candidates(
             "data-parallel axis; use a batch that is a multiple of the devices, or give mesh={...}"
         )
     return found
+
+
+def _micro_batch_counts(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[int]:
+    """Every micro-batch count a user could give on ``pp`` stages: 1 without stages
+    (parallelize refuses micro-batches there), the user's when given, else each divisor of
+    the per-replica batch the schedule runs (at least ``pp`` except under GPipe, as the
+    pipeline checks; whole rounds under the interleaved schedules, as the timeline needs)."""
+    if pp == 1:
+        return [1]
+    if cfg.micro_batches != 1:
+        return [cfg.micro_batches]
+    least = 1 if cfg.schedule == "gpipe" else pp
+    rounds = cfg.schedule in ("interleaved_1f1b", "zero_bubble")
+    return [
+        m for m in _divisors(replica_batch) if m >= least and not (rounds and m % max(1, m // pp))
+    ]
 
 
 def _refused_stages(cfg: ParallelConfig, pp: int, tp: int) -> bool:
@@ -134,23 +145,21 @@ def _global_batch(graph: OpGraph) -> int:
     return 1
 
 
-def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Variant]:
-    """Settings in order of rising cost (escalation order), those that run on a mesh of
-    ``pp`` stages."""
-    if pp == 1:
-        m = 1  # micro-batches run only between stages (parallelize refuses them without)
-    elif cfg.micro_batches != 1:
-        m = cfg.micro_batches
-    else:
-        m = max((k * pp for k in (1, 2, 4) if replica_batch % (k * pp) == 0), default=1)
+def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[_Variant]:
+    """Every setting a user could give on a mesh of ``pp`` stages (what they fixed stays
+    fixed): each micro-batch count (:func:`_micro_batch_counts`), each recompute policy,
+    each ZeRO level that runs there."""
     if cfg.optimizer_shard is not None:
         levels: tuple[int | None, ...] = (cfg.optimizer_shard,)
     else:  # optimizer parallel in zero-bubble stages does not run
         levels = (None,) if _splits_backward(cfg, pp) else LEVELS
     recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
-    for recompute in recomputes:
-        for level in levels if recompute == "none" else levels[-1:]:
-            yield _Variant(level, recompute, m)
+    return [
+        _Variant(level, recompute, m)
+        for m in _micro_batch_counts(cfg, pp, replica_batch)
+        for recompute in recomputes
+        for level in levels
+    ]
 
 
 @dataclass
@@ -165,13 +174,38 @@ class _Trial:
 
 @dataclass
 class _Searched:
-    """One mesh's search, and its settings in escalation order."""
+    """One mesh's search, and every setting weighed on it."""
 
     mesh: dict[str, int]
     setup: SearchSetup
     decisions: dict[str, Decision]
     variants: list[tuple[_Variant, ParallelConfig]]
     estimate: MeshEstimate | None = None
+
+
+@dataclass
+class _Pruned:
+    """What the bounds kept from being weighed: meshes not searched (each with its bound),
+    options of searched meshes not predicted, and the least of their bounds."""
+
+    meshes: list[tuple[dict[str, int], float]] = dataclasses.field(default_factory=list)
+    options: int = 0
+    option_bound: float = math.inf
+
+
+class _Fits:
+    """Step times of the options that fit so far, fastest first; the runner-up's is the
+    threshold a bound must beat (pruning against it keeps the winner and the runner-up)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def add(self, step: float) -> None:
+        bisect.insort(self.times, step)
+
+    def beaten_by(self, bound: float) -> bool:
+        """Whether no option with this lower bound can be the winner or the runner-up."""
+        return len(self.times) >= 2 and bound > self.times[1] * (1 + 1e-9)
 
 
 def auto_plan(
@@ -190,27 +224,23 @@ def auto_plan(
     ``runnable_only``: no pipeline stages (what ``parallelize`` runs today). ``timing``, when
     given, receives the seconds per phase and the option counts. ``exhaustive`` assembles
     every option in full instead of predicting it from its mesh's shared work (the same
-    choice, slower; for tests and benchmarks). ``prune``: a mesh whose lower bound
-    (:func:`_lower_bound`) is slower than the runner-up found so far is not searched; the
-    winner and the runner-up stay the same, ``Plan.options`` lists only meshes searched and a
-    note names the others.
+    choice, slower; for tests and benchmarks). ``prune``: a mesh or option whose lower bound
+    (module doc) is slower than the runner-up found so far is not searched or not predicted;
+    the winner and the runner-up stay the same, ``Plan.options`` lists only options
+    predicted and a note names what was not.
     """
     timing = timing if timing is not None else PlanTiming()
     searcher = get_searcher(cfg.search or "sharding_propagation")
     hardware = hardware_of(cfg, hardware_file)
     # ParallelConfig parsed a memory_limit given as text ("80GiB") to bytes
     limit = cast("int | None", cfg.memory_limit) or hardware.memory_bytes
-    meshes = _meshes(cfg, graph, hardware.devices_per_node, runnable_only)
     model_name = type(model).__name__ if model is not None else ""
     facts = GraphFacts(graph)
     op_compute = compute_model(hardware, cfg.precision)
-    searched: list[_Searched] = []
-    trials: list[_Trial] = []
-    errors: list[PlaitError] = []
-    pruned: list[tuple[dict[str, int], float, float]] = []  # mesh, its bound, the runner-up
-    fits: list[float] = []  # step times of the options that fit, fastest first
-    timing.meshes += len(meshes)
-    for mesh in meshes:
+    classes = _OpClasses(graph, op_compute)
+    most_update = _most_update(facts, hardware)
+    meshes = []
+    for mesh in _meshes(cfg, graph, hardware.devices_per_node, runnable_only):
         pp = mesh.get("pp", 1)
         base = _with(
             cfg,
@@ -225,12 +255,25 @@ def auto_plan(
                       micro_batches=v.micro_batches))
             for v in _variants(cfg, pp, replica_batch)
         ]  # fmt: skip
-        if prune and len(fits) >= 2:
-            bound = _lower_bound(graph, variants[0][1], op_compute)
-            if bound > fits[1] * (1 + 1e-9):
-                pruned.append((mesh, bound, fits[1]))
-                timing.pruned += 1
-                continue
+        bounds = {
+            m: _presearch_bound(classes, vcfg, most_update)
+            for m, vcfg in _first_per_count(variants).items()
+        }
+        meshes.append((mesh, base, variants, bounds))
+    # the most promising meshes first: the runner-up is found early, and more are pruned
+    meshes.sort(key=lambda t: min(t[3].values()))
+    searched: list[_Searched] = []
+    trials: list[_Trial] = []
+    errors: list[PlaitError] = []
+    pruned = _Pruned()
+    fits = _Fits()
+    timing.meshes += len(meshes)
+    for mesh, base, variants, bounds in meshes:
+        least = min(bounds.values())
+        if prune and fits.beaten_by(least):
+            pruned.meshes.append((mesh, least))
+            timing.pruned += 1
+            continue
         try:
             with timing.phase("candidates"):
                 setup = prepare(graph, base, model=model, hardware=hardware)
@@ -244,19 +287,23 @@ def auto_plan(
         timing.searched += 1
         searched.append(_Searched(mesh, setup, decisions, variants))
         if exhaustive:
-            found = _escalate(len(searched) - 1, searched, limit, timing, graph, model_name)
+            found = _assemble_all(len(searched) - 1, searched, limit, timing, graph, model_name)
         else:
             done = searched[-1]
             with timing.phase("estimate"):
-                # at the options' micro-batch count: it weighs in the stage partition
-                at_m = _with(base, micro_batches=variants[0][1].micro_batches)
+                # at the most promising micro-batch count: it weighs in the stage partition
+                first = min(bounds, key=lambda m: bounds[m])
+                at_m = _with(base, micro_batches=first)
                 done.estimate = MeshEstimate(
                     facts, at_m, setup.mesh, setup.problem, setup.topology, setup.hardware,
                     decisions,
                 )  # fmt: skip
-                found = _escalate(len(searched) - 1, searched, limit, timing)
+                found = _weigh(done, len(searched) - 1, limit, timing, fits, pruned, prune,
+                               classes, most_update)  # fmt: skip
+        for t in found:
+            if t.option.feasible:
+                fits.add(t.option.step_time_s)
         trials += found
-        fits = sorted(fits + [t.option.step_time_s for t in found if t.option.feasible])
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
     best, ranked, real, feasible = _rank(trials)
@@ -266,45 +313,188 @@ def auto_plan(
             best.plan = _assemble(graph, best.cfg, searched[best.search], model_name)
         timing.assembled += 1
     plan = _winner(best, ranked, real, feasible, limit, cfg)
-    if pruned:  # before the note on why the winner won, which stays last
-        notes = (*plan.notes[:-1], _pruned_note(pruned), plan.notes[-1])
-        plan = dataclasses.replace(plan, notes=notes)
+    notes = _pruned_notes(pruned)
+    if notes:  # before the note on why the winner won, which stays last
+        plan = dataclasses.replace(plan, notes=(*plan.notes[:-1], *notes, plan.notes[-1]))
     return plan
 
 
-def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> float:
-    """No option of ``cfg``'s mesh (at its micro-batch count) predicts a faster step.
+def _first_per_count(
+    variants: Sequence[tuple[_Variant, ParallelConfig]],
+) -> dict[int, ParallelConfig]:
+    """One config per micro-batch count (the bounds read only the count and the mesh)."""
+    out: dict[int, ParallelConfig] = {}
+    for v, vcfg in variants:
+        out.setdefault(v.micro_batches, vcfg)
+    return out
+
+
+class _OpClasses:
+    """The graph's ops grouped by what their compute price reads (target, shapes, FLOPs and
+    bytes): a repeated layer's ops are priced once per group, not once per layer, so the
+    bounds over every mesh and micro-batch count cost little."""
+
+    def __init__(self, graph: OpGraph, op_compute: OpCompute) -> None:
+        self.op_compute = op_compute
+        groups: dict[tuple[object, ...], list[OpNode]] = {}
+        for op in graph.ops:
+            key = (op.target, op.flops, op.bytes, op.input_metas, op.outputs)
+            groups.setdefault(key, []).append(op)
+        self.groups = [(ops[0], len(ops)) for ops in groups.values()]
+        self.key_of = {op.name: n for n, ops in enumerate(groups.values()) for op in ops}
+
+    def compute(self, pieces: int) -> float:
+        """Every op's forward and backward, each cut into ``pieces``."""
+        return sum(self.op_compute(op, pieces) * n for op, n in self.groups)
+
+    def again(self, pieces: Sequence[tuple[int, int, int]], m: int) -> float:
+        """What ``m`` micro-batches add (:func:`micro_batch_seconds`, summed over stages):
+        ``pieces`` lists (group, pieces, how many ops of the group are cut so)."""
+        if m == 1:
+            return 0.0
+        f = self.op_compute
+        total = 0.0
+        for g, p, n in pieces:
+            op = self.groups[g][0]
+            total += max(0.0, m * f(op, p * m) - f(op, p)) * n
+        return total
+
+
+def _most_update(facts: GraphFacts, hardware: Any) -> float:
+    """More than any device's optimizer step takes: every trainable parameter, whole."""
+    trainable = [g for g in facts.parameters if g.requires_grad]
+    return optimizer_seconds(len(trainable), float(sum(g.meta.numel for g in trainable)), hardware)
+
+
+def _bound(cfg: ParallelConfig, busiest: float, most_update: float) -> float:
+    """A step's lower bound from one on its busiest stage's compute (``busiest``).
+
+    The step is the busiest stage's ``X = compute + communication - hidden + update`` plus
+    the bubble, ``X >= busiest`` (what hides is communication). With GPipe, 1F1B and the
+    interleaved 1F1B the bubble is ``(pp - 1) / (v m)`` of that stage's compute and
+    communication, at least ``X - update`` (:func:`schedule_bubble`); the zero-bubble
+    schedules get no bubble in the bound."""
+    pp, m = cfg.pipeline_stages, cfg.micro_batches
+    if pp == 1 or cfg.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        return busiest
+    v = (cfg.virtual_stages or 1) if cfg.schedule == "interleaved_1f1b" else 1
+    return busiest + (pp - 1) / (v * m) * max(0.0, busiest - most_update)
+
+
+def _presearch_bound(classes: _OpClasses, cfg: ParallelConfig, most_update: float) -> float:
+    """No option of ``cfg``'s mesh at its micro-batch count predicts a faster step.
 
     Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
     the stage's devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp``
     of the fixed costs micro-batches pay again, each op at worst whole (what an op pays again
     only grows as its pieces do: :func:`~plait.planning.estimate.micro_batch_seconds`);
-    communication adds to that; and with 1F1B or GPipe the bubble grows with the stage's
-    time, so it is at least the bubble of that much compute alone (:func:`schedule_bubble`).
-    Other schedules get no bubble in the bound.
+    then :func:`_bound`.
     """
     pp = cfg.pipeline_stages
     pieces = math.prod(n for a, n in cfg.mesh_dict.items() if a != PP_AXIS)
-    total = sum(op_compute(op, pieces) for op in graph.ops) * cfg.grad_accumulation
-    whole = {op.name: 1 for op in graph.ops}
-    one_stage = dict.fromkeys(whole, 0)
-    again = micro_batch_seconds(graph, one_stage, whole, op_compute, cfg, 1)[0]
-    compute = (total + again) / pp
-    if pp > 1 and cfg.schedule in ("1f1b", "gpipe"):
-        return compute + schedule_bubble(cfg, compute, 0.0, 0.0)
-    return compute
+    total = classes.compute(pieces) * cfg.grad_accumulation
+    whole = [(g, 1, n) for g, (_, n) in enumerate(classes.groups)]
+    again = classes.again(whole, cfg.micro_batches) * cfg.grad_accumulation
+    return _bound(cfg, (total + again) / pp, most_update)
 
 
-def _pruned_note(pruned: Sequence[tuple[dict[str, int], float, float]]) -> str:
-    meshes = ", ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m, _, _ in pruned)
-    least = min(b for _, b, _ in pruned)
-    return (
-        f"{len(pruned)} mesh{'es' if len(pruned) > 1 else ''} not searched ({meshes}): no "
-        f"option of {'theirs' if len(pruned) > 1 else 'its'} could be faster "
-        f"than {fmt_seconds(least)} (the busiest stage's compute with every op cut over all "
-        "its devices, and the pipeline bubble of that), slower than the runner-up found "
-        f"before {'them' if len(pruned) > 1 else 'it'}"
-    )
+def _searched_bounds(done: _Searched, classes: _OpClasses, most_update: float) -> dict[int, float]:
+    """Per micro-batch count, no option of the searched mesh predicts a faster step: the
+    busiest stage computes at least the lightest bottleneck any partition of the chosen
+    strategies' ops has (:meth:`MeshEstimate.min_bottleneck_s`), and at least ``1 / pp`` of
+    every op's time with what the micro-batches pay again (recompute only adds); then
+    :func:`_bound`."""
+    est = done.estimate
+    assert est is not None
+    ga = est.base.grad_accumulation
+    floor = est.min_bottleneck_s()
+    total = sum(est.compute)
+    counted: dict[tuple[int, int], int] = {}
+    for op in est.graph.ops:
+        key = (classes.key_of[op.name], est._work_pieces(est.chosen[op.name]))
+        counted[key] = counted.get(key, 0) + 1
+    pieces = [(g, p, n) for (g, p), n in counted.items()]
+    pp = est.stages
+    out = {}
+    for m, vcfg in _first_per_count(done.variants).items():
+        again = classes.again(pieces, m) * ga
+        out[m] = _bound(vcfg, max(floor, (total + again) / pp), most_update)
+    return out
+
+
+def _weigh(
+    done: _Searched,
+    k: int,
+    limit: int,
+    timing: PlanTiming,
+    fits: _Fits,
+    pruned: _Pruned,
+    prune: bool,
+    classes: _OpClasses,
+    most_update: float,
+) -> list[_Trial]:
+    """Mesh ``k``'s options predicted by its :class:`MeshEstimate`, in the variants' order.
+
+    With ``prune``, micro-batch counts go from the lowest bound up; a count whose bound is
+    above the runner-up found so far is not weighed (nor the counts after it), and an
+    option whose step time alone is above it is not walked for memory. Fits found here
+    join ``fits`` as they are found."""
+    est = done.estimate
+    assert est is not None
+    bounds = _searched_bounds(done, classes, most_update)
+    by_count: dict[int, list[int]] = {}
+    for i, (v, _) in enumerate(done.variants):
+        by_count.setdefault(v.micro_batches, []).append(i)
+    found: dict[int, _Trial] = {}
+    local = _Fits()  # this mesh's fits, beside those found before it
+    local.times = list(fits.times)
+    counts = sorted(by_count, key=lambda m: bounds[m])
+    for n, m in enumerate(counts):
+        if prune and local.beaten_by(bounds[m]):  # and so is every count after it
+            pruned.options += sum(len(by_count[c]) for c in counts[n:])
+            pruned.option_bound = min(pruned.option_bound, bounds[m])
+            break
+        timed = sorted(
+            ((est.step_time_s(done.variants[i][1]), i) for i in by_count[m]),
+            key=lambda t: t[0],
+        )
+        for step, i in timed:
+            if prune and local.beaten_by(step):
+                pruned.options += 1
+                pruned.option_bound = min(pruned.option_bound, step)
+                continue
+            variant, vcfg = done.variants[i]
+            estimate = est.predict(vcfg)
+            timing.reused += 1
+            timing.options += 1
+            option = _option(done.mesh, variant, estimate.step_time_s, estimate.memory_bytes, limit)
+            found[i] = _Trial(option, vcfg, k)
+            if option.feasible:
+                local.add(option.step_time_s)
+    return [found[i] for i in sorted(found)]
+
+
+def _pruned_notes(pruned: _Pruned) -> list[str]:
+    notes = []
+    if pruned.meshes:
+        ms = pruned.meshes
+        names = ", ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m, _ in ms)
+        least = min(b for _, b in ms)
+        notes.append(
+            f"{len(ms)} mesh{'es' if len(ms) > 1 else ''} not searched ({names}): no "
+            f"option of {'theirs' if len(ms) > 1 else 'its'} could be faster "
+            f"than {fmt_seconds(least)} (the busiest stage's compute with every op cut over all "
+            "its devices, and the pipeline bubble of that), slower than the runner-up found "
+            f"before {'them' if len(ms) > 1 else 'it'}"
+        )
+    if pruned.options:
+        notes.append(
+            f"{pruned.options} option{'s' if pruned.options > 1 else ''} of the meshes searched "
+            f"not predicted in full: none could be faster than {fmt_seconds(pruned.option_bound)} "
+            "(a bound on its micro-batch count's step, or its step time before memory), "
+            "slower than the runner-up found before"
+        )
+    return notes
 
 
 def _meshes(
@@ -320,37 +510,24 @@ def _meshes(
     return meshes
 
 
-def _escalate(
+def _assemble_all(
     k: int,
     searched: Sequence[_Searched],
     limit: int,
     timing: PlanTiming,
-    graph: OpGraph | None = None,
-    model_name: str = "",
+    graph: OpGraph,
+    model_name: str,
 ) -> list[_Trial]:
-    """Mesh ``k``'s settings in escalation order, up to the first that fits.
-
-    With ``graph`` every option is assembled in full; without, predicted by the mesh's
-    :class:`MeshEstimate`.
-    """
+    """Mesh ``k``'s options, each assembled in full (``exhaustive``)."""
     done = searched[k]
     out: list[_Trial] = []
     for variant, vcfg in done.variants:
-        plan = None
-        if graph is not None:
-            with timing.phase("assemble"):
-                plan = _assemble(graph, vcfg, done, model_name)
-            timing.assembled += 1
-            step, memory = plan.predicted.step_time_s, plan.predicted.memory_bytes
-        else:
-            assert done.estimate is not None
-            found = done.estimate.predict(vcfg)
-            timing.reused += 1
-            step, memory = found.step_time_s, found.memory_bytes
+        with timing.phase("assemble"):
+            plan = _assemble(graph, vcfg, done, model_name)
+        timing.assembled += 1
         timing.options += 1
+        step, memory = plan.predicted.step_time_s, plan.predicted.memory_bytes
         out.append(_Trial(_option(done.mesh, variant, step, memory, limit), vcfg, k, plan))
-        if out[-1].option.feasible:
-            break
     return out
 
 

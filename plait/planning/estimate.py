@@ -564,6 +564,7 @@ class MeshEstimate:
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
+        self._timeds: dict[tuple[object, ...], _Timed] = {}
 
     def _partition(self, cfg: ParallelConfig) -> list[int]:
         """Each op's pipeline stage under ``cfg``'s schedule and micro-batches (they weigh
@@ -582,20 +583,6 @@ class MeshEstimate:
             self._figures,
         )  # fmt: skip
         return assign_stages(graph, self._op_time, self.stages, memory)
-
-    def min_bottleneck_s(self) -> float:
-        """The lightest busiest stage's compute (forward, backward, per step) any partition
-        of this search's ops into its stages has, memory aside: no option of the mesh
-        computes less on its busiest stage (:func:`~plait.search.stages.assign_stages`
-        prefers a partition within the memory limit, never a faster one). A lower bound of
-        the outer planner's (:mod:`plait.planning.outer`)."""
-        if self.stages == 1:
-            return self.compute[0]
-        stage_list = assign_stages(self.graph, self._op_time, self.stages, None)
-        busiest = [0.0] * self.stages
-        for op, s in zip(self.graph.ops, stage_list, strict=True):
-            busiest[s] += self._op_time[op.name]
-        return max(busiest) * self.base.grad_accumulation
 
     def for_stages_of(self, cfg: ParallelConfig) -> MeshEstimate:
         """The predictor whose stages are ``cfg``'s: this one, or (another schedule or
@@ -1055,6 +1042,15 @@ class MeshEstimate:
         return self._timed(cfg).step_time_s
 
     def _timed(self, cfg: ParallelConfig) -> _Timed:
+        """The step's parts under ``cfg``, once per setting (ranking, then predicting)."""
+        key = (cfg.optimizer_shard, cfg.recompute, cfg.recompute_modules, cfg.micro_batches,
+               cfg.schedule, cfg.virtual_stages)  # fmt: skip
+        found = self._timeds.get(key)
+        if found is None:
+            found = self._timeds[key] = self._time(cfg)
+        return found
+
+    def _time(self, cfg: ParallelConfig) -> _Timed:
         stages = self.stages
         level = self._level(cfg)
         pipe = self._pipeline(cfg.micro_batches) if stages > 1 else None

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -42,7 +42,7 @@ from plait.cost.compute import optimizer_seconds
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph, OpNode
 from plait.planning.assemble import assemble_plan
-from plait.planning.estimate import PP_AXIS, GraphFacts, MeshEstimate
+from plait.planning.estimate import PP_AXIS, GraphFacts, MeshEstimate, work_pieces
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
 from plait.planning.setup import SearchSetup, compute_model, hardware_of, mesh_of, prepare
@@ -50,6 +50,7 @@ from plait.planning.timeline import SPLIT_BACKWARD
 from plait.planning.timing import PlanTiming
 from plait.search import Decision, get_searcher
 from plait.search.problem import OpCompute
+from plait.search.stages import assign_stages
 from plait.support import Where
 
 __all__ = ["auto_plan", "mesh_candidates"]
@@ -291,15 +292,20 @@ def auto_plan(
         else:
             done = searched[-1]
             with timing.phase("estimate"):
+                after = _searched_bounds(graph, setup, decisions, variants, classes, most_update)
+                least = min(after.values())
+                if prune and fits.beaten_by(least):  # no predictor needed: none is as fast
+                    pruned.options += len(variants)
+                    pruned.option_bound = min(pruned.option_bound, least)
+                    continue
                 # at the most promising micro-batch count: it weighs in the stage partition
-                first = min(bounds, key=lambda m: bounds[m])
-                at_m = _with(base, micro_batches=first)
+                at_m = _with(base, micro_batches=min(after, key=lambda m: after[m]))
                 done.estimate = MeshEstimate(
                     facts, at_m, setup.mesh, setup.problem, setup.topology, setup.hardware,
                     decisions,
                 )  # fmt: skip
                 found = _weigh(done, len(searched) - 1, limit, timing, fits, pruned, prune,
-                               classes, most_update)  # fmt: skip
+                               after)  # fmt: skip
         for t in found:
             if t.option.feasible:
                 fits.add(t.option.step_time_s)
@@ -398,28 +404,44 @@ def _presearch_bound(classes: _OpClasses, cfg: ParallelConfig, most_update: floa
     return _bound(cfg, (total + again) / pp, most_update)
 
 
-def _searched_bounds(done: _Searched, classes: _OpClasses, most_update: float) -> dict[int, float]:
+def _searched_bounds(
+    graph: OpGraph,
+    setup: SearchSetup,
+    decisions: Mapping[str, Decision],
+    variants: Sequence[tuple[_Variant, ParallelConfig]],
+    classes: _OpClasses,
+    most_update: float,
+) -> dict[int, float]:
     """Per micro-batch count, no option of the searched mesh predicts a faster step: the
     busiest stage computes at least the lightest bottleneck any partition of the chosen
-    strategies' ops has (:meth:`MeshEstimate.min_bottleneck_s`), and at least ``1 / pp`` of
-    every op's time with what the micro-batches pay again (recompute only adds); then
-    :func:`_bound`."""
-    est = done.estimate
-    assert est is not None
-    ga = est.base.grad_accumulation
-    floor = est.min_bottleneck_s()
-    total = sum(est.compute)
-    counted: dict[tuple[int, int], int] = {}
-    for op in est.graph.ops:
-        key = (classes.key_of[op.name], est._work_pieces(est.chosen[op.name]))
+    strategies' ops into its stages has, memory aside (:func:`assign_stages` prefers a
+    partition within the memory limit, never a faster one), and at least ``1 / pp`` of every
+    op's time with what the micro-batches pay again (recompute only adds); then
+    :func:`_bound`. Read from the search alone, before the mesh's predictor is built."""
+    op_compute, candidates = setup.problem.cost.op_compute, setup.problem.candidates
+    priced: dict[tuple[int, int], float] = {}  # per op group and pieces: its time
+    counted: dict[tuple[int, int], int] = {}  # and how many ops
+    op_time: dict[str, float] = {}
+    for op in graph.ops:
+        pieces = work_pieces(setup.mesh, candidates[op.name][decisions[op.name].index])
+        key = (classes.key_of[op.name], pieces)
+        found = priced.get(key)
+        if found is None:
+            found = priced[key] = op_compute(op, pieces)
+        op_time[op.name] = found
         counted[key] = counted.get(key, 0) + 1
+    first = variants[0][1]
+    pp, ga = first.pipeline_stages, first.grad_accumulation
+    busiest = [0.0] * pp
+    stage_list = assign_stages(graph, op_time, pp, None) if pp > 1 else [0] * len(graph.ops)
+    for op, s in zip(graph.ops, stage_list, strict=True):
+        busiest[s] += op_time[op.name]
+    floor, total = max(busiest) * ga, sum(busiest) * ga
     pieces = [(g, p, n) for (g, p), n in counted.items()]
-    pp = est.stages
-    out = {}
-    for m, vcfg in _first_per_count(done.variants).items():
-        again = classes.again(pieces, m) * ga
-        out[m] = _bound(vcfg, max(floor, (total + again) / pp), most_update)
-    return out
+    return {
+        m: _bound(vcfg, max(floor, (total + classes.again(pieces, m) * ga) / pp), most_update)
+        for m, vcfg in _first_per_count(variants).items()
+    }
 
 
 def _weigh(
@@ -430,8 +452,7 @@ def _weigh(
     fits: _Fits,
     pruned: _Pruned,
     prune: bool,
-    classes: _OpClasses,
-    most_update: float,
+    bounds: Mapping[int, float],
 ) -> list[_Trial]:
     """Mesh ``k``'s options predicted by its :class:`MeshEstimate`, in the variants' order.
 
@@ -441,7 +462,6 @@ def _weigh(
     join ``fits`` as they are found."""
     est = done.estimate
     assert est is not None
-    bounds = _searched_bounds(done, classes, most_update)
     by_count: dict[int, list[int]] = {}
     for i, (v, _) in enumerate(done.variants):
         by_count.setdefault(v.micro_batches, []).append(i)

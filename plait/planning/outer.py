@@ -1,28 +1,42 @@
 """The outer planner of ``mode="auto"``: mesh shape, ZeRO level, recompute, micro-batches.
 
-For every mesh factorisation ``pp x dp x tp`` of the devices (tensor parallel within a node,
-pipeline stages no more than the repeated layers), the inner searcher chooses op strategies
-once; then, in order of rising cost, the settings are escalated until the plan fits the
-memory limit (``memory_limit``, default the profile's device memory):
+It weighs every option a user could pin, and takes the fastest that fits the memory limit
+(``memory_limit``, default the profile's device memory; when none fits, the smallest):
 
-    ZeRO off -> 1 -> 2 -> 3, then recompute selective -> full (at ZeRO 3)
+- meshes ``pp x dp x tp``: every pipeline degree that divides the devices (3, 5, 35 as well
+  as powers of two; no more stages than repeated layers), every tensor-parallel degree that
+  divides a node's devices (at most :data:`MAX_TP`), data parallel over the rest where the
+  global batch divides over it (:func:`mesh_candidates`);
+- per mesh, every micro-batch count the pipeline runs (each divisor of the per-replica batch,
+  at least ``pp`` but under GPipe, whole rounds under the interleaved schedules; 1 without
+  stages), every recompute policy (none, selective, full: "auto" is one of them) and ZeRO
+  level (off, 1, 2, 3).
 
-and the fastest feasible plan wins. With pipeline stages, the micro-batch count is the
-largest of ``pp``, ``2 pp``, ``4 pp`` that divides the per-replica batch (a smaller bubble).
 What the user fixes stays fixed: ``mesh`` (only strategies inside it are searched),
 ``pipeline_stages`` other than 1, ``micro_batches`` other than 1, ``optimizer_shard``, and
-``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
-notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
-pipeline's stages hold no optimizer parallel, and tensor parallel only where they run as
-compiled stage programs (``stage_programs`` on: docs/pipeline.md), so the
-other meshes and levels are left out.
+``recompute`` other than "none". Only options that run are weighed: with a zero-bubble
+schedule the pipeline's stages hold no optimizer parallel, and tensor parallel only where
+they run as compiled stage programs (``stage_programs`` on: docs/pipeline.md). The plan
+keeps the options it weighed (``Plan.options``) and notes why the winner won.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
 options are predicted (step time and memory) from the mesh's shared work by
 :class:`~plait.planning.estimate.MeshEstimate`, and only the winner is assembled, with the same
-predictor (its prediction is the plan's). A mesh whose lower bound (:func:`_lower_bound`)
-is slower than the runner-up found so far is not searched (a note names it). Where the time
-went: :class:`~plait.planning.timing.PlanTiming`.
+predictor (its prediction is the plan's). Lower bounds skip what cannot be the winner or the
+runner-up, each compared with the runner-up's step time found so far (so the winner and the
+runner-up are those weighing everything gives; a note counts what was skipped):
+
+1. a mesh, before its search (:func:`_presearch_bound`): its busiest stage computes at least
+   ``1 / pp`` of every op cut over all the stage's devices, plus the fixed costs its
+   micro-batches pay again, and the pipeline bubble of that (:func:`_bound`);
+2. a micro-batch count of a searched mesh, before its predictor is built
+   (:func:`_searched_bounds`): the busiest stage computes at least the lightest bottleneck any
+   partition of the chosen strategies' ops has, and the bubble of that;
+3. an option, before its memory walk: its step time alone
+   (:meth:`~plait.planning.estimate.MeshEstimate.step_time_s`), the same float the prediction
+   gives. Meshes are searched in the order of their bound, so the runner-up comes early.
+
+Where the time went: :class:`~plait.planning.timing.PlanTiming`.
 """
 
 from __future__ import annotations

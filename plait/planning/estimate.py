@@ -1114,10 +1114,13 @@ class MeshEstimate:
         key = (id(trace), cfg.micro_batches)
         found = self._clocks.get(key)
         if found is None:
-            found = self._clocks[key] = StageClock(
-                self.graph, self.stage_of, self._op_time, trace.recomputed(), self.stages,
-                cfg.micro_batches,
-            )  # fmt: skip
+            first = self._clocks.get((id(trace), 0))  # the op walk, shared by every count
+            if first is None:
+                first = self._clocks[(id(trace), 0)] = StageClock(
+                    self.graph, self.stage_of, self._op_time, trace.recomputed(), self.stages,
+                    cfg.micro_batches,
+                )  # fmt: skip
+            found = self._clocks[key] = first.with_micro_batches(cfg.micro_batches)
         return found
 
     def _recomputed_s(self, cfg: ParallelConfig) -> list[float]:

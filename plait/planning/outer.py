@@ -26,9 +26,10 @@ predictor (its prediction is the plan's). Lower bounds skip what cannot be the w
 runner-up, each compared with the runner-up's step time found so far (so the winner and the
 runner-up are those weighing everything gives; a note counts what was skipped):
 
-1. a mesh, before its search (:func:`_presearch_bound`): its busiest stage computes at least
-   ``1 / pp`` of every op cut over all the stage's devices, plus the fixed costs its
-   micro-batches pay again, and the pipeline bubble of that (:func:`_bound`);
+1. a mesh, before its search (:func:`_presearch_bounds`): its busiest stage computes at least
+   ``1 / pp`` of every op and the lightest bottleneck of any partition into ``pp`` stages,
+   each op cut over all the stage's devices, plus the fixed costs its micro-batches pay
+   again, and the pipeline bubble of that (:func:`_bound`);
 2. a micro-batch count of a searched mesh, before its predictor is built
    (:func:`_searched_bounds`): the busiest stage computes at least the lightest bottleneck any
    partition of the chosen strategies' ops has, and the bubble of that;
@@ -64,7 +65,7 @@ from plait.planning.timeline import SPLIT_BACKWARD
 from plait.planning.timing import PlanTiming
 from plait.search import Decision, get_searcher
 from plait.search.problem import OpCompute
-from plait.search.stages import assign_stages
+from plait.search.stages import allowed_cuts
 from plait.support import Where
 
 __all__ = ["auto_plan", "mesh_candidates"]
@@ -270,20 +271,17 @@ def auto_plan(
                       micro_batches=v.micro_batches))
             for v in _variants(cfg, pp, replica_batch)
         ]  # fmt: skip
-        bounds = {
-            m: _presearch_bound(classes, vcfg, most_update)
-            for m, vcfg in _first_per_count(variants).items()
-        }
-        meshes.append((mesh, base, variants, bounds))
+        bounds, order = _presearch_bounds(classes, variants, most_update)
+        meshes.append((mesh, base, variants, bounds, order))
     # the most promising meshes first: the runner-up is found early, and more are pruned
-    meshes.sort(key=lambda t: min(t[3].values()))
+    meshes.sort(key=lambda t: t[4])
     searched: list[_Searched] = []
     trials: list[_Trial] = []
     errors: list[PlaitError] = []
     pruned = _Pruned()
     fits = _Fits()
     timing.meshes += len(meshes)
-    for mesh, base, variants, bounds in meshes:
+    for mesh, base, variants, bounds, _ in meshes:
         least = min(bounds.values())
         if prune and fits.beaten_by(least):
             pruned.meshes.append((mesh, least))
@@ -362,6 +360,29 @@ class _OpClasses:
             groups.setdefault(key, []).append(op)
         self.groups = [(ops[0], len(ops)) for ops in groups.values()]
         self.key_of = {op.name: n for n, ops in enumerate(groups.values()) for op in ops}
+        # the stage partitioner's blocks (runs of ops between the cuts it may make)
+        starts = set(allowed_cuts(graph))
+        self.block_of: list[int] = []
+        block = 0
+        for n in range(len(graph.ops)):
+            block += n in starts
+            self.block_of.append(block)
+        self.blocks = block + 1
+        self.group_of = [self.key_of[op.name] for op in graph.ops]
+
+    def lightest_bottleneck(self, op_seconds: Sequence[float], stages: int) -> float:
+        """At most the busiest stage's seconds of any partition of the ops (``op_seconds``,
+        in graph order) into ``stages`` (:func:`lightest_bottleneck` over the blocks)."""
+        times = [0.0] * self.blocks
+        for b, t in zip(self.block_of, op_seconds, strict=True):
+            times[b] += t
+        return lightest_bottleneck(times, stages)
+
+    def floor(self, pieces: int, stages: int) -> float:
+        """At most the busiest stage's compute of any partition into ``stages`` with every op
+        cut into ``pieces`` (an op's roofline time only falls as its pieces grow)."""
+        priced = [self.op_compute(op, pieces) for op, _ in self.groups]
+        return self.lightest_bottleneck([priced[g] for g in self.group_of], stages)
 
     def compute(self, pieces: int) -> float:
         """Every op's forward and backward, each cut into ``pieces``."""
@@ -378,6 +399,39 @@ class _OpClasses:
             op = self.groups[g][0]
             total += max(0.0, m * f(op, p * m) - f(op, p)) * n
         return total
+
+
+def lightest_bottleneck(times: Sequence[float], stages: int) -> float:
+    """A lower bound, within a relative ``1e-9``, of the busiest stage's time of the lightest
+    partition of the blocks ``times`` (in order) into ``stages`` contiguous non-empty stages,
+    the partitioner's objective (:func:`~plait.search.stages.balanced_cuts`, memory aside):
+    bisection on the bottleneck, each probe packing blocks greedily (a stage takes blocks
+    while it stays within the probe; fewer stages than ``stages`` can be split further)."""
+    if stages <= 1 or len(times) <= 1:
+        return float(sum(times))
+    low = max(max(times), sum(times) / stages)
+    high = float(sum(times))
+
+    def fits(bottleneck: float) -> bool:
+        used, acc = 1, 0.0
+        for t in times:
+            if acc + t > bottleneck:
+                used, acc = used + 1, t
+                if used > stages:
+                    return False
+            else:
+                acc += t
+        return True
+
+    if fits(low):
+        return low
+    while high - low > high * 1e-9:  # low never fits: the lightest is above it
+        mid = (low + high) / 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return low
 
 
 def _most_update(facts: GraphFacts, hardware: Any) -> float:
@@ -401,21 +455,36 @@ def _bound(cfg: ParallelConfig, busiest: float, most_update: float) -> float:
     return busiest + (pp - 1) / (v * m) * max(0.0, busiest - most_update)
 
 
-def _presearch_bound(classes: _OpClasses, cfg: ParallelConfig, most_update: float) -> float:
-    """No option of ``cfg``'s mesh at its micro-batch count predicts a faster step.
+def _presearch_bounds(
+    classes: _OpClasses, variants: Sequence[tuple[_Variant, ParallelConfig]], most_update: float
+) -> tuple[dict[int, float], float]:
+    """Per micro-batch count, no option of the variants' mesh predicts a faster step; and
+    the least of those bounds without the bottleneck (every stage as busy as the average),
+    the order meshes are searched in (it puts the deep pipelines that fit early).
 
-    Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
-    the stage's devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp``
-    of the fixed costs micro-batches pay again, each op at worst whole (what an op pays again
-    only grows as its pieces do: :func:`~plait.planning.estimate.micro_batch_seconds`);
-    then :func:`_bound`.
+    Its busiest stage computes at least ``1 / pp`` of every op, and at least the lightest
+    bottleneck of any partition into ``pp`` stages, each op at best cut over all the stage's
+    devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp`` of the
+    fixed costs micro-batches pay again, each op at worst whole (what an op pays again only
+    grows as its pieces do: :func:`~plait.planning.estimate.micro_batch_seconds`); then
+    :func:`_bound`.
     """
-    pp = cfg.pipeline_stages
-    pieces = math.prod(n for a, n in cfg.mesh_dict.items() if a != PP_AXIS)
-    total = classes.compute(pieces) * cfg.grad_accumulation
+    first = variants[0][1]
+    pp, ga = first.pipeline_stages, first.grad_accumulation
+    pieces = math.prod(n for a, n in first.mesh_dict.items() if a != PP_AXIS)
+    total = classes.compute(pieces) * ga
+    floor = classes.floor(pieces, pp) * ga if pp > 1 else 0.0
     whole = [(g, 1, n) for g, (_, n) in enumerate(classes.groups)]
-    again = classes.again(whole, cfg.micro_batches) * cfg.grad_accumulation
-    return _bound(cfg, (total + again) / pp, most_update)
+    spread = {  # every stage as busy as the average
+        m: (total + classes.again(whole, m) * ga) / pp for m in _first_per_count(variants)
+    }
+    return (
+        {
+            m: _bound(vcfg, max(floor, spread[m]), most_update)
+            for m, vcfg in _first_per_count(variants).items()
+        },
+        min(_bound(vcfg, spread[m], most_update) for m, vcfg in _first_per_count(variants).items()),
+    )
 
 
 def _searched_bounds(
@@ -446,11 +515,8 @@ def _searched_bounds(
         counted[key] = counted.get(key, 0) + 1
     first = variants[0][1]
     pp, ga = first.pipeline_stages, first.grad_accumulation
-    busiest = [0.0] * pp
-    stage_list = assign_stages(graph, op_time, pp, None) if pp > 1 else [0] * len(graph.ops)
-    for op, s in zip(graph.ops, stage_list, strict=True):
-        busiest[s] += op_time[op.name]
-    floor, total = max(busiest) * ga, sum(busiest) * ga
+    seconds = [op_time[op.name] for op in graph.ops]
+    floor, total = classes.lightest_bottleneck(seconds, pp) * ga, sum(seconds) * ga
     pieces = [(g, p, n) for (g, p), n in counted.items()]
     return {
         m: _bound(vcfg, max(floor, (total + classes.again(pieces, m) * ga) / pp), most_update)

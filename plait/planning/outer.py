@@ -497,29 +497,30 @@ def _searched_bounds(
 ) -> dict[int, float]:
     """Per micro-batch count, no option of the searched mesh predicts a faster step: the
     busiest stage computes at least the lightest bottleneck any partition of the chosen
-    strategies' ops into its stages has, memory aside (:func:`assign_stages` prefers a
-    partition within the memory limit, never a faster one), and at least ``1 / pp`` of every
+    strategies' ops into its stages has, memory aside (the partitioner prefers a partition
+    within the memory limit, never a faster one), and at least ``1 / pp`` of every
     op's time with what the micro-batches pay again (recompute only adds); then
     :func:`_bound`. Read from the search alone, before the mesh's predictor is built."""
     op_compute, candidates = setup.problem.cost.op_compute, setup.problem.candidates
     priced: dict[tuple[int, int], float] = {}  # per op group and pieces: its time
     counted: dict[tuple[int, int], int] = {}  # and how many ops
-    op_time: dict[str, float] = {}
+    seconds: list[float] = []  # per op, in graph order
     for op in graph.ops:
-        pieces = work_pieces(setup.mesh, candidates[op.name][decisions[op.name].index])
-        key = (classes.key_of[op.name], pieces)
+        key = (
+            classes.key_of[op.name],
+            work_pieces(setup.mesh, candidates[op.name][decisions[op.name].index]),
+        )
         found = priced.get(key)
         if found is None:
-            found = priced[key] = op_compute(op, pieces)
-        op_time[op.name] = found
+            found = priced[key] = op_compute(op, key[1])
+        seconds.append(found)
         counted[key] = counted.get(key, 0) + 1
     first = variants[0][1]
     pp, ga = first.pipeline_stages, first.grad_accumulation
-    seconds = [op_time[op.name] for op in graph.ops]
     floor, total = classes.lightest_bottleneck(seconds, pp) * ga, sum(seconds) * ga
-    pieces = [(g, p, n) for (g, p), n in counted.items()]
+    cut = [(g, p, n) for (g, p), n in counted.items()]
     return {
-        m: _bound(vcfg, max(floor, (total + classes.again(pieces, m) * ga) / pp), most_update)
+        m: _bound(vcfg, max(floor, (total + classes.again(cut, m) * ga) / pp), most_update)
         for m, vcfg in _first_per_count(variants).items()
     }
 

@@ -139,6 +139,13 @@ def _micro_batch_counts(cfg: ParallelConfig, pp: int, replica_batch: int) -> lis
     ]
 
 
+def _counts_on(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[int]:
+    """:func:`_micro_batch_counts`, or one micro-batch on a mesh the user gave whose replicas
+    have fewer rows than the schedule needs micro-batches (the free mesh leaves it out; the
+    pipeline names the rule when it is run)."""
+    return _micro_batch_counts(cfg, pp, replica_batch) or [1]
+
+
 def _refused_stages(cfg: ParallelConfig, pp: int, tp: int) -> bool:
     """Whether ``parallelize`` would refuse ``cfg``'s plan on ``pp`` stages with ``tp``
     inside them (a zero-bubble schedule with tp on stages that do not compile, say)."""
@@ -172,7 +179,7 @@ def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[_Variant
     recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
     return [
         _Variant(level, recompute, m)
-        for m in _micro_batch_counts(cfg, pp, replica_batch)
+        for m in _counts_on(cfg, pp, replica_batch)
         for recompute in recomputes
         for level in levels
     ]
@@ -708,7 +715,8 @@ def _winner(
     options = (option, *others[: KEPT_OPTIONS - 1])
     runner_up = ranked[1].option if len(ranked) > 1 else None
     notes = [
-        _why(option, runner_up, limit, feasible, len(real)) + ("" if feasible else _advice(cfg))
+        _why(option, runner_up, limit, feasible, len(real), len(ranked))
+        + ("" if feasible else _advice(cfg))
     ]
     return dataclasses.replace(plan, options=options, notes=(*plan.notes, *notes))
 
@@ -734,12 +742,17 @@ def _describe(o: PlanOption) -> str:
 
 
 def _why(
-    best: PlanOption, runner_up: PlanOption | None, limit: int, feasible: bool, weighed: int
+    best: PlanOption,
+    runner_up: PlanOption | None,
+    limit: int,
+    feasible: bool,
+    weighed: int,
+    fit: int,
 ) -> str:
     head = (
         f"auto chose {_describe(best)}: predicted {fmt_seconds(best.step_time_s)} per step, "
         f"{fmt_bytes(best.memory_bytes)} per device (limit {fmt_bytes(limit)}), the fastest of "
-        f"{weighed} options that fit"
+        f"{fit} options that fit ({weighed} weighed)"
         if feasible
         else f"no option fits {fmt_bytes(limit)} per device; auto chose the smallest, {_describe(best)} "
         f"({fmt_bytes(best.memory_bytes)}): add devices, use a bigger memory_limit or a smaller batch"

@@ -591,8 +591,9 @@ def _pruned_notes(pruned: _Pruned) -> list[str]:
         notes.append(
             f"{len(ms)} mesh{'es' if len(ms) > 1 else ''} not searched ({names}): no "
             f"option of {'theirs' if len(ms) > 1 else 'its'} could be faster "
-            f"than {fmt_seconds(least)} (the busiest stage's compute with every op cut over all "
-            "its devices, and the pipeline bubble of that), slower than the runner-up found "
+            f"than {fmt_seconds(least)} (the busiest stage's compute, each op cut over all "
+            "its devices and whole layers a stage, and the pipeline bubble of that), slower "
+            "than the runner-up found "
             f"before {'them' if len(ms) > 1 else 'it'}"
         )
     if pruned.options:

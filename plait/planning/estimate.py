@@ -98,13 +98,16 @@ def partition_memory(
     pieces: Callable[[TensorLayout], int],
     cfg: ParallelConfig,
     hardware: Any,
+    figures: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> StageMemory:
     """The stage partitioner's memory figures (:func:`plait.search.stages.op_memory`) under
     ``cfg``'s schedule, against the memory limit the outer planner holds plans to (the
-    profile's device memory when ``memory_limit`` is unset)."""
-    figures = op_memory(
-        trace, chosen, pieces, cfg.precision, LOW_PRECISION_ACTIVATIONS[cfg.precision]
-    )
+    profile's device memory when ``memory_limit`` is unset). ``figures``: ``op_memory``'s,
+    when already computed (they do not depend on the schedule or the micro-batches)."""
+    if figures is None:
+        figures = op_memory(
+            trace, chosen, pieces, cfg.precision, LOW_PRECISION_ACTIVATIONS[cfg.precision]
+        )
     limit = cast("int | None", cfg.memory_limit) or getattr(hardware, "memory_bytes", None)
     return stage_memory_figures(figures, cfg, limit)
 
@@ -391,6 +394,7 @@ class GraphFacts:
         )
         self.by_target = {g.target: g for g in self.parameters}
         self._traces: dict[tuple[object, ...], StepTrace] = {}
+        self._by_setting: dict[tuple[object, ...], StepTrace] = {}
         self._read_again: dict[tuple[object, ...], frozenset[str]] = {}
         self._read_sets: dict[frozenset[str], frozenset[str]] = {}
 
@@ -404,10 +408,14 @@ class GraphFacts:
     def trace(self, cfg: ParallelConfig) -> StepTrace:
         """The step's values under ``cfg``'s recompute regions (the memory model's
         :class:`~plait.cost.memory.StepTrace`), one per set of regions."""
-        regions = recompute_regions(self.graph, cfg)
-        found = self._traces.get(regions)
-        if found is None:
-            found = self._traces[regions] = StepTrace(self.graph, regions)
+        key = (cfg.recompute, cfg.recompute_modules)
+        found = self._by_setting.get(key)
+        if found is None:  # the regions are a walk over the graph: once per setting
+            regions = recompute_regions(self.graph, cfg)
+            found = self._traces.get(regions)
+            if found is None:
+                found = self._traces[regions] = StepTrace(self.graph, regions)
+            self._by_setting[key] = found
         return found
 
     def read_again(self, cfg: ParallelConfig) -> frozenset[str]:
@@ -463,6 +471,20 @@ class _Level:
     """Per stage, the bucket collectives that may run beside compute (plait.planning.overlap)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Timed:
+    """One option's step time and its parts on the busiest stage (:meth:`MeshEstimate.predict`)."""
+
+    step_time_s: float
+    compute: list[float]  # per stage
+    compute_s: float
+    comm_s: float
+    hidden_s: float
+    bubble_s: float
+    update_s: float
+    level: _Level
+
+
 class MeshEstimate:
     """Predictions for one mesh's search result under any setting the outer planner varies.
 
@@ -482,6 +504,7 @@ class MeshEstimate:
         topology: Topology,
         hardware: Any,
         decisions: Mapping[str, Decision],
+        figures: tuple[Sequence[float], Sequence[float]] | None = None,
     ) -> None:
         self.facts = facts
         self.graph = graph = facts.graph
@@ -510,6 +533,7 @@ class MeshEstimate:
         self._decisions, self._op_time = decisions, op_time
         self._others: dict[tuple[object, ...], MeshEstimate] = {}
         self.chosen_list = [self.chosen[op.name] for op in graph.ops]
+        self._figures = figures
         stage_list = self._partition(base)
         self.stage_of = dict(zip((op.name for op in graph.ops), stage_list, strict=True))
         self.stage_list = stage_list
@@ -540,6 +564,7 @@ class MeshEstimate:
         self._dims: list[int | None] | None = None
         self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
+        self._timeds: dict[tuple[object, ...], _Timed] = {}
 
     def _partition(self, cfg: ParallelConfig) -> list[int]:
         """Each op's pipeline stage under ``cfg``'s schedule and micro-batches (they weigh
@@ -548,8 +573,15 @@ class MeshEstimate:
         graph = self.graph
         if self.stages == 1:
             return [0] * len(graph.ops)
-        trace = self.facts.plain_trace()
-        memory = partition_memory(trace, self.chosen_list, self._pieces, cfg, self.hardware)
+        if self._figures is None:  # per mesh search: shared by the estimates of other cuts
+            self._figures = op_memory(
+                self.facts.plain_trace(), self.chosen_list, self._pieces, cfg.precision,
+                LOW_PRECISION_ACTIVATIONS[cfg.precision],
+            )  # fmt: skip
+        memory = partition_memory(
+            self.facts.plain_trace(), self.chosen_list, self._pieces, cfg, self.hardware,
+            self._figures,
+        )  # fmt: skip
         return assign_stages(graph, self._op_time, self.stages, memory)
 
     def for_stages_of(self, cfg: ParallelConfig) -> MeshEstimate:
@@ -567,7 +599,7 @@ class MeshEstimate:
                                virtual_stages=cfg.virtual_stages)  # fmt: skip
                 found = MeshEstimate(
                     self.facts, base, self.mesh, self.problem, self.topology, self.hardware,
-                    self._decisions,
+                    self._decisions, self._figures,
                 )  # fmt: skip
             self._others[key] = found
         return found
@@ -979,6 +1011,46 @@ class MeshEstimate:
         other = self.for_stages_of(cfg)
         if other is not self:
             return other.predict(cfg)
+        t = self._timed(cfg)
+        peak = self._memory(cfg, t.level)
+        predicted = Prediction(
+            step_time_s=t.step_time_s,
+            optimizer_s=t.update_s,
+            compute_s=t.compute_s,
+            communication_s=t.comm_s,
+            overlapped_s=t.hidden_s,
+            bubble_s=t.bubble_s,
+            memory_bytes=peak.peak,
+            memory_by_kind={
+                "parameters": peak.parameters,
+                "gradients": peak.gradients,
+                "optimizer": peak.optimizer,
+                "activations": peak.activations,
+            },
+            flops_per_step=int(
+                self.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
+            ),
+        )
+        return Estimate(predicted, tuple(t.compute) if self.stages > 1 else ())
+
+    def step_time_s(self, cfg: ParallelConfig) -> float:
+        """:meth:`predict`'s step time alone (the same float), without the memory walk: the
+        outer planner ranks options by it and walks memory only for those that could win."""
+        other = self.for_stages_of(cfg)
+        if other is not self:
+            return other.step_time_s(cfg)
+        return self._timed(cfg).step_time_s
+
+    def _timed(self, cfg: ParallelConfig) -> _Timed:
+        """The step's parts under ``cfg``, once per setting (ranking, then predicting)."""
+        key = (cfg.optimizer_shard, cfg.recompute, cfg.recompute_modules, cfg.micro_batches,
+               cfg.schedule, cfg.virtual_stages)  # fmt: skip
+        found = self._timeds.get(key)
+        if found is None:
+            found = self._timeds[key] = self._time(cfg)
+        return found
+
+    def _time(self, cfg: ParallelConfig) -> _Timed:
         stages = self.stages
         level = self._level(cfg)
         pipe = self._pipeline(cfg.micro_batches) if stages > 1 else None
@@ -993,26 +1065,16 @@ class MeshEstimate:
         busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
         compute_s, comm_s = compute[busiest], comm[busiest]
         bubble_s = schedule_bubble(cfg, compute_s, forward[busiest], comm_s)
-        peak = self._memory(cfg, level)
-        predicted = Prediction(
+        return _Timed(
             step_time_s=compute_s + comm_s - hidden[busiest] + bubble_s + update[busiest],
-            optimizer_s=update[busiest],
+            compute=compute,
             compute_s=compute_s,
-            communication_s=comm_s,
-            overlapped_s=hidden[busiest],
+            comm_s=comm_s,
+            hidden_s=hidden[busiest],
             bubble_s=bubble_s,
-            memory_bytes=peak.peak,
-            memory_by_kind={
-                "parameters": peak.parameters,
-                "gradients": peak.gradients,
-                "optimizer": peak.optimizer,
-                "activations": peak.activations,
-            },
-            flops_per_step=int(
-                self.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
-            ),
+            update_s=update[busiest],
+            level=level,
         )
-        return Estimate(predicted, tuple(compute) if stages > 1 else ())
 
     def _communication(
         self, level: _Level, pipe: list[list[_Item]] | None
@@ -1052,10 +1114,13 @@ class MeshEstimate:
         key = (id(trace), cfg.micro_batches)
         found = self._clocks.get(key)
         if found is None:
-            found = self._clocks[key] = StageClock(
-                self.graph, self.stage_of, self._op_time, trace.recomputed(), self.stages,
-                cfg.micro_batches,
-            )  # fmt: skip
+            first = self._clocks.get((id(trace), 0))  # the op walk, shared by every count
+            if first is None:
+                first = self._clocks[(id(trace), 0)] = StageClock(
+                    self.graph, self.stage_of, self._op_time, trace.recomputed(), self.stages,
+                    cfg.micro_batches,
+                )  # fmt: skip
+            found = self._clocks[key] = first.with_micro_batches(cfg.micro_batches)
         return found
 
     def _recomputed_s(self, cfg: ParallelConfig) -> list[float]:

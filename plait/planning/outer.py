@@ -1,52 +1,63 @@
 """The outer planner of ``mode="auto"``: mesh shape, ZeRO level, recompute, micro-batches.
 
-For every mesh factorisation ``pp x dp x tp`` of the devices (tensor parallel within a node,
-pipeline stages no more than the repeated layers), the inner searcher chooses op strategies
-once; then, in order of rising cost, the settings are escalated until the plan fits the
-memory limit (``memory_limit``, default the profile's device memory):
+It weighs every option a user could pin, and takes the fastest that fits the memory limit
+(``memory_limit``, default the profile's device memory; when none fits, the smallest):
 
-    ZeRO off -> 1 -> 2 -> 3, then recompute selective -> full (at ZeRO 3)
+- meshes ``pp x dp x tp``: every pipeline degree that divides the devices (3, 5, 35 as well
+  as powers of two; no more stages than repeated layers), every tensor-parallel degree that
+  divides a node's devices (at most :data:`MAX_TP`), data parallel over the rest where the
+  global batch divides over it (:func:`mesh_candidates`);
+- per mesh, every micro-batch count the pipeline runs (each divisor of the per-replica batch,
+  at least ``pp`` but under GPipe, whole rounds under the interleaved schedules; 1 without
+  stages), every recompute policy (none, selective, full: "auto" is one of them) and ZeRO
+  level (off, 1, 2, 3).
 
-and the fastest feasible plan wins. With pipeline stages, the micro-batch count is the
-largest of ``pp``, ``2 pp``, ``4 pp`` that divides the per-replica batch (a smaller bubble).
 What the user fixes stays fixed: ``mesh`` (only strategies inside it are searched),
 ``pipeline_stages`` other than 1, ``micro_batches`` other than 1, ``optimizer_shard``, and
-``recompute`` other than "none". The plan keeps every option it weighed (``Plan.options``) and
-notes why the winner won. Only options that run are weighed: with a zero-bubble schedule the
-pipeline's stages hold no optimizer parallel, and tensor parallel only where they run as
-compiled stage programs (``stage_programs`` on: docs/pipeline.md), so the
-other meshes and levels are left out.
+``recompute`` other than "none". Only options that run are weighed: with a zero-bubble
+schedule the pipeline's stages hold no optimizer parallel, and tensor parallel only where
+they run as compiled stage programs (``stage_programs`` on: docs/pipeline.md). The plan
+keeps the options it weighed (``Plan.options``) and notes why the winner won.
 
 What it costs (docs/benchmarks.md, "Planning at scale"): each mesh is searched once; its
 options are predicted (step time and memory) from the mesh's shared work by
 :class:`~plait.planning.estimate.MeshEstimate`, and only the winner is assembled, with the same
-predictor (its prediction is the plan's). A mesh whose lower bound (:func:`_lower_bound`)
-is slower than the runner-up found so far is not searched (a note names it). Where the time
-went: :class:`~plait.planning.timing.PlanTiming`.
+predictor (its prediction is the plan's). Lower bounds skip what cannot be the winner or the
+runner-up, each compared with the runner-up's step time found so far (so the winner and the
+runner-up are those weighing everything gives; a note counts what was skipped):
+
+1. a mesh, before its search (:func:`_presearch_bounds`): its busiest stage computes at least
+   ``1 / pp`` of every op and the lightest bottleneck of any partition into ``pp`` stages,
+   each op cut over all the stage's devices, plus the fixed costs its micro-batches pay
+   again, and the pipeline bubble of that (:func:`_bound`);
+2. a micro-batch count of a searched mesh, before its predictor is built
+   (:func:`_searched_bounds`): the busiest stage computes at least the lightest bottleneck any
+   partition of the chosen strategies' ops has, and the bubble of that;
+3. an option, before its memory walk: its step time alone
+   (:meth:`~plait.planning.estimate.MeshEstimate.step_time_s`), the same float the prediction
+   gives. Meshes are searched in the order of their bound, so the runner-up comes early.
+
+Where the time went: :class:`~plait.planning.timing.PlanTiming`.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from torch import nn
 
 from plait import support
 from plait.config import ParallelConfig
+from plait.cost.compute import optimizer_seconds
 from plait.errors import ConfigError, PlaitError
-from plait.graph import OpGraph
+from plait.graph import OpGraph, OpNode
 from plait.planning.assemble import assemble_plan
-from plait.planning.estimate import (
-    PP_AXIS,
-    GraphFacts,
-    MeshEstimate,
-    micro_batch_seconds,
-    schedule_bubble,
-)
+from plait.planning.estimate import PP_AXIS, GraphFacts, MeshEstimate, work_pieces
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
 from plait.planning.setup import SearchSetup, compute_model, hardware_of, mesh_of, prepare
@@ -54,6 +65,7 @@ from plait.planning.timeline import SPLIT_BACKWARD
 from plait.planning.timing import PlanTiming
 from plait.search import Decision, get_searcher
 from plait.search.problem import OpCompute
+from plait.search.stages import allowed_cuts
 from plait.support import Where
 
 __all__ = ["auto_plan", "mesh_candidates"]
@@ -71,28 +83,25 @@ class _Variant:
     micro_batches: int
 
 
-def _powers_of_two_up_to(limit: int) -> list[int]:
-    out, n = [], 1
-    while n <= limit:
-        out.append(n)
-        n *= 2
-    return out
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    """The divisors of ``n`` (at most ``limit``), ascending."""
+    top = n if limit is None else min(n, limit)
+    return [d for d in range(1, top + 1) if n % d == 0]
 
 
 def mesh_candidates(
     devices: int, cfg: ParallelConfig, graph: OpGraph, devices_per_node: int
 ) -> list[dict[str, int]]:
-    """Mesh factorisations ``{pp, dp, tp}`` worth trying (axes of size 1 left out)."""
+    """Mesh factorisations ``{pp, dp, tp}`` worth trying (axes of size 1 left out): every
+    pipeline degree that divides the devices (no more stages than repeated layers), every
+    tensor-parallel degree that divides a node (at most :data:`MAX_TP`), the rest data
+    parallel, when the global batch divides over it and a micro-batch count runs."""
     batch = _global_batch(graph)
     layers = max((len(g.members) for g in graph.layers), default=1)
-    stages = (
-        [cfg.pipeline_stages]
-        if cfg.pipeline_stages != 1
-        else [p for p in range(1, layers + 1) if devices % p == 0 and (p & (p - 1) == 0)]
-    )
+    stages = [cfg.pipeline_stages] if cfg.pipeline_stages != 1 else _divisors(devices, layers)
     found: list[dict[str, int]] = []
     for pp in stages:
-        for tp in _powers_of_two_up_to(min(MAX_TP, devices_per_node)):
+        for tp in _divisors(devices_per_node, MAX_TP):
             if devices % (pp * tp):
                 continue
             if pp > 1 and _refused_stages(cfg, pp, tp):
@@ -102,6 +111,8 @@ def mesh_candidates(
                 continue
             if dp % (cfg.optimizer_weight_shard_size or 1):
                 continue  # HSDP's shard groups must cut the dp axis evenly
+            if not _micro_batch_counts(cfg, pp, batch // dp):
+                continue  # fewer rows per replica than the schedule needs micro-batches
             mesh = {"pp": pp, cfg.dp_axis: dp, "tp": tp}
             found.append({k: v for k, v in mesh.items() if v > 1 or k == cfg.dp_axis})
     if not found:
@@ -110,6 +121,29 @@ def mesh_candidates(
             "data-parallel axis; use a batch that is a multiple of the devices, or give mesh={...}"
         )
     return found
+
+
+def _micro_batch_counts(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[int]:
+    """Every micro-batch count a user could give on ``pp`` stages: 1 without stages
+    (parallelize refuses micro-batches there), the user's when given, else each divisor of
+    the per-replica batch the schedule runs (at least ``pp`` except under GPipe, as the
+    pipeline checks; whole rounds under the interleaved schedules, as the timeline needs)."""
+    if pp == 1:
+        return [1]
+    if cfg.micro_batches != 1:
+        return [cfg.micro_batches]
+    least = 1 if cfg.schedule == "gpipe" else pp
+    rounds = cfg.schedule in ("interleaved_1f1b", "zero_bubble")
+    return [
+        m for m in _divisors(replica_batch) if m >= least and not (rounds and m % max(1, m // pp))
+    ]
+
+
+def _counts_on(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[int]:
+    """:func:`_micro_batch_counts`, or one micro-batch on a mesh the user gave whose replicas
+    have fewer rows than the schedule needs micro-batches (the free mesh leaves it out; the
+    pipeline names the rule when it is run)."""
+    return _micro_batch_counts(cfg, pp, replica_batch) or [1]
 
 
 def _refused_stages(cfg: ParallelConfig, pp: int, tp: int) -> bool:
@@ -134,23 +168,21 @@ def _global_batch(graph: OpGraph) -> int:
     return 1
 
 
-def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> Iterator[_Variant]:
-    """Settings in order of rising cost (escalation order), those that run on a mesh of
-    ``pp`` stages."""
-    if pp == 1:
-        m = 1  # micro-batches run only between stages (parallelize refuses them without)
-    elif cfg.micro_batches != 1:
-        m = cfg.micro_batches
-    else:
-        m = max((k * pp for k in (1, 2, 4) if replica_batch % (k * pp) == 0), default=1)
+def _variants(cfg: ParallelConfig, pp: int, replica_batch: int) -> list[_Variant]:
+    """Every setting a user could give on a mesh of ``pp`` stages (what they fixed stays
+    fixed): each micro-batch count (:func:`_micro_batch_counts`), each recompute policy,
+    each ZeRO level that runs there."""
     if cfg.optimizer_shard is not None:
         levels: tuple[int | None, ...] = (cfg.optimizer_shard,)
     else:  # optimizer parallel in zero-bubble stages does not run
         levels = (None,) if _splits_backward(cfg, pp) else LEVELS
     recomputes = RECOMPUTES if cfg.recompute in ("none", "auto") else (cfg.recompute,)
-    for recompute in recomputes:
-        for level in levels if recompute == "none" else levels[-1:]:
-            yield _Variant(level, recompute, m)
+    return [
+        _Variant(level, recompute, m)
+        for m in _counts_on(cfg, pp, replica_batch)
+        for recompute in recomputes
+        for level in levels
+    ]
 
 
 @dataclass
@@ -165,13 +197,38 @@ class _Trial:
 
 @dataclass
 class _Searched:
-    """One mesh's search, and its settings in escalation order."""
+    """One mesh's search, and every setting weighed on it."""
 
     mesh: dict[str, int]
     setup: SearchSetup
     decisions: dict[str, Decision]
     variants: list[tuple[_Variant, ParallelConfig]]
     estimate: MeshEstimate | None = None
+
+
+@dataclass
+class _Pruned:
+    """What the bounds kept from being weighed: meshes not searched (each with its bound),
+    options of searched meshes not predicted, and the least of their bounds."""
+
+    meshes: list[tuple[dict[str, int], float]] = dataclasses.field(default_factory=list)
+    options: int = 0
+    option_bound: float = math.inf
+
+
+class _Fits:
+    """Step times of the options that fit so far, fastest first; the runner-up's is the
+    threshold a bound must beat (pruning against it keeps the winner and the runner-up)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def add(self, step: float) -> None:
+        bisect.insort(self.times, step)
+
+    def beaten_by(self, bound: float) -> bool:
+        """Whether no option with this lower bound can be the winner or the runner-up."""
+        return len(self.times) >= 2 and bound > self.times[1] * (1 + 1e-9)
 
 
 def auto_plan(
@@ -190,27 +247,23 @@ def auto_plan(
     ``runnable_only``: no pipeline stages (what ``parallelize`` runs today). ``timing``, when
     given, receives the seconds per phase and the option counts. ``exhaustive`` assembles
     every option in full instead of predicting it from its mesh's shared work (the same
-    choice, slower; for tests and benchmarks). ``prune``: a mesh whose lower bound
-    (:func:`_lower_bound`) is slower than the runner-up found so far is not searched; the
-    winner and the runner-up stay the same, ``Plan.options`` lists only meshes searched and a
-    note names the others.
+    choice, slower; for tests and benchmarks). ``prune``: a mesh or option whose lower bound
+    (module doc) is slower than the runner-up found so far is not searched or not predicted;
+    the winner and the runner-up stay the same, ``Plan.options`` lists only options
+    predicted and a note names what was not.
     """
     timing = timing if timing is not None else PlanTiming()
     searcher = get_searcher(cfg.search or "sharding_propagation")
     hardware = hardware_of(cfg, hardware_file)
     # ParallelConfig parsed a memory_limit given as text ("80GiB") to bytes
     limit = cast("int | None", cfg.memory_limit) or hardware.memory_bytes
-    meshes = _meshes(cfg, graph, hardware.devices_per_node, runnable_only)
     model_name = type(model).__name__ if model is not None else ""
     facts = GraphFacts(graph)
     op_compute = compute_model(hardware, cfg.precision)
-    searched: list[_Searched] = []
-    trials: list[_Trial] = []
-    errors: list[PlaitError] = []
-    pruned: list[tuple[dict[str, int], float, float]] = []  # mesh, its bound, the runner-up
-    fits: list[float] = []  # step times of the options that fit, fastest first
-    timing.meshes += len(meshes)
-    for mesh in meshes:
+    classes = _OpClasses(graph, op_compute)
+    most_update = _most_update(facts, hardware)
+    meshes = []
+    for mesh in _meshes(cfg, graph, hardware.devices_per_node, runnable_only):
         pp = mesh.get("pp", 1)
         base = _with(
             cfg,
@@ -225,12 +278,22 @@ def auto_plan(
                       micro_batches=v.micro_batches))
             for v in _variants(cfg, pp, replica_batch)
         ]  # fmt: skip
-        if prune and len(fits) >= 2:
-            bound = _lower_bound(graph, variants[0][1], op_compute)
-            if bound > fits[1] * (1 + 1e-9):
-                pruned.append((mesh, bound, fits[1]))
-                timing.pruned += 1
-                continue
+        bounds, order = _presearch_bounds(classes, variants, most_update)
+        meshes.append((mesh, base, variants, bounds, order))
+    # the most promising meshes first: the runner-up is found early, and more are pruned
+    meshes.sort(key=lambda t: t[4])
+    searched: list[_Searched] = []
+    trials: list[_Trial] = []
+    errors: list[PlaitError] = []
+    pruned = _Pruned()
+    fits = _Fits()
+    timing.meshes += len(meshes)
+    for mesh, base, variants, bounds, _ in meshes:
+        least = min(bounds.values())
+        if prune and fits.beaten_by(least):
+            pruned.meshes.append((mesh, least))
+            timing.pruned += 1
+            continue
         try:
             with timing.phase("candidates"):
                 setup = prepare(graph, base, model=model, hardware=hardware)
@@ -244,19 +307,28 @@ def auto_plan(
         timing.searched += 1
         searched.append(_Searched(mesh, setup, decisions, variants))
         if exhaustive:
-            found = _escalate(len(searched) - 1, searched, limit, timing, graph, model_name)
+            found = _assemble_all(len(searched) - 1, searched, limit, timing, graph, model_name)
         else:
             done = searched[-1]
             with timing.phase("estimate"):
-                # at the options' micro-batch count: it weighs in the stage partition
-                at_m = _with(base, micro_batches=variants[0][1].micro_batches)
+                after = _searched_bounds(graph, setup, decisions, variants, classes, most_update)
+                least = min(after.values())
+                if prune and fits.beaten_by(least):  # no predictor needed: none is as fast
+                    pruned.options += len(variants)
+                    pruned.option_bound = min(pruned.option_bound, least)
+                    continue
+                # at the most promising micro-batch count: it weighs in the stage partition
+                at_m = _with(base, micro_batches=min(after, key=lambda m: after[m]))
                 done.estimate = MeshEstimate(
                     facts, at_m, setup.mesh, setup.problem, setup.topology, setup.hardware,
                     decisions,
                 )  # fmt: skip
-                found = _escalate(len(searched) - 1, searched, limit, timing)
+                found = _weigh(done, len(searched) - 1, limit, timing, fits, pruned, prune,
+                               after)  # fmt: skip
+        for t in found:
+            if t.option.feasible:
+                fits.add(t.option.step_time_s)
         trials += found
-        fits = sorted(fits + [t.option.step_time_s for t in found if t.option.feasible])
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
     best, ranked, real, feasible = _rank(trials)
@@ -266,45 +338,272 @@ def auto_plan(
             best.plan = _assemble(graph, best.cfg, searched[best.search], model_name)
         timing.assembled += 1
     plan = _winner(best, ranked, real, feasible, limit, cfg)
-    if pruned:  # before the note on why the winner won, which stays last
-        notes = (*plan.notes[:-1], _pruned_note(pruned), plan.notes[-1])
-        plan = dataclasses.replace(plan, notes=notes)
+    notes = _pruned_notes(pruned)
+    if notes:  # before the note on why the winner won, which stays last
+        plan = dataclasses.replace(plan, notes=(*plan.notes[:-1], *notes, plan.notes[-1]))
     return plan
 
 
-def _lower_bound(graph: OpGraph, cfg: ParallelConfig, op_compute: OpCompute) -> float:
-    """No option of ``cfg``'s mesh (at its micro-batch count) predicts a faster step.
+def _first_per_count(
+    variants: Sequence[tuple[_Variant, ParallelConfig]],
+) -> dict[int, ParallelConfig]:
+    """One config per micro-batch count (the bounds read only the count and the mesh)."""
+    out: dict[int, ParallelConfig] = {}
+    for v, vcfg in variants:
+        out.setdefault(v.micro_batches, vcfg)
+    return out
 
-    Its busiest stage computes at least ``1 / pp`` of every op, each op at best cut over all
-    the stage's devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp``
-    of the fixed costs micro-batches pay again, each op at worst whole (what an op pays again
-    only grows as its pieces do: :func:`~plait.planning.estimate.micro_batch_seconds`);
-    communication adds to that; and with 1F1B or GPipe the bubble grows with the stage's
-    time, so it is at least the bubble of that much compute alone (:func:`schedule_bubble`).
-    Other schedules get no bubble in the bound.
+
+class _OpClasses:
+    """The graph's ops grouped by what their compute price reads (target, shapes, FLOPs and
+    bytes): a repeated layer's ops are priced once per group, not once per layer, so the
+    bounds over every mesh and micro-batch count cost little."""
+
+    def __init__(self, graph: OpGraph, op_compute: OpCompute) -> None:
+        self.op_compute = op_compute
+        groups: dict[tuple[object, ...], list[OpNode]] = {}
+        for op in graph.ops:
+            key = (op.target, op.flops, op.bytes, op.input_metas, op.outputs)
+            groups.setdefault(key, []).append(op)
+        self.groups = [(ops[0], len(ops)) for ops in groups.values()]
+        self.key_of = {op.name: n for n, ops in enumerate(groups.values()) for op in ops}
+        # the stage partitioner's blocks (runs of ops between the cuts it may make)
+        starts = set(allowed_cuts(graph))
+        self.block_of: list[int] = []
+        block = 0
+        for n in range(len(graph.ops)):
+            block += n in starts
+            self.block_of.append(block)
+        self.blocks = block + 1
+        self.group_of = [self.key_of[op.name] for op in graph.ops]
+
+    def lightest_bottleneck(self, op_seconds: Sequence[float], stages: int) -> float:
+        """At most the busiest stage's seconds of any partition of the ops (``op_seconds``,
+        in graph order) into ``stages`` (:func:`lightest_bottleneck` over the blocks)."""
+        times = [0.0] * self.blocks
+        for b, t in zip(self.block_of, op_seconds, strict=True):
+            times[b] += t
+        return lightest_bottleneck(times, stages)
+
+    def floor(self, pieces: int, stages: int) -> float:
+        """At most the busiest stage's compute of any partition into ``stages`` with every op
+        cut into ``pieces`` (an op's roofline time only falls as its pieces grow)."""
+        priced = [self.op_compute(op, pieces) for op, _ in self.groups]
+        return self.lightest_bottleneck([priced[g] for g in self.group_of], stages)
+
+    def compute(self, pieces: int) -> float:
+        """Every op's forward and backward, each cut into ``pieces``."""
+        return sum(self.op_compute(op, pieces) * n for op, n in self.groups)
+
+    def again(self, pieces: Sequence[tuple[int, int, int]], m: int) -> float:
+        """What ``m`` micro-batches add (:func:`micro_batch_seconds`, summed over stages):
+        ``pieces`` lists (group, pieces, how many ops of the group are cut so)."""
+        if m == 1:
+            return 0.0
+        f = self.op_compute
+        total = 0.0
+        for g, p, n in pieces:
+            op = self.groups[g][0]
+            total += max(0.0, m * f(op, p * m) - f(op, p)) * n
+        return total
+
+
+def lightest_bottleneck(times: Sequence[float], stages: int) -> float:
+    """A lower bound, within a relative ``1e-9``, of the busiest stage's time of the lightest
+    partition of the blocks ``times`` (in order) into ``stages`` contiguous non-empty stages,
+    the partitioner's objective (:func:`~plait.search.stages.balanced_cuts`, memory aside):
+    bisection on the bottleneck, each probe packing blocks greedily (a stage takes blocks
+    while it stays within the probe; fewer stages than ``stages`` can be split further)."""
+    if stages <= 1 or len(times) <= 1:
+        return float(sum(times))
+    low = max(max(times), sum(times) / stages)
+    high = float(sum(times))
+
+    def fits(bottleneck: float) -> bool:
+        used, acc = 1, 0.0
+        for t in times:
+            if acc + t > bottleneck:
+                used, acc = used + 1, t
+                if used > stages:
+                    return False
+            else:
+                acc += t
+        return True
+
+    if fits(low):
+        return low
+    while high - low > high * 1e-9:  # low never fits: the lightest is above it
+        mid = (low + high) / 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return low
+
+
+def _most_update(facts: GraphFacts, hardware: Any) -> float:
+    """More than any device's optimizer step takes: every trainable parameter, whole."""
+    trainable = [g for g in facts.parameters if g.requires_grad]
+    return optimizer_seconds(len(trainable), float(sum(g.meta.numel for g in trainable)), hardware)
+
+
+def _bound(cfg: ParallelConfig, busiest: float, most_update: float) -> float:
+    """A step's lower bound from one on its busiest stage's compute (``busiest``).
+
+    The step is the busiest stage's ``X = compute + communication - hidden + update`` plus
+    the bubble, ``X >= busiest`` (what hides is communication). With GPipe, 1F1B and the
+    interleaved 1F1B the bubble is ``(pp - 1) / (v m)`` of that stage's compute and
+    communication, at least ``X - update`` (:func:`schedule_bubble`); the zero-bubble
+    schedules get no bubble in the bound."""
+    pp, m = cfg.pipeline_stages, cfg.micro_batches
+    if pp == 1 or cfg.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        return busiest
+    v = (cfg.virtual_stages or 1) if cfg.schedule == "interleaved_1f1b" else 1
+    return busiest + (pp - 1) / (v * m) * max(0.0, busiest - most_update)
+
+
+def _presearch_bounds(
+    classes: _OpClasses, variants: Sequence[tuple[_Variant, ParallelConfig]], most_update: float
+) -> tuple[dict[int, float], float]:
+    """Per micro-batch count, no option of the variants' mesh predicts a faster step; and
+    the least of those bounds without the bottleneck (every stage as busy as the average),
+    the order meshes are searched in (it puts the deep pipelines that fit early).
+
+    Its busiest stage computes at least ``1 / pp`` of every op, and at least the lightest
+    bottleneck of any partition into ``pp`` stages, each op at best cut over all the stage's
+    devices (an op's roofline time only falls as its pieces grow), plus ``1 / pp`` of the
+    fixed costs micro-batches pay again, each op at worst whole (what an op pays again only
+    grows as its pieces do: :func:`~plait.planning.estimate.micro_batch_seconds`); then
+    :func:`_bound`.
     """
-    pp = cfg.pipeline_stages
-    pieces = math.prod(n for a, n in cfg.mesh_dict.items() if a != PP_AXIS)
-    total = sum(op_compute(op, pieces) for op in graph.ops) * cfg.grad_accumulation
-    whole = {op.name: 1 for op in graph.ops}
-    one_stage = dict.fromkeys(whole, 0)
-    again = micro_batch_seconds(graph, one_stage, whole, op_compute, cfg, 1)[0]
-    compute = (total + again) / pp
-    if pp > 1 and cfg.schedule in ("1f1b", "gpipe"):
-        return compute + schedule_bubble(cfg, compute, 0.0, 0.0)
-    return compute
-
-
-def _pruned_note(pruned: Sequence[tuple[dict[str, int], float, float]]) -> str:
-    meshes = ", ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m, _, _ in pruned)
-    least = min(b for _, b, _ in pruned)
+    first = variants[0][1]
+    pp, ga = first.pipeline_stages, first.grad_accumulation
+    pieces = math.prod(n for a, n in first.mesh_dict.items() if a != PP_AXIS)
+    total = classes.compute(pieces) * ga
+    floor = classes.floor(pieces, pp) * ga if pp > 1 else 0.0
+    whole = [(g, 1, n) for g, (_, n) in enumerate(classes.groups)]
+    spread = {  # every stage as busy as the average
+        m: (total + classes.again(whole, m) * ga) / pp for m in _first_per_count(variants)
+    }
     return (
-        f"{len(pruned)} mesh{'es' if len(pruned) > 1 else ''} not searched ({meshes}): no "
-        f"option of {'theirs' if len(pruned) > 1 else 'its'} could be faster "
-        f"than {fmt_seconds(least)} (the busiest stage's compute with every op cut over all "
-        "its devices, and the pipeline bubble of that), slower than the runner-up found "
-        f"before {'them' if len(pruned) > 1 else 'it'}"
+        {
+            m: _bound(vcfg, max(floor, spread[m]), most_update)
+            for m, vcfg in _first_per_count(variants).items()
+        },
+        min(_bound(vcfg, spread[m], most_update) for m, vcfg in _first_per_count(variants).items()),
     )
+
+
+def _searched_bounds(
+    graph: OpGraph,
+    setup: SearchSetup,
+    decisions: Mapping[str, Decision],
+    variants: Sequence[tuple[_Variant, ParallelConfig]],
+    classes: _OpClasses,
+    most_update: float,
+) -> dict[int, float]:
+    """Per micro-batch count, no option of the searched mesh predicts a faster step: the
+    busiest stage computes at least the lightest bottleneck any partition of the chosen
+    strategies' ops into its stages has, memory aside (the partitioner prefers a partition
+    within the memory limit, never a faster one), and at least ``1 / pp`` of every
+    op's time with what the micro-batches pay again (recompute only adds); then
+    :func:`_bound`. Read from the search alone, before the mesh's predictor is built."""
+    op_compute, candidates = setup.problem.cost.op_compute, setup.problem.candidates
+    priced: dict[tuple[int, int], float] = {}  # per op group and pieces: its time
+    counted: dict[tuple[int, int], int] = {}  # and how many ops
+    seconds: list[float] = []  # per op, in graph order
+    for op in graph.ops:
+        key = (
+            classes.key_of[op.name],
+            work_pieces(setup.mesh, candidates[op.name][decisions[op.name].index]),
+        )
+        found = priced.get(key)
+        if found is None:
+            found = priced[key] = op_compute(op, key[1])
+        seconds.append(found)
+        counted[key] = counted.get(key, 0) + 1
+    first = variants[0][1]
+    pp, ga = first.pipeline_stages, first.grad_accumulation
+    floor, total = classes.lightest_bottleneck(seconds, pp) * ga, sum(seconds) * ga
+    cut = [(g, p, n) for (g, p), n in counted.items()]
+    return {
+        m: _bound(vcfg, max(floor, (total + classes.again(cut, m) * ga) / pp), most_update)
+        for m, vcfg in _first_per_count(variants).items()
+    }
+
+
+def _weigh(
+    done: _Searched,
+    k: int,
+    limit: int,
+    timing: PlanTiming,
+    fits: _Fits,
+    pruned: _Pruned,
+    prune: bool,
+    bounds: Mapping[int, float],
+) -> list[_Trial]:
+    """Mesh ``k``'s options predicted by its :class:`MeshEstimate`, in the variants' order.
+
+    With ``prune``, micro-batch counts go from the lowest bound up; a count whose bound is
+    above the runner-up found so far is not weighed (nor the counts after it), and an
+    option whose step time alone is above it is not walked for memory. Fits found here
+    join ``fits`` as they are found."""
+    est = done.estimate
+    assert est is not None
+    by_count: dict[int, list[int]] = {}
+    for i, (v, _) in enumerate(done.variants):
+        by_count.setdefault(v.micro_batches, []).append(i)
+    found: dict[int, _Trial] = {}
+    local = _Fits()  # this mesh's fits, beside those found before it
+    local.times = list(fits.times)
+    counts = sorted(by_count, key=lambda m: bounds[m])
+    for n, m in enumerate(counts):
+        if prune and local.beaten_by(bounds[m]):  # and so is every count after it
+            pruned.options += sum(len(by_count[c]) for c in counts[n:])
+            pruned.option_bound = min(pruned.option_bound, bounds[m])
+            break
+        timed = sorted(
+            ((est.step_time_s(done.variants[i][1]), i) for i in by_count[m]),
+            key=lambda t: t[0],
+        )
+        for step, i in timed:
+            if prune and local.beaten_by(step):
+                pruned.options += 1
+                pruned.option_bound = min(pruned.option_bound, step)
+                continue
+            variant, vcfg = done.variants[i]
+            estimate = est.predict(vcfg)
+            timing.reused += 1
+            timing.options += 1
+            option = _option(done.mesh, variant, estimate.step_time_s, estimate.memory_bytes, limit)
+            found[i] = _Trial(option, vcfg, k)
+            if option.feasible:
+                local.add(option.step_time_s)
+    return [found[i] for i in sorted(found)]
+
+
+def _pruned_notes(pruned: _Pruned) -> list[str]:
+    notes = []
+    if pruned.meshes:
+        ms = pruned.meshes
+        names = ", ".join(" x ".join(f"{k}={v}" for k, v in m.items()) for m, _ in ms)
+        least = min(b for _, b in ms)
+        notes.append(
+            f"{len(ms)} mesh{'es' if len(ms) > 1 else ''} not searched ({names}): no "
+            f"option of {'theirs' if len(ms) > 1 else 'its'} could be faster "
+            f"than {fmt_seconds(least)} (the busiest stage's compute, each op cut over all "
+            "its devices and whole layers a stage, and the pipeline bubble of that), slower "
+            "than the runner-up found "
+            f"before {'them' if len(ms) > 1 else 'it'}"
+        )
+    if pruned.options:
+        notes.append(
+            f"{pruned.options} option{'s' if pruned.options > 1 else ''} of the meshes searched "
+            f"not predicted in full: none could be faster than {fmt_seconds(pruned.option_bound)} "
+            "(a bound on its micro-batch count's step, or its step time before memory), "
+            "slower than the runner-up found before"
+        )
+    return notes
 
 
 def _meshes(
@@ -320,37 +619,24 @@ def _meshes(
     return meshes
 
 
-def _escalate(
+def _assemble_all(
     k: int,
     searched: Sequence[_Searched],
     limit: int,
     timing: PlanTiming,
-    graph: OpGraph | None = None,
-    model_name: str = "",
+    graph: OpGraph,
+    model_name: str,
 ) -> list[_Trial]:
-    """Mesh ``k``'s settings in escalation order, up to the first that fits.
-
-    With ``graph`` every option is assembled in full; without, predicted by the mesh's
-    :class:`MeshEstimate`.
-    """
+    """Mesh ``k``'s options, each assembled in full (``exhaustive``)."""
     done = searched[k]
     out: list[_Trial] = []
     for variant, vcfg in done.variants:
-        plan = None
-        if graph is not None:
-            with timing.phase("assemble"):
-                plan = _assemble(graph, vcfg, done, model_name)
-            timing.assembled += 1
-            step, memory = plan.predicted.step_time_s, plan.predicted.memory_bytes
-        else:
-            assert done.estimate is not None
-            found = done.estimate.predict(vcfg)
-            timing.reused += 1
-            step, memory = found.step_time_s, found.memory_bytes
+        with timing.phase("assemble"):
+            plan = _assemble(graph, vcfg, done, model_name)
+        timing.assembled += 1
         timing.options += 1
+        step, memory = plan.predicted.step_time_s, plan.predicted.memory_bytes
         out.append(_Trial(_option(done.mesh, variant, step, memory, limit), vcfg, k, plan))
-        if out[-1].option.feasible:
-            break
     return out
 
 
@@ -430,7 +716,8 @@ def _winner(
     options = (option, *others[: KEPT_OPTIONS - 1])
     runner_up = ranked[1].option if len(ranked) > 1 else None
     notes = [
-        _why(option, runner_up, limit, feasible, len(real)) + ("" if feasible else _advice(cfg))
+        _why(option, runner_up, limit, feasible, len(real), len(ranked))
+        + ("" if feasible else _advice(cfg))
     ]
     return dataclasses.replace(plan, options=options, notes=(*plan.notes, *notes))
 
@@ -456,12 +743,17 @@ def _describe(o: PlanOption) -> str:
 
 
 def _why(
-    best: PlanOption, runner_up: PlanOption | None, limit: int, feasible: bool, weighed: int
+    best: PlanOption,
+    runner_up: PlanOption | None,
+    limit: int,
+    feasible: bool,
+    weighed: int,
+    fit: int,
 ) -> str:
     head = (
         f"auto chose {_describe(best)}: predicted {fmt_seconds(best.step_time_s)} per step, "
         f"{fmt_bytes(best.memory_bytes)} per device (limit {fmt_bytes(limit)}), the fastest of "
-        f"{weighed} options that fit"
+        f"{fit} options that fit ({weighed} weighed)"
         if feasible
         else f"no option fits {fmt_bytes(limit)} per device; auto chose the smallest, {_describe(best)} "
         f"({fmt_bytes(best.memory_bytes)}): add devices, use a bigger memory_limit or a smaller batch"

@@ -35,6 +35,7 @@ outer planner's and the assembled plan's.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -103,6 +104,13 @@ class StageClock:
             for ref in op.inputs:
                 readers.setdefault(ref, []).append(i)
         self._readers = readers
+
+    def with_micro_batches(self, micro_batches: int) -> StageClock:
+        """The same clock for another micro-batch count (what the count changes is only how
+        much of a micro-step each of them runs), sharing the per-op times."""
+        other = copy.copy(self)
+        other.micro_batches = micro_batches
+        return other
 
     def _ready(self, members: Iterable[str]) -> float:
         """Backward seconds until every member's gradient is made: backward has passed the

@@ -40,7 +40,14 @@ from plait.graph import OpGraph
 from plait.layout import TensorLayout
 from plait.rules.registry import OpStrategy
 
-__all__ = ["StageMemory", "assign_stages", "balanced_cuts", "op_memory", "stage_memory_figures"]
+__all__ = [
+    "StageMemory",
+    "allowed_cuts",
+    "assign_stages",
+    "balanced_cuts",
+    "op_memory",
+    "stage_memory_figures",
+]
 
 _TIE = 1e-9  # relative: bottlenecks (and peaks) closer than this are equal
 _Floats = npt.NDArray[np.float64]
@@ -131,7 +138,7 @@ def stage_memory_figures(
     return StageMemory(states, kept, in_flight, limit)
 
 
-def _allowed_cuts(graph: OpGraph) -> list[int]:
+def allowed_cuts(graph: OpGraph) -> list[int]:
     """Op indices a stage may start at (index 0 excluded)."""
     if not graph.layers:
         return list(range(1, len(graph.ops)))
@@ -151,7 +158,7 @@ def assign_stages(
     memory: StageMemory | None = None,
 ) -> list[int]:
     """Stage index of every op, in graph order (module doc: the min-max partition)."""
-    cuts = _allowed_cuts(graph)
+    cuts = allowed_cuts(graph)
     if len(cuts) < stages - 1:
         raise ConfigError(
             f"pipeline_stages={stages} but the graph offers only {len(cuts) + 1} places to cut "

@@ -204,8 +204,9 @@ def test_offload_of_parameters_is_refused_by_name(gpt_and_batches):
 def test_outer_planner_escalates_to_zero_and_recompute_under_a_memory_limit_and_runs(
     gpt_and_batches,
 ):
-    """Mode auto with a memory limit only ZeRO-3 with recompute meets: the outer planner picks
-    them (its escalation: ZeRO 1, 2, 3, then recompute), and the plan runs like one device,
+    """Mode auto with a memory limit of ZeRO-3 with selective recompute's peak: no option
+    without ZeRO and recompute fits, so the outer planner (the fastest option that fits, over
+    every level and policy) picks both, and the plan runs like one device,
     with gradient accumulation (one reduce-scatter per step, after the last micro-batch) and
     the optimizer offloaded (on this CPU-only machine the host is the device: the numerics and
     the wiring are what is tested; bench/gpu_memory.py measures the memory on a GPU).
@@ -234,9 +235,10 @@ def test_outer_planner_escalates_to_zero_and_recompute_under_a_memory_limit_and_
         )
         plan = job.loss_fn.plan
         run = Run([job.step(b) for b in batches], job.full_state_dict())
-    assert (plan.optimizer_shard, plan.recompute, plan.offload) == (3, "selective", "optimizer")
+    assert plan.optimizer_shard is not None and plan.recompute != "none"
+    assert plan.offload == "optimizer" and plan.predicted.memory_bytes <= limit
     assert plan.grad_accumulation == 2
-    assert plan.recompute_regions == (("blocks.0", "selective"), ("blocks.1", "selective"))
+    assert plan.recompute_regions == (("blocks.0", plan.recompute), ("blocks.1", plan.recompute))
     assert_same_run(expected, run, rtol=RTOL, atol=1e-6)
 
 

@@ -66,6 +66,7 @@ from plait.runtime.meta_init import require_initialised
 from plait.runtime.precision import autocast_for
 
 if TYPE_CHECKING:
+    from plait.mesh import MeshSpec
     from plait.runtime.job import Job
 
 __all__ = ["GenerateRequest", "generate", "install_model_generate", "laid_out_forward"]
@@ -134,7 +135,7 @@ def generate(
         refuse_padding(request.attention_mask, "job.generate")
     context = _laid_out_context(job.model) if laid_out else contextlib.nullcontext()
     lay: Callable[[torch.Tensor], torch.Tensor] = (
-        functools.partial(_lay_rows, job, request.input_ids.shape[0]) if laid_out else _same
+        functools.partial(_lay_rows, job) if laid_out else _same
     )
     precision = autocast_for(job.config.precision, _device_type(job))
     with torch.no_grad(), in_mode(job.model, training=False), context, precision:
@@ -279,16 +280,11 @@ class _WholeSequenceStep:
         return full_value(logits[:, -1, :]).float()
 
 
-def _lay_rows(job: Job, rows: int, x: torch.Tensor) -> torch.Tensor:
+def _lay_rows(job: Job, x: torch.Tensor) -> torch.Tensor:
     """``x`` (whole, the same on every rank) as a DTensor: dim 0 split over the data-parallel
     axis where the batch divides (each rank keeps its rows), else whole on every rank."""
-    mesh, dp = job.mesh, job.config.dp_axis
-    assert mesh is not None
-    size = mesh.axis_size(dp) if dp in mesh.axis_names else 1
-    dims: tuple[tuple[str, ...], ...] = ((),) * x.ndim
-    if size > 1 and rows % size == 0:
-        dims = ((dp,), *dims[1:])
-    return distribute(x, job.device_mesh, TensorLayout(mesh, dims))
+    assert job.mesh is not None
+    return distribute(x, job.device_mesh, _rows_layout(job.mesh, job.config.dp_axis, x))
 
 
 # -------------------------------------------------------------- the forward on DTensor pieces
@@ -332,15 +328,24 @@ def _laid_out_context(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def laid_out_forward(model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, ``model`` (its parameters DTensors) runs on plain inputs as
-    replicated and returns plain, whole outputs; its cache starts as
-    :func:`start_from_first_keys` says. What ``job.model.generate`` runs under."""
-    return _whole_outputs(model)
+def _rows_layout(spec: MeshSpec, dp_axis: str, x: torch.Tensor) -> TensorLayout:
+    """Dim 0 split over ``dp_axis`` where it divides, else whole on every rank.
+
+    Rows split over dp are what the plan's layouts were made for: with whole rows, DTensor's
+    own choice of strategy for the projections may split them over dp itself and leave a
+    pending sum over tp in front of attention, which it cannot run."""
+    size = spec.axis_size(dp_axis) if dp_axis in spec.axis_names else 1
+    dims: tuple[tuple[str, ...], ...] = ((),) * x.ndim
+    if size > 1 and x.ndim and x.shape[0] % size == 0:
+        dims = ((dp_axis,), *dims[1:])
+    return TensorLayout(spec, dims)
 
 
 @contextlib.contextmanager
-def _whole_outputs(model: nn.Module) -> Iterator[None]:
+def laid_out_forward(model: nn.Module, dp_axis: str = "dp") -> Iterator[None]:
+    """Inside the block, ``model`` (its parameters DTensors) runs on plain token ids (their
+    rows split over ``dp_axis`` where they divide) and returns plain, whole outputs; its cache
+    starts as :func:`start_from_first_keys` says. What ``job.model.generate`` runs under."""
     mesh = next(p.device_mesh for p in model.parameters() if is_dtensor(p))
     spec = mesh_spec_of(mesh)
 
@@ -354,10 +359,9 @@ def _whole_outputs(model: nn.Module) -> Iterator[None]:
         # no padding (refused above): the positions are the cache's, 0, 1, ... as the model
         # counts them itself (DTensor positions make rotary tables attention cannot split)
         kwargs.pop("position_ids", None)
-        for name in ("input_ids",):  # whole on every rank, as a DTensor
-            x = kwargs.get(name)
-            if isinstance(x, torch.Tensor) and not is_dtensor(x):
-                kwargs[name] = distribute(x, mesh, TensorLayout.replicated(spec, x.ndim))
+        ids = kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and not is_dtensor(ids):
+            kwargs["input_ids"] = distribute(ids, mesh, _rows_layout(spec, dp_axis, ids))
         return args, kwargs
 
     def outputs(module: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
@@ -380,7 +384,7 @@ def _whole_outputs(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def install_model_generate(model: nn.Module) -> None:
+def install_model_generate(model: nn.Module, dp_axis: str = "dp") -> None:
     """Wrap a Hugging Face model's own ``generate`` (once) so that it runs on the job's
     DTensor parameters (:func:`laid_out_forward`); with plain parameters it is the model's
     own, untouched."""
@@ -392,7 +396,7 @@ def install_model_generate(model: nn.Module) -> None:
     def generate_on_layout(*args: Any, **kwargs: Any) -> Any:
         if not any(is_dtensor(p) for p in model.parameters()):
             return original(*args, **kwargs)
-        with laid_out_forward(model):
+        with laid_out_forward(model, dp_axis):
             return original(*args, **kwargs)
 
     generate_on_layout._plait_laid_out = True  # type: ignore[attr-defined]

@@ -186,7 +186,7 @@ def parallelize(
     support.check(config)  # what is refused on every engine (plait.support's table)
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
-    install_model_generate(model)  # HF's own generate on the job's DTensor parameters
+    install_model_generate(model, config.dp_axis)  # HF's own generate on the job's DTensor parameters
     world = current_world()
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:

@@ -47,13 +47,16 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, VOCAB, (4, 5), generator=torch.Generator().manual_seed(2))
 
 
+EXAMPLE = _ids()
+
+
 def _job(model: torch.nn.Module, config: ParallelConfig):
     return plait.parallelize(
         model,
         config,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         loss_fn=lambda m, b: m(**b).loss,
-        example_batch={"input_ids": _ids(), "labels": _ids()},
+        example_batch={"input_ids": EXAMPLE, "labels": EXAMPLE},
     )
 
 

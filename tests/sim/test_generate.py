@@ -49,6 +49,9 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, VOCAB, (4, 5), generator=torch.Generator().manual_seed(2))
 
 
+EXAMPLE = _ids()  # made outside a simulated world (a LocalTensor cannot be captured)
+
+
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
@@ -70,7 +73,7 @@ def _job(model: torch.nn.Module, config: ParallelConfig):
         config,
         optimizer=_sgd,
         loss_fn=_own_loss,
-        example_batch={"input_ids": _ids(), "labels": _ids()},
+        example_batch={"input_ids": EXAMPLE, "labels": EXAMPLE},
     )
 
 
@@ -102,7 +105,7 @@ def test_llama_generates_on_dp_x_tp_with_the_cache_split_on_heads_and_rows() -> 
     assert torch.equal(hf, expected)
     assert len(seen) == 2  # one per layer
     keys = seen[0]
-    assert [str(p) for p in keys.placements] == ["Shard(dim=0)", "Shard(dim=1)"]  # rows, heads
+    assert [str(p) for p in keys.placements] == ["S(0)", "S(1)"]  # rows over dp, heads over tp
     assert tuple(keys.to_local().shape[:2]) == (2, 1)  # 2 of 4 rows, 1 of 2 key/value heads
 
 

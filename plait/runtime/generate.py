@@ -18,9 +18,10 @@ What the forward needs on DTensors, and what this module adds for the length of 
 * a cache layer (``DynamicLayer``) starts from a plain empty tensor that a DTensor cannot be
   concatenated to: each layer's first keys and values are kept as the empty slice of the
   keys written (their own layout) instead;
-* a vocabulary-split embedding's output is a masked pending sum that a norm cannot read:
-  it is summed (an all-reduce over tp, as Megatron's embedding does) as it leaves the
-  embedding;
+* a pending sum (a row-parallel projection's, a vocabulary-split embedding's masked one) is
+  summed as it leaves the module that made it (an all-reduce over tp, where Megatron puts
+  it): left pending, DTensor's own choice of strategy for the next ops may carry it into a
+  norm or into attention, which cannot take it;
 * plain tensors made inside the forward (masks, positions) count as replicated.
 
 Models with no key/value cache (plait's own, :mod:`plait.models`) generate by running the
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait import support
 from plait._compat import tree_map
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dtensor import (
@@ -128,6 +130,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``job.generate``: see the module docstring."""
+    refuse_on_stages(job, "generate")
     require_initialised(job.model, "job.generate")
     request = _request(job.model, input_ids, max_new_tokens, attention_mask, eos_token_id)
     laid_out = job.device_mesh is not None and job.plain is None
@@ -307,18 +310,23 @@ def _first_keys(layer: Any, initialise: Callable[..., None], keys: Any, values: 
         layer.keys, layer.values = keys[..., :0, :], values[..., :0, :]
 
 
-def _sum_embedding(module: nn.Module, args: Any, out: Any) -> Any:
-    """A vocabulary-split embedding's masked pending sum, summed as it leaves the module."""
-    return sum_pending(out) if is_dtensor(out) else out
+def _sum_pending_output(module: nn.Module, args: Any, out: Any) -> Any:
+    """A pending sum summed as it leaves a leaf module (a row-parallel projection's, as
+    Megatron reduces it; a vocabulary-split embedding's masked one): left pending, DTensor's
+    own choice of strategy for the ops after it may carry it into attention, which cannot
+    take it, or into a norm, which cannot read it."""
+    if is_dtensor(out) and any(p.is_partial() for p in out.placements):
+        return sum_pending(out)
+    return out
 
 
 @contextlib.contextmanager
 def _laid_out_context(model: nn.Module) -> Iterator[None]:
     """The model's forward on its DTensor parameters, for the length of the block."""
     handles = [
-        m.register_forward_hook(_sum_embedding)
+        m.register_forward_hook(_sum_pending_output)
         for m in model.modules()
-        if isinstance(m, nn.Embedding)
+        if not any(True for _ in m.children())  # leaves: embeddings, projections, norms
     ]
     try:
         with implicit_replication(), PlaitDispatchMode():
@@ -414,6 +422,14 @@ def refuse_padding(mask: torch.Tensor, call: str) -> None:
             "generate prompts of one length together (no padding: group prompts by length), "
             "or on one device"
         )
+
+
+def refuse_on_stages(job: Job, call: str) -> None:
+    """``job.<call>`` on pipeline stages: refused by ``plait.support``'s table."""
+    from plait.runtime.pipeline import PipelineJob
+
+    if isinstance(job, PipelineJob):
+        support.check(job.config, support.Where("pipeline"), engine_only=True, call=call)
 
 
 def refuse_unbuilt(action: str) -> NotBuiltError:

@@ -32,10 +32,13 @@ generate yet: refused by name (``plait.support``'s ``generate_pipeline``).
 
 ``job.model.generate(...)`` (Hugging Face's own, with its sampling, beam search and logits
 processors) works on a job whose parameters are DTensors: :func:`install_model_generate`
-(called by ``parallelize``) wraps the model's ``generate`` so that during it the forward
-reads plain inputs as replicated and returns its outputs whole, as plain tensors (every
-rank runs the whole batch; the cache is split on heads over tp as above). The wrapped
-method is the model's own everywhere else (a model whose parameters are plain).
+(called by ``parallelize``) wraps the model's ``generate`` so that during it the token ids
+enter the forward as DTensors (rows over dp where they divide, as above) and its outputs
+leave whole, as plain tensors; the cache is laid out as above. With plain parameters (one
+device, plain data parallel) the wrapped method is the model's own.
+
+Not built: padded prompts (an attention mask with zeros) on DTensor parameters, refused by
+name (:func:`refuse_padding`).
 """
 
 from __future__ import annotations
@@ -188,9 +191,7 @@ def _greedy(
     whole sequence per step for a model without one). Rows that reached an end-of-sequence
     token get the pad token after it; decoding stops when every row has ended."""
     ids = request.input_ids
-    mask = (
-        torch.ones_like(ids) if request.attention_mask is None else request.attention_mask.long()
-    )
+    mask = torch.ones_like(ids) if request.attention_mask is None else request.attention_mask.long()
     step = _HuggingFaceStep(model) if _takes_cache(model) else _WholeSequenceStep(model)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     eos = torch.tensor(request.eos_token_ids, dtype=ids.dtype, device=ids.device)
@@ -426,9 +427,8 @@ def refuse_padding(mask: torch.Tensor, call: str) -> None:
 
 def refuse_on_stages(job: Job, call: str) -> None:
     """``job.<call>`` on pipeline stages: refused by ``plait.support``'s table."""
-    from plait.runtime.pipeline import PipelineJob
-
-    if isinstance(job, PipelineJob):
+    # a pipeline job is the one with stages (named, not imported: pipeline imports the job)
+    if getattr(job, "stage_modules", None) is not None:
         support.check(job.config, support.Where("pipeline"), engine_only=True, call=call)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch

@@ -41,7 +41,9 @@ def _llama() -> torch.nn.Module:
 
 def _gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -239,7 +239,7 @@ class _HuggingFaceStep:
         from transformers import DynamicCache
 
         self.model = model
-        self.cache = DynamicCache(config=model.config)  # type: ignore[attr-defined]
+        self.cache = DynamicCache(config=model.config)  # type: ignore[arg-type]
         start_from_first_keys(self.cache)
         self.keyword = _cache_keyword(model)
         forward = inspect.signature(model.forward).parameters
@@ -374,7 +374,7 @@ def laid_out_forward(model: nn.Module, dp_axis: str = "dp") -> Iterator[None]:
         return args, kwargs
 
     def outputs(module: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
-        if isinstance(out, Mapping):  # a ModelOutput: its fields replaced in place
+        if isinstance(out, MutableMapping):  # a ModelOutput: its fields replaced in place
             for key, value in list(out.items()):
                 if is_dtensor(value):
                     out[key] = full_value(value)
@@ -409,7 +409,7 @@ def install_model_generate(model: nn.Module, dp_axis: str = "dp") -> None:
             return original(*args, **kwargs)
 
     generate_on_layout._plait_laid_out = True  # type: ignore[attr-defined]
-    model.generate = generate_on_layout  # type: ignore[method-assign]
+    model.generate = generate_on_layout  # type: ignore[assignment]
 
 
 def refuse_padding(mask: torch.Tensor, call: str) -> None:

@@ -145,6 +145,7 @@ def test_gpt2_generates_under_zero3_and_saves_a_model_from_pretrained_loads(tmp_
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tied again
 
 
+@pytest.mark.nightly  # tests/dist/test_generate_gloo.py runs it on real processes
 def test_llama_saved_from_tp2_loads_with_from_pretrained(tmp_path: Path) -> None:
     model, ids = _llama(), _ids()
     with plait.testing.simulate(world_size=2):
@@ -205,3 +206,31 @@ def test_bad_input_and_padding_are_refused_by_name() -> None:
             job.generate(ids, max_new_tokens=2, attention_mask=mask)
         with pytest.raises(NotBuiltError, match=r"padding"):
             job.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=2)
+
+
+def test_plain_data_parallel_generates_left_padded_prompts() -> None:
+    """Plain data parallel holds the whole model: padded prompts (left padding, positions
+    from the mask) give Hugging Face's own tokens."""
+    model, ids = _llama(), _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[3, :1] = 0
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    with plait.testing.simulate(world_size=2):
+        job = _job(copy.deepcopy(model), ParallelConfig(mode="data_parallel", mesh={"dp": 2}))
+        out = job.generate(ids, max_new_tokens=NEW, attention_mask=mask)
+    assert torch.equal(out, expected)
+
+
+def test_pipeline_refusals_are_rows_of_the_support_table() -> None:
+    """generate and save_pretrained on pipeline stages: refused by name when called, never
+    at parallelize (the job's own rules do not include them)."""
+    from plait import support
+
+    config = ParallelConfig(mode="data_parallel", mesh={"pp": 2, "dp": 2}, micro_batches=2)
+    where = support.Where("pipeline")
+    assert support.refusal(config, where, engine_only=True) is None
+    for call in ("generate", "save_pretrained"):
+        with pytest.raises(NotBuiltError, match=rf"job\.{call} .*on pipeline stages"):
+            support.check(config, where, engine_only=True, call=call)

@@ -362,22 +362,10 @@ RULES: tuple[Rule, ...] = (
         lambda c: f"mesh={dict(c.mesh or {})!r}",
         "job.generate and job.model.generate on pipeline stages (each rank holds some layers; "
         "a key/value cache across stages needs the schedule to pass it)",
-        "save the trained model with job.save and `plait checkpoint merge`, then generate on a "
-        "job without a 'pp' axis (or on one device) loaded with job.load_pretrained",
+        "save the trained model with job.save_pretrained(dir), then generate on a job without "
+        "a 'pp' axis (or on one device, from_pretrained(dir)) loaded with job.load_pretrained",
         on_engine=True,
         call="generate",
-    ),
-    Rule(
-        "save_pretrained_pipeline",
-        "pipeline stages",
-        lambda c, w: _on(w, "pipeline"),
-        lambda c: f"mesh={dict(c.mesh or {})!r}",
-        "job.save_pretrained on pipeline stages (each stage's tensors would have to travel to "
-        "the first rank)",
-        "write a checkpoint with job.save(dir) and merge it into one safetensors file with "
-        "`plait checkpoint merge dir out.safetensors`",
-        on_engine=True,
-        call="save_pretrained",
     ),
     Rule(
         "stages_per_input_strategy",

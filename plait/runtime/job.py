@@ -551,10 +551,8 @@ class Job:
         config and generation config to ``directory``: ``from_pretrained(directory)`` loads
         the trained model, and ``job.load_pretrained(directory)`` loads it into any plan.
         Every rank must call it. See :mod:`plait.runtime.save_pretrained`."""
-        from plait.runtime.generate import refuse_on_stages
         from plait.runtime.save_pretrained import DEFAULT_SHARD_BYTES, save_pretrained
 
-        refuse_on_stages(self, "save_pretrained")
         require_initialised(self.model, "job.save_pretrained")
         return save_pretrained(
             self.model,

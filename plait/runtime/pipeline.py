@@ -560,6 +560,16 @@ class PipelineJob(Job):
 
         return load_pretrained(self.model, self.optimizer, path, holders=self.stage_modules)
 
+    def save_pretrained(self, directory: Any, *, max_shard_bytes: int | None = None) -> Any:
+        """As :meth:`Job.save_pretrained`, from the stages each rank holds (each tensor made
+        whole on its stage and sent to the first rank, one at a time)."""
+        from plait.runtime.save_pretrained import DEFAULT_SHARD_BYTES, save_pretrained_from_stages
+
+        shard = DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
+        return save_pretrained_from_stages(
+            self.model, directory, holders=self.stage_modules, max_shard_bytes=shard
+        )
+
     def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
         """The last training step's measured schedule: each stage's forward, backward and
         weight-gradient passes in time, per pipeline rank. Every rank calls it (it gathers the

@@ -21,6 +21,10 @@ generates, its generation config are written beside the weights, so that
 Any other model gets the safetensors alone: ``safetensors.torch.load_file`` (one shard) gives
 its ``state_dict`` back, and ``job.load_pretrained(directory)`` loads it into any plan.
 
+A pipeline job's ranks hold some stages each: the ranks that hold a tensor make it whole
+among themselves and the lowest of them sends it to the first rank
+(:func:`save_pretrained_from_stages`), one tensor at a time as above.
+
 Every rank must call it; it returns on every rank once the files are written.
 """
 
@@ -29,19 +33,29 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from plait.comm.checkpoint_io import barrier, rank
+from plait.comm.checkpoint_io import (
+    all_gather_objects,
+    barrier,
+    rank,
+    recv_tensor,
+    send_tensor,
+)
 from plait.comm.dtensor import full_value, is_dtensor
 from plait.errors import CheckpointError
 
-__all__ = ["DEFAULT_SHARD_BYTES", "save_pretrained", "unique_tensors"]
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "save_pretrained",
+    "save_pretrained_from_stages",
+    "unique_tensors",
+]
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 """A shard file's size before the next is started (Hugging Face's default is 5 GB; smaller
@@ -121,14 +135,17 @@ def save_pretrained(
     directory: str | os.PathLike[str],
     *,
     holders: Sequence[nn.Module] | None = None,
+    names: Sequence[str] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    gather: Any = None,
+    gather: Callable[[str, torch.Tensor | None], torch.Tensor | None] | None = None,
 ) -> Path:
     """Write ``model``'s weights (and Hugging Face config) to ``directory`` (module docstring).
 
-    ``holders``: the modules whose tensors this rank holds (a pipeline's stages; default the
-    model); ``gather(name, value)``: how a tensor is made whole on the first rank (default
-    :func:`plait.comm.dtensor.full_value`, every rank taking part).
+    ``holders``: the modules whose tensors this rank holds (default the model);
+    ``names`` with ``gather(name, value)``: the tensors to write, in order, and how each is
+    made whole on the first rank (value None where this rank holds none; a pipeline's, see
+    :func:`save_pretrained_from_stages`); by default every rank holds every tensor and
+    takes part in :func:`plait.comm.dtensor.full_value`.
     """
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
         raise CheckpointError(
@@ -144,16 +161,63 @@ def save_pretrained(
     if writing:
         _prepare(path)
     writer = _ShardWriter(path, max_shard_bytes, writing)
-    for name, value in unique_tensors(holders if holders is not None else [model]):
-        whole = gather(name, value) if gather is not None else _whole(value)
-        if whole is not None:
-            writer.add(name, whole)
-        del whole
+    if names is not None and gather is not None:
+        for name in names:
+            whole = gather(name, None)
+            if whole is not None:
+                writer.add(name, whole)
+            del whole
+    else:
+        for name, value in unique_tensors(holders if holders is not None else [model]):
+            writer.add(name, _whole(value))
     writer.finish()
     if writing:
         _write_configs(model, path)
     barrier()  # every rank returns once the files are there
     return path
+
+
+def save_pretrained_from_stages(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    holders: Sequence[nn.Module],
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """:func:`save_pretrained` for a pipeline job, whose ranks hold some stages each.
+
+    Every rank first learns who holds which tensor (one gather of names, shapes and dtypes);
+    then, tensor after tensor in one order every rank knows, the ranks holding a tensor make
+    it whole among themselves (their stage's layout) and the lowest of them sends it to the
+    first rank, which writes it. A tensor two stages hold (a tie across stages) is written
+    once."""
+    held = dict(unique_tensors(holders))
+    listing = [(name, tuple(v.shape), v.dtype) for name, v in held.items()]
+    everyone = all_gather_objects(listing)
+    order: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
+    for source, names in enumerate(everyone):
+        for name, shape, dtype in names:
+            order.setdefault(name, (shape, dtype, source))  # the lowest holder sends it
+    me = rank()
+
+    def gather(name: str, _: torch.Tensor) -> torch.Tensor | None:
+        shape, dtype, source = order[name]
+        whole = _whole(held[name]) if name in held else None
+        if source == me:
+            if me != 0:
+                assert whole is not None
+                send_tensor(whole.cpu(), 0)
+                return None
+            return whole
+        return recv_tensor(shape, dtype, source) if me == 0 else None
+
+    return save_pretrained(
+        model,
+        directory,
+        names=list(order),
+        max_shard_bytes=max_shard_bytes,
+        gather=gather,
+    )
 
 
 def _whole(value: torch.Tensor) -> torch.Tensor:

@@ -200,7 +200,7 @@ def save_pretrained_from_stages(
             order.setdefault(name, (shape, dtype, source))  # the lowest holder sends it
     me = rank()
 
-    def gather(name: str, _: torch.Tensor) -> torch.Tensor | None:
+    def gather(name: str, _: torch.Tensor | None) -> torch.Tensor | None:
         shape, dtype, source = order[name]
         whole = _whole(held[name]) if name in held else None
         if source == me:

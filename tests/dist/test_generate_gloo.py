@@ -4,13 +4,14 @@ One spawn of 2 processes checks several things: a tiny Llama on tp=2 (Megatron) 
 the tokens its own greedy ``generate`` gives on one device, through ``job.generate`` (the
 key/value cache split on heads) and through Hugging Face's own ``job.model.generate``; after
 a training step ``job.save_pretrained`` writes a directory that ``from_pretrained`` loads
-equal to the trained weights; a tiny GPT-2 on dp=2 generates one device's tokens too; the
+equal to the trained weights; a tiny GPT-2 on pure data parallel generates one device's tokens too; the
 Llama trained on pp=2 (each rank one stage) is saved the same way. The dp=2 x tp=2 case on
 4 processes is nightly.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,9 @@ def _worker(directory: str, mesh: dict[str, int], pipeline: bool) -> dict:
     job.step({"input_ids": ids, "labels": ids})
     out["trained"] = job.full_state_dict()
     job.save_pretrained(directory)
-    gpt2 = _job(_gpt2(), ParallelConfig(mode="data_parallel", mesh={"dp": 2}))
+    gpt2 = _job(
+        _gpt2(), ParallelConfig(mode="data_parallel", mesh={"dp": math.prod(mesh.values())})
+    )
     out["gpt2"] = gpt2.generate(ids, max_new_tokens=NEW)
     if pipeline:
         stages = _job(

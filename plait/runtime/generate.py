@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -396,20 +397,22 @@ def laid_out_forward(model: nn.Module, dp_axis: str = "dp") -> Iterator[None]:
 def install_model_generate(model: nn.Module, dp_axis: str = "dp") -> None:
     """Wrap a Hugging Face model's own ``generate`` (once) so that it runs on the job's
     DTensor parameters (:func:`laid_out_forward`); with plain parameters it is the model's
-    own, untouched."""
-    original = getattr(model, "generate", None)
-    if not callable(original) or getattr(original, "_plait_laid_out", False):
+    own, untouched. The wrapper is a method bound to the model (a copy of the model gets
+    its own, bound to the copy)."""
+    if "generate" in vars(model) or not callable(getattr(type(model), "generate", None)):
         return
+    model._plait_dp_axis = dp_axis  # type: ignore[assignment]
+    model.generate = types.MethodType(_generate_on_layout, model)  # type: ignore[assignment]
 
-    @functools.wraps(original)
-    def generate_on_layout(*args: Any, **kwargs: Any) -> Any:
-        if not any(is_dtensor(p) for p in model.parameters()):
-            return original(*args, **kwargs)
-        with laid_out_forward(model, dp_axis):
-            return original(*args, **kwargs)
 
-    generate_on_layout._plait_laid_out = True  # type: ignore[attr-defined]
-    model.generate = generate_on_layout  # type: ignore[assignment]
+def _generate_on_layout(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's class's ``generate``, under :func:`laid_out_forward` when its parameters
+    are DTensors."""
+    original = type(model).generate  # type: ignore[attr-defined]
+    if not any(is_dtensor(p) for p in model.parameters()):
+        return original(model, *args, **kwargs)
+    with laid_out_forward(model, str(getattr(model, "_plait_dp_axis", "dp"))):
+        return original(model, *args, **kwargs)
 
 
 def refuse_padding(mask: torch.Tensor, call: str) -> None:

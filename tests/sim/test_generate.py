@@ -105,6 +105,8 @@ def test_llama_generates_on_dp_x_tp_with_the_cache_split_on_heads_and_rows() -> 
         )
     assert torch.equal(out, expected)
     assert torch.equal(hf, expected)
+    copied = copy.deepcopy(job.model)
+    assert copied.generate.__self__ is copied  # the wrapper follows a copy of the model
     assert len(seen) == 2  # one per layer
     keys = seen[0]
     assert [str(p) for p in keys.placements] == ["S(0)", "S(1)"]  # rows over dp, heads over tp

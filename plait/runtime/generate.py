@@ -366,8 +366,9 @@ def laid_out_forward(model: nn.Module, dp_axis: str = "dp") -> Iterator[None]:
         for name in ("cache", "past_key_values"):
             if kwargs.get(name) is not None:
                 start_from_first_keys(kwargs[name])
-        # no padding (refused above): the positions are the cache's, 0, 1, ... as the model
-        # counts them itself (DTensor positions make rotary tables attention cannot split)
+        # no padding (refused above): the positions are 0, 1, ... after the cache's length,
+        # which the model counts itself; generate's own copy would be one more plain input
+        # to lay out, for the same values
         kwargs.pop("position_ids", None)
         ids = kwargs.get("input_ids")
         if isinstance(ids, torch.Tensor) and not is_dtensor(ids):

@@ -110,6 +110,9 @@ class Rule:
     on_engine: bool = False
     """The rule holds on some engines only (it reads ``where``); the others hold on every
     engine and are checked once, before the engine is chosen."""
+    call: str = ""
+    """The job method the rule concerns (``generate``), checked when it is called, never at
+    ``parallelize``; empty: a rule of the job itself."""
 
     def message(self, cfg: ParallelConfig, where: Where | None) -> str:
         on = "" if self.context is None else self.context(cfg)
@@ -353,6 +356,18 @@ RULES: tuple[Rule, ...] = (
         on_engine=True,
     ),
     Rule(
+        "generate_pipeline",
+        "pipeline stages",
+        lambda c, w: _on(w, "pipeline"),
+        lambda c: f"mesh={dict(c.mesh or {})!r}",
+        "job.generate and job.model.generate on pipeline stages (each rank holds some layers; "
+        "a key/value cache across stages needs the schedule to pass it)",
+        "save the trained model with job.save_pretrained(dir), then generate on a job without "
+        "a 'pp' axis (or on one device, from_pretrained(dir)) loaded with job.load_pretrained",
+        on_engine=True,
+        call="generate",
+    ),
+    Rule(
         "stages_per_input_strategy",
         "pipeline stages",
         lambda c, w: _on(w, "pipeline") and isinstance(c.dataset_strategy, tuple),
@@ -371,12 +386,18 @@ def refusal(
     *,
     planning: bool = False,
     engine_only: bool = False,
+    call: str = "",
 ) -> Rule | None:
     """The first rule that refuses ``cfg`` on ``where`` (None: the engine is not known yet,
     only the rules of every engine), or None when it runs. ``planning``: the rules
     ``plait.plan`` applies only; ``engine_only``: the rules of some engines only (those of
-    every engine were checked already, on the config as the user gave it)."""
-    rules = (r for r in RULES if (r.planning or not planning) and (r.on_engine or not engine_only))
+    every engine were checked already, on the config as the user gave it); ``call``: the
+    rules of that job method only (``generate``, ``save_pretrained``), else the job's own."""
+    rules = (
+        r
+        for r in RULES
+        if (r.planning or not planning) and (r.on_engine or not engine_only) and r.call == call
+    )
     return next((r for r in rules if r.refused(cfg, where)), None)
 
 
@@ -386,10 +407,11 @@ def check(
     *,
     planning: bool = False,
     engine_only: bool = False,
+    call: str = "",
 ) -> None:
     """Raise the first refusal of ``cfg`` on ``where``: NotBuiltError for what is not built,
     ConfigError for a setting that would do nothing."""
-    rule = refusal(cfg, where, planning=planning, engine_only=engine_only)
+    rule = refusal(cfg, where, planning=planning, engine_only=engine_only, call=call)
     if rule is not None:
         raise rule.error(cfg, where)
 

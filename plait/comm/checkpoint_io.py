@@ -123,6 +123,18 @@ def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
+def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Send ``tensor`` (contiguous, on CPU under gloo) to global rank ``dst``."""
+    dist.send(tensor.contiguous(), dst)
+
+
+def recv_tensor(shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` received from global rank ``src``."""
+    out = torch.empty(shape, dtype=dtype)
+    dist.recv(out, src)
+    return out
+
+
 def checkpoint_group() -> Any:
     """A new gloo group over every rank, for saves that run in a background thread: their
     coordination must not interleave with the training step's collectives on the default

@@ -56,6 +56,7 @@ __all__ = [
     "pin_grad_layout",
     "replicate_placement",
     "start_all_reduce",
+    "sum_pending",
     "sync_grad",
     "to_dtensor_placements",
     "to_layout",
@@ -287,6 +288,17 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     else:
         value = tensor
     return same_on_every_rank(value.detach(), "full_value")
+
+
+def sum_pending(tensor: DTensor) -> DTensor:
+    """``tensor`` with every pending sum (``Partial``, a vocabulary-split embedding's masked
+    one included) reduced, one mesh axis at a time; other placements kept (collective)."""
+    placements = list(tensor.placements)
+    for i, p in enumerate(placements):
+        if p.is_partial():
+            placements[i] = TReplicate()
+            tensor = tensor.redistribute(tensor.device_mesh, placements)
+    return tensor
 
 
 def implicit_replication():  # type: ignore[no-untyped-def]

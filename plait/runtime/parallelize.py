@@ -38,6 +38,7 @@ from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning import Plan
 from plait.runtime.engine.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
+from plait.runtime.engine.generate import install_model_generate
 from plait.runtime.engine.host import (
     host_module_paths,
     place_on_host,
@@ -187,6 +188,7 @@ def parallelize(
     check_log_dir(config)  # metrics that could not be written: before any collective
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
+    install_model_generate(model, config.dp_axis)  # HF's own generate on the job's DTensor parameters
     world = current_world()
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:

@@ -7,6 +7,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -555,6 +556,51 @@ class Job:
 
         return predict(self, batch)
 
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Greedy decoding of ``max_new_tokens`` tokens after each prompt of ``input_ids``
+        (``[batch, sequence]``, the whole batch, the same on every rank; ``attention_mask``: 0
+        for left padding); returns the whole ids, prompt and new tokens, on every rank.
+
+        The forward runs on the job's layout, its key/value cache laid out as the plan lays
+        out attention (heads over tp, rows over dp); the tokens equal the model's own greedy
+        generation on one device. ``eos_token_id`` (default: the model's generation config's)
+        ends a row. Every rank must call it. See :mod:`plait.runtime.engine.generate`.
+        """
+        from plait.runtime.engine.generate import generate
+
+        return generate(
+            self,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            attention_mask=attention_mask,
+            eos_token_id=eos_token_id,
+        )
+
+    def save_pretrained(
+        self, directory: str | os.PathLike[str], *, max_shard_bytes: int | None = None
+    ) -> Path:
+        """Write the model's weights (safetensors, gathered one tensor at a time to the first
+        rank, in shards of at most ``max_shard_bytes``) and, for a Hugging Face model, its
+        config and generation config to ``directory``: ``from_pretrained(directory)`` loads
+        the trained model, and ``job.load_pretrained(directory)`` loads it into any plan.
+        Every rank must call it. See :mod:`plait.runtime.engine.save_pretrained`."""
+        from plait.runtime.engine.save_pretrained import DEFAULT_SHARD_BYTES, save_pretrained
+
+        require_initialised(self.model, "job.save_pretrained")
+        return save_pretrained(
+            self.model,
+            directory,
+            holders=self.state_modules(),
+            max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes,
+        )
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
 
@@ -738,6 +784,23 @@ class DeferredJob(Job):
                 "pass example_batch= to plait.parallelize to plan at once"
             )
         return built.predict(batch)
+
+    def save_pretrained(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """As :meth:`Job.save_pretrained`; before the first step every rank holds the whole
+        model as it was passed in, and that is written."""
+        if self._built is not None:
+            return self._built.save_pretrained(directory, **kwargs)
+        from plait.runtime.engine.save_pretrained import DEFAULT_SHARD_BYTES, save_pretrained
+
+        shard = kwargs.get("max_shard_bytes") or DEFAULT_SHARD_BYTES
+        return save_pretrained(self.model, directory, max_shard_bytes=shard)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self._built is None:
+            from plait.runtime.engine.generate import refuse_unbuilt
+
+            raise refuse_unbuilt("generate")
+        return self._built.generate(input_ids, **kwargs)
 
     def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
         if self._built is None:

@@ -597,6 +597,19 @@ class PipelineJob(Job):
         measured = self.timeline() if self.steps_taken else None
         return run_report(self, self._step_seconds, memory, warmup, measured_timeline=measured)
 
+    def save_pretrained(self, directory: Any, *, max_shard_bytes: int | None = None) -> Any:
+        """As :meth:`Job.save_pretrained`, from the stages each rank holds (each tensor made
+        whole on its stage and sent to the first rank, one at a time)."""
+        from plait.runtime.engine.save_pretrained import (
+            DEFAULT_SHARD_BYTES,
+            save_pretrained_from_stages,
+        )
+
+        shard = DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
+        return save_pretrained_from_stages(
+            self.model, directory, holders=self.stage_modules, max_shard_bytes=shard
+        )
+
     def timeline(self, path: Any = None, *, trace: Any = None) -> Timeline:
         """The last training step's measured schedule: each stage's forward, backward and
         weight-gradient passes in time, per pipeline rank. Every rank calls it (it gathers the

@@ -37,6 +37,16 @@ runner-up are those weighing everything gives; a note counts what was skipped):
    (:meth:`~plait.planning.estimate.MeshEstimate.step_time_s`), the same float the prediction
    gives. Meshes are searched in the order of their bound, so the runner-up comes early.
 
+And one lower bound on memory skips what cannot fit and cannot win for memory either
+(:meth:`_Fits.outgrown_by`): an option, before its step time and memory walk, whose floor
+(:meth:`~plait.planning.estimate.MeshEstimate.memory_floor`: the most model states any of its
+stages holds after the step, parameters, gradients and optimizer states by its ZeRO level,
+which every stage's peak counts at its optimizer step) is over the limit, when an option that
+fits was found before (only those are ranked then), or, none fitting so far, when two options
+found before need less than that floor (when none fits the smallest wins, the next smallest
+is the runner-up). With nothing fitting no step-time bound prunes (the 1T GPT on 3,072
+devices in fp32 weighs half its options instead of all 1,824).
+
 Where the time went: :class:`~plait.planning.timing.PlanTiming`.
 """
 

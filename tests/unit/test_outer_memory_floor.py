@@ -75,9 +75,7 @@ def test_memory_floor_is_below_every_prediction():
         hardware="a100-80g",
     )  # fmt: skip
     setup = prepare(graph, base, model=model)
-    decisions = get_searcher("sharding_propagation")(
-        setup.problem, setup.allowed, setup.configured
-    )
+    decisions = get_searcher("sharding_propagation")(setup.problem, setup.allowed, setup.configured)
     est = MeshEstimate(
         GraphFacts(graph), base, setup.mesh, setup.problem, setup.topology, setup.hardware,
         decisions,

@@ -287,8 +287,9 @@ def auto_plan(
     given, receives the seconds per phase and the option counts. ``exhaustive`` assembles
     every option in full instead of predicting it from its mesh's shared work (the same
     choice, slower; for tests and benchmarks). ``prune``: a mesh or option whose lower bound
-    (module doc) is slower than the runner-up found so far is not searched or not predicted;
-    the winner and the runner-up stay the same, ``Plan.options`` lists only options
+    (module doc) is slower than the runner-up found so far is not searched or not predicted,
+    nor is an option whose memory floor rules it out (:meth:`_Fits.outgrown_by`); the
+    winner and the runner-up stay the same, ``Plan.options`` lists only options
     predicted and a note names what was not.
     """
     timing = timing if timing is not None else PlanTiming()

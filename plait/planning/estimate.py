@@ -43,6 +43,7 @@ from plait.cost.comm import Topology
 from plait.cost.compute import optimizer_seconds
 from plait.cost.memory import (
     GradBucket,
+    MemoryBreakdown,
     PeakMemory,
     Schedule,
     StageActivations,
@@ -310,6 +311,26 @@ def communicates(src: TensorLayout, dst: TensorLayout) -> bool:
     return any(not set(a) <= set(b) for a, b in zip(src.dims, dst.dims, strict=True))
 
 
+def stage_model_states(
+    cfg: ParallelConfig, sharded: int, whole: int, frozen: int, dp: int
+) -> tuple[MemoryBreakdown, int]:
+    """One stage's model states after the step (``sharded``, ``whole`` and ``frozen``
+    parameter elements: :func:`stage_memory`), and the group optimizer parallel splits over."""
+    # optimizer parallel splits over HSDP's shard groups when they are set
+    group = weight_shard_size(cfg, MeshSpec((cfg.dp_axis,), (dp,))) or dp
+    states = stage_states(
+        sharded_numel=sharded,
+        whole_numel=whole,
+        frozen_numel=frozen,
+        shard_group=group,
+        optimizer_shard=cfg.optimizer_shard,
+        precision=cfg.precision,
+        # offload="optimizer": the optimizer's states (and its step) live on the host
+        optimizer_on_device=cfg.offload != "optimizer",
+    )
+    return states, group
+
+
 def stage_memory(
     cfg: ParallelConfig,
     stage: int,
@@ -323,8 +344,7 @@ def stage_memory(
     elements) and its walk, with the micro-batches its schedule keeps in flight (all ``m``
     without pipeline stages; the stages still ahead under 1F1B: :func:`plait.cost.memory.in_flight_micro_batches`)."""
     m = cfg.micro_batches
-    # optimizer parallel splits over HSDP's shard groups when they are set
-    dp = weight_shard_size(cfg, MeshSpec((cfg.dp_axis,), (dp,))) or dp
+    states, dp = stage_model_states(cfg, sharded, whole, frozen, dp)
     in_flight = (
         in_flight_micro_batches(
             stage, cfg.pipeline_stages, m, cast(Schedule, cfg.schedule), cfg.virtual_stages or 1
@@ -332,17 +352,7 @@ def stage_memory(
         if cfg.pipeline_stages > 1
         else m
     )
-    # offload="optimizer": the optimizer's states (and its step) live on the host
     on_device = cfg.offload != "optimizer"
-    states = stage_states(
-        sharded_numel=sharded,
-        whole_numel=whole,
-        frozen_numel=frozen,
-        shard_group=dp,
-        optimizer_shard=cfg.optimizer_shard,
-        precision=cfg.precision,
-        optimizer_on_device=on_device,
-    )
     return step_peak(
         walked,
         states,
@@ -565,6 +575,7 @@ class MeshEstimate:
         self._buckets: list[_Bucket] | None = None
         self._pipes: dict[int, list[list[_Item]]] = {}
         self._timeds: dict[tuple[object, ...], _Timed] = {}
+        self._floors: dict[tuple[object, ...], int] = {}
 
     def _partition(self, cfg: ParallelConfig) -> list[int]:
         """Each op's pipeline stage under ``cfg``'s schedule and micro-batches (they weigh
@@ -1032,6 +1043,26 @@ class MeshEstimate:
             ),
         )
         return Estimate(predicted, tuple(t.compute) if self.stages > 1 else ())
+
+    def memory_floor(self, cfg: ParallelConfig) -> int:
+        """A lower bound on :meth:`predict`'s memory, without the memory walk: the most model
+        states (parameters, gradients, optimizer states by ZeRO level) any stage holds after
+        the step. Every stage's peak counts them at its optimizer step
+        (:func:`~plait.cost.memory.step_peak`), and the prediction is the highest stage's."""
+        other = self.for_stages_of(cfg)
+        if other is not self:
+            return other.memory_floor(cfg)
+        level = self._level(cfg)
+        key = (id(level), cfg.optimizer_shard)  # the rest of what it reads is the mesh's
+        found = self._floors.get(key)
+        if found is None:
+            frozen = self._frozen_numel()
+            # a stage's states only grow with its elements: each distinct stage priced once
+            held = set(zip(level.sharded_numel, level.whole_numel, frozen, strict=True))
+            found = self._floors[key] = max(
+                stage_model_states(cfg, *numel, self.dp_size)[0].total for numel in held
+            )
+        return found
 
     def step_time_s(self, cfg: ParallelConfig) -> float:
         """:meth:`predict`'s step time alone (the same float), without the memory walk: the

@@ -37,6 +37,16 @@ runner-up are those weighing everything gives; a note counts what was skipped):
    (:meth:`~plait.planning.estimate.MeshEstimate.step_time_s`), the same float the prediction
    gives. Meshes are searched in the order of their bound, so the runner-up comes early.
 
+And one lower bound on memory skips what cannot fit and cannot win for memory either
+(:meth:`_Fits.outgrown_by`): an option, before its step time and memory walk, whose floor
+(:meth:`~plait.planning.estimate.MeshEstimate.memory_floor`: the most model states any of its
+stages holds after the step, parameters, gradients and optimizer states by its ZeRO level,
+which every stage's peak counts at its optimizer step) is over the limit, when an option that
+fits was found before (only those are ranked then), or, none fitting so far, when two options
+found before need less than that floor (when none fits the smallest wins, the next smallest
+is the runner-up). With nothing fitting no step-time bound prunes (the 1T GPT on 3,072
+devices in fp32 weighs half its options instead of all 1,824).
+
 Where the time went: :class:`~plait.planning.timing.PlanTiming`.
 """
 
@@ -214,21 +224,50 @@ class _Pruned:
     meshes: list[tuple[dict[str, int], float]] = dataclasses.field(default_factory=list)
     options: int = 0
     option_bound: float = math.inf
+    # options of the meshes searched not predicted for their memory floor, the least floor
+    too_big: int = 0
+    memory_bound: int | None = None
+
+    def memory(self, floor: int) -> None:
+        self.too_big += 1
+        self.memory_bound = floor if self.memory_bound is None else min(self.memory_bound, floor)
 
 
 class _Fits:
     """Step times of the options that fit so far, fastest first; the runner-up's is the
-    threshold a bound must beat (pruning against it keeps the winner and the runner-up)."""
+    threshold a bound must beat (pruning against it keeps the winner and the runner-up).
+    Also the two smallest memories of every option weighed so far, for the options that
+    cannot fit (:meth:`outgrown_by`)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.memories: list[int] = []
+
+    def copy(self) -> _Fits:
+        out = _Fits()
+        out.times, out.memories = list(self.times), list(self.memories)
+        return out
 
     def add(self, step: float) -> None:
         bisect.insort(self.times, step)
 
+    def weighed(self, memory: int) -> None:
+        """An option weighed (fitting or not) needs ``memory``."""
+        bisect.insort(self.memories, memory)
+        del self.memories[2:]  # the runner-up's memory is all the rule reads
+
     def beaten_by(self, bound: float) -> bool:
         """Whether no option with this lower bound can be the winner or the runner-up."""
         return len(self.times) >= 2 and bound > self.times[1] * (1 + 1e-9)
+
+    def outgrown_by(self, floor: int, limit: int) -> bool:
+        """Whether no option needing at least ``floor`` bytes can be the winner or the
+        runner-up: it cannot fit the limit, and either some option fits (only those are
+        ranked) or, none fitting so far, two options need less (when none fits, the options
+        are ranked by memory, the smallest first)."""
+        if floor <= limit:
+            return False
+        return bool(self.times) or (len(self.memories) >= 2 and floor > self.memories[1])
 
 
 def auto_plan(
@@ -248,8 +287,9 @@ def auto_plan(
     given, receives the seconds per phase and the option counts. ``exhaustive`` assembles
     every option in full instead of predicting it from its mesh's shared work (the same
     choice, slower; for tests and benchmarks). ``prune``: a mesh or option whose lower bound
-    (module doc) is slower than the runner-up found so far is not searched or not predicted;
-    the winner and the runner-up stay the same, ``Plan.options`` lists only options
+    (module doc) is slower than the runner-up found so far is not searched or not predicted,
+    nor is an option whose memory floor rules it out (:meth:`_Fits.outgrown_by`); the
+    winner and the runner-up stay the same, ``Plan.options`` lists only options
     predicted and a note names what was not.
     """
     timing = timing if timing is not None else PlanTiming()
@@ -328,6 +368,7 @@ def auto_plan(
         for t in found:
             if t.option.feasible:
                 fits.add(t.option.step_time_s)
+            fits.weighed(t.option.memory_bytes)
         trials += found
     if len(errors) == len(meshes):
         raise errors[0]  # no mesh works: the first mesh's error says why
@@ -546,30 +587,41 @@ def _weigh(
 
     With ``prune``, micro-batch counts go from the lowest bound up; a count whose bound is
     above the runner-up found so far is not weighed (nor the counts after it), and an
-    option whose step time alone is above it is not walked for memory. Fits found here
-    join ``fits`` as they are found."""
+    option whose step time alone is above it is not walked for memory; nor is one whose
+    memory floor (:meth:`MeshEstimate.memory_floor`, before its step time) rules it out
+    (:meth:`_Fits.outgrown_by`). Options found here join ``fits`` as they are found."""
     est = done.estimate
     assert est is not None
     by_count: dict[int, list[int]] = {}
     for i, (v, _) in enumerate(done.variants):
         by_count.setdefault(v.micro_batches, []).append(i)
     found: dict[int, _Trial] = {}
-    local = _Fits()  # this mesh's fits, beside those found before it
-    local.times = list(fits.times)
+    local = fits.copy()  # this mesh's options, beside those found before it
     counts = sorted(by_count, key=lambda m: bounds[m])
+    floors: dict[int, int] = {}
     for n, m in enumerate(counts):
         if prune and local.beaten_by(bounds[m]):  # and so is every count after it
             pruned.options += sum(len(by_count[c]) for c in counts[n:])
             pruned.option_bound = min(pruned.option_bound, bounds[m])
             break
+        left = []
+        for i in by_count[m]:
+            if prune:  # its model states alone, before its step time
+                floors[i] = est.memory_floor(done.variants[i][1])
+                if local.outgrown_by(floors[i], limit):
+                    pruned.memory(floors[i])
+                    continue
+            left.append(i)
         timed = sorted(
-            ((est.step_time_s(done.variants[i][1]), i) for i in by_count[m]),
-            key=lambda t: t[0],
+            ((est.step_time_s(done.variants[i][1]), i) for i in left), key=lambda t: t[0]
         )
         for step, i in timed:
             if prune and local.beaten_by(step):
                 pruned.options += 1
                 pruned.option_bound = min(pruned.option_bound, step)
+                continue
+            if prune and local.outgrown_by(floors[i], limit):  # smaller ones found since
+                pruned.memory(floors[i])
                 continue
             variant, vcfg = done.variants[i]
             estimate = est.predict(vcfg)
@@ -579,6 +631,7 @@ def _weigh(
             found[i] = _Trial(option, vcfg, k)
             if option.feasible:
                 local.add(option.step_time_s)
+            local.weighed(option.memory_bytes)
     return [found[i] for i in sorted(found)]
 
 
@@ -602,6 +655,15 @@ def _pruned_notes(pruned: _Pruned) -> list[str]:
             f"not predicted in full: none could be faster than {fmt_seconds(pruned.option_bound)} "
             "(a bound on its micro-batch count's step, or its step time before memory), "
             "slower than the runner-up found before"
+        )
+    if pruned.too_big and pruned.memory_bound is not None:
+        n = pruned.too_big
+        notes.append(
+            f"{n} option{'s' if n > 1 else ''} of the meshes searched not predicted in full "
+            f"for memory: {'each needs' if n > 1 else 'it needs'} at least "
+            f"{fmt_bytes(pruned.memory_bound)} of model states on its fullest stage (parameters, "
+            "gradients and optimizer states by its ZeRO level): more than the limit, with an "
+            "option that fits found before, or, none fitting, than the runner-up's memory"
         )
     return notes
 

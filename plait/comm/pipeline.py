@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ __all__ = [
     "start_sum_over_world",
     "sum_over_group",
 ]
+
+logger = logging.getLogger(__name__)
 
 SCHEDULES: dict[str, Any] = {
     "gpipe": ScheduleGPipe,
@@ -244,7 +247,11 @@ def build_stages(
     (:func:`keep_constants_without_gradient`; ``example``: one micro-batch's model inputs,
     as traced)."""
     stages = [pipe.build_stage(i, device, group) for i in indices]
-    handovers = constant_handovers(pipe, *example)
+    try:
+        handovers = constant_handovers(pipe, *example)
+    except Exception as e:  # an analysis for speed: the stages run without it, as torch builds them
+        logger.info("pipeline: every value between stages takes a gradient (%s)", e)
+        handovers = Handovers({}, {})
     for stage in stages:
         _warm_up_remote_peers_only(stage)
         keep_constants_without_gradient(stage, handovers)

@@ -532,3 +532,23 @@ def test_an_input_that_is_another_inputs_tensor_reaches_the_stages_once() -> Non
     loss, _logits = _run_split(pipe, ids, ids)
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
 
+
+
+def test_values_handed_on_without_a_gradient_are_found() -> None:
+    """A Llama's first stage hands on its hidden states (a gradient comes back for them), and
+    the rotary tables, the mask and the carried labels, which carry none: the receiving
+    stage takes no gradient for those, and the first stage waits for none."""
+    from plait.comm.pipeline import carry_late_inputs, constant_handovers, split_model
+
+    model = _tiny_hf_llama()
+    ids = torch.randint(0, 64, (2, 8))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    pipe = split_model(model, (), batch, ["model.layers.1"])
+    carry_late_inputs(pipe)
+    found = constant_handovers(pipe, (), batch)
+    hidden = 0  # the first output: the layers' residual stream
+    first_outputs = next(n for n in pipe.split_gm.submod_pp_0.graph.nodes if n.op == "output")
+    count = len(first_outputs.args[0])
+    assert found.outputs[0] == frozenset(range(count)) - {hidden}
+    assert found.inputs[1] == found.outputs[0]  # the same values, as the next stage takes them
+    assert found.outputs[1] == frozenset()  # the last stage's loss and logits

@@ -27,6 +27,7 @@ def test_accumulation_k4_data_parallel_matches_whole_batch(optimizer, mlp_and_ba
     assert_same_run(expected, simulated_run(model, config, mlp_loss, optimizer, batches, 2))
 
 
+@pytest.mark.nightly  # accumulation beside tp stays default: test_auto_parallelize (auto, dp=2 x tp=2)
 def test_accumulation_k2_megatron_gpt_matches_whole_batch(gpt_and_batches):
     model, batches = gpt_and_batches
     expected = reference_run(model, gpt_loss, adamw, batches[:4])

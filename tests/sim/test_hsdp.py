@@ -97,7 +97,9 @@ def _check_states(job, level: int) -> None:
             assert local_piece(p).numel() == (expected if level == 3 else piece)
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+# level 1 (whole gradients all-reduced, then the shards' gather) runs nightly: levels 2 and 3
+# cover the shard groups' reduce-scatter and gathers in the default suite (make test's time)
+@pytest.mark.parametrize("level", [pytest.param(1, marks=pytest.mark.nightly), 2, 3])
 def test_shard_groups_of_two_on_dp4_match_one_device_with_the_plans_collectives(
     gpt_and_batches, level
 ):
@@ -143,6 +145,7 @@ def test_shard_groups_of_two_on_dp4_match_one_device_with_the_plans_collectives(
     torch.testing.assert_close(job.predicted, logits, rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.nightly  # 8 simulated ranks, the slowest case here; dp x tp groups stay default in test_zero
 def test_shard_groups_with_megatron_tp_on_eight_ranks(gpt_and_batches):
     """dp=4 x tp=2 (Megatron), ZeRO-3 in groups of 2 of dp: the tensor-parallel pieces are
     split again in groups of 2, and training equals one device."""

@@ -32,10 +32,11 @@ repetitions on each rank) and the slowest rank of each collective:
     collective alpha and beta    gloo all_reduce between the processes,      intra_node
                                  small to large messages, fitted to
                                  t = 2(p-1) alpha + 2(p-1)/p * bytes / bw
-    wait latency                 a small exchange between rank pairs that     wait_latency
-                                 both compute the same between exchanges
-                                 (a step's ranks between collectives): the
-                                 median time from arriving to its end
+    wait latency                 a small all-reduce within rank pairs (the    wait_latency
+                                 two kinds of a 2-D mesh) that compute the
+                                 same between them, as a step's ranks do:
+                                 the mean time from arriving to its end,
+                                 less the time when started in step
     overlap                      the largest all_reduce started async while   comm_overlap
                                  matmuls of about its length run: the share
                                  of the shorter of the two that the pair
@@ -118,7 +119,7 @@ class CalibrationSettings:
     elementwise_shape: tuple[int, int] = ELEMENTWISE_SHAPE
     """Rows x columns of the fp32 tensor the element rates are measured on."""
     wait_products: int = 8
-    """256 x 256 products each rank computes between the exchanges that measure
+    """256 x 256 products each rank computes between the all-reduces that measure
     ``wait_latency`` (8: about 7 ms of a core; a step whose ranks compute longer between
     collectives arrive further apart)."""
     rounds: int = 1
@@ -143,7 +144,7 @@ class CalibrationSettings:
     def brief(cls) -> CalibrationSettings:
         """A few seconds inside a job's own workers (``make demo``'s calibration): every
         figure measured on small sizes for 40 ms, the host and latency ones in 3 rounds; the
-        ranks compute 4 products between the exchanges that time ``wait_latency`` (a small
+        ranks compute 4 products between the all-reduces that time ``wait_latency`` (a small
         model computes a few ms between its collectives)."""
         return cls(
             matmul_size=256,
@@ -408,7 +409,7 @@ def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str,
             "local": local,
             "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
             "overlap": _overlap_fraction(max(settings.message_bytes), settings.collective_reps),
-            "wait_latency": _wait_latency(2 * settings.collective_reps, settings.wait_products),
+            "wait_latency": _wait_latency(6 * settings.collective_reps, settings.wait_products),
         }
     ]
     for _ in range(settings.rounds - 1):
@@ -425,7 +426,7 @@ def _rank_measurements(settings: CalibrationSettings, threads: int) -> dict[str,
                     "call_overhead": host[1],
                 },
                 "all_reduce": _all_reduce_times(settings.message_bytes, settings.collective_reps),
-                "wait_latency": _wait_latency(2 * settings.collective_reps, settings.wait_products),
+                "wait_latency": _wait_latency(6 * settings.collective_reps, settings.wait_products),
             }
         )
     return cast("dict[str, Any]", _median_of_rounds(rounds))
@@ -466,42 +467,61 @@ def _all_reduce_times(message_bytes: Sequence[int], reps: int) -> list[float]:
 
 
 def _wait_latency(reps: int, products: int = 8) -> float:
-    """Seconds a rank spends in a small exchange with its pair partner, pairs (0, 1), (2, 3),
-    ..., when both compute the same between exchanges, as a step's ranks do between its
-    collectives (``products`` 256 x 256 matmuls; inside a worker; nan on a rank that does not
-    time): the median over ``reps`` exchanges of the time from the rank's arrival to the
-    exchange's end. The even rank sends
-    and then receives the reply, the odd one receives and replies. Ranks that share cores
-    arrive apart (the scheduler ran one and not the other) and one blocked waits for a core
-    to run again, so on four ranks of two cores this is a few ms where between idle ranks it
-    is the message's round trip (0.1 ms)."""
+    """Seconds a small all-reduce between two ranks costs a step beyond its time between
+    ranks already in step (inside a worker; nan on a rank in no pair).
+
+    The ranks compute the same between the all-reduces (``products`` 256 x 256 matmuls), as a
+    step's ranks do between its collectives, and alternate between the two kinds of pair a
+    2-D mesh has, neighbours ``(r, r ^ 1)`` (a tensor-parallel group) and ranks two apart
+    ``(r, r ^ 2)`` (a data-parallel group across it). The figure is the **mean** over ``reps``
+    all-reduces of the time from the rank's arrival to the end, less the median time of the
+    same all-reduce started straight after a barrier: a step pays the sum of its waits, so
+    their mean, not the typical one. Ranks that share cores arrive apart (the scheduler ran
+    one and not the other) and one blocked waits for a core to run again, so on four ranks
+    of two cores this is a millisecond or two where between idle ranks it is nothing."""
     import torch.distributed as dist  # noqa: TID251
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    peer = rank ^ 1
+    # every rank creates every group, in the same order (new_group is collective)
+    groups = [g for stride in (1, 2) if (g := _pair_group(rank, world, stride)) is not None]
     message = torch.zeros(1024)
     a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-
-    def work(products: int) -> None:
+    in_step, spread = [], []
+    dist.barrier()
+    for i in range(reps):
         for _ in range(products):
             torch.mm(a, a)
+        if groups:
+            t0 = time.perf_counter()
+            dist.all_reduce(message, group=groups[i % len(groups)])
+            spread.append(time.perf_counter() - t0)
+    for i in range(max(4, reps // 2)):
+        dist.barrier()
+        if groups:
+            t0 = time.perf_counter()
+            dist.all_reduce(message, group=groups[i % len(groups)])
+            in_step.append(time.perf_counter() - t0)
+    dist.barrier()
+    if not groups:
+        return float("nan")
+    return max(0.0, statistics.fmean(spread) - statistics.median(in_step))
 
-    times = []
-    dist.barrier()
-    for _ in range(reps):
-        work(products)
-        if peer >= world:  # the odd one out of an odd world: compute beside the pairs
-            continue
-        t0 = time.perf_counter()
-        if rank % 2 == 0:
-            dist.send(message, peer)
-            dist.recv(message, peer)
-        else:
-            dist.recv(message, peer)
-            dist.send(message, peer)
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    return statistics.median(times) if times else float("nan")
+
+def _pair_group(rank: int, world: int, stride: int) -> Any:
+    """This rank's group of the pairs ``(r, r ^ stride)`` (every rank makes every pair's
+    group, as ``new_group`` asks); None when ``rank`` has no partner or the world has no such
+    pair."""
+    import torch.distributed as dist  # noqa: TID251
+
+    pairs = [[r, r ^ stride] for r in range(world) if r & stride == 0 and r ^ stride < world]
+    if not pairs:
+        return None
+    mine = None
+    for pair in pairs:
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine
 
 
 def _overlap_fraction(nbytes: int, reps: int) -> float:
@@ -750,7 +770,7 @@ def _profile_of(
             "square one, the element rates of activations and norms, the op floor and "
             "per-op host cost; gloo all_reduce among them "
             "fitted to alpha-beta, and how much of it hides behind matmuls; a small "
-            "exchange's time between rank pairs computing between exchanges; memory is the host's "
+            "all-reduce's wait between rank pairs computing between them; memory is the host's "
             "RAM, shared by its processes; "
             "inter_node not measured (10 GbE default)"
         ),
@@ -849,7 +869,8 @@ def format_profile(profile: HardwareProfile) -> str:
             f"{profile.call_overhead * 1e6:.1f} us an aten call",
             f"  comm overlap:      {profile.comm_overlap:.2f} of a collective hides behind compute",
             f"  wait latency:      {profile.wait_latency * 1e3:.2f} ms a transfer waits for its "
-            "peer (a small exchange between ranks computing between exchanges)",
+            "peers (a small all-reduce between ranks computing between them, beyond its "
+            "time in step)",
             "  matmul share:      "
             + _points(
                 profile.matmul_efficiency,

@@ -116,9 +116,10 @@ class HardwareProfile:
     """Seconds a rank spends in a transfer waiting for its peer, while the ranks compute
     between transfers (a step: its collectives and a pipeline's sends). Where ranks share
     cores they arrive apart (the scheduler ran one and not the other) and a blocked rank waits
-    for a core to run again: measured by ``plait calibrate`` on ``local`` as the median time a
-    rank spends in a small exchange with its pair partner when both compute the same between
-    exchanges (2 to 4 ms with four ranks on two cores, against 0.1 ms between idle ranks).
+    for a core to run again: measured by ``plait calibrate`` on ``local`` as the mean time a
+    small all-reduce between rank pairs takes when both compute the same between them, less
+    its time when the pair starts it in step (1 to 2 ms with four ranks on two cores, nothing
+    between idle ranks).
     Every intra-node transfer pays it once (:meth:`plait.cost.comm.Topology.axis_seconds`); 0
     on the datasheet profiles (collectives in lock step, the link's latency alone)."""
     matmul_efficiency: tuple[tuple[int, float], ...] = ()

@@ -147,9 +147,9 @@ def _selective(cfg: ParallelConfig) -> bool:
 
 
 def _compiled_stages(cfg: ParallelConfig, where: Where | None) -> bool:
-    """Pipeline stages that run as compiled per-rank programs: axes inside them and
-    :attr:`ParallelConfig.compiled_stages`."""
-    return where is not None and bool(where.inner) and cfg.compiled_stages
+    """Pipeline stages that run as compiled per-rank programs
+    (:attr:`ParallelConfig.compiled_stages`), with or without axes inside them."""
+    return where is not None and cfg.compiled_stages
 
 
 RULES: tuple[Rule, ...] = (

@@ -224,9 +224,9 @@ def test_activation_offload_keeps_a_copy_on_the_host_and_frees_the_device_value(
 
 def test_offload_settings_in_a_pipeline() -> None:
     """Optimizer and activation offload run in the stages; parameters stay refused, and
-    activation offload is refused beside selective recompute on eager stages (whose kept
-    products torch's checkpoint holds where saved-tensor hooks cannot move them), not on
-    compiled ones."""
+    activation offload is refused beside selective recompute on eager stages
+    (``stage_programs=False``: torch's checkpoint holds the products it keeps where
+    saved-tensor hooks cannot move them), not on compiled ones."""
     mesh = MeshSpec.from_dict({"pp": 2, "dp": 2})
     pipe = {"mode": "data_parallel", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 2}
     for offload in ("optimizer", "activations"):
@@ -238,9 +238,12 @@ def test_offload_settings_in_a_pipeline() -> None:
     with pytest.raises(NotBuiltError, match="offloading parameters"):  # on every engine:
         plait.support.check(ParallelConfig(**pipe, offload="parameters"))  # before stages
     for selective in ({"recompute": "selective"}, {"recompute_modules": {"blocks.1": "selective"}}):
+        eager = ParallelConfig(**pipe, offload="activations", stage_programs=False, **selective)
         with pytest.raises(NotBuiltError, match="activation offload beside selective recompute"):
-            check_pipeline_config(ParallelConfig(**pipe, offload="activations", **selective), mesh)
-    # compiled stages (tp inside) recompute as a graph pass and offload what it keeps
+            check_pipeline_config(eager, mesh)
+        # compiled stages (the default, tp inside or not) recompute as a graph pass and
+        # offload what it keeps
+        check_pipeline_config(ParallelConfig(**pipe, offload="activations", **selective), mesh)
     tp = MeshSpec.from_dict({"pp": 2, "tp": 2})
     semi = {"mode": "semi_auto", "mesh": {"pp": 2, "tp": 2}, "micro_batches": 2}
     check_pipeline_config(ParallelConfig(**semi, offload="activations", recompute="selective"), tp)
@@ -307,35 +310,36 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
     assert moved_by_plan == [first.moved_bytes * micro, last.moved_bytes * micro]
 
 
-def test_stages_with_tensor_parallel_run_as_compiled_programs_where_built() -> None:
-    """A stage with axes inside runs as its traced per-rank program (fp32 or mixed precision,
-    every schedule, optimizer offload); settings whose work hooks into the eager stage keep
-    it."""
+def test_stages_run_as_compiled_programs_where_built() -> None:
+    """Every pipeline stage, tensor parallel inside or not, runs as its traced per-rank program
+    (fp32 or mixed precision, every schedule, recompute, offload, optimizer parallel); only
+    optimizer parallel beside mixed precision, and ``stage_programs=False``, keep the eager
+    stage."""
     from plait.runtime.pipeline import stage_program
 
-    tp = ("tp",)
-    base = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4)
-    assert stage_program.compiles(base, tp)
-    assert stage_program.compiles(dataclasses.replace(base, offload="optimizer"), tp)
-    for schedule in ("interleaved_1f1b", "zero_bubble", "zero_bubble_v"):
-        assert stage_program.compiles(
-            dataclasses.replace(base, schedule=schedule, virtual_stages=None), tp
-        ), schedule  # zero bubble: the backward split into input- and weight-gradient graphs
-    assert not stage_program.compiles(base, ())  # no axes inside: plain tensors, nothing to do
-    for precision in ("bf16", "fp16"):  # traced under the stage's autocast
-        assert stage_program.compiles(dataclasses.replace(base, precision=precision), tp)
-    for recompute in ("full", "selective"):  # a pass over the traced joint graph
-        assert stage_program.compiles(dataclasses.replace(base, recompute=recompute), tp)
-    assert stage_program.compiles(dataclasses.replace(base, offload="activations"), tp)
-    per_module = dataclasses.replace(base, recompute_modules={"blocks.0": "full"})
-    assert stage_program.compiles(per_module, tp)  # regions of the same pass
-    for level in (1, 2, 3):  # FSDP2 gathers before the program's call, reduces after
-        assert stage_program.compiles(dataclasses.replace(base, optimizer_shard=level), tp)
-        low = dataclasses.replace(base, optimizer_shard=level, precision="bf16")
-        assert not stage_program.compiles(low, tp)  # bf16 gathers beside autocast: eager
-    assert not stage_program.compiles(dataclasses.replace(base, stage_programs=False), tp)
-    with pytest.raises(ConfigError, match=r"stage_programs='no': give True or False"):
-        dataclasses.replace(base, stage_programs="no")
+    for mesh in ({"pp": 2, "dp": 2, "tp": 2}, {"pp": 2, "dp": 2}):
+        mode = "semi_auto" if "tp" in mesh else "data_parallel"
+        base = ParallelConfig(mode=mode, mesh=mesh, micro_batches=4)
+        assert stage_program.compiles(base)
+        assert stage_program.compiles(dataclasses.replace(base, offload="optimizer"))
+        for schedule in ("interleaved_1f1b", "zero_bubble", "zero_bubble_v"):
+            assert stage_program.compiles(
+                dataclasses.replace(base, schedule=schedule, virtual_stages=None)
+            ), schedule  # zero bubble: the backward split into input- and weight-gradient graphs
+        for precision in ("bf16", "fp16"):  # traced under the stage's autocast
+            assert stage_program.compiles(dataclasses.replace(base, precision=precision))
+        for recompute in ("full", "selective"):  # a pass over the traced joint graph
+            assert stage_program.compiles(dataclasses.replace(base, recompute=recompute))
+        assert stage_program.compiles(dataclasses.replace(base, offload="activations"))
+        per_module = dataclasses.replace(base, recompute_modules={"blocks.0": "full"})
+        assert stage_program.compiles(per_module)  # regions of the same pass
+        for level in (1, 2, 3):  # FSDP2 gathers before the program's call, reduces after
+            assert stage_program.compiles(dataclasses.replace(base, optimizer_shard=level))
+            low = dataclasses.replace(base, optimizer_shard=level, precision="bf16")
+            assert not stage_program.compiles(low)  # bf16 gathers beside autocast: eager
+        assert not stage_program.compiles(dataclasses.replace(base, stage_programs=False))
+        with pytest.raises(ConfigError, match=r"stage_programs='no': give True or False"):
+            dataclasses.replace(base, stage_programs="no")
 
 
 def test_a_traced_backward_splits_into_input_and_weight_gradient_passes() -> None:
@@ -533,7 +537,6 @@ def test_an_input_that_is_another_inputs_tensor_reaches_the_stages_once() -> Non
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
 
 
-
 def test_values_handed_on_without_a_gradient_are_found() -> None:
     """A Llama's first stage hands on its hidden states (a gradient comes back for them), and
     the rotary tables, the mask and the carried labels, which carry none: the receiving
@@ -552,3 +555,83 @@ def test_values_handed_on_without_a_gradient_are_found() -> None:
     assert found.outputs[0] == frozenset(range(count)) - {hidden}
     assert found.inputs[1] == found.outputs[0]  # the same values, as the next stage takes them
     assert found.outputs[1] == frozenset()  # the last stage's loss and logits
+
+
+class _Block(nn.Module):
+    """A stage of plain parameters, taking and returning plain tensors."""
+
+    def __init__(self, branchy: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.branchy = branchy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.branchy and bool(x.sum() > 0):  # data-dependent: a trace on fake tensors fails
+            x = x * 1.0
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _saved_count(fn) -> int:
+    count = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return count[0]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_a_stage_of_plain_parameters_runs_as_its_program(recompute: str) -> None:
+    """A stage without axes inside (pp x dp) is a program too: the forward and backward graphs
+    of its own ops, its parameters' gradients added as autograd would, equal to the eager
+    module's bit for bit over two micro-batches; recompute a pass over the joint graph that
+    keeps less for backward."""
+    from plait.runtime.pipeline.stage_program import compile_stage
+
+    torch.manual_seed(0)
+    eager, stage = _Block(), _Block()
+    stage.load_state_dict(eager.state_dict())
+    program = compile_stage(stage, recompute=recompute)
+    xs = [torch.randn(4, 16, requires_grad=True) for _ in range(2)]
+    for x in xs:
+        ours, theirs = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        stage(ours).square().sum().backward()
+        eager(theirs).square().sum().backward()
+        assert torch.equal(ours.grad, theirs.grad)
+    assert program.refused is None and program.calls == 2 and program.plain
+    for (name, p), q in zip(stage.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    before, after = program.saved_bytes
+    # full keeps the input alone; selective keeps the products (here as much as it frees:
+    # tanh's output, recomputed from fc1's kept one, against fc1's kept one)
+    assert {"none": after == before, "full": after < before, "selective": after <= before}[
+        recompute
+    ], (before, after)
+    with torch.no_grad():  # evaluation: a forward graph of its own, the same numbers
+        assert torch.equal(stage(xs[0]), eager(xs[0]))
+    assert program.forward_calls == 1
+
+
+def test_a_stage_whose_trace_is_refused_still_recomputes() -> None:
+    """A compiled stage whose trace fails runs eagerly, and a recompute asked of it runs as
+    torch's checkpoint there (it used to be dropped silently): backward keeps the stage's
+    input alone, where without recompute it keeps every activation."""
+    from plait.runtime.pipeline.job import recompute_eagerly
+    from plait.runtime.pipeline.stage_program import compile_stage
+
+    def saved(recompute: str) -> tuple[int, str | None]:
+        stage = _Block(branchy=True)
+        program = compile_stage(stage, recompute=recompute)
+        program.on_eager = lambda: recompute_eagerly(program, stage, recompute, ())
+        x = torch.randn(4, 16, requires_grad=True)
+        stage(x).sum().backward()  # the first call traces, fails, runs eagerly
+        count = _saved_count(lambda: stage(x).sum().backward())
+        return count, program.refused
+
+    kept, why = saved("none")
+    recomputed, _ = saved("full")
+    assert why is not None and "trace failed" in why
+    assert recomputed < kept, (recomputed, kept)

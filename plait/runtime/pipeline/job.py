@@ -269,7 +269,7 @@ class PipelineJob(Job):
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
         programs: list[StageProgram] = []
-        if compiles(config, inner):
+        if compiles(config):
             split = config.schedule in SPLIT_BACKWARD  # their weight passes come later
             programs = [
                 compile_stage(m, weight_pass=split, recompute=config.recompute) for m in modules
@@ -1099,7 +1099,11 @@ def recompute_stage(module: nn.Module, mode: str = "full") -> None:
     attention kernels and embedding lookups are kept, the cheap rest (pointwise ops,
     activations, norms, softmax) recomputed; the same rule as the program's pass
     (:func:`plait.runtime.program.remat.kept_by_selective`). Wraps ``forward`` in place."""
-    inner = module.forward
+    module.forward = checkpointed(module.forward, mode)  # type: ignore[method-assign]
+
+
+def checkpointed(inner: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """``inner`` under torch's checkpoint (:func:`recompute_stage`'s rule for ``mode``)."""
     context: dict[str, Any] = {}
     if mode == "selective":
         context["context_fn"] = functools.partial(
@@ -1113,7 +1117,27 @@ def recompute_stage(module: nn.Module, mode: str = "full") -> None:
             inner, *args, use_reentrant=False, **context, **kwargs
         )
 
-    module.forward = forward  # type: ignore[method-assign]
+    return forward
+
+
+def recompute_eagerly(
+    program: StageProgram, module: nn.Module, mode: str, held: Sequence[tuple[str, str]]
+) -> None:
+    """A compiled stage whose trace was refused (it runs eagerly from then on) still
+    recomputes as asked: its eager forward under torch's checkpoint (``mode`` full or
+    selective) and each of its ``held`` modules' too, instead of silently keeping every
+    activation."""
+    if mode in ("full", "selective"):
+        program.eager = checkpointed(program.eager, mode)
+    for path, kind in held:
+        recompute_stage(module.get_submodule(path), kind)
+    if mode in ("full", "selective") or held:
+        logger.warning(
+            "pipeline: the stage's recompute (%s%s) runs as torch's checkpoint on its eager "
+            "forward",
+            mode,
+            f", modules {[p for p, _ in held]}" if held else "",
+        )
 
 
 def recompute_modules_in_stages(
@@ -1141,6 +1165,9 @@ def recompute_modules_in_stages(
         held = [(path, mode) for path, mode in paths if _has_submodule(m, path)]
         if programs:
             programs[k].recompute_modules = tuple(held)
+            programs[k].on_eager = functools.partial(
+                recompute_eagerly, programs[k], m, config.recompute, tuple(held)
+            )
             continue
         for path, mode in held:
             recompute_stage(m.get_submodule(path), mode)

@@ -115,11 +115,12 @@ __all__ = ["StageProgram", "compile_stage", "compiles"]
 logger = logging.getLogger(__name__)
 
 
-def compiles(config: ParallelConfig, inner: Sequence[str]) -> bool:
-    """Whether a pipeline's stages run as compiled programs: axes inside the stages and
-    :attr:`~plait.config.ParallelConfig.compiled_stages` (any schedule: the zero-bubble ones
-    split the traced backward, see the module docstring)."""
-    return bool(inner) and config.compiled_stages
+def compiles(config: ParallelConfig) -> bool:
+    """Whether a pipeline's stages run as compiled programs:
+    :attr:`~plait.config.ParallelConfig.compiled_stages`, with or without axes inside the
+    stages (any schedule: the zero-bubble ones split the traced backward, see the module
+    docstring)."""
+    return config.compiled_stages
 
 
 def compile_stage(
@@ -159,6 +160,10 @@ class StageProgram:
         stage: what the program's autograd function saves for backward goes through them.
         Entered around the function's call only (a trace on fake tensors must not meet
         them)."""
+        self.on_eager: Callable[[], None] | None = None
+        """Called once if the trace is refused and the stage runs eagerly for good: what the
+        graphs would have done that the eager forward must do otherwise (recompute under
+        torch's checkpoint: :func:`plait.runtime.pipeline.job.recompute_eagerly`)."""
         self.saved_bytes: tuple[int, int] = (0, 0)
         """Bytes of forward values one micro-batch's backward reads, before and after
         recompute (equal without it); set by the trace."""
@@ -198,8 +203,10 @@ class StageProgram:
         """Micro-batches whose deferred weight pass ran (zero bubble)."""
         self.refused: str | None = None
         """Why the stage runs eagerly after all, None while it runs as a program."""
-        if any(layout is None for layout in self.layouts):
-            self.refused = "a parameter is not a DTensor"
+        self.plain = all(layout is None for layout in self.layouts)
+        """No parameter is a DTensor (no axis inside the stage): the graphs are the stage's
+        own ops, and random draws (dropout) trace as they run eagerly, from the one
+        generator."""
         self._grad_layouts: list[PieceLayout | None] = [None] * len(params)
         self._copied: set[int] = set()
         """Backward outputs that are (views of) its inputs or of another output: a
@@ -292,7 +299,7 @@ class StageProgram:
 
         def forward(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
             state: dict[str, torch.Tensor] = {
-                name: layout.dtensor(piece)  # type: ignore[union-attr]
+                name: piece if layout is None else layout.dtensor(piece)
                 for name, piece, layout in zip(
                     self.names, flat[:n_params], self.layouts, strict=True
                 )
@@ -343,7 +350,7 @@ class StageProgram:
 
         def joint(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
             state: dict[str, torch.Tensor] = {
-                name: parameter_from_piece(piece, layout, record(i))  # type: ignore[arg-type]
+                name: piece if layout is None else parameter_from_piece(piece, layout, record(i))
                 for i, (name, piece, layout) in enumerate(
                     zip(self.names, flat[:n_params], self.layouts, strict=True)
                 )
@@ -377,12 +384,14 @@ class StageProgram:
             self.refused = f"its trace failed: {type(e).__name__}: {e}"
         finally:
             self._tracing = False
-        if graph is not None:
+        if graph is not None and not self.plain:
             seeded = sorted({str(n.target) for n in graph.graph.nodes if draws_random(n)})
             if seeded:  # eager DTensor keeps the pieces' random streams apart: not traced yet
                 self.refused = f"it draws random numbers ({', '.join(seeded)})"
         if self.refused is not None:
-            logger.warning("pipeline: a stage runs eagerly on DTensors: %s", self.refused)
+            logger.warning("pipeline: a stage runs eagerly: %s", self.refused)
+            if self.on_eager is not None:
+                self.on_eager()
             return
         self._outputs = len(graph.graph.find_nodes(op="output")[0].args[0]) - len(example)
         self.saved_bytes = recompute_in_backward(graph, self.recompute, self.recompute_modules)
@@ -429,7 +438,11 @@ class StageProgram:
             assert self.backward_weight is not None or not pending
             while pending:
                 reads = pending.pop(0)
-                self._accumulate(self.backward_weight(*reads))  # type: ignore[misc]
+                # a graph of backward ops: nothing of it is differentiated again (run with
+                # autograd on, its ops would record a graph and save what they read)
+                with torch.no_grad():
+                    grads = self.backward_weight(*reads)  # type: ignore[misc]
+                self._accumulate(grads)
                 self.weight_calls += 1
 
         return run
@@ -438,7 +451,11 @@ class StageProgram:
         """Add each parameter's local gradient into its ``.grad``, laid out as traced."""
         params = [owner._parameters[attr] for owner, attr in self._owners]
         for i, (p, layout, g) in enumerate(zip(params, self._grad_layouts, grads, strict=True)):
-            if g is not None and p is not None and layout is not None:
+            if g is None or p is None:
+                continue
+            if self.layouts[i] is None:  # a plain parameter: its gradient as autograd adds it
+                add_plain_grad(p, g, copy=i in self._copied)
+            elif layout is not None:
                 add_piece_to_grad(p, g, layout, copy=i in self._copied)
 
 
@@ -531,8 +548,27 @@ def _first_backward_node(graph: torch.fx.GraphModule) -> torch.fx.Node | None:
 
 
 def layout_piece(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's local piece, as a leaf that needs a gradient (to trace with)."""
-    return param.to_local().detach().requires_grad_()  # type: ignore[attr-defined, no-any-return]
+    """A parameter's local piece (a plain parameter itself), as a leaf that needs a gradient
+    (to trace with)."""
+    return local_of(param).detach().requires_grad_()
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece; a plain tensor itself."""
+    return param.to_local() if is_dtensor(param) else param  # type: ignore[attr-defined, no-any-return]
+
+
+def add_plain_grad(param: torch.Tensor, grad: torch.Tensor, *, copy: bool = False) -> None:
+    """Add ``grad`` into a plain parameter's ``.grad`` as autograd's accumulation does: a
+    first gradient kept (copied where it may alias another value or its strides are not the
+    parameter's), later ones added in place."""
+    if param.grad is None:
+        with torch.no_grad():
+            if copy or grad.stride() != param.stride():
+                grad = torch.empty_like(param).copy_(grad)
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -633,7 +669,7 @@ class _StageFunction(torch.autograd.Function):
     def forward(ctx: Any, program: StageProgram, *flat: torch.Tensor) -> Any:
         assert program.forward is not None
         n_params = len(program.names)
-        pieces = [p.to_local() for p in flat[:n_params]]  # type: ignore[attr-defined]
+        pieces = [local_of(p) for p in flat[:n_params]]
         out = program.forward(*pieces, *flat[n_params:])  # no gradient mode: no copies
         n = program._outputs
         ctx.program = program

@@ -14,8 +14,8 @@ In every case each node runs `plait run --worker-num W --local-worker-num L --no
 a workstation. Restarts belong to `--max-restarts` (the pods use `restartPolicy: Never`).
 
 The manifests are checked against the published CRD schemas and the operators' own rules
-(tests/unit/test_emit_k8s_schema.py, schemas in tests/data/k8s), and their container command is
-run as pods would run it (tests/dist/test_emit_k8s_run.py). The rules those checks pinned:
+(tests/unit/test_launch_k8s_schema.py, schemas in tests/data/k8s), and their container command is
+run as pods would run it (tests/dist/test_launch_k8s_pods.py). The rules those checks pinned:
 
 - PyTorchJob: the training operator reads the rendezvous port from the container named
   `pytorch`, port `pytorchjob-port` (training-operator v1.9 `getPortFromPyTorchJob`; its webhook
@@ -235,7 +235,9 @@ def jobset_manifest(config: RunConfig, options: EmitOptions) -> dict:
         "spec": {
             "failurePolicy": {"maxRestarts": 0},
             "network": {"enableDNSHostnames": True},
-            "replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}],
+            "replicatedJobs": [
+                {"name": JOBSET_REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}
+            ],
         },
     }
 

@@ -141,10 +141,14 @@ def pytorchjob_pods(doc: dict) -> list[Pod]:
         (c for c in specs["Master"]["template"]["spec"]["containers"] if c["name"] == "pytorch"),
         None,
     )
-    port = next((p for p in (master or {}).get("ports", []) if p["name"] == "pytorchjob-port"), None)
+    port = next(
+        (p for p in (master or {}).get("ports", []) if p["name"] == "pytorchjob-port"), None
+    )
     if port is None:
         pytest.fail("training-operator: no container 'pytorch' with port 'pytorchjob-port'")
-    replicas = [("master", 0)] + [("worker", i) for i in range(specs.get("Worker", {}).get("replicas", 0))]
+    replicas = [("master", 0)] + [
+        ("worker", i) for i in range(specs.get("Worker", {}).get("replicas", 0))
+    ]
     pods = []
     for node, (role, index) in enumerate(replicas):
         spec = specs[role.capitalize()]["template"]["spec"]
@@ -221,7 +225,7 @@ def run_pods(pods: list[Pod], tmp_path: Path) -> list[subprocess.CompletedProces
     for pod in pods:
         env = container_env(pod)
         if not namespaces_work():  # the pods share this machine's names: point them at pod 0
-            env = {k: "127.0.0.1" if v == pods[0].hostname else v for k, v in env.items()}
+            env.update({k: "127.0.0.1" for k in ("MASTER_ADDR", "PET_MASTER_ADDR") if k in env})
         argv = pod_argv(pod, hosts, env)
         if not namespaces_work():
             argv = ["127.0.0.1" if a in pods[0].names else a for a in argv]

@@ -163,6 +163,16 @@ def test_launch_k8s_manifest_matches_published_schema(api: str, flags: str, tmp_
     assert schema_errors(api, emitted(api, tmp_path, *FLAG_SETS[flags])) == []
 
 
+@pytest.mark.parametrize("api", sorted(SCHEMAS))
+def test_launch_k8s_manifest_has_no_yaml_aliases(api: str, tmp_path) -> None:
+    # The Master and Worker share one container; written as `&id001`/`*id001` it would load,
+    # but tools that template or patch the file see one object where there are two.
+    emitted(api, tmp_path, *FLAG_SETS["two-nodes"])
+    text = (tmp_path / f"{api}.yaml").read_text()
+    assert not [e for e in yaml.parse(text) if isinstance(e, yaml.AliasEvent)]
+    assert not any(getattr(e, "anchor", None) for e in yaml.parse(text))
+
+
 def _pod_spec(api: str, doc: dict) -> dict:
     if api == "pytorchjob":
         return doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]

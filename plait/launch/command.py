@@ -109,7 +109,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--output", "-o", default=None, metavar="FILE", help="where --emit writes (default stdout)")
     add("--image", default=None, help="container image for --emit kubernetes")
-    add("--job-name", default="plait", help="job name for --emit (default plait)")
+    add("--job-name", default="plait", help="job name for --emit: a-z, 0-9, - (default plait)")
     add(
         "--k8s-api",
         choices=[a.value for a in KubernetesApi],

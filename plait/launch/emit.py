@@ -12,10 +12,23 @@ that runs the same command on every node of a cluster:
 In every case each node runs `plait run --worker-num W --local-worker-num L --node-rank R
 --master-addr A --master-port P ...`, so the c10d rendezvous, restarts and logs behave as on
 a workstation. Restarts belong to `--max-restarts` (the pods use `restartPolicy: Never`).
+
+The manifests are checked against the published CRD schemas and the operators' own rules
+(tests/unit/test_launch_k8s_schema.py, schemas in tests/data/k8s), and their container command is
+run as pods would run it (tests/dist/test_launch_k8s_pods.py). The rules those checks pinned:
+
+- PyTorchJob: the training operator reads the rendezvous port from the container named
+  `pytorch`, port `pytorchjob-port` (training-operator v1.9 `getPortFromPyTorchJob`; its webhook
+  refuses a job with no container named `pytorch`); Master has exactly 1 replica.
+- Names: a DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 63),
+  as the PyTorchJob webhook and JobSet require; JobSet also refuses a name whose pod names
+  `<name>-node-0-<index>-xxxxx` would pass 63 characters.
 """
 
 from __future__ import annotations
 
+import copy
+import re
 import shlex
 from dataclasses import dataclass
 from enum import StrEnum
@@ -26,6 +39,15 @@ from plait.errors import LaunchError
 from plait.launch.config import RunConfig
 
 __all__ = ["EmitOptions", "EmitTarget", "KubernetesApi", "emit", "plait_run_argv"]
+
+PYTORCHJOB_CONTAINER = "pytorch"
+"""The container name the Kubeflow training operator requires (`PyTorchJobDefaultContainerName`)."""
+PYTORCHJOB_PORT = "pytorchjob-port"
+"""The port name it reads `MASTER_PORT` from (`PyTorchJobDefaultPortName`)."""
+JOBSET_REPLICATED_JOB = "node"
+"""Name of the JobSet's one replicated job: pods are `<name>-node-0-<node rank>`."""
+_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_MAX_NAME = 63
 
 
 class EmitTarget(StrEnum):
@@ -61,10 +83,12 @@ class EmitOptions:
                 "--emit kubernetes needs --image: the container image that holds plait, torch"
                 " and the script (e.g. --image registry.example.com/team/train:1.0)."
             )
-        if not self.job_name or not all(c.isalnum() or c == "-" for c in self.job_name):
+        if not _DNS1035.fullmatch(self.job_name) or len(self.job_name) > _MAX_NAME:
             raise LaunchError(
-                f"--job-name {self.job_name!r} must be letters, digits and '-' (Kubernetes"
-                " names allow no '_' or '.'), e.g. 'llama-pretrain'."
+                f"--job-name {self.job_name!r} is not a DNS-1035 label, which Kubernetes job"
+                " names must be: lower-case letters, digits and '-', starting with a letter and"
+                f" ending with a letter or digit, at most {_MAX_NAME} characters"
+                " (e.g. 'llama-pretrain')."
             )
 
 
@@ -131,29 +155,34 @@ def sbatch_script(config: RunConfig, options: EmitOptions) -> str:
     ])  # fmt: skip
 
 
-def _container(config: RunConfig, options: EmitOptions, *, node_rank: str, master: str) -> dict:
+def _container(
+    config: RunConfig, options: EmitOptions, *, name: str, port: str, node_rank: str, master: str
+) -> dict:
     return {
-        "name": "plait",
+        "name": name,
         "image": options.image,
         "command": plait_run_argv(config, node_rank=node_rank, master_addr=master),
-        "ports": [{"name": "rendezvous", "containerPort": config.master_port}],
+        "ports": [{"name": port, "containerPort": config.master_port}],
     }
 
 
 def pytorchjob_manifest(config: RunConfig, options: EmitOptions) -> dict:
     """A Kubeflow `PyTorchJob`: pod 0 is the Master, the other nodes are Workers.
 
-    The training operator sets `RANK` (pod index), `MASTER_ADDR` and `MASTER_PORT` in every
-    pod; Kubernetes expands `$(VAR)` in the command from them.
+    The training operator sets `RANK` (0 on the Master, 1 + index on Worker i), `MASTER_ADDR`
+    (the Master's service, `<name>-master-0`) and `MASTER_PORT` (the container port named
+    `pytorchjob-port`) in every pod; Kubernetes expands `$(VAR)` in the command from them.
     """
-    container = _container(config, options, node_rank="$(RANK)", master="$(MASTER_ADDR)")
-    container["ports"] = [{"name": "pytorchjob-port", "containerPort": config.master_port}]
+    container = _container(
+        config, options, name=PYTORCHJOB_CONTAINER, port=PYTORCHJOB_PORT,
+        node_rank="$(RANK)", master="$(MASTER_ADDR)",
+    )  # fmt: skip
 
     def replica(count: int) -> dict:
         return {
             "replicas": count,
             "restartPolicy": "Never",
-            "template": {"spec": {"containers": [container]}},
+            "template": {"spec": {"containers": [copy.deepcopy(container)]}},
         }
 
     specs = {"Master": replica(1)}
@@ -168,10 +197,24 @@ def pytorchjob_manifest(config: RunConfig, options: EmitOptions) -> dict:
 
 
 def jobset_manifest(config: RunConfig, options: EmitOptions) -> dict:
-    """A `JobSet` with one Indexed Job of `num_nodes` pods; pod i is node i."""
+    """A `JobSet` with one Indexed Job of `num_nodes` pods; pod i is node i.
+
+    With DNS hostnames on, pod i is `<name>-node-0-<i>` in the subdomain `<name>`, so node 0 is
+    reached at `<name>-node-0-0.<name>`; the node rank is the pod's completion index.
+    """
     name = options.job_name
-    master = f"{name}-node-0-0.{name}"
-    container = _container(config, options, node_rank="$(NODE_RANK)", master=master)
+    pod = f"{name}-{JOBSET_REPLICATED_JOB}-0-{config.num_nodes - 1}-xxxxx"
+    if len(pod) > _MAX_NAME:
+        raise LaunchError(
+            f"--job-name {name!r} is too long for a JobSet of {config.num_nodes} node(s): its pod"
+            f" names ({pod!r}, the JobSet webhook counts a 5-character suffix) would pass"
+            f" {_MAX_NAME} characters. Use a name of at most"
+            f" {len(name) - (len(pod) - _MAX_NAME)} characters."
+        )
+    master = f"{name}-{JOBSET_REPLICATED_JOB}-0-0.{name}"
+    container = _container(
+        config, options, name="plait", port="rendezvous", node_rank="$(NODE_RANK)", master=master
+    )
     container["env"] = [{
         "name": "NODE_RANK",
         "valueFrom": {"fieldRef": {
@@ -192,11 +235,22 @@ def jobset_manifest(config: RunConfig, options: EmitOptions) -> dict:
         "spec": {
             "failurePolicy": {"maxRestarts": 0},
             "network": {"enableDNSHostnames": True},
-            "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": job}}],
+            "replicatedJobs": [
+                {"name": JOBSET_REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}
+            ],
         },
     }
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """A YAML dumper that writes repeated objects out again instead of as `&id001`/`*id001`."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
 def _dump(manifest: dict) -> str:
     header = "# Generated by `plait run --emit kubernetes`.\n"
-    return header + yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False)
+    return header + yaml.dump(
+        manifest, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False
+    )

@@ -12,6 +12,12 @@ medians and the ratio compiled / eager, the compiled stage's bytes kept for back
 micro-batch (``program.saved_bytes``) and, with offload, the bytes moved to the host a step.
 Losses of the two sides are compared (``--rtol``; bf16 to its own tolerance).
 
+``--mesh pp2_dp2``: the same on pp=2 x dp=2 (``mode="data_parallel"``, no tensor parallel),
+whose stages are plain tensors: compiled against eager stages, where recompute runs as
+torch's checkpoint (selective: torch's selective checkpoint) and activation offload as
+saved-tensor hooks around the eager forward, against the program's rematerialization pass and
+the hooks around its call. The zero-bubble row's eager column is zero bubble too there.
+
 Settings: ``1f1b`` (no option), ``recompute=full``, ``recompute=selective``,
 ``offload=activations`` (threshold 0: every value moves), ``bf16`` (autocast), and
 ``zero_bubble`` (compiled only: on DTensors the schedule is refused with tp; its eager column
@@ -46,22 +52,27 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _model(cfg: GPTConfig) -> TinyGPT:
+MESHES: dict[str, dict[str, int]] = {"pp2_tp2": {"pp": 2, "tp": 2}, "pp2_dp2": {"pp": 2, "dp": 2}}
+
+
+def _model(cfg: GPTConfig, tp: bool) -> TinyGPT:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    annotate_megatron(model, 2)
+    if tp:
+        annotate_megatron(model, 2)
     return model
 
 
 def _job(cfg: GPTConfig, args: argparse.Namespace, extra: dict[str, Any], compiled: bool) -> Any:
-    if not compiled and extra.get("schedule") == "zero_bubble":
+    tp = "tp" in MESHES[args.mesh]
+    if not compiled and extra.get("schedule") == "zero_bubble" and tp:
         extra = {}  # refused on DTensor stages with tp: 1f1b on DTensors stands in
     config = ParallelConfig(
-        mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=args.micro,
-        stage_programs=compiled, **extra,
+        mode="semi_auto" if tp else "data_parallel", mesh=MESHES[args.mesh],
+        micro_batches=args.micro, stage_programs=compiled, **extra,
     )  # fmt: skip
     job = plait.parallelize(
-        _model(cfg),
+        _model(cfg, tp),
         config,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         loss_fn=gpt_loss,
@@ -73,6 +84,9 @@ def _job(cfg: GPTConfig, args: argparse.Namespace, extra: dict[str, Any], compil
 
 
 def _timed(job: Any, batch: Any) -> tuple[float, float]:
+    if "dp" in job.mesh.axis_names:  # each dp rank trains on its slice of the global batch
+        dp = job.device_mesh.get_coordinate()[job.mesh.axis_index("dp")]
+        batch = tuple(x.chunk(job.mesh.axis_size("dp"))[dp] for x in batch)
     dist.barrier()
     start = time.perf_counter()
     loss = job.step(batch)
@@ -109,8 +123,9 @@ def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    other = "on DTensors" if "tp" in MESHES[args.mesh] else "eager"
     lines = [
-        "| setting | compiled ms | on DTensors ms | compiled / DTensors | bytes kept for "
+        f"| setting | compiled ms | {other} ms | compiled / {other} | bytes kept for "
         "backward a micro-batch, compiled (before recompute -> after) | moved to host a step "
         "| max rel. loss diff |",
         "|---|---:|---:|---:|---|---:|---:|",
@@ -124,25 +139,27 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         pairs = zip(r["losses"]["compiled"], r["losses"]["eager"], strict=True)
         diff = max(abs(a - b) / abs(b) for a, b in pairs)
         tolerance = 2e-2 if name == "bf16" else args.rtol
-        if name != "zero_bubble" and diff > tolerance:
+        if (name != "zero_bubble" or "tp" not in MESHES[args.mesh]) and diff > tolerance:
             raise SystemExit(f"{name}: losses differ by {diff:.2e} (> {tolerance})")
         if not all(all(c) for c in (rr[name]["compiled"] for rr in results)):
             raise SystemExit(f"{name}: a stage did not run as its compiled program")
         saved = ", ".join(f"{a:,} -> {b:,}" for a, b in r["saved"])
         moved = "-" if r["moved"] is None else f"{r['moved']:,}"
-        eager_label = f"{eager * 1e3:.1f}" + (" (1f1b)" if name == "zero_bubble" else "")
+        stand_in = name == "zero_bubble" and "tp" in MESHES[args.mesh]
+        eager_label = f"{eager * 1e3:.1f}" + (" (1f1b)" if stand_in else "")
         lines.append(
             f"| {name} | {compiled * 1e3:.1f} | {eager_label} | {compiled / eager:.3f} "
             f"| {saved} | {moved} | {diff:.1e} |"
         )
     geo = statistics.geometric_mean(ratios)
     lines.append("")
-    lines.append(f"geometric mean of compiled / DTensors over {len(ratios)} settings: {geo:.3f}")
+    lines.append(f"geometric mean of compiled / {other} over {len(ratios)} settings: {geo:.3f}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", choices=sorted(MESHES), default="pp2_tp2")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--micro", type=int, default=4)
@@ -159,7 +176,7 @@ def main() -> None:
         vocab=args.vocab, seq=args.seq, width=args.width, heads=args.heads, layers=args.layers
     )
     print(
-        f"torch {torch.__version__}, 4 gloo processes, pp=2 x tp=2, {cfg}, batch {args.batch} "
+        f"torch {torch.__version__}, 4 gloo processes, {args.mesh}, {cfg}, batch {args.batch} "
         f"in {args.micro} micro-batches, AdamW, {args.warmup} warm-up + {args.steps} timed "
         "steps a side, taken in turns"
     )

@@ -202,9 +202,10 @@ class ParallelConfig:
     compile: bool = False
     """Run a plan's per-rank program through ``torch.compile`` (inductor), on real processes."""
     stage_programs: bool = True
-    """Run pipeline stages with tensor parallel inside as traced per-rank programs (graphs over
-    local tensors, collectives explicit: :mod:`plait.runtime.pipeline.stage_program`) where built;
-    False keeps DTensor's per-op dispatch in the stages."""
+    """Run pipeline stages as traced per-rank programs (graphs over local tensors, collectives
+    explicit: :mod:`plait.runtime.pipeline.stage_program`), tensor parallel inside or not,
+    where built; False keeps every stage eager (DTensor's per-op dispatch with tp, torch's
+    checkpoint for recompute)."""
     log_dir: str | os.PathLike[str] | None = None
     """A directory where the process of global rank 0 writes one record per training step
     (step, loss, step time beside the plan's prediction, samples and tokens per second, peak
@@ -221,7 +222,7 @@ class ParallelConfig:
         if not isinstance(self.stage_programs, bool):
             raise ConfigError(
                 f"ParallelConfig.stage_programs={self.stage_programs!r}: give True or False "
-                "(True runs tensor-parallel pipeline stages as traced per-rank programs)"
+                "(True runs pipeline stages as traced per-rank programs)"
             )
         if not isinstance(self.compile, bool):
             raise ConfigError(
@@ -419,7 +420,7 @@ class ParallelConfig:
 
     @property
     def compiled_stages(self) -> bool:
-        """Whether pipeline stages with tensor parallel inside run as compiled per-rank
+        """Whether pipeline stages (tensor parallel inside or not) run as compiled per-rank
         programs under these settings (:mod:`plait.runtime.pipeline.stage_program`): ``stage_programs``
         on, and not optimizer parallel beside mixed precision. Mixed precision is traced under
         the stage's autocast; recompute, the stage's or its modules', is a pass over its

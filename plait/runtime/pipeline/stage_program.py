@@ -4,7 +4,9 @@ tensors, the collectives explicit.
 A stage with tensor parallel inside it (a mesh with ``pp`` and ``tp`` axes) holds its
 parameters as DTensors on the tp sub-mesh and runs on DTensors
 (:func:`plait.comm.pipeline.stage_on_submesh`): run as it is, every op of every micro-batch
-would go through DTensor's dispatch (about 30 us an op on CPU). :class:`StageProgram` traces
+would go through DTensor's dispatch (about 30 us an op on CPU). A stage without (pp x dp)
+holds plain parameters: the same program is its own ops, and its recompute the graph pass
+below instead of torch's checkpoint (:attr:`StageProgram.plain`). :class:`StageProgram` traces
 that forward once, on the first training micro-batch, together with its backward (AOTAutograd's
 joint graph of forward and backward, on fake tensors), and cuts the joint graph into a forward
 and a backward graph (torch's default partitioner: the backward keeps what the forward saved,
@@ -37,8 +39,8 @@ action comes, runs the weight-gradient graph and adds the gradients into ``.grad
 weight pass is deferred as the schedule intends (the micro-batch's output gradients and saved
 activations that it reads are held until it runs, as in torch's own split).
 
-Where it runs (:func:`compiles`): stages with axes inside (tensor parallel), every schedule,
-fp32 or mixed precision. Under ``precision="bf16"`` or ``"fp16"`` the stage's autocast
+Where it runs (:func:`compiles`): every stage, axes inside (tensor parallel) or not, every
+schedule, fp32 or mixed precision. Under ``precision="bf16"`` or ``"fp16"`` the stage's autocast
 (:func:`plait.runtime.pipeline.job.autocast_stage`) is active when the first micro-batch is
 traced, so the graphs hold autocast's casts as explicit ops (the products in bf16, the
 norms and the softmax in fp32, as eager autocast runs them) and the backward graph their
@@ -58,10 +60,11 @@ fails or draws random numbers). With tensor
 parallel in the stages the zero-bubble schedules run on compiled stages only
 (:func:`plait.runtime.pipeline.job.check_pipeline_config` refuses the rest).
 
-A stage that draws random numbers (dropout: eager DTensor keeps each piece's random stream
-apart, a trace would not), a micro-batch whose inputs differ from the traced one's, parameters
+A stage on DTensors that draws random numbers (dropout: eager DTensor keeps each piece's
+random stream apart, a trace would not; a plain stage's draws trace as they run), a micro-batch whose inputs differ from the traced one's, parameters
 no longer laid out as traced, or a trace that fails run the eager forward (``refused`` says
-why, with a warning, when it is for good).
+why, with a warning, when it is for good; a recompute asked of it then runs as torch's
+checkpoint there, :attr:`StageProgram.on_eager`).
 
 The graphs follow DTensor's propagation from the parameters' layouts (as the eager stage
 does), not the plan's per-op strategies: the stage is a program over local tensors, not yet a

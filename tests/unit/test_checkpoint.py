@@ -434,7 +434,7 @@ def test_resume_raises_when_every_checkpoint_is_damaged(
         _flip(ckpt.path / f"step-{step:08d}" / "__0_0.distcp", 100)
     job = _job()
     before = _state(job)
-    with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged") as err:
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged") as err:
         ckpt.resume(job)
     said = str(err.value)
     assert "step-00000004, step-00000006" in said and said.count("(corrupted)") == 2

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from plait.checkpoint import files
 from tests.dist.test_launch_e2e import REPO, clean_env, free_port, plait_run, results, script
 
 pytestmark = pytest.mark.dist
@@ -74,6 +75,7 @@ from plait.data import ShardedLoader
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 
 world = plait.init()
+note("init")
 CFG = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
 STEPS = plan["steps"]
 kills = [k for k in plan["kills"] if k["attempt"] == attempt and k["rank"] == rank]
@@ -175,8 +177,7 @@ def _on_disk(kill: Kill) -> int:
 
 
 def _newest_two(ckpt: Path) -> list[Path]:
-    done = sorted(p for p in ckpt.glob("step-*") if (p / "plait.json").is_file())
-    return done[-2:]
+    return [p for _, p in files.complete_checkpoints(ckpt)[-2:]]
 
 
 def corrupt_when_down(ckpt: Path, gate: Path, rng: random.Random, timeout: float) -> dict:
@@ -206,9 +207,13 @@ def events(directory: Path) -> list[dict]:
 def measure(evs: list[dict], kills: list[Kill]) -> list[dict]:
     """One row a fault: where it struck, where the next attempt resumed, the steps done again
     and the wall time from the kill until the next attempt had done as many steps again, in
-    two parts: until every rank of the next attempt had loaded its checkpoint (the launcher
-    noticing, stopping and starting the group, imports, rendezvous, the load; less any time
-    the workers waited at the test's corruption gate), then the steps done again."""
+    four parts: until every worker of the next attempt had started (the launcher noticing,
+    stopping the group, starting it again); until every rank had imported torch and plait
+    and joined the group (``plait.init``; less any time the workers waited at the test's
+    corruption gate); until every rank had built its job and loaded a checkpoint
+    (``Checkpoints.resume``, with the damaged one checked and passed over); the steps done
+    again until the step count of the kill (the first of them loads the tensors: the job is
+    planned at its first step)."""
     rows = []
     for k in kills:
         nxt = k.attempt + 1
@@ -222,19 +227,24 @@ def measure(evs: list[dict], kills: list[Kill]) -> list[dict]:
         gated = [e["t"] for e in evs if e["attempt"] == nxt and e["event"] == "gate opened"]
         began = [e["t"] for e in evs if e["attempt"] == nxt and e["event"] == "start"]
         waited = max(gated) - min(began) if gated else 0.0
+        inited = max(e["t"] for e in evs if e["attempt"] == nxt and e["event"] == "init")
         loaded = max(e["t"] for e in resumed)
         rows.append({
             "fault": k, "resumed": start, "lost": k.step - start,
-            "restart": loaded - killed["t"] - waited, "redo": min(back) - loaded,
+            "relaunch": max(began) - killed["t"], "init": inited - max(began) - waited,
+            "load": loaded - inited, "redo": min(back) - loaded,
         })  # fmt: skip
     return rows
 
 
+PARTS = ("relaunch", "init", "load", "redo")
+
+
 def table(rows: list[dict], corrupt: dict, corrupt_before: int, wall: float, ref: float) -> str:
     lines = [
-        "| fault | rank killed | where | steps done | resumed at | steps lost "
-        "| time lost (s): restart + redo |",
-        "|---|---|---|---|---|---|---|",
+        "| fault | rank killed | where | steps done | resumed at | steps lost | time lost (s) "
+        "| relaunch | imports, init | build, resume | redo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, 1):
         k = r["fault"]
@@ -242,15 +252,17 @@ def table(rows: list[dict], corrupt: dict, corrupt_before: int, wall: float, ref
                  "saving": f"saving step {k.step}"}[k.phase]  # fmt: skip
         bad = k.attempt + 1 == corrupt_before
         note = f" (step {int(corrupt['newest'][5:])} corrupted)" if bad else ""
+        parts = " | ".join(f"{r[p]:.2f}" for p in PARTS)
         lines.append(
             f"| {i} | {k.rank} | {where} | {k.step} | {r['resumed']}{note} | {r['lost']} "
-            f"| {r['restart'] + r['redo']:.2f}: {r['restart']:.2f} + {r['redo']:.2f} |"
+            f"| {sum(r[p] for p in PARTS):.2f} | {parts} |"
         )
-    restart = sum(r["restart"] for r in rows)
-    redo = sum(r["redo"] for r in rows)
+    sums = {p: sum(r[p] for r in rows) for p in PARTS}
     lines.append(
         f"| {len(rows)} kills, 1 corruption; {len(rows)} restarts | | | | | "
-        f"{sum(r['lost'] for r in rows)} | {restart + redo:.2f}: {restart:.2f} + {redo:.2f} |"
+        f"{sum(r['lost'] for r in rows)} | {sum(sums.values()):.2f} | "
+        + " | ".join(f"{sums[p]:.2f}" for p in PARTS)
+        + " |"
     )
     return "\n".join(lines) + (
         f"\n\nseed {SEED}; the whole `plait run` took {wall:.1f} s; the same steps "

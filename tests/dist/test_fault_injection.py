@@ -62,7 +62,10 @@ def note(event, **fields):
 note("start")
 if attempt == plan["corrupt_before"]:  # the test damages the newest checkpoint meanwhile
     open(os.path.join(plan["gate"], f"waiting.rank{rank}"), "w").close()
+    deadline = time.time() + 300
     while not os.path.exists(os.path.join(plan["gate"], "open")):
+        if time.time() > deadline:
+            sys.exit("the test never opened the gate")
         time.sleep(0.01)
     note("gate opened")
 
@@ -170,10 +173,21 @@ def schedule(seed: int, faults: int, steps: int) -> tuple[list[Kill], int]:
             return kills, rng.choice(eligible)
 
 
-def _on_disk(kill: Kill) -> int:
-    """Checkpoints committed when ``kill`` strikes (the newest kept 2; at most that many)."""
+def _newest_saved(kill: Kill) -> int:
+    """The step of the newest checkpoint committed when ``kill`` strikes (0: none)."""
     unsaved = kill.phase in ("saving", "after step") and kill.step % EVERY == 0
-    return min(kill.step // EVERY - unsaved, 2)
+    return kill.step - kill.step % EVERY - EVERY * unsaved
+
+
+def _on_disk(kill: Kill) -> int:
+    """Checkpoints on disk when ``kill`` strikes (the newest 2 kept)."""
+    return min(_newest_saved(kill) // EVERY, 2)
+
+
+def resumes(kills: list[Kill], corrupt_before: int) -> list[int]:
+    """The step each attempt after a kill must resume at: the newest checkpoint committed
+    when the kill struck (the one before it after the corruption)."""
+    return [_newest_saved(k) - EVERY * (k.attempt + 1 == corrupt_before) for k in kills]
 
 
 def _newest_two(ckpt: Path) -> list[Path]:
@@ -293,33 +307,40 @@ def run_with_faults(tmp_path: Path, faults: int, steps: int) -> None:
         corrupt = corrupt_when_down(ckpt, gate, random.Random(SEED + 1), timeout=60 * faults)
         out, err = proc.communicate(timeout=60 * (faults + 1))
     finally:
-        proc.kill()
+        if proc.poll() is None:  # a failed wait: the launcher stops its workers on SIGTERM
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     wall = time.monotonic() - began
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    evs = events(evdir)
+    start = resumes(kills, corrupt_before)[-1]
     assert results(out) == [
-        f"rank={r} attempt={faults} start={_start(events(evdir), faults)} bitwise=True"
-        for r in range(2)
+        f"rank={r} attempt={faults} start={start} bitwise=True" for r in range(2)
     ], out[-3000:]
 
-    evs = events(evdir)
     struck = [(e["attempt"], e["rank"], e["step"], e["phase"]) for e in evs if e["event"] == "kill"]
     assert struck == [(k.attempt, k.rank, k.step, k.phase) for k in kills]
+    resumed = [(e["attempt"], e["rank"], e["step"]) for e in evs if e["event"] == "resumed"]
+    assert sorted(resumed) == [
+        (a, r, s) for a, s in enumerate([0, *resumes(kills, corrupt_before)]) for r in range(2)
+    ]
     # the corrupted checkpoint was found by its checksum and the one before it loaded
-    assert _start(evs, corrupt_before) == int(corrupt["fallback"][5:])
-    warned = (logs / f"worker_0.restart{corrupt_before}.log").read_text()
-    assert "passing over damaged checkpoint" in warned
-    assert f"{corrupt['file'].name}' has XXH3-64" in warned and "(corrupted)" in warned
-    for a in range(1, faults + 1):
-        if a != corrupt_before:  # elsewhere the newest checkpoint is the one loaded
-            assert "passing over" not in (logs / f"worker_0.restart{a}.log").read_text()
+    assert resumes(kills, corrupt_before)[corrupt_before - 1] == int(corrupt["fallback"][5:])
+    for r in range(2):
+        for a in range(1, faults + 1):
+            said = (logs / f"worker_{r}.restart{a}.log").read_text()
+            if a == corrupt_before:
+                assert f"passing over damaged checkpoint {ckpt / corrupt['newest']}" in said
+                assert f"{corrupt['file'].name}' has XXH3-64" in said and "(corrupted)" in said
+            else:  # elsewhere the newest checkpoint is the one loaded
+                assert "passing over" not in said
 
     rows = measure(evs, kills)
     ref = max(e["seconds"] for e in evs if e["event"] == "reference")
     print(table(rows, corrupt, corrupt_before, wall, ref))
-
-
-def _start(evs: list[dict], attempt: int) -> int:
-    return min(e["step"] for e in evs if e["event"] == "resumed" and e["attempt"] == attempt)
 
 
 def test_three_random_kills_and_a_corrupted_checkpoint_end_bitwise(tmp_path: Path) -> None:

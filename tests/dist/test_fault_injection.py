@@ -234,10 +234,14 @@ def measure(evs: list[dict], kills: list[Kill]) -> list[dict]:
         killed = next(e for e in evs if e["event"] == "kill" and e["attempt"] == k.attempt)
         resumed = [e for e in evs if e["event"] == "resumed" and e["attempt"] == nxt]
         start = min(e["step"] for e in resumed)
-        back = [
-            e["t"] for e in evs
-            if e["attempt"] == nxt and e["event"] in ("step", "resumed") and e["step"] >= k.step
-        ]  # fmt: skip
+        back = max(  # every rank back at the kill's step count
+            min(
+                e["t"] for e in evs
+                if e["attempt"] == nxt and e["rank"] == r and e["event"] in ("step", "resumed")
+                and e["step"] >= k.step
+            )
+            for r in range(2)
+        )  # fmt: skip
         gated = [e["t"] for e in evs if e["attempt"] == nxt and e["event"] == "gate opened"]
         began = [e["t"] for e in evs if e["attempt"] == nxt and e["event"] == "start"]
         waited = max(gated) - min(began) if gated else 0.0
@@ -246,7 +250,7 @@ def measure(evs: list[dict], kills: list[Kill]) -> list[dict]:
         rows.append({
             "fault": k, "resumed": start, "lost": k.step - start,
             "relaunch": max(began) - killed["t"], "init": inited - max(began) - waited,
-            "load": loaded - inited, "redo": min(back) - loaded,
+            "load": loaded - inited, "redo": back - loaded,
         })  # fmt: skip
     return rows
 

@@ -138,6 +138,7 @@ def test_damaged_checkpoint_is_refused_by_file_and_nothing_loads(
     with pytest.raises(CheckpointError, match="nothing was loaded") as err:
         job.load(path)
     assert says in str(err.value) and repr(str(target)) in str(err.value)
+    assert isinstance(err.value, DamagedCheckpointError)  # what Checkpoints.resume passes over
     assert _same(before, _state(job)) and job.steps_taken == 1
     assert _same(moments, _optimizer_state(job))
 

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "CostError",
+    "DamagedCheckpointError",
     "LaunchError",
     "LayoutError",
     "MissingExtraError",
@@ -62,6 +63,15 @@ class CheckpointError(PlaitError):
     """A checkpoint is missing, incomplete, corrupted, or does not fit the job loading it.
 
     Raised before anything is loaded: a failed load leaves the job as it was.
+    """
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are missing, truncated or corrupted (a size or checksum that is
+    not the manifest's), or its manifest cannot be read.
+
+    A :class:`CheckpointError`: nothing was loaded. :meth:`plait.checkpoint.Checkpoints.resume`
+    catches this one (and only this one) to fall back to the previous checkpoint.
     """
 
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from plait.errors import CheckpointError
+from plait.errors import CheckpointError, DamagedCheckpointError
 
 __all__ = [
     "ALGORITHM",
@@ -320,7 +320,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
             "directory is not a plait checkpoint"
         ) from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint manifest {str(file)!r} cannot be read: {e}") from e
+        raise DamagedCheckpointError(
+            f"checkpoint manifest {str(file)!r} cannot be read: {e}"
+        ) from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
         raise CheckpointError(

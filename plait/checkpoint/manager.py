@@ -2,7 +2,9 @@
 
 ``plait run --checkpoint-dir DIR`` sets ``PLAIT_CHECKPOINT_DIR`` for every worker, so a
 script that builds ``Checkpoints()`` without a directory resumes where the previous attempt
-stopped after ``--max-restarts`` restarts it.
+stopped after ``--max-restarts`` restarts it. A damaged newest checkpoint (a file missing,
+truncated or corrupted: :class:`plait.DamagedCheckpointError`) is passed over for the one
+before it, with a warning naming the damage.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from plait.checkpoint import files
-from plait.errors import ConfigError
+from plait.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 __all__ = ["ENV_DIR", "Checkpoints", "Stateful"]
 
@@ -115,12 +117,40 @@ class Checkpoints:
         loader: Stateful | None = None,
         stateful: Mapping[str, Stateful] | None = None,
     ) -> int:
-        """Load the newest complete checkpoint into ``job``; return its step (0 if none)."""
-        found = self.latest()
-        if found is None:
+        """Load the newest complete checkpoint into ``job``; return its step (0 if none).
+
+        A damaged one (:class:`plait.DamagedCheckpointError`: every rank finds the same
+        damage, and nothing is loaded) is passed over for the next older one, with a warning
+        naming the damage; when every checkpoint here is damaged this raises, naming each.
+        Any other refusal (another model, optimizer...) is raised as it is.
+        """
+        found = files.complete_checkpoints(self._path)
+        if not found:
             logger.info("no checkpoint in %s: starting at step 0", self._path)
             return 0
-        return job.load(found, loader=loader, stateful=stateful)
+        damage: list[str] = []
+        for _step, path in reversed(found):
+            try:
+                step = job.load(path, loader=loader, stateful=stateful)
+            except DamagedCheckpointError as e:
+                logger.warning("passing over damaged checkpoint %s: %s", path, e)
+                damage.append(str(e))
+                continue
+            if damage:
+                logger.warning(
+                    "resumed from %s (step %d), the newest undamaged checkpoint: %d newer "
+                    "one(s) passed over",
+                    path,
+                    step,
+                    len(damage),
+                )
+            return step
+        raise CheckpointError(
+            f"every checkpoint in {str(self._path)!r} is damaged ({len(found)}: "
+            f"{', '.join(p.name for _, p in found)}), nothing was loaded: "
+            + " | ".join(damage)
+            + ". Restore one from a copy, or move them aside to start again at step 0"
+        )
 
     def save(
         self,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import plait
-from plait import CheckpointError, ConfigError, ParallelConfig
+from plait import CheckpointError, ConfigError, DamagedCheckpointError, ParallelConfig
 from plait.checkpoint import Checkpoints, files
 from plait.data import ShardedLoader
 from plait.models import GPTConfig, TinyGPT, gpt_loss
@@ -138,6 +138,7 @@ def test_damaged_checkpoint_is_refused_by_file_and_nothing_loads(
     with pytest.raises(CheckpointError, match="nothing was loaded") as err:
         job.load(path)
     assert says in str(err.value) and repr(str(target)) in str(err.value)
+    assert isinstance(err.value, DamagedCheckpointError)  # what Checkpoints.resume passes over
     assert _same(before, _state(job)) and job.steps_taken == 1
     assert _same(moments, _optimizer_state(job))
 
@@ -377,6 +378,81 @@ def test_manager_saves_every_n_keeps_k_and_resumes(tmp_path: Path, monkeypatch) 
     fresh = _job()
     assert again.resume(fresh, loader=ShardedLoader(_dataset(), global_batch_size=8)) == 6
     assert _same(_state(job), _state(fresh))
+
+
+def _flip(file: Path, at: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def run_of_6(tmp_path: Path) -> tuple[Checkpoints, dict[str, torch.Tensor]]:
+    """Checkpoints at steps 4 and 6 of a 6-step run, and that run's final weights."""
+    ckpt = Checkpoints(tmp_path / "run", every=2, keep=2)
+    job = _job()
+    loader = ShardedLoader(_dataset(), global_batch_size=8)
+    for batch in loader:  # 6 batches
+        job.step(batch)
+        ckpt.maybe_save(job, loader=loader)
+    return ckpt, _state(job)
+
+
+def _train_on(job: plait.Job, loader: ShardedLoader, steps: int) -> None:
+    batches = iter(loader)
+    while job.steps_taken < steps:
+        job.step(next(batches))
+
+
+@pytest.mark.parametrize("damage", ["shard byte", "manifest byte", "shard deleted"])
+def test_resume_passes_over_a_damaged_newest_checkpoint(
+    run_of_6: tuple[Checkpoints, dict[str, torch.Tensor]], damage: str, caplog
+) -> None:
+    ckpt, final = run_of_6
+    newest = ckpt.path / "step-00000006"
+    if damage == "shard byte":
+        _flip(newest / "__0_0.distcp", 100)
+    elif damage == "manifest byte":  # the manifest is no longer JSON
+        _flip(newest / files.MANIFEST, 0)
+    else:
+        (newest / "__0_0.distcp").unlink()
+    job, loader = _job(), ShardedLoader(_dataset(), global_batch_size=8)
+    with caplog.at_level("WARNING", logger="plait.checkpoint.manager"):
+        assert ckpt.resume(job, loader=loader) == 4
+    said = caplog.text
+    assert "passing over damaged checkpoint" in said and str(newest) in said
+    assert "newest undamaged checkpoint: 1 newer one(s) passed over" in said
+    # the loader's position came from step 4 too: two more steps end where the run ended
+    _train_on(job, loader, 6)
+    assert _same(final, _state(job))
+
+
+def test_resume_raises_when_every_checkpoint_is_damaged(
+    run_of_6: tuple[Checkpoints, dict[str, torch.Tensor]],
+) -> None:
+    ckpt, _ = run_of_6
+    for step in (4, 6):
+        _flip(ckpt.path / f"step-{step:08d}" / "__0_0.distcp", 100)
+    job = _job()
+    before = _state(job)
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged") as err:
+        ckpt.resume(job)
+    said = str(err.value)
+    assert "step-00000004, step-00000006" in said and said.count("(corrupted)") == 2
+    assert not isinstance(err.value, DamagedCheckpointError)  # a caller must not skip it too
+    assert _same(before, _state(job)) and job.steps_taken == 0
+
+
+def test_resume_does_not_pass_over_a_checkpoint_of_another_model(
+    run_of_6: tuple[Checkpoints, dict[str, torch.Tensor]],
+) -> None:
+    ckpt, _ = run_of_6
+    other = _job(GPTConfig(vocab=32, seq=8, width=32, heads=4, layers=1))
+    other.step(next(iter(ShardedLoader(_dataset(), global_batch_size=8))))
+    with pytest.raises(CheckpointError, match="does not fit this model") as err:
+        ckpt.resume(other)
+    assert not isinstance(err.value, DamagedCheckpointError)
+    assert "step-00000006" in str(err.value)  # the newest was tried, and the error kept
 
 
 def test_manager_config_errors(monkeypatch) -> None:

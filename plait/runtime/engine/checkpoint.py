@@ -45,7 +45,7 @@ from plait.checkpoint import files
 from plait.checkpoint.manager import Stateful
 from plait.comm import checkpoint_io as io
 from plait.comm.dtensor import dtensor_from_local, is_dtensor, local_piece
-from plait.errors import CheckpointError
+from plait.errors import CheckpointError, DamagedCheckpointError
 from plait.runtime.engine.meta_init import mark_initialised
 from plait.runtime.program.local_optim import LocalShadows
 from plait.runtime.program.zero import ZeroOptimizer
@@ -446,8 +446,8 @@ def read_extras(path: Path, manifest: Mapping[str, Any] | None = None) -> dict[s
     return extras
 
 
-def _damaged(path: Path, problems: list[str]) -> CheckpointError:
-    return CheckpointError(
+def _damaged(path: Path, problems: list[str]) -> DamagedCheckpointError:
+    return DamagedCheckpointError(
         f"checkpoint {str(path)!r} is damaged, nothing was loaded: "
         + "; ".join(problems[:5])
         + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")

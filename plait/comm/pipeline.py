@@ -90,12 +90,43 @@ def split_model(
     export cannot carry out of a graph) unless its config says ``use_cache=False``; training
     never reads it, so the split is traced without it."""
     with without_cache(model):
-        return pipeline(
+        pipe = pipeline(
             model,
             mb_args=args,
             mb_kwargs=kwargs or None,
             split_spec={name: SplitPoint.BEGINNING for name in starts},
         )
+    drop_export_checks(pipe.split_gm)
+    return pipe
+
+
+_EXPORT_CHECKS = ("aten._assert_tensor_metadata.default",)
+"""The op torch's export leaves in a graph to check a value's dtype, device and layout as
+traced (``x.to(dtype)`` leaves one): nothing to compute, and wrong under a stage's autocast,
+where a product traced in fp32 runs in bf16 (a Hugging Face Llama's ``lm_head`` output
+asserted fp32 failed its stage). The capture drops it with the export's other checks
+(:data:`plait.graph.convert.EXPORT_ASSERTIONS`); those check shapes and values, which a
+stage's autocast does not change, so the stages keep them."""
+
+
+def drop_export_checks(root: torch.fx.GraphModule) -> int:
+    """Remove the export's trace checks (:data:`_EXPORT_CHECKS`) from every stage graph of a
+    split, in place; returns how many went."""
+    dropped = 0
+    for module in (root, *root.modules()):
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        checks = [
+            n
+            for n in module.graph.nodes
+            if n.op == "call_function" and str(n.target) in _EXPORT_CHECKS and not n.users
+        ]
+        for node in checks:
+            module.graph.erase_node(node)
+        if checks:
+            module.recompile()
+            dropped += len(checks)
+    return dropped
 
 
 @dataclass(frozen=True)

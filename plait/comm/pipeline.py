@@ -36,7 +36,7 @@ from torch.distributed.pipelining import (
     pipeline,
 )
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from plait._compat import custom_reducer, tree_map, unflatten_mesh_dim
@@ -444,8 +444,7 @@ def output_merge(pipe: Any, micro_batches: int) -> tuple[Any, ...] | None:
         return None
     mean = custom_reducer(0.0, lambda total, x: total + x / micro_batches)
     return tuple(
-        mean if isinstance(v, torch.Tensor) and v.ndim == 0 else TensorChunkSpec(0)
-        for v in values
+        mean if isinstance(v, torch.Tensor) and v.ndim == 0 else TensorChunkSpec(0) for v in values
     )
 
 
@@ -619,6 +618,35 @@ def _pending_sum_reduced(grad: Any) -> Any:
         whole = [Replicate() if p.is_partial() else p for p in grad.placements]
         return grad.redistribute(grad.device_mesh, whole)
     return None
+
+
+# ------------------------------------------------------------ stages laid out as planned
+
+PlacementCode = tuple[str, ...]
+"""One placement per axis of a stage's mesh, ``"R"`` or ``"S<dim>"``: an FX graph's constant
+argument (:mod:`plait.runtime.pipeline.planned_stage`)."""
+
+
+def lay_out(x: Any, code: PlacementCode) -> Any:
+    """``x`` redistributed to the placements ``code`` names (on its own device mesh); a plain
+    tensor, or a DTensor on a mesh of another rank, as it is."""
+    if not isinstance(x, DTensor) or x.device_mesh.ndim != len(code):
+        return x
+    want = tuple(Replicate() if c == "R" else Shard(int(c[1:])) for c in code)
+    if tuple(x.placements) == want:
+        return x
+    if isinstance(x, nn.Parameter):
+        return x.redistribute(x.device_mesh, want)
+    # One activation read by several ops wanting one layout (a block's input, by its norm and
+    # by its residual add, in two modules' graphs) is moved once, as the plan moves it: the
+    # moved value is kept on the activation itself, for as long as it lives and is unchanged
+    # (its version counter: an in-place op since moves it again). Not a parameter's: it
+    # changes between steps.
+    moved = x.__dict__.setdefault("_plait_laid_out", {})
+    key = (code, x._version)
+    if key not in moved:
+        moved[key] = x.redistribute(x.device_mesh, want)
+    return moved[key]
 
 
 # ------------------------------------------------------------ a stage as a per-rank program

@@ -76,12 +76,15 @@ class _Step:
         itemsize: int,
         where: tuple[str, str],
         reason: str,
+        value: str = "",
     ) -> None:
+        """The collectives moving ``src`` to ``dst``; ``value``: the ref a forward move
+        moves (:attr:`PlannedCollective.value`)."""
         if src == dst:
             return
         for step in plan_redistribution(src, dst, tuple(shape), itemsize).steps:
             if step.kind not in LOCAL_KINDS:
-                self.add(step.kind, (step.axis,), step.nbytes, where, reason)
+                self.add(step.kind, (step.axis,), step.nbytes, where, reason, value=value)
 
     def add(
         self,
@@ -93,6 +96,7 @@ class _Step:
         count: int = 1,
         *,
         group: tuple[int, int] | None = None,
+        value: str = "",
     ) -> None:
         """``where``: (phase, op). ``group``: (size, stride) of a group smaller than the one
         ``axes`` spans (HSDP's shard groups and the groups across them:
@@ -112,7 +116,7 @@ class _Step:
         self.items.append(
             PlannedCollective(
                 kind, axes, nbytes, seconds, count, phase, op, reason,
-                None if group is None else group[0],
+                None if group is None else group[0], value,
             )
         )  # fmt: skip
 
@@ -271,7 +275,7 @@ def _op_collectives(
             step.moved.add((ref, need))
             reason = f"{op.name} needs {what} as {need.describe()}; it is {have.describe()}"
             where = ("forward", op.name)
-            step.redistribute(have, need, meta.shape, meta.itemsize, where, reason)
+            step.redistribute(have, need, meta.shape, meta.itemsize, where, reason, ref)
         if ctx.problem.needs_grad(ref):
             grad, back = gradient_layout(strategy, i), settled(have)
             keep = ctx.problem.keeps_pending(ref)

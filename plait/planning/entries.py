@@ -203,8 +203,14 @@ class PlannedCollective:
     """Ranks in one of its groups when smaller than the group its ``axes`` span: optimizer
     parallel's shard groups (``optimizer_weight_shard_size``, HSDP) and the groups across
     them; None: the whole axes."""
+    value: str = ""
+    """The graph value a forward redistribution moves (the ref ``op`` reads), so that moves
+    of one value over the same axes can be told apart from moves of others (a pipeline stage,
+    holding the data-parallel dim whole, moves a value needed in two layouts that differ only
+    there once); empty for every other collective."""
     file_order: ClassVar[tuple[str, ...]] = (
-        "kind", "axes", "phase", "op", "nbytes", "seconds", "count", "group_size", "reason",
+        "kind", "axes", "phase", "op", "value", "nbytes", "seconds", "count", "group_size",
+        "reason",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -217,6 +223,7 @@ class PlannedCollective:
         check_int(f"{where}.count", self.count, 1)
         check_str(f"{where}.op", self.op)
         check_str(f"{where}.reason", self.reason)
+        check_str(f"{where}.value", self.value)
         if self.group_size is not None:
             check_int(f"{where}.group_size", self.group_size, 1)
 

@@ -24,10 +24,11 @@ and not refused, fails.
 The Hugging Face Llama's batches are dicts (``input_ids``, ``labels``) and its loss is the
 model's own, ``model(**batch).loss``; on pipelines ``labels`` is carried to the last stage.
 
-Nightly: 48 cases on 4 processes (every one trains equal to one device), about 4 minutes on
-2 cores; and 12 on 8 processes, which fail today (an expected failure, strict, with its
-cause: mode auto's pp=2 x dp=2 x tp=2 stages die in DTensor's rms_norm on a Partial(avg)
-input). The default
+Nightly: 48 cases on 4 processes and 12 on 8 (``pp2_dp2_tp2``), every one trains equal to
+one device: about 4 and 3 minutes on 2 cores. (The 8-process layout's stages once followed
+DTensor's propagation instead of the plan and died in ``rms_norm`` on a pending mean; the
+stages now lay their ops' inputs out as the plan says,
+:mod:`plait.runtime.pipeline.planned_stage`.) The default
 suite's share of the matrix is ``tests/dist/test_engine_parity_gloo.py``.
 """
 
@@ -40,7 +41,7 @@ import pytest
 import torch
 
 import plait
-from plait import ParallelConfig, PlaitError, WorkerFailed
+from plait import ParallelConfig, PlaitError
 from plait.models import Llama, ModelSpec, lm_loss
 from plait.testing import run_workers
 from plait.testing.equivalence import Run, assert_same_run, reference_run
@@ -231,14 +232,6 @@ def test_every_4_process_layout_and_option_trains_like_one_device_nightly(hf: bo
 
 
 @pytest.mark.nightly
-@pytest.mark.xfail(
-    raises=WorkerFailed,
-    strict=True,
-    reason="known failure (issue 30, open): mode auto's plan for pp=2 x dp=2 x tp=2 gives the "
-    "stages parameter layouts whose DTensor propagation reaches aten.rms_norm (its in-place "
-    "add_ of eps) with a Partial(avg) input, which DTensor refuses; the trace falls back to "
-    "eager and the eager stage dies the same way. strict: the test fails once it trains",
-)
 @pytest.mark.parametrize("hf", [False, True], ids=["sdpa_llama", "hf_llama"])
 def test_pp2_dp2_tp2_on_8_processes_trains_like_one_device_nightly(hf: bool) -> None:
     if hf:

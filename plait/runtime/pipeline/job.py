@@ -75,6 +75,7 @@ from plait.runtime.engine.job import Job, LossFn, OptimizerFactory
 from plait.runtime.engine.meta_init import require_initialised
 from plait.runtime.engine.precision import autocast_for
 from plait.runtime.engine.predict import call_arguments
+from plait.runtime.pipeline.planned_stage import PlannedStage, follow_plan
 from plait.runtime.pipeline.stage_balance import balanced_layer_starts as _balanced_starts
 from plait.runtime.pipeline.stage_program import (
     StageProgram,
@@ -268,6 +269,13 @@ class PipelineJob(Job):
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
                 pp_comm.stage_on_submesh(m, submesh)
+        followed: list[PlannedStage] = []
+        if inner and plan is not None and virtual == 1 and plan_stage_starts(plan) == starts:
+            ops = {op.name: op for op in plan.ops}
+            followed = [
+                follow_plan(m, [ops[n] for n in plan.stages[i] if n in ops], inner)
+                for i, m in zip(indices, modules, strict=True)
+            ]
         programs: list[StageProgram] = []
         if compiles(config):
             split = config.schedule in SPLIT_BACKWARD  # their weight passes come later
@@ -302,6 +310,9 @@ class PipelineJob(Job):
         self.stage_programs = programs
         """Each stage as a per-rank program (:mod:`plait.runtime.pipeline.stage_program`) where it
         applies (tensor parallel in the stages); empty where the stages run eagerly."""
+        self.stage_follows_plan = followed
+        """Per stage, what the pass that lays its ops' inputs out as the plan says did
+        (:mod:`plait.runtime.pipeline.planned_stage`); empty where the stages hold no plan."""
         self.plan = plan
         """The plan the stages run (mode auto, plan files), None for marks and even splits."""
         self.plan_mismatches: list[str] | None = None
@@ -411,8 +422,9 @@ class PipelineJob(Job):
 
     def _check_against_plan(self) -> list[str]:
         """What each compiled stage issues against what the plan lists for its ops (each
-        logged as a warning): the stages follow DTensor's propagation from the plan's
-        parameter layouts, which can differ from the plan's own per-op strategies."""
+        logged as a warning): the stages lay their planned ops' inputs out as the plan says
+        (:mod:`plait.runtime.pipeline.planned_stage`), but ops the pass could not match follow
+        DTensor's propagation, which can differ from the plan's own per-op strategies."""
         if self.plan is None or not self.stage_programs:
             return []  # no plan, or stages without axes inside: nothing compiled to check
         found = []
@@ -425,7 +437,8 @@ class PipelineJob(Job):
                 found.append(
                     f"pipeline stage {index} issues {dict(sorted(ran.items()))} a micro-batch "
                     f"where the plan lists {dict(sorted(planned.items()))} for its ops (the "
-                    "stage follows DTensor's propagation from the plan's parameter layouts)"
+                    "ops the stage could not match to the plan's follow DTensor's propagation: "
+                    "job.stage_follows_plan lists them)"
                 )
                 logger.warning("%s", found[-1])
         return found

@@ -66,9 +66,11 @@ no longer laid out as traced, or a trace that fails run the eager forward (``ref
 why, with a warning, when it is for good; a recompute asked of it then runs as torch's
 checkpoint there, :attr:`StageProgram.on_eager`).
 
-The graphs follow DTensor's propagation from the parameters' layouts (as the eager stage
-does), not the plan's per-op strategies: the stage is a program over local tensors, not yet a
-slice of the plan's own compiled program.
+Where a plan holds the stages, the stage's module has had its planned ops' inputs laid out as
+the plan says (:mod:`plait.runtime.pipeline.planned_stage`) before it is traced, so the graphs
+hold the plan's layouts and collectives; elsewhere they follow DTensor's propagation from the
+parameters' layouts (as the eager stage does). The stage is a program over local tensors, not
+yet a slice of the plan's own compiled program.
 
 Recompute, of the whole stage (``recompute="full"`` or ``"selective"``) or of named modules
 (``recompute_modules``), is a pass over the traced joint graph before it is cut
@@ -471,8 +473,15 @@ def planned_stage_collectives(
     ops = set(plan.stages[stage]) if stage < len(plan.stages) else set()
     inside = set(axes)
     counts: Counter[tuple[str, str]] = Counter()
+    moved: set[tuple[str, str, tuple[str, ...]]] = set()
     for c in plan.collectives:
         if c.op in ops and c.axes and set(c.axes) <= inside:
+            if c.value:
+                # One value moved for two readers whose layouts differ only outside the
+                # stage (over dp) is one move inside it (the stage moves it once).
+                if (c.value, c.kind, c.axes) in moved:
+                    continue
+                moved.add((c.value, c.kind, c.axes))
             counts[(c.phase, c.kind)] += c.count
     return dict(counts)
 

@@ -1,0 +1,121 @@
+"""Pipeline stages that follow the plan (:mod:`plait.runtime.pipeline.planned_stage`), on
+simulated ranks: the stage of mode auto's pp=2 x dp=2 x tp=2 plan for a small Llama, run on the
+tp sub-mesh as a pipeline job runs it, computes what the same stage computes on one device,
+with the collectives the plan lists for its ops; without the pass DTensor's propagation
+reached ``rms_norm`` with a pending mean and died (the 8-process engine matrix case).
+
+Reference: the same split stage run on one device, plain tensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+
+import plait
+from plait import ParallelConfig
+from plait.comm import pipeline as pp_comm
+from plait.comm.dtensor import build_device_mesh
+from plait.comm.pipeline import lay_out
+from plait.layout import TensorLayout
+from plait.mesh import MeshSpec
+from plait.models import Llama, ModelSpec, lm_loss
+from plait.planning import plan as make_plan
+from plait.runtime.pipeline.job import (
+    distribute_stage,
+    inner_layouts,
+    model_inputs,
+    plan_stage_starts,
+)
+from plait.runtime.pipeline.planned_stage import follow_plan, placement_code
+from plait.runtime.pipeline.stage_program import planned_stage_collectives
+from plait.testing.comm import CollectiveLog
+
+SPEC = ModelSpec(kind="llama", vocab=32, seq=8, hidden=16, heads=4, kv_heads=2, layers=4)
+CONFIG = dict(mode="auto", mesh={"pp": 2, "dp": 2, "tp": 2}, micro_batches=4)
+
+
+def _planned_stages() -> tuple[Llama, object, object, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    model = Llama(SPEC)
+    ids = torch.randint(0, SPEC.vocab, (8, SPEC.seq + 1))
+    batch = (ids[:, :-1], ids[:, 1:])
+    plan = make_plan(model, ParallelConfig(**CONFIG), example_batch=batch, loss_fn=lm_loss)
+    args, kwargs = model_inputs(model, lm_loss, (batch[0][:1], batch[1][:1]))
+    pipe = pp_comm.split_model(model, args, kwargs, plan_stage_starts(plan))
+    return model, plan, pipe, args
+
+
+def test_a_planned_stage_computes_one_devices_values_with_the_plans_collectives() -> None:
+    _, plan, pipe, args = _planned_stages()
+    stage = pipe.split_gm.submod_pp_0
+    expected = stage(*args)
+    mesh = MeshSpec.from_dict(CONFIG["mesh"])
+    ops = {op.name: op for op in plan.ops}
+    with plait.testing.simulate(2):
+        submesh = build_device_mesh(MeshSpec.from_dict({"tp": 2}))
+        ran = copy.deepcopy(stage)
+        layouts = inner_layouts(plan.parameters, mesh, ParallelConfig(**CONFIG))
+        assert any(layout.dims != ((),) * layout.ndim for layout in layouts.values())
+        distribute_stage(ran, layouts, submesh, MeshSpec.from_dict({"tp": 2}))
+        done = follow_plan(ran, [ops[n] for n in plan.stages[0]], ("tp",))
+        pp_comm.stage_on_submesh(ran, submesh)
+        # CollectiveLog, not CommDebugMode: the latter's module tracker hands a module's
+        # input on as another tensor object, so one activation read in two modules' graphs
+        # is moved twice under it (lay_out keeps the moved value on the activation object)
+        with CollectiveLog(submesh) as log:
+            out = ran(*args)
+        got = out.to_local() if isinstance(out, DTensor) else out
+    assert done.laid_out > 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    planned = planned_stage_collectives(plan, 0, ("tp",))
+    # the plan's forward moves (gathering the hidden-split embedding once) and no others;
+    # the stage's outputs leave replicated (nothing for stage_on_submesh to gather)
+    assert planned == {("forward", "all_gather"): 1}
+    assert log.counts() == {("all_gather", "tp"): 1}
+
+
+def test_lay_out_moves_an_activation_once_and_a_parameter_every_time() -> None:
+    with plait.testing.simulate(2):
+        mesh = build_device_mesh(MeshSpec.from_dict({"tp": 2}))
+        x = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(1)], run_check=False)
+        w = torch.nn.Parameter(
+            DTensor.from_local(torch.ones(2, 3), mesh, [Shard(1)], run_check=False)
+        )
+        with CommDebugMode() as comm:
+            a, b = lay_out(x, ("R",)), lay_out(x, ("R",))
+            lay_out(w, ("R",))
+            lay_out(w, ("R",))
+            same = lay_out(x, ("S1",))
+        assert a is b and same is x and a.placements == (Replicate(),)
+        assert a.shape == (2, 6)
+        assert comm.get_total_counts() == 3  # the activation once, the parameter twice
+        x.add_(1)  # changed in place: moved again, never the stale copy
+        assert lay_out(x, ("R",)) is not a
+    plain = torch.ones(3)
+    assert lay_out(plain, ("R",)) is plain
+
+
+def test_placement_code_keeps_the_stage_axes_only() -> None:
+    mesh = MeshSpec.from_dict({"pp": 2, "dp": 2, "tp": 2})
+    layout = TensorLayout(mesh, (("dp",), (), ("tp",)))
+    assert placement_code(layout, ("tp",)) == ("S2",)
+    assert placement_code(TensorLayout(mesh, (("dp",), (), ())), ("tp",)) == ("R",)
+    two = MeshSpec.from_dict({"pp": 2, "sp": 2, "tp": 2})
+    assert placement_code(TensorLayout(two, (("sp", "tp"), ())), ("sp", "tp")) == ("S0", "S0")
+    assert placement_code(TensorLayout(two, (("tp", "sp"), ())), ("sp", "tp")) is None
+
+
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_every_planned_op_of_a_stage_is_matched(stage_index: int) -> None:
+    """Each op the plan lists for a stage is found in the stage's graphs (by module, target
+    and order): nothing left to DTensor's propagation on this model."""
+    _, plan, pipe, _ = _planned_stages()
+    ops = {op.name: op for op in plan.ops}
+    stage = getattr(pipe.split_gm, f"submod_pp_{stage_index}")
+    done = follow_plan(copy.deepcopy(stage), [ops[n] for n in plan.stages[stage_index]], ("tp",))
+    assert done.skipped == []
+    assert done.laid_out > 0

@@ -8,8 +8,12 @@ Pure planning code (no ``torch.distributed``):
 - :mod:`plait.cost.comm`: :class:`Topology` (which mesh axes cross nodes), alpha-beta ring
   collective times.
 - :mod:`plait.cost.compute`: roofline op times, backward FLOPs.
-- :mod:`plait.cost.memory`: ZeRO model-state memory, transformer and graph activations,
-  pipeline in-flight micro-batches, :class:`MemoryBreakdown`.
+- :mod:`plait.cost.memory`: ZeRO model-state memory, transformer activations, pipeline
+  in-flight micro-batches, :class:`MemoryBreakdown`.
+- :mod:`plait.cost.saved`: what autograd saves for each op's backward (and what selective
+  recompute keeps).
+- :mod:`plait.cost.step_memory`: one training step walked value by value on a device (graph
+  activations, the step's peak).
 
 ``plait.cost.calibrate`` (the measurement behind ``plait calibrate``) is imported on use.
 """
@@ -39,12 +43,12 @@ from plait.cost.memory import (
     MemoryBreakdown,
     MemoryModel,
     StateBytes,
-    graph_activation_bytes,
     in_flight_micro_batches,
     model_state_memory,
     training_memory,
     transformer_activation_bytes,
 )
+from plait.cost.step_memory import graph_activation_bytes
 
 __all__ = [
     "BUILTIN_NAMES",

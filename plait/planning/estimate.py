@@ -11,7 +11,7 @@ in step. It shares what the settings do not change:
 - per mesh, once: the chosen strategies, compute per op, pipeline stages, every
   redistribution on every edge (forward and backward), the gradient all-reduces outside the
   data-parallel buckets, the loss reduction, each stage's walk through one step per recompute
-  policy (:meth:`~plait.cost.memory.StepTrace.hold`; its gradients once with ZeRO and once
+  policy (:meth:`~plait.cost.step_memory.StepTrace.hold`; its gradients once with ZeRO and once
   without);
 - per ZeRO level (and, at level 3, per recompute policy): the bucketed data-parallel
   reductions and which parameters' optimizer states are split;
@@ -41,16 +41,13 @@ from typing import Any, cast
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
 from plait.cost.compute import optimizer_seconds
-from plait.cost.memory import (
+from plait.cost.memory import MemoryBreakdown, Schedule, StateBytes, in_flight_micro_batches
+from plait.cost.step_memory import (
     GradBucket,
-    MemoryBreakdown,
     PeakMemory,
-    Schedule,
     StageActivations,
     StageBuffers,
-    StateBytes,
     StepTrace,
-    in_flight_micro_batches,
     stage_states,
     step_peak,
 )
@@ -417,7 +414,7 @@ class GraphFacts:
 
     def trace(self, cfg: ParallelConfig) -> StepTrace:
         """The step's values under ``cfg``'s recompute regions (the memory model's
-        :class:`~plait.cost.memory.StepTrace`), one per set of regions."""
+        :class:`~plait.cost.step_memory.StepTrace`), one per set of regions."""
         key = (cfg.recompute, cfg.recompute_modules)
         found = self._by_setting.get(key)
         if found is None:  # the regions are a walk over the graph: once per setting
@@ -1048,7 +1045,7 @@ class MeshEstimate:
         """A lower bound on :meth:`predict`'s memory, without the memory walk: the most model
         states (parameters, gradients, optimizer states by ZeRO level) any stage holds after
         the step. Every stage's peak counts them at its optimizer step
-        (:func:`~plait.cost.memory.step_peak`), and the prediction is the highest stage's."""
+        (:func:`~plait.cost.step_memory.step_peak`), and the prediction is the highest stage's."""
         other = self.for_stages_of(cfg)
         if other is not self:
             return other.memory_floor(cfg)

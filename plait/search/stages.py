@@ -34,7 +34,8 @@ import numpy as np
 import numpy.typing as npt
 
 from plait.config import ParallelConfig
-from plait.cost.memory import Schedule, StateBytes, StepTrace, in_flight_micro_batches
+from plait.cost.memory import Schedule, StateBytes, in_flight_micro_batches
+from plait.cost.step_memory import StepTrace
 from plait.errors import ConfigError
 from plait.graph import OpGraph
 from plait.layout import TensorLayout

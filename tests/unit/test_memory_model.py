@@ -19,15 +19,8 @@ from plait.cost import (
     training_memory,
     transformer_activation_bytes,
 )
-from plait.cost.memory import (
-    Saved,
-    StageActivations,
-    StepTrace,
-    aliases_input,
-    saved_by,
-    stage_states,
-    step_peak,
-)
+from plait.cost.saved import Saved, aliases_input, saved_by
+from plait.cost.step_memory import StageActivations, StepTrace, stage_states, step_peak
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 
 GB = 1e9

@@ -271,7 +271,7 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
     residual stream into stage 1's first norm) stays on the device in both: torch's pipeline
     stage holds its input for the input gradient."""
     from plait.comm import pipeline as pp_comm
-    from plait.cost.memory import StepTrace
+    from plait.cost.step_memory import StepTrace
     from plait.runtime.pipeline.job import SavedOnHost, _Returns
 
     torch.manual_seed(0)

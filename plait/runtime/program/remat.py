@@ -38,7 +38,7 @@ from torch.fx import Node
 
 # the memory model's rule, which reads schema names ("aten::mm") too: what the plan predicts
 # is what the pass keeps (pipeline stages import it from here)
-from plait.cost.memory import kept_by_selective
+from plait.cost.saved import kept_by_selective
 
 __all__ = [
     "TAG",

@@ -266,7 +266,7 @@ def _planned_job(
     """The job of a plan: made now on ``example_batch`` (semi_auto from the annotations, auto by
     search), or a plan file or Plan checked against it; run as a compiled per-rank program."""
     from plait.planning import plan_graph
-    from plait.runtime.engine.plan_exec import build_plan_job
+    from plait.runtime.engine.plan_job import build_plan_job
 
     if plan is not None:
         where = "the given plan"

@@ -28,7 +28,8 @@ from plait.graph import ExecutableCapture, capture_program
 from plait.layout.redistribute import plan_redistribution
 from plait.models import GPTConfig, ModelSpec, TinyGPT, annotate_megatron, build, gpt_loss
 from plait.planning import Plan, plan_graph
-from plait.runtime.engine.plan_exec import PlanExecutor, build_plan_job
+from plait.runtime.engine.plan_exec import PlanExecutor
+from plait.runtime.engine.plan_job import build_plan_job
 from plait.testing.comm import CollectiveLog, collective_kind
 from plait.testing.equivalence import Run, assert_same_run, parallel_steps, reference_run
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
@@ -101,10 +101,10 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
     Applies to DTensor ``q[..., H, L, E]``, ``k[..., Hk, S, E]``, ``v[..., Hk, S, Ev]`` on one
     mesh whose leading (batch and head) dims are split alike and evenly, the last two dims
     whole, no pending sum and no dropout (dropout would need each piece's own random
-    stream). A mask (a plain tensor or a replicated DTensor) is read
-    whole by every rank where it broadcasts over the split dims (size 1 there), as a causal
-    or padding mask over heads does; a mask with its own per-head or per-row values on split
-    dims is left to DTensor. Grouped-query attention (``enable_gqa``) keeps its ratio
+    stream). A mask is read whole by every rank where it broadcasts over the split dims (size
+    1 there), as a causal or padding mask over heads does; a mask with its own per-head or
+    per-row values on split dims is read in pieces split as q's (:func:`_local_mask`).
+    Grouped-query attention (``enable_gqa``) keeps its ratio
     of query to kv heads on every rank because both head counts divide by the split.
     """
     if len(args) > len(_ATTENTION_ARGS):
@@ -131,7 +131,7 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
         for size, axes in zip(t.shape[:-2], lead, strict=True):
             if size % math.prod(mesh.axis_size(a) for a in axes):
                 return None  # uneven pieces would pair other heads or rows
-    mask = _whole_mask(named.get("attn_mask"), lead)
+    mask = _local_mask(named.get("attn_mask"), q, lead)
     if mask is False:
         return None
     local = torch.ops.aten.scaled_dot_product_attention.default(
@@ -154,27 +154,40 @@ def local_attention(args: Any, kwargs: dict[str, Any]) -> DTensor | None:
     )
 
 
-def _whole_mask(mask: Any, lead: tuple[tuple[str, ...], ...]) -> Any:
-    """The attention mask each rank's local attention reads: None, or the whole mask (a
-    plain tensor, or a replicated DTensor's value) where every split dim of q's batch and
-    heads is one the mask broadcasts over (size 1 or absent); False where the mask would
-    need its own pieces."""
+def _local_mask(mask: Any, q: DTensor, lead: tuple[tuple[str, ...], ...]) -> Any:
+    """The attention mask each rank's local attention reads: None; the whole mask (a plain
+    tensor, or a replicated DTensor's value) where every split dim of q's batch and heads is
+    one the mask broadcasts over (size 1 or absent), as a causal or padding mask over heads
+    does; else this rank's piece of it, split as q's batch and heads are (a per-head bias such
+    as ALiBi's, a per-row mask): cut from a whole mask locally, or redistributed from the
+    layout it came in (a plan lays it out so already, nothing moves). False where it cannot
+    be read locally: a learned mask (each rank's gradient would be a share of the sum) or a
+    pending sum."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         return False
     if mask.requires_grad and any(lead):
-        return False  # a learned bias: each rank's gradient would be a share of the sum
-    if isinstance(mask, DTensor):
-        if any(not p.is_replicate() for p in mask.placements):
-            return False
-        mask = mask.to_local()
+        return False
     scores = len(lead) + 2  # q's batch and head dims, then query and key positions
+    want: list[tuple[str, ...]] = [() for _ in range(mask.ndim)]
     for i, axes in enumerate(lead):
         dim = i - scores + mask.ndim  # the mask aligned to the scores from the right
         if axes and dim >= 0 and mask.shape[dim] != 1:
+            want[dim] = axes
+    if isinstance(mask, DTensor):
+        if any(p.is_partial() for p in mask.placements) or mask.device_mesh != q.device_mesh:
             return False
-    return mask
+    elif any(want):
+        mask = DTensor.from_local(
+            mask, q.device_mesh, [Replicate()] * q.device_mesh.ndim, run_check=False
+        )
+    else:
+        return mask  # read whole
+    target = to_dtensor_placements(TensorLayout(layout_of(q).mesh, tuple(want)))
+    if tuple(mask.placements) != target:
+        mask = mask.redistribute(mask.device_mesh, target)  # whole to pieces: a local cut
+    return mask.to_local()
 
 
 # The same losses as aten ops (the plan executor runs exported graphs): argument position of

@@ -119,3 +119,81 @@ def test_every_planned_op_of_a_stage_is_matched(stage_index: int) -> None:
     done = follow_plan(copy.deepcopy(stage), [ops[n] for n in plan.stages[stage_index]], ("tp",))
     assert done.skipped == []
     assert done.laid_out > 0
+
+
+class _AlibiAttention(torch.nn.Module):
+    """Self-attention with ALiBi's per-head linear bias (BLOOM, MPT) passed to SDPA as its
+    ``attn_mask``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (torch.nn.Linear(width, width, bias=False) for _ in range(3))
+        self.out = torch.nn.Linear(width, width, bias=False)
+        slopes = torch.tensor([2.0 ** -(i + 1) for i in range(heads)])
+        self.register_buffer("slopes", slopes, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = (
+            f(x).view(b, s, self.heads, w // self.heads).transpose(1, 2)
+            for f in (self.q, self.k, self.v)
+        )
+        pos = torch.arange(s, device=x.device)
+        bias = self.slopes.view(-1, 1, 1) * (pos.view(1, s) - pos.view(s, 1)).float()
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+class _AlibiLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList([_AlibiAttention(16, 4) for _ in range(4)])
+        self.head = torch.nn.Linear(16, 32, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_stage_with_a_per_head_attention_bias_runs_on_local_heads() -> None:
+    """An ALiBi model's first stage, heads split over tp by a semi_auto plan of Megatron marks
+    (the plan lays the bias out split by heads too): forward and backward equal to one
+    device. (tests/sim/test_local_attention.py checks that such a bias runs in the attention
+    kernel on local heads.)"""
+    torch.manual_seed(0)
+    model = _AlibiLM()
+    for block in model.blocks:
+        for linear in (block.q, block.k, block.v):
+            plait.shard(linear, parameter_strategy={"weight": (2, 1)})
+        plait.shard(block.out, parameter_strategy={"weight": (1, 2)})
+    ids = torch.randint(0, 32, (8, 9))
+    batch = (ids[:, :-1], ids[:, 1:])
+    config = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4)
+    plan = make_plan(model, config, example_batch=batch, loss_fn=lm_loss)
+    heads = [op for op in plan.ops if "scaled_dot" in op.target]
+    assert heads and all(op.inputs[0].dims[1] == ("tp",) for op in heads)
+    args, kwargs = model_inputs(model, lm_loss, (batch[0][:2], batch[1][:2]))
+    pipe = pp_comm.split_model(model, args, kwargs, plan_stage_starts(plan))
+    stage = pipe.split_gm.submod_pp_0
+    reference = copy.deepcopy(stage)
+    expected = reference(*args)
+    expected.square().sum().backward()
+    ops = {op.name: op for op in plan.ops}
+    with plait.testing.simulate(2):
+        submesh = build_device_mesh(MeshSpec.from_dict({"tp": 2}))
+        ran = copy.deepcopy(stage)
+        layouts = inner_layouts(plan.parameters, MeshSpec.from_dict(config.mesh_dict), config)
+        distribute_stage(ran, layouts, submesh, MeshSpec.from_dict({"tp": 2}))
+        done = follow_plan(ran, [ops[n] for n in plan.stages[0]], ("tp",))
+        pp_comm.stage_on_submesh(ran, submesh)
+        out = ran(*args)
+        out.square().sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in ran.named_parameters()}
+    assert done.skipped == []
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -42,15 +42,20 @@ import torch
 
 import plait
 from plait import ParallelConfig, PlaitError
-from plait.models import Llama, ModelSpec, lm_loss
+from plait.models import lm_loss
 from plait.testing import run_workers
 from plait.testing.equivalence import Run, assert_same_run, reference_run
+from tests.dist.test_engine_parity_gloo import (  # the same models, batches and optimizer
+    _batches,
+    _hf_batches,
+    _hf_llama,
+    _model,
+    _sgd,
+    own_loss,
+)
 
 pytestmark = pytest.mark.dist
 
-SPEC = ModelSpec(kind="llama", vocab=32, seq=8, hidden=16, heads=4, kv_heads=2, layers=4)
-STEPS = 2
-ROWS = 8
 
 LAYOUTS: dict[str, dict[str, int]] = {
     "dp4": {"dp": 4},
@@ -89,48 +94,6 @@ def cases(layouts: dict[str, dict[str, int]], hf: bool) -> dict[str, ParallelCon
         for name, layout in layouts.items()
         for opt, option in OPTIONS.items()
     }
-
-
-def _model() -> Llama:
-    torch.manual_seed(0)
-    return Llama(SPEC)
-
-
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, SPEC.vocab, (ROWS, SPEC.seq + 1), generator=gen)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
-
-
-def _hf_llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _hf_batches() -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 64, (ROWS, SPEC.seq), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
-
-
-def own_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """As Hugging Face's docs call a causal LM."""
-    return model(**batch).loss
-
-
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.5)
 
 
 def _rows_for(job: plait.Job, batch: Any) -> Any:

@@ -623,16 +623,22 @@ def _pending_sum_reduced(grad: Any) -> Any:
 # ------------------------------------------------------------ stages laid out as planned
 
 PlacementCode = tuple[str, ...]
-"""One placement per axis of a stage's mesh, ``"R"`` or ``"S<dim>"``: an FX graph's constant
-argument (:mod:`plait.runtime.pipeline.planned_stage`)."""
+"""One placement per axis of a stage's mesh, ``"<axis>=R"`` or ``"<axis>=S<dim>"`` (``"tp=S2"``):
+an FX graph's constant argument (:mod:`plait.runtime.pipeline.planned_stage`)."""
 
 
 def lay_out(x: Any, code: PlacementCode) -> Any:
-    """``x`` redistributed to the placements ``code`` names (on its own device mesh); a plain
-    tensor, or a DTensor on a mesh of another rank, as it is."""
-    if not isinstance(x, DTensor) or x.device_mesh.ndim != len(code):
+    """``x`` redistributed to the placements ``code`` names, on its own device mesh when that
+    is the mesh ``code`` names (the stage's); a plain tensor, or a DTensor on another mesh
+    (optimizer parallel's data-parallel one), as it is."""
+    if not isinstance(x, DTensor):
         return x
-    want = tuple(Replicate() if c == "R" else Shard(int(c[1:])) for c in code)
+    axes = tuple(c.partition("=")[0] for c in code)
+    if tuple(x.device_mesh.mesh_dim_names or ()) != axes:
+        return x
+    want = tuple(
+        Replicate() if p == "R" else Shard(int(p[1:])) for p in (c.partition("=")[2] for c in code)
+    )
     if tuple(x.placements) == want:
         return x
     if isinstance(x, nn.Parameter):

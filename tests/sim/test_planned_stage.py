@@ -86,26 +86,37 @@ def test_lay_out_moves_an_activation_once_and_a_parameter_every_time() -> None:
             DTensor.from_local(torch.ones(2, 3), mesh, [Shard(1)], run_check=False)
         )
         with CommDebugMode() as comm:
-            a, b = lay_out(x, ("R",)), lay_out(x, ("R",))
-            lay_out(w, ("R",))
-            lay_out(w, ("R",))
-            same = lay_out(x, ("S1",))
+            a, b = lay_out(x, ("tp=R",)), lay_out(x, ("tp=R",))
+            lay_out(w, ("tp=R",))
+            lay_out(w, ("tp=R",))
+            same = lay_out(x, ("tp=S1",))
         assert a is b and same is x and a.placements == (Replicate(),)
         assert a.shape == (2, 6)
         assert comm.get_total_counts() == 3  # the activation once, the parameter twice
         x.add_(1)  # changed in place: moved again, never the stale copy
-        assert lay_out(x, ("R",)) is not a
+        assert lay_out(x, ("tp=R",)) is not a
     plain = torch.ones(3)
-    assert lay_out(plain, ("R",)) is plain
+    assert lay_out(plain, ("tp=R",)) is plain
+
+
+def test_lay_out_leaves_a_value_on_another_mesh_alone() -> None:
+    """A DTensor on a mesh other than the stage's (optimizer parallel's dp mesh) is not the
+    plan's to move here."""
+    with plait.testing.simulate(2):
+        dp = build_device_mesh(MeshSpec.from_dict({"dp": 2}))
+        x = DTensor.from_local(torch.ones(2, 3), dp, [Shard(0)], run_check=False)
+        with CollectiveLog(dp) as log:
+            assert lay_out(x, ("tp=R",)) is x
+        assert log.total() == 0
 
 
 def test_placement_code_keeps_the_stage_axes_only() -> None:
     mesh = MeshSpec.from_dict({"pp": 2, "dp": 2, "tp": 2})
     layout = TensorLayout(mesh, (("dp",), (), ("tp",)))
-    assert placement_code(layout, ("tp",)) == ("S2",)
-    assert placement_code(TensorLayout(mesh, (("dp",), (), ())), ("tp",)) == ("R",)
+    assert placement_code(layout, ("tp",)) == ("tp=S2",)
+    assert placement_code(TensorLayout(mesh, (("dp",), (), ())), ("tp",)) == ("tp=R",)
     two = MeshSpec.from_dict({"pp": 2, "sp": 2, "tp": 2})
-    assert placement_code(TensorLayout(two, (("sp", "tp"), ())), ("sp", "tp")) == ("S0", "S0")
+    assert placement_code(TensorLayout(two, (("sp", "tp"), ())), ("sp", "tp")) == ("sp=S0", "tp=S0")
     assert placement_code(TensorLayout(two, (("tp", "sp"), ())), ("sp", "tp")) is None
 
 

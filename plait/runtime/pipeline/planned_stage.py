@@ -144,7 +144,7 @@ def placement_code(layout: TensorLayout, axes: Sequence[str]) -> Code | None:
     out = []
     for axis in inside:
         dim = next((i for i, d in enumerate(dims) if axis in d), None)
-        out.append("R" if dim is None else f"S{dim}")
+        out.append(f"{axis}=R" if dim is None else f"{axis}=S{dim}")
     return tuple(out)
 
 

@@ -85,6 +85,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         " the newest complete checkpoint",
     )
     add(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop the job when a worker waits S seconds in a collective for its peers: every"
+        " worker reports the collective it waits in (or, for the one that never arrived, the"
+        " last it finished) and its Python stacks, into its log and hang_rank<r>.txt in"
+        " --log-dir (default: no watchdog)",
+    )
+    add(
         "--bind-core",
         action="store_true",
         help="pin each worker to its own slice of this node's CPUs (Linux)",
@@ -152,7 +162,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         log_dir=args.log_dir, tail_ranks=_tail_ranks(args.tail_worker_log, worker_num),
         join=args.join, cluster_timeout=args.cluster_timeout, max_restarts=args.max_restarts,
         bind_core=args.bind_core, rank_table=args.rank_table, run_id=args.run_id,
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=args.checkpoint_dir, hang_timeout=args.hang_timeout,
     )  # fmt: skip
 
 

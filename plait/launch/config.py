@@ -59,6 +59,9 @@ class RunConfig:
     """Pin each worker to its own slice of this node's CPUs (Linux only)."""
     rank_table: str | None = None
     """Path of the rank table the node layout came from; passed to workers."""
+    hang_timeout: float | None = None
+    """Seconds a worker may go without progress before it reports where it is and exits
+    (``PLAIT_HANG_TIMEOUT`` for every worker: :mod:`plait.launch.hang`); None: no watchdog."""
     run_id: str = "plait"
     """Rendezvous id; every node of one job must use the same."""
     python: str = field(default_factory=lambda: sys.executable)
@@ -85,6 +88,12 @@ class RunConfig:
             )
         if self.max_restarts < 0:
             raise LaunchError(f"--max-restarts {self.max_restarts} must be >= 0.")
+        if self.hang_timeout is not None and not self.hang_timeout > 0:
+            raise LaunchError(
+                f"--hang-timeout {self.hang_timeout!r} must be > 0 seconds: the time a worker "
+                "may wait in a collective for its peers before the job stops as hung (leave it "
+                "out for no watchdog)."
+            )
         if self.bind_core and not hasattr(os, "sched_setaffinity"):
             raise LaunchError(
                 f"--bind-core needs Linux CPU affinity (os.sched_setaffinity); {sys.platform!r}"

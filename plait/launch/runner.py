@@ -32,6 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from plait.errors import LaunchError
 from plait.launch.config import RunConfig
+from plait.launch.hang import ENV_BUFFER, ENV_TIMEOUT, HANG_EXIT_CODE, RECORDED
 from plait.launch.logs import LOG_LINE_PREFIX, RankLogsSpecs, last_lines, worker_log_name
 from plait.launch.rendezvous import BACKEND_NAME, register_backend
 
@@ -79,6 +80,10 @@ class WorkerFailure:
             except ValueError:
                 name = "unknown signal"
             return f"signal {name} ({-self.exitcode})"
+        if self.exitcode == HANG_EXIT_CODE:
+            return (
+                f"exit code {self.exitcode} (hung: its report is in its log and hang_rank<r>.txt)"
+            )
         return f"exit code {self.exitcode}"
 
 
@@ -102,6 +107,9 @@ def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
         options += ["--env", f"PLAIT_RANK_TABLE={os.path.abspath(config.rank_table)}"]
     if config.checkpoint_dir:
         options += ["--env", f"PLAIT_CHECKPOINT_DIR={os.path.abspath(config.checkpoint_dir)}"]
+    if config.hang_timeout is not None:
+        options += ["--env", f"{ENV_TIMEOUT}={config.hang_timeout:g}"]
+        options += ["--env", f"{ENV_BUFFER}={RECORDED}"]
     if config.bind_core:
         options.append("--bind-core")
     else:

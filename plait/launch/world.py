@@ -29,6 +29,13 @@ from typing import Any, Literal
 
 from plait.errors import LaunchError
 from plait.launch.environment import LauncherKind, ProcessEnv, detect_environment
+from plait.launch.hang import (
+    ENV_BUFFER,
+    RECORDED,
+    HangWatchdog,
+    record_collectives,
+    timeout_from,
+)
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "World", "init"]
 
@@ -82,10 +89,15 @@ class World:
 _world: World | None = None
 
 
+_watchdog: HangWatchdog | None = None
+"""The hang watchdog init() started (``hang_timeout``), stopped with the group at exit."""
+
+
 def init(
     *,
     backend: Backend | None = None,
     timeout: timedelta | float = DEFAULT_COLLECTIVE_TIMEOUT,
+    hang_timeout: timedelta | float | None = None,
 ) -> World:
     """Join the job's default process group and return this process's `World`.
 
@@ -95,6 +107,10 @@ def init(
     Args:
         backend: "nccl" or "gloo"; default NCCL when CUDA is available, gloo otherwise.
         timeout: collective timeout (a `timedelta`, or seconds).
+        hang_timeout: seconds a rank may go without progress (a collective it issued still
+            unfinished, or none issued since the last finished) before it reports where it
+            is and exits (:mod:`plait.launch.hang`); default ``PLAIT_HANG_TIMEOUT`` (set by
+            ``plait run --hang-timeout``), else no watchdog.
 
     Returns:
         The `World`: rank, world size, local rank and size, node, backend, device.
@@ -108,21 +124,44 @@ def init(
 
     if _world is not None and dist.is_initialized():
         return _world
+    hang = timeout_from(hang_timeout)
     penv = detect_environment()
     if dist.is_initialized():
         _world = _describe_existing(penv)
+        _watch(_world, hang)
         return _world
     chosen = resolve_backend(backend, penv)
     device = _select_device(chosen, penv)
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    if hang is not None:
+        record_collectives()  # before the groups exist: each records from its creation
     _init_process_group(chosen, penv, wait)
     # The group init() made is destroyed at exit, before the interpreter tears down: left to
     # process teardown, a gloo group's threads can outlive it and abort the process
     # ("terminate called without an active exception", exit code 134) after a clean run.
     atexit.register(_leave)
     _world = _make_world(penv, chosen, device)
+    _watch(_world, hang)
     logger.info("joined %s", _world)
     return _world
+
+
+def _watch(world: World, hang: float | None) -> None:
+    """Start the hang watchdog (once), writing its report where ``plait run`` keeps logs."""
+    global _watchdog
+    if hang is None or _watchdog is not None:
+        return
+    if ENV_BUFFER not in os.environ:
+        logger.warning(
+            "hang_timeout: torch.distributed was initialised before plait.init() without "
+            "%s set, so its groups record no collectives and the watchdog sees none; set "
+            "%s=%d before init_process_group",
+            ENV_BUFFER,
+            ENV_BUFFER,
+            RECORDED,
+        )
+    report_dir = os.environ.get("PLAIT_LOG_DIR") or None
+    _watchdog = HangWatchdog(world.rank, hang, report_dir=report_dir).start()
 
 
 _LEAVE_BARRIER = timedelta(seconds=10)
@@ -139,10 +178,13 @@ def _leave() -> None:
     active exception", exit code 134; seen once in a loaded test run). A peer that never
     comes (it failed) costs at most the bound; nothing waits unboundedly.
     """
-    global _world
+    global _world, _watchdog
     import torch.distributed as dist
 
     _world = None
+    if _watchdog is not None:  # leaving is not a hang
+        _watchdog.stop()
+        _watchdog = None
     if not dist.is_initialized():
         return
     try:

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,16 +300,11 @@ def record_collectives() -> None:
     os.environ.setdefault(ENV_BUFFER, str(RECORDED))
 
 
-def summarize(reports: Iterable[str]) -> str:
-    """One paragraph from the ranks' reports: each rank's first two lines (where it waits, or
-    the last collective it finished), the rank that never arrived visible by its lower
-    sequence number."""
-    out = []
+def summarize(reports: Iterable[str]) -> list[str]:
+    """The ranks' reports in brief: each one's first two lines (who never arrived, or where
+    it waits; then the last collective the former finished), the rank that never arrived
+    visible by its lower sequence number. ``plait run`` prints them after a hang."""
+    out: list[str] = []
     for text in reports:
         out += text.splitlines()[:2]
-    return "\n".join(out)
-
-
-def collective_lines(report: str) -> Sequence[str]:
-    """The lines of a report that name a collective."""
-    return [line for line in report.splitlines() if " #" in line and "process group" in line]
+    return out

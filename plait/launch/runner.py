@@ -32,7 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from plait.errors import LaunchError
 from plait.launch.config import RunConfig
-from plait.launch.hang import ENV_BUFFER, ENV_TIMEOUT, HANG_EXIT_CODE, RECORDED
+from plait.launch.hang import ENV_BUFFER, ENV_TIMEOUT, HANG_EXIT_CODE, RECORDED, summarize
 from plait.launch.logs import LOG_LINE_PREFIX, RankLogsSpecs, last_lines, worker_log_name
 from plait.launch.rendezvous import BACKEND_NAME, register_backend
 
@@ -219,7 +219,11 @@ def format_failure(result: JobResult) -> str:
     if others:
         stopped = ", ".join(f"{f.rank} ({f.how})" for f in others)
         lines.append(f"plait run: stopped the other workers on this node: ranks {stopped}.")
-    if root.log_file:
+    reports = sorted(Path(result.log_dir).glob("hang_rank*.txt")) if result.log_dir else []
+    if reports:  # a hang: where each rank was says more than the last lines of one log
+        lines.append(f"plait run: the job hung; each rank's report in brief ({result.log_dir}):")
+        lines += [f"    {line}" for line in summarize(p.read_text() for p in reports)]
+    elif root.log_file:
         lines.append(f"plait run: last {len(root.log_tail)} lines of {root.log_file}:")
         lines += [f"    {line}" for line in root.log_tail]
     lines.append(f"plait run: exit code {result.exit_code}; all logs in {result.log_dir}")

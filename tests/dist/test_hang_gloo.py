@@ -87,6 +87,8 @@ def test_plait_run_hang_timeout_stops_the_job_and_says_where(tmp_path: Path) -> 
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     assert "RESULT finished" not in proc.stdout
     assert f"exit code {HANG_EXIT_CODE} (hung" in proc.stderr
+    assert "the job hung; each rank's report in brief" in proc.stderr
+    assert "rank 1 never arrived: rank 0 waits in gloo:all_reduce #" in proc.stderr
     culprit = (logs / "hang_rank1.txt").read_text()
     assert "rank 1 never arrived: rank 0 waits in gloo:all_reduce #" in culprit
     assert "time.sleep(60)" in culprit

@@ -132,7 +132,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the program as a module (python -m), like torchrun -m",
     )
-    add("program", help="script to run (or module name with -m)")
+    add(
+        "--diagnose",
+        action="store_true",
+        help="run plait's cluster check instead of a program (python -m plait.launch.doctor):"
+        " ranks reachable, versions compared, collectives and links timed",
+    )
+    add("program", nargs="?", default=None, help="script to run (or module name with -m)")
     add("program_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
@@ -142,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     Raises:
         LaunchError: a flag or the rank table is invalid; nothing has started.
     """
-    program = (("-m",) if args.module else ()) + (args.program, *args.program_args)
+    program = _program(args)
     table = load_rank_table(args.rank_table) if args.rank_table else None
     worker_num, local_worker_num = _worker_counts(args, table)
     node_rank = args.node_rank
@@ -164,6 +170,22 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         bind_core=args.bind_core, rank_table=args.rank_table, run_id=args.run_id,
         checkpoint_dir=args.checkpoint_dir, hang_timeout=args.hang_timeout,
     )  # fmt: skip
+
+
+def _program(args: argparse.Namespace) -> tuple[str, ...]:
+    """The workers' program: the script (or ``-m`` module) and its arguments, or plait's
+    cluster check under ``--diagnose``."""
+    if args.diagnose:
+        if args.program is not None or args.module:
+            given = " ".join(filter(None, ["-m" if args.module else "", args.program or ""]))
+            raise LaunchError(
+                f"--diagnose runs plait's cluster check (plait.launch.doctor) instead of a "
+                f"program, and {given!r} was given too: drop one of the two."
+            )
+        return ("-m", "plait.launch.doctor", *args.program_args)
+    if args.program is None:
+        return ()  # RunConfig refuses it by name
+    return (("-m",) if args.module else ()) + (args.program, *args.program_args)
 
 
 def _worker_counts(args: argparse.Namespace, table: RankTable | None) -> tuple[int, int]:

@@ -127,7 +127,10 @@ class RunConfig:
 
     def _check_program(self) -> None:
         if not self.program or not self.program[0]:
-            raise LaunchError("No program: give a script (`plait run train.py`) or `-m module`.")
+            raise LaunchError(
+                "No program: give a script (`plait run train.py`), `-m module`, or --diagnose"
+                " (plait's cluster check)."
+            )
         if self.program[0] == "-m" and len(self.program) < 2:
             raise LaunchError("`-m` needs a module name: `plait run -m package.module`.")
 

@@ -50,10 +50,26 @@ def test_a_version_mismatch_is_refused_by_name() -> None:
     assert version_problems(facts[:2]) == []
 
 
-def test_plait_run_doctor_prints_the_tables(tmp_path: Path) -> None:
+def test_diagnose_runs_the_doctor_instead_of_a_program() -> None:
+    from plait.cli import build_parser
+    from plait.launch import LaunchError
+    from plait.launch.command import config_from_args
+
+    def parse(*argv: str) -> object:
+        return build_parser().parse_args(["run", *argv])
+
+    config = config_from_args(parse("--worker-num", "2", "--diagnose"))
+    assert config.program == ("-m", "plait.launch.doctor")
+    with pytest.raises(LaunchError, match=r"--diagnose runs plait's cluster check .* 'train\.py'"):
+        config_from_args(parse("--diagnose", "train.py"))
+    with pytest.raises(LaunchError, match=r"No program: .* or --diagnose"):
+        config_from_args(parse("--worker-num", "2"))
+
+
+def test_plait_run_diagnose_prints_the_tables(tmp_path: Path) -> None:
     proc = run(
         plait_run("--worker-num", "2", "--master-port", str(free_port()), "--log-dir",
-                  str(tmp_path), "-m", "plait.launch.doctor", "--repeats", "2"),
+                  str(tmp_path), "--diagnose"),
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

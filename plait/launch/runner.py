@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from plait.errors import LaunchError
 from plait.launch.config import RunConfig
+from plait.launch.environment import DEFAULT_MASTER_PORT
 from plait.launch.hang import ENV_BUFFER, ENV_TIMEOUT, HANG_EXIT_CODE, RECORDED, summarize
 from plait.launch.logs import LOG_LINE_PREFIX, RankLogsSpecs, last_lines, worker_log_name
 from plait.launch.rendezvous import BACKEND_NAME, register_backend
@@ -107,6 +109,9 @@ def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
         options += ["--env", f"PLAIT_RANK_TABLE={os.path.abspath(config.rank_table)}"]
     if config.checkpoint_dir:
         options += ["--env", f"PLAIT_CHECKPOINT_DIR={os.path.abspath(config.checkpoint_dir)}"]
+    ifname = _interface_to(config.master_addr, config.master_port)
+    if ifname is not None:  # gloo binds the interface it reaches node 0 through (a default)
+        options += ["--env-default", f"GLOO_SOCKET_IFNAME={ifname}"]
     if config.hang_timeout is not None:
         options += ["--env", f"{ENV_TIMEOUT}={config.hang_timeout:g}"]
         options += ["--env", f"{ENV_BUFFER}={RECORDED}"]
@@ -148,19 +153,59 @@ def build_launch_config(config: RunConfig, logs_specs: RankLogsSpecs) -> LaunchC
         rdzv_configs=rdzv_configs,
         max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval,
-        local_addr=_local_addr(config.master_addr),
+        local_addr=_local_addr(config.master_addr, config.master_port),
         log_line_prefix_template=LOG_LINE_PREFIX,
         shutdown_timeout=config.shutdown_timeout,
     )
 
 
-def _local_addr(master_addr: str) -> str | None:
-    # On loopback every node is this machine: advertise the same address, not the FQDN,
-    # which may not resolve in a sandbox. Elsewhere let torch use the host's FQDN.
+def _local_addr(master_addr: str, master_port: int = DEFAULT_MASTER_PORT) -> str | None:
+    """The address this node advertises to the others (torch's default is its FQDN, which may
+    not resolve, or resolve to another interface, in a sandbox or a network namespace).
+
+    On loopback every node is this machine: the same address. Elsewhere the address of the
+    interface this node reaches node 0 through (the kernel's route to it: nothing is sent),
+    which the other nodes can reach too; None (torch's FQDN) where there is no route yet."""
     try:
-        return master_addr if ipaddress.ip_address(master_addr).is_loopback else None
+        if ipaddress.ip_address(master_addr).is_loopback:
+            return master_addr
     except ValueError:
-        return "127.0.0.1" if master_addr == "localhost" else None
+        if master_addr == "localhost":
+            return "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, master_port))  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _interface_to(master_addr: str, master_port: int) -> str | None:
+    """The network interface this node reaches a remote node 0 through, for gloo: left to
+    itself gloo binds the interface its host name resolves to, which on a host with several
+    (or in a network namespace) may be one the other nodes cannot reach. None on loopback
+    (one machine), where the route is unknown, or off Linux."""
+    local = _local_addr(master_addr, master_port)
+    if local is None or ipaddress.ip_address(local).is_loopback or ":" in local:
+        return None
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(
+                        s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15])
+                    )  # SIOCGIFADDR: the interface's IPv4 address
+                except OSError:
+                    continue  # no IPv4 address on it
+                if socket.inet_ntoa(packed[20:24]) == local:
+                    return name
+    except (ImportError, OSError):
+        return None
+    return None
 
 
 def run_job(config: RunConfig) -> JobResult:

@@ -107,10 +107,10 @@ def init(
     Args:
         backend: "nccl" or "gloo"; default NCCL when CUDA is available, gloo otherwise.
         timeout: collective timeout (a `timedelta`, or seconds).
-        hang_timeout: seconds a rank may go without progress (a collective it issued still
-            unfinished, or none issued since the last finished) before it reports where it
-            is and exits (:mod:`plait.launch.hang`); default ``PLAIT_HANG_TIMEOUT`` (set by
-            ``plait run --hang-timeout``), else no watchdog.
+        hang_timeout: seconds a collective may wait for the other ranks before every rank
+            reports where it is (the one waited for too) and exits (:mod:`plait.launch.hang`);
+            default ``PLAIT_HANG_TIMEOUT`` (set by ``plait run --hang-timeout``), else no
+            watchdog.
 
     Returns:
         The `World`: rank, world size, local rank and size, node, backend, device.

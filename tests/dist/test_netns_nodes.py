@@ -122,12 +122,21 @@ def test_two_nodes_in_their_own_namespaces_form_one_world(
 def test_data_parallel_across_two_nodes_trains_like_one_device(
     namespaces: list[str], tmp_path: Path
 ) -> None:
-    from plait.models import MLP
-
     prog = script(tmp_path, "train.py", TRAIN)
     nodes = _two_nodes(namespaces, prog, tmp_path, free_port())
     for node in nodes:
         assert node.returncode == 0, node.stderr[-3000:]
+    lines = [line for node in nodes for line in results(node.stdout)]
+    assert [line.split()[:2] for line in lines] == [
+        ["rank=0", "node=0"], ["rank=1", "node=0"], ["rank=2", "node=1"], ["rank=3", "node=1"],
+    ]  # fmt: skip
+    assert_trains_like_one_device(lines)
+
+
+def assert_trains_like_one_device(lines: list[str]) -> None:
+    """Every rank's `RESULT` line of TRAIN holds one device's losses and final parameters."""
+    from plait.models import MLP
+
     torch.manual_seed(0)
     model = MLP((8, 16, 4))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -140,10 +149,7 @@ def test_data_parallel_across_two_nodes_trains_like_one_device(
         loss.backward()
         sgd.step()
         expected.append(loss.item())
-    lines = [line for node in nodes for line in results(node.stdout)]
-    assert [line.split()[:2] for line in lines] == [
-        ["rank=0", "node=0"], ["rank=1", "node=0"], ["rank=2", "node=1"], ["rank=3", "node=1"],
-    ]  # fmt: skip
+    assert len(lines) == 4, lines
     for line in lines:
         _, _, rest = line.split(" ", 2)
         losses_text, _, state_text = rest.partition("] ")

@@ -79,7 +79,7 @@ def _launch(config) -> int:
     from plait.launch.runner import format_failure, run_job
 
     assert config.log_dir is not None, "with_log_dir sets it"
-    _configure_logging(Path(config.log_dir) / "launcher.log")
+    _configure_logging(Path(config.log_dir) / config.launcher_log_name)
     print(f"plait run: logs in {config.log_dir}", file=sys.stderr)
     result = run_job(config)
     if result.exit_code != 0:

@@ -148,6 +148,14 @@ class RunConfig:
         return self.worker_num // self.local_worker_num
 
     @property
+    def launcher_log_name(self) -> str:
+        """`launcher.log`, or `launcher_node<r>.log` on several nodes: one `--log-dir` on a
+        shared file system then holds every node's logs side by side."""
+        if self.num_nodes == 1 or self.node_rank is None:
+            return "launcher.log"
+        return f"launcher_node{self.node_rank}.log"
+
+    @property
     def first_rank(self) -> int | None:
         """Global rank of this node's local rank 0, when the node rank is known."""
         return None if self.node_rank is None else self.node_rank * self.local_worker_num

@@ -13,6 +13,10 @@ to add two things torch leaves out:
    joining; when the join times out the error says how many of the expected nodes arrived and,
    with node ranks, which ones did not. A node that cannot reach the rendezvous host says so.
    -> `NodeRankedHandler.next_rendezvous()`, `create_plait_handler()`
+3. **One job shape.** The first node to arrive records its `--worker-num`/`--local-worker-num`
+   in the store; a node that passed others is refused at once, naming both, and closes the
+   rendezvous so the nodes already waiting stop with the same message instead of timing out.
+   -> `NodeRankedHandler._check_shape()`
 
 It is not a new rendezvous protocol: membership, rounds, heartbeats and restarts stay c10d's.
 """
@@ -24,6 +28,7 @@ from datetime import timedelta
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
@@ -36,12 +41,33 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from plait.errors import LaunchError
 
-__all__ = ["BACKEND_NAME", "NodeRankedHandler", "create_plait_handler", "register_backend"]
+__all__ = [
+    "BACKEND_NAME",
+    "NodeRankedHandler",
+    "StoreKeeper",
+    "create_plait_handler",
+    "register_backend",
+]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "plait"
 """Name under which the backend is registered with torch elastic."""
+
+
+class StoreKeeper:
+    """Keeps the rendezvous store for the launcher once torch's agent is done with it.
+
+    Passed in the rendezvous configs (`plait_store_keeper`); `create_plait_handler` puts the
+    store here. On node 0 the store's server lives as long as this reference, so the nodes can
+    still exchange their failure reports (`plait.launch.node_reports`) after the workers end.
+    """
+
+    def __init__(self) -> None:
+        self.store: Store | None = None
+
+    def __repr__(self) -> str:
+        return f"StoreKeeper(store={'set' if self.store is not None else None})"
 
 
 class NodeRankedHandler(RendezvousHandler):
@@ -57,6 +83,9 @@ class NodeRankedHandler(RendezvousHandler):
         self._timeout = params.get_as_int("join_timeout", 600)
         self._endpoint = params.endpoint
         self._attempt = 0
+        worker_num = params.get_as_int("plait_worker_num")
+        local = params.get_as_int("plait_local_worker_num")
+        self._shape = None if worker_num is None or local is None else (worker_num, local)
 
     def get_backend(self) -> str:
         return BACKEND_NAME
@@ -71,13 +100,52 @@ class NodeRankedHandler(RendezvousHandler):
         self._store.add(key, 1)
         if self._node_rank is not None:
             self._store.set(f"{key}.node{self._node_rank}", "1")
+        self._check_shape()
         try:
             info = self._inner.next_rendezvous()
         except RendezvousTimeoutError as e:
             raise LaunchError(self._timeout_message(key)) from e
+        except RendezvousClosedError as e:
+            refused = self._refused_key()
+            if self._store.check([refused]):
+                raise LaunchError(self._store.get(refused).decode()) from e
+            raise
         if self._node_rank is None:
             return info
         return self._reorder(info, self._node_rank)
+
+    def _refused_key(self) -> str:
+        return f"plait.refused.{self.get_run_id()}"
+
+    def _describe(self, node_rank: int | None, shape: tuple[int, int]) -> str:
+        who = "a node" if node_rank is None else f"node {node_rank}"
+        return (
+            f"{who} passed --worker-num {shape[0]} --local-worker-num {shape[1]}"
+            f" ({shape[0] // shape[1]} nodes)"
+        )
+
+    def _check_shape(self) -> None:
+        """Refuse to join a job whose first node passed another worker count (see 3. above)."""
+        if self._shape is None:
+            return
+        mine = f"{self._node_rank if self._node_rank is not None else -1}:{self._shape[0]}:{self._shape[1]}"
+        # compare_set with expected "" sets the value only where none is stored yet and returns
+        # what is stored: the first node's shape, or this one's when it is the first
+        first = self._store.compare_set(f"plait.shape.{self.get_run_id()}", "", mine).decode()
+        rank_text, worker_num, local = (int(v) for v in first.split(":"))
+        if (worker_num, local) == self._shape:
+            return
+        first_rank = None if rank_text < 0 else rank_text
+        message = (
+            f"Nodes of one job disagree at rendezvous {self._endpoint}:"
+            f" {self._describe(first_rank, (worker_num, local))}, but"
+            f" {self._describe(self._node_rank, self._shape)}. Every node must pass the same"
+            " --worker-num (the whole job's workers) and --local-worker-num; restart the job"
+            " with one pair on every node."
+        )
+        self._store.set(self._refused_key(), message)
+        self._inner.set_closed()  # the nodes already waiting stop with this message
+        raise LaunchError(message)
 
     def _timeout_message(self, key: str) -> str:
         arrived = self._store.add(key, 0)
@@ -146,6 +214,9 @@ def create_plait_handler(params: RendezvousParameters) -> RendezvousHandler:
     # read_timeout bounded the wait for the host; later store operations are quick unless a
     # peer is gone, so give them at least a minute.
     store.set_timeout(timedelta(seconds=max(timeout, 60)))
+    keeper = params.get("plait_store_keeper")
+    if isinstance(keeper, StoreKeeper):
+        keeper.store = store
     return NodeRankedHandler(create_handler(store, backend, params), store, params)
 
 

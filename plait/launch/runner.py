@@ -10,7 +10,9 @@
    others (SIGTERM, then SIGKILL after `shutdown_timeout`) and restarts the group up to
    `max_restarts` times
 4. turn torch's `ChildFailedError` into a `JobResult` naming the failing rank, its exit code or
-   signal, and the last lines of its log -> `run_job()`, `format_failure()`
+   signal, and the last lines of its log -> `run_job()`, `format_failure()`; on several nodes,
+   exchange the nodes' failures so every node names the job's first one
+   (`plait.launch.node_reports`) -> `_across_nodes()`
 
 `preview_worker_envs(config)` shows, without starting anything, the environment each local
 worker will get (`plait run --dry-run`).
@@ -36,7 +38,8 @@ from plait.launch.config import RunConfig
 from plait.launch.environment import DEFAULT_MASTER_PORT
 from plait.launch.hang import ENV_BUFFER, ENV_TIMEOUT, HANG_EXIT_CODE, RECORDED, summarize
 from plait.launch.logs import LOG_LINE_PREFIX, RankLogsSpecs, last_lines, worker_log_name
-from plait.launch.rendezvous import BACKEND_NAME, register_backend
+from plait.launch.node_reports import NodeReport, format_across_nodes, gather, peer_address, publish
+from plait.launch.rendezvous import BACKEND_NAME, StoreKeeper, register_backend
 
 __all__ = [
     "JobResult",
@@ -99,6 +102,9 @@ class JobResult:
     """Where the logs are."""
     failures: tuple[WorkerFailure, ...] = field(default=())
     """The root-cause failure first, then workers the launcher stopped because of it."""
+    across_nodes: tuple[str, ...] = ()
+    """Report lines from the other nodes: the job's first failure when it was elsewhere, the
+    nodes that sent nothing (several nodes only)."""
 
 
 def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
@@ -129,15 +135,22 @@ def effective_node_rank(config: RunConfig) -> int | None:
     return 0 if config.num_nodes == 1 else config.node_rank
 
 
-def build_launch_config(config: RunConfig, logs_specs: RankLogsSpecs) -> LaunchConfig:
-    """The torch elastic `LaunchConfig` for `config` (c10d rendezvous through `plait`)."""
+def build_launch_config(
+    config: RunConfig, logs_specs: RankLogsSpecs, keeper: StoreKeeper | None = None
+) -> LaunchConfig:
+    """The torch elastic `LaunchConfig` for `config` (c10d rendezvous through `plait`);
+    `keeper` receives the rendezvous store."""
     register_backend()
     timeout = math.ceil(config.cluster_timeout)
     rdzv_configs: dict[str, object] = {
         "join_timeout": timeout,
         "timeout": timeout,
         "read_timeout": timeout,
+        "plait_worker_num": config.worker_num,
+        "plait_local_worker_num": config.local_worker_num,
     }
+    if keeper is not None:
+        rdzv_configs["plait_store_keeper"] = keeper
     node_rank = effective_node_rank(config)
     if node_rank is not None:
         rdzv_configs["plait_node_rank"] = node_rank
@@ -223,16 +236,41 @@ def run_job(config: RunConfig) -> JobResult:
         config.local_worker_num, config.worker_num, _node_text(config), config.num_nodes,
         config.rendezvous_endpoint, config.log_dir,
     )  # fmt: skip
+    keeper = StoreKeeper()
     try:
-        elastic_launch(build_launch_config(config, logs), entrypoint)(*args)
+        elastic_launch(build_launch_config(config, logs, keeper), entrypoint)(*args)
     except ChildFailedError as e:
         failures = tuple(_failure(rank, f, logs) for rank, f in e.failures.items())
-        return JobResult(exit_code=_exit_code(failures[0].exitcode), log_dir=config.log_dir,
-                         failures=failures)  # fmt: skip
+        stamp = min(float(f.timestamp) for f in e.failures.values())
+        return JobResult(
+            exit_code=_exit_code(failures[0].exitcode), log_dir=config.log_dir,
+            failures=failures, across_nodes=_across_nodes(config, keeper, failures[0], stamp),
+        )  # fmt: skip
     except SignalException as e:
         logger.warning("received %s; the workers were stopped", e.sigval.name)
         return JobResult(exit_code=128 + int(e.sigval), log_dir=config.log_dir)
     return JobResult(exit_code=0, log_dir=config.log_dir)
+
+
+def _across_nodes(
+    config: RunConfig, keeper: StoreKeeper, root: WorkerFailure, timestamp: float
+) -> tuple[str, ...]:
+    """Exchange this node's failure with the other nodes'; the lines that name the job's."""
+    if config.num_nodes == 1 or config.node_rank is None or keeper.store is None:
+        return ()
+    mine = NodeReport(
+        node_rank=config.node_rank, rank=root.rank, how=root.how, timestamp=timestamp,
+        log_file=root.log_file, tail=root.log_tail, lost_peer=peer_address(root.log_tail),
+    )  # fmt: skip
+    try:
+        publish(keeper.store, config.run_id, mine)
+        others = gather(keeper.store, config.run_id, config.node_rank, config.num_nodes)
+    except (RuntimeError, OSError) as e:  # node 0, which holds the store, is gone
+        return (
+            f"plait run: could not read the other nodes' reports from node 0's store ({e});"
+            " node 0 is gone (killed, or its network lost): look there first.",
+        )
+    return tuple(format_across_nodes(mine, others))
 
 
 def _node_text(config: RunConfig) -> str:
@@ -271,6 +309,7 @@ def format_failure(result: JobResult) -> str:
     elif root.log_file:
         lines.append(f"plait run: last {len(root.log_tail)} lines of {root.log_file}:")
         lines += [f"    {line}" for line in root.log_tail]
+    lines += result.across_nodes
     lines.append(f"plait run: exit code {result.exit_code}; all logs in {result.log_dir}")
     return "\n".join(lines)
 

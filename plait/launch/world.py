@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -186,6 +187,12 @@ def _leave() -> None:
         _watchdog.stop()
         _watchdog = None
     if not dist.is_initialized():
+        return
+    if getattr(sys, "last_value", None) is not None:
+        # The script died of an exception (the interpreter sets sys.last_value before atexit
+        # runs): its peers may be blocked in a collective waiting for this rank, so meeting
+        # them at a barrier would wait on them while they wait on us (a dead node's peers
+        # hung this way). Leave at once: the closed sockets tell the peers.
         return
     try:
         if dist.get_backend() == "gloo" and dist.get_world_size() > 1:

@@ -228,3 +228,24 @@ def test_launch_missing_node_times_out_with_count(tmp_path: Path) -> None:
     assert "timed out after 2 s: 1 of 2 nodes arrived" in proc.stderr
     assert "Node ranks never seen: [1]" in proc.stderr
     assert not (tmp_path / "logs" / "worker_0.log").exists()
+
+
+def test_launch_nodes_with_different_worker_num_are_refused(tmp_path: Path) -> None:
+    prog = script(tmp_path, "allreduce.py", ALLREDUCE)
+    port = str(free_port())
+    common = ("--local-worker-num", "1", "--master-port", port, "--cluster-timeout", "60")
+    node0 = subprocess.Popen(
+        plait_run("--worker-num", "2", *common, "--node-rank", "0", "--log-dir",
+                  str(tmp_path / "n0"), prog),
+        env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(2)  # node 0 first: its --worker-num is the job's
+    node1 = run(plait_run("--worker-num", "3", *common, "--node-rank", "1", "--log-dir",
+                          str(tmp_path / "n1"), prog), timeout=60)  # fmt: skip
+    _, err0 = node0.communicate(timeout=60)  # stopped by node 1's refusal, not the timeout
+    message = (
+        "node 0 passed --worker-num 2 --local-worker-num 1 (2 nodes), but node 1 passed"
+        " --worker-num 3 --local-worker-num 1 (3 nodes). Every node must pass the same"
+    )
+    assert node1.returncode == 2 and message in node1.stderr, node1.stderr
+    assert node0.returncode == 2 and message in err0, err0

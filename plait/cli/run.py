@@ -61,7 +61,8 @@ def _dry_run(config) -> int:
 
     node = effective_node_rank(config)
     print(
-        f"# plait run --dry-run: {config.worker_num} workers on {config.num_nodes} node(s),"
+        f"# plait run --dry-run: {'up to ' if config.elastic else ''}{config.worker_num} workers"
+        f" on {config.nnodes_text} node(s),"
         f" {config.local_worker_num} here (node rank {'auto' if node is None else node});"
         f" rendezvous c10d at {config.rendezvous_endpoint}, timeout {config.cluster_timeout:g} s;"
         f" max restarts {config.max_restarts}"

@@ -31,6 +31,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--local-worker-num", type=int, help="workers on this node (default: --worker-num)")
     add(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="nodes in the job; MIN:MAX makes it elastic: it trains on any count in between,"
+        " re-forming when a node leaves (with --max-restarts) or joins (default: --worker-num"
+        " / --local-worker-num)",
+    )
+    add(
         "--master-addr",
         default=None,
         help=f"host of node 0, where nodes meet (default {DEFAULT_MASTER_ADDR}; the first server"
@@ -150,7 +158,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     """
     program = _program(args)
     table = load_rank_table(args.rank_table) if args.rank_table else None
-    worker_num, local_worker_num = _worker_counts(args, table)
+    min_nodes, max_nodes = _nnodes(args.nnodes)
+    worker_num, local_worker_num = _worker_counts(args, table, max_nodes)
     node_rank = args.node_rank
     master_addr = args.master_addr or DEFAULT_MASTER_ADDR
     if table is not None:
@@ -168,8 +177,25 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         log_dir=args.log_dir, tail_ranks=_tail_ranks(args.tail_worker_log, worker_num),
         join=args.join, cluster_timeout=args.cluster_timeout, max_restarts=args.max_restarts,
         bind_core=args.bind_core, rank_table=args.rank_table, run_id=args.run_id,
-        checkpoint_dir=args.checkpoint_dir, hang_timeout=args.hang_timeout,
+        checkpoint_dir=args.checkpoint_dir, hang_timeout=args.hang_timeout, min_nodes=min_nodes,
     )  # fmt: skip
+
+
+def _nnodes(value: str | None) -> tuple[int | None, int | None]:
+    """`--nnodes N` or `MIN:MAX` as (min, max); (None, None) when not given."""
+    if value is None:
+        return None, None
+    parts = value.split(":")
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2) or min(numbers, default=0) < 1:
+        raise LaunchError(
+            f"--nnodes {value!r} is not N or MIN:MAX with positive integers (e.g. 2, or 1:4 for"
+            " an elastic job of 1 to 4 nodes)."
+        )
+    return numbers[0], numbers[-1]
 
 
 def _program(args: argparse.Namespace) -> tuple[str, ...]:
@@ -188,8 +214,22 @@ def _program(args: argparse.Namespace) -> tuple[str, ...]:
     return (("-m",) if args.module else ()) + (args.program, *args.program_args)
 
 
-def _worker_counts(args: argparse.Namespace, table: RankTable | None) -> tuple[int, int]:
+def _worker_counts(
+    args: argparse.Namespace, table: RankTable | None, max_nodes: int | None
+) -> tuple[int, int]:
     total, local = args.worker_num, args.local_worker_num
+    if max_nodes is not None and table is None:
+        if local is None:
+            raise LaunchError(
+                f"--nnodes {args.nnodes} needs --local-worker-num: the workers each node starts."
+            )
+        if total is not None and total != max_nodes * local:
+            raise LaunchError(
+                f"--worker-num {total} does not match --nnodes {args.nnodes} with"
+                f" --local-worker-num {local} ({max_nodes} x {local} = {max_nodes * local} at"
+                " most). Drop --worker-num."
+            )
+        return max_nodes * local, local
     if table is None:
         return total or local or 1, local or total or 1
     if total is not None and total != table.world_size:

@@ -42,6 +42,9 @@ class RunConfig:
     """Port of the rendezvous on `master_addr`."""
     node_rank: int | None = None
     """This node's index; None lets the rendezvous assign one (arrival order)."""
+    min_nodes: int | None = None
+    """Elastic jobs (`--nnodes MIN:MAX`): the fewest nodes the job trains on; `worker_num` is
+    then the most (MAX nodes' workers). None: exactly `num_nodes` nodes."""
     log_dir: str | None = None
     """Directory for `worker_<rank>.log` and `launcher.log`; None makes a temporary one."""
     tail_ranks: tuple[int, ...] = (0,)
@@ -112,12 +115,55 @@ class RunConfig:
                 f" {self.local_worker_num}: plait run starts the same number of workers on every"
                 " node. Make the total a multiple of the per-node count."
             )
+        if self.min_nodes is not None:
+            self._check_elastic()
         if self.node_rank is not None and not 0 <= self.node_rank < self.num_nodes:
             raise LaunchError(
                 f"--node-rank {self.node_rank} is outside 0..{self.num_nodes - 1} (a job of"
                 f" {self.worker_num} workers, {self.local_worker_num} per node, has"
                 f" {self.num_nodes} nodes)."
             )
+
+    def _check_elastic(self) -> None:
+        assert self.min_nodes is not None
+        if not 1 <= self.min_nodes <= self.num_nodes:
+            raise LaunchError(
+                f"--nnodes {self.min_nodes}:{self.num_nodes}: the fewest nodes must be in"
+                f" 1..{self.num_nodes} (the most). Pass MIN:MAX with 1 <= MIN <= MAX."
+            )
+        if self.elastic and self.node_rank is not None:
+            raise LaunchError(
+                f"--node-rank {self.node_rank} with --nnodes {self.nnodes_text}: an elastic job"
+                " numbers its nodes at every rendezvous (a node that leaves frees its rank)."
+                " Drop --node-rank; the node at --master-addr hosts the rendezvous."
+            )
+        if self.elastic and self.rank_table is not None:
+            raise LaunchError(
+                f"--rank-table with --nnodes {self.nnodes_text}: a rank table fixes every node"
+                " and rank, an elastic job changes them. Drop one of the two."
+            )
+
+    @property
+    def elastic(self) -> bool:
+        """The job may train on fewer nodes than `num_nodes` (`--nnodes MIN:MAX`, MIN < MAX)."""
+        return self.min_nodes is not None and self.min_nodes < self.num_nodes
+
+    @property
+    def nnodes_text(self) -> str:
+        """`--nnodes` as given: `"2"` or `"1:2"`."""
+        if self.elastic:
+            return f"{self.min_nodes}:{self.num_nodes}"
+        return str(self.num_nodes)
+
+    @property
+    def shape_text(self) -> str:
+        """The flags every node of one job must agree on, as the rendezvous compares them."""
+        if self.elastic:
+            return f"--nnodes {self.nnodes_text} --local-worker-num {self.local_worker_num}"
+        return (
+            f"--worker-num {self.worker_num} --local-worker-num {self.local_worker_num}"
+            f" ({self.num_nodes} nodes)"
+        )
 
     def _check_network(self) -> None:
         if not 1 <= self.master_port <= 65535:

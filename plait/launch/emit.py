@@ -120,6 +120,12 @@ def plait_run_argv(config: RunConfig, *, node_rank: str, master_addr: str) -> li
 
 def emit(config: RunConfig, options: EmitOptions) -> str:
     """The text of the cluster file."""
+    if config.elastic:
+        raise LaunchError(
+            f"--emit {options.target.value} with --nnodes {config.nnodes_text}: the emitted"
+            " files start a fixed number of nodes (an sbatch allocation, a job's replicas), so"
+            " the job would not be elastic. Pass --nnodes N (or --worker-num) for --emit."
+        )
     if options.target is EmitTarget.SLURM:
         return sbatch_script(config, options)
     if options.k8s_api is KubernetesApi.JOBSET:

@@ -4,7 +4,7 @@ Layout of `--log-dir`:
 
     launcher.log                 the launcher's own log (rendezvous, restarts, failures)
     worker_<rank>.log            stdout and stderr of global rank <rank>, first attempt
-    worker_<rank>.restart<k>.log the same after the k-th group restart
+    worker_<rank>.restart<k>.log the same after the k-th group restart (or re-forming)
     worker_<rank>.error.json     torch elastic's error file, when the script uses @record
 
 Each worker writes stdout and stderr into one file (the exec shim merges them), so a log reads
@@ -41,6 +41,7 @@ class RankLogsSpecs(LogsSpecs):
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(log_dir=str(log_dir))
         self._echoed = echoed_ranks
+        self._starts = 0
         self.paths: dict[int, str] = {}
         """Global rank -> its current log file, updated at every (re)start."""
 
@@ -50,9 +51,13 @@ class RankLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = LogsDest()
+        # numbered by this node's own starts, not TORCHELASTIC_RESTART_COUNT: an elastic
+        # group that re-forms for a node joining restarts without counting a restart, and its
+        # logs would overwrite the previous formation's
+        self._starts += 1
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
-            restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            restart = self._starts - 1
             path = os.path.join(self.root_log_dir, worker_log_name(rank, restart))
             self.paths[rank] = path
             dest.stdouts[local_rank] = path

@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     RendezvousTimeoutError,
     rendezvous_handler_registry,
 )
@@ -83,9 +84,8 @@ class NodeRankedHandler(RendezvousHandler):
         self._timeout = params.get_as_int("join_timeout", 600)
         self._endpoint = params.endpoint
         self._attempt = 0
-        worker_num = params.get_as_int("plait_worker_num")
-        local = params.get_as_int("plait_local_worker_num")
-        self._shape = None if worker_num is None or local is None else (worker_num, local)
+        shape = params.get("plait_shape")
+        self._shape: str | None = shape if isinstance(shape, str) else None
 
     def get_backend(self) -> str:
         return BACKEND_NAME
@@ -110,6 +110,7 @@ class NodeRankedHandler(RendezvousHandler):
             if self._store.check([refused]):
                 raise LaunchError(self._store.get(refused).decode()) from e
             raise
+        _republish_bootstrap(info)
         if self._node_rank is None:
             return info
         return self._reorder(info, self._node_rank)
@@ -117,31 +118,28 @@ class NodeRankedHandler(RendezvousHandler):
     def _refused_key(self) -> str:
         return f"plait.refused.{self.get_run_id()}"
 
-    def _describe(self, node_rank: int | None, shape: tuple[int, int]) -> str:
-        who = "a node" if node_rank is None else f"node {node_rank}"
-        return (
-            f"{who} passed --worker-num {shape[0]} --local-worker-num {shape[1]}"
-            f" ({shape[0] // shape[1]} nodes)"
-        )
+    def _describe(self, node_rank: int | None, shape: str) -> str:
+        return f"{'a node' if node_rank is None else f'node {node_rank}'} passed {shape}"
 
     def _check_shape(self) -> None:
-        """Refuse to join a job whose first node passed another worker count (see 3. above)."""
+        """Refuse to join a job whose first node passed other worker counts (see 3. above)."""
         if self._shape is None:
             return
-        mine = f"{self._node_rank if self._node_rank is not None else -1}:{self._shape[0]}:{self._shape[1]}"
+        rank = -1 if self._node_rank is None else self._node_rank
         # compare_set with expected "" sets the value only where none is stored yet and returns
         # what is stored: the first node's shape, or this one's when it is the first
-        first = self._store.compare_set(f"plait.shape.{self.get_run_id()}", "", mine).decode()
-        rank_text, worker_num, local = (int(v) for v in first.split(":"))
-        if (worker_num, local) == self._shape:
+        key = f"plait.shape.{self.get_run_id()}"
+        first = self._store.compare_set(key, "", f"{rank}|{self._shape}").decode()
+        first_rank_text, _, first_shape = first.partition("|")
+        if first_shape == self._shape:
             return
-        first_rank = None if rank_text < 0 else rank_text
+        first_rank = None if int(first_rank_text) < 0 else int(first_rank_text)
         message = (
             f"Nodes of one job disagree at rendezvous {self._endpoint}:"
-            f" {self._describe(first_rank, (worker_num, local))}, but"
+            f" {self._describe(first_rank, first_shape)}, but"
             f" {self._describe(self._node_rank, self._shape)}. Every node must pass the same"
-            " --worker-num (the whole job's workers) and --local-worker-num; restart the job"
-            " with one pair on every node."
+            " --worker-num (the whole job's workers), --local-worker-num and --nnodes; restart"
+            " the job with the same flags on every node."
         )
         self._store.set(self._refused_key(), message)
         self._inner.set_closed()  # the nodes already waiting stop with this message
@@ -197,6 +195,22 @@ class NodeRankedHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         return self._inner.shutdown()
+
+
+def _republish_bootstrap(info: RendezvousInfo) -> None:
+    """Publish the workers' store address in this round's store, on the round's rank 0.
+
+    torch builds a handler's bootstrap store info once, at its first round: rank 0 then writes
+    MASTER_ADDR/MASTER_PORT under that round's prefix and the other nodes read them there. A
+    node that joins in a later round (an elastic scale-out, a node restarted by hand) builds
+    its info then, and waits for keys under the new round's prefix that rank 0, keeping its
+    old info, never writes: both nodes wait forever (torch 2.13). Rank 0 writes them each round.
+    """
+    boot = info.bootstrap_store_info
+    if info.rank != 0 or boot is None:
+        return
+    info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, boot.master_addr)
+    info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(boot.master_port))
 
 
 def create_plait_handler(params: RendezvousParameters) -> RendezvousHandler:

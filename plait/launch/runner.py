@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 _SHIM = str(Path(__file__).with_name("_worker_exec.py"))
 TAIL_LINES = 20
+ELASTIC_LAST_CALL = 5
+"""Seconds an elastic rendezvous waits for more nodes once it has `--nnodes` MIN."""
 """Lines of a failed worker's log quoted in the failure report."""
 
 
@@ -132,7 +134,7 @@ def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
 
 def effective_node_rank(config: RunConfig) -> int | None:
     """The node rank, which is 0 for a one-node job even when not given."""
-    return 0 if config.num_nodes == 1 else config.node_rank
+    return 0 if config.num_nodes == 1 and not config.elastic else config.node_rank
 
 
 def build_launch_config(
@@ -146,9 +148,11 @@ def build_launch_config(
         "join_timeout": timeout,
         "timeout": timeout,
         "read_timeout": timeout,
-        "plait_worker_num": config.worker_num,
-        "plait_local_worker_num": config.local_worker_num,
+        "plait_shape": config.shape_text,
     }
+    if config.elastic:
+        # once MIN nodes are in, wait this long for the others before starting (torch: 30 s)
+        rdzv_configs["last_call_timeout"] = ELASTIC_LAST_CALL
     if keeper is not None:
         rdzv_configs["plait_store_keeper"] = keeper
     node_rank = effective_node_rank(config)
@@ -156,7 +160,7 @@ def build_launch_config(
         rdzv_configs["plait_node_rank"] = node_rank
         rdzv_configs["is_host"] = node_rank == 0
     return LaunchConfig(
-        min_nodes=config.num_nodes,
+        min_nodes=config.min_nodes or config.num_nodes,
         max_nodes=config.num_nodes,
         nproc_per_node=config.local_worker_num,
         logs_specs=logs_specs,
@@ -237,6 +241,13 @@ def run_job(config: RunConfig) -> JobResult:
         config.rendezvous_endpoint, config.log_dir,
     )  # fmt: skip
     keeper = StoreKeeper()
+    if config.elastic:
+        # torch shares the rendezvous store with the workers, their keys prefixed by the
+        # restart count; a group re-formed for a joining node keeps its count (and a node that
+        # joined late has its own), so the new group reads the old one's addresses and never
+        # connects. Unshared, rank 0 opens a fresh store for every formation (torchrun's
+        # behaviour before 2.4). Read by torch's rendezvous in this (the launcher's) process.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         elastic_launch(build_launch_config(config, logs, keeper), entrypoint)(*args)
     except ChildFailedError as e:

@@ -61,11 +61,35 @@ def test_launch_cli_defaults_and_module(train: str) -> None:
         (["--max-restarts", "-1"], "must be >= 0"),
         (["--worker-num", "2", "--tail-worker-log", "5"], r"rank 5 is outside 0..1"),
         (["--tail-worker-log", "zero"], "is not a list of ranks"),
+        (["--nnodes", "1:2"], "--nnodes 1:2 needs --local-worker-num"),
+        (["--nnodes", "2:1", "--local-worker-num", "2"], r"fewest nodes must be in 1..1"),
+        (["--nnodes", "0:2", "--local-worker-num", "2"], "is not N or MIN:MAX"),
+        (["--nnodes", "a:b", "--local-worker-num", "2"], "is not N or MIN:MAX"),
+        (["--nnodes", "1:2", "--local-worker-num", "2", "--worker-num", "8"],
+         r"--worker-num 8 does not match --nnodes 1:2 with --local-worker-num 2"),
+        (["--nnodes", "1:2", "--local-worker-num", "2", "--node-rank", "0"],
+         "an elastic job numbers its nodes at every rendezvous"),
     ],
 )  # fmt: skip
 def test_launch_cli_bad_flags_are_refused(train: str, argv: list[str], message: str) -> None:
     with pytest.raises(LaunchError, match=message):
         config_from_args(parse(*argv, train))
+
+
+def test_launch_cli_nnodes(train: str) -> None:
+    elastic = config_from_args(parse("--nnodes", "1:3", "--local-worker-num", "2", train))
+    assert (elastic.min_nodes, elastic.num_nodes, elastic.worker_num) == (1, 3, 6)
+    assert elastic.elastic and elastic.nnodes_text == "1:3"
+    assert elastic.shape_text == "--nnodes 1:3 --local-worker-num 2"
+    fixed = config_from_args(parse("--nnodes", "2", "--local-worker-num", "4", train))
+    assert (fixed.worker_num, fixed.num_nodes, fixed.elastic) == (8, 2, False)
+    assert fixed.shape_text == "--worker-num 8 --local-worker-num 4 (2 nodes)"
+
+
+def test_launch_emit_refuses_an_elastic_job(train: str, capsys) -> None:
+    assert main(["run", "--emit", "slurm", "--nnodes", "1:2", "--local-worker-num", "2",
+                 train]) == 2  # fmt: skip
+    assert "the job would not be elastic" in capsys.readouterr().err
 
 
 def test_launch_cli_missing_script_exits_2(tmp_path: Path, capsys) -> None:

@@ -40,6 +40,7 @@ from plait.errors import PlanError
 
 __all__ = [
     "ProgramCollective",
+    "collective_kind",
     "collectives_of",
     "fuse_output_reductions",
     "run_lockstep",

@@ -14,7 +14,9 @@ later, so the culprit's report is written first.
 
 Each report (:func:`report_text`) gives the collective the rank waits in (kind, process group,
 sequence number within that group, sizes, the frames that issued it) or, for the rank that
-never arrived, the last one it finished, and the Python stack of each of its threads; it goes
+never arrived, the last one it finished; where the rank stands in a plan's per-rank program,
+the program's node and the plan's op, module and reason for that collective
+(:func:`program_position`); and the Python stack of each of its threads. It goes
 to the rank's log (stderr) and, where ``PLAIT_LOG_DIR`` is set (``plait run`` sets it), to
 ``hang_rank<r>.txt`` there. Then the rank exits with :data:`HANG_EXIT_CODE`, so the launcher
 stops the job instead of waiting: comparing the reports' sequence numbers (:func:`summarize`)
@@ -38,6 +40,7 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from plait.errors import ConfigError
@@ -46,6 +49,7 @@ __all__ = [
     "HANG_EXIT_CODE",
     "HangWatchdog",
     "PendingCollective",
+    "program_position",
     "report_text",
     "summarize",
 ]
@@ -117,6 +121,40 @@ def _entry(e: dict[str, Any]) -> PendingCollective:
     )
 
 
+def program_position(frame: FrameType | None) -> str | None:
+    """Where a stack stands in an FX program (a plan's per-rank program), innermost first:
+    the node, and the plan's op, module and reason its trace tagged it with; None outside one.
+
+    The program is a ``torch.fx.GraphModule`` whose generated ``forward`` is on the stack: its
+    line maps to a node (FX's line map); a ``wait_tensor`` stands for the collective it waits
+    on. Read without importing torch (the watchdog may run before it is imported).
+    """
+    while frame is not None:
+        module = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        lines = getattr(module, "_lineno_map", None)
+        if lines is not None and hasattr(module, "graph"):
+            index = lines.get(frame.f_lineno - getattr(module, "_prologue_start", 0))
+            nodes = list(module.graph.nodes)
+            if index is not None and 0 <= index < len(nodes):
+                return _describe_node(nodes[index])
+        frame = frame.f_back
+    return None
+
+
+def _describe_node(node: Any) -> str:
+    if "wait_tensor" in str(node.target) and node.args and hasattr(node.args[0], "meta"):
+        node = node.args[0]  # the collective it waits for
+    tags = node.meta.get("custom") or {}
+    text = f"node {node.name!r} ({getattr(node.target, '__name__', node.target)})"
+    if "plait_op" in tags:
+        text += f", the plan's op {tags['plait_op']!r} (module {tags.get('plait_module', '?')!r})"
+    if tags.get("plait_phase") == "backward":
+        text += ", in backward"
+    if "plait_reason" in tags:
+        text += f": {tags['plait_reason']}"
+    return text
+
+
 def report_text(
     rank: int,
     timeout: float,
@@ -125,9 +163,11 @@ def report_text(
     now: float,
     stacks: str,
     peer: str | None = None,
+    program: str | None = None,
 ) -> str:
     """What a hung rank says: where it waits (or, while ``peer`` waits for it, the last
-    collective it finished) and the Python stacks of its threads."""
+    collective it finished), where it stands in the plan's program and the Python stacks of
+    its threads."""
     if waiting is not None:
         lines = [f"plait: rank {rank} is hung: no progress for {timeout:g} s (hang_timeout)"]
         lines.append(f"  waiting in {waiting.describe(now)}")
@@ -142,6 +182,8 @@ def report_text(
             lines += [f"    called from {f}" for f in last.frames[:3]]
         else:
             lines.append("  no collective issued yet")
+    if program is not None:
+        lines.append(f"  in the plan's per-rank program at {program}")
     lines.append(f"  Python stacks of rank {rank}'s threads (innermost last):")
     lines.append(stacks.rstrip())
     return "\n".join(lines) + "\n"
@@ -221,9 +263,16 @@ class HangWatchdog:
         now: float,
         peer: str | None,
     ) -> None:
-        text = report_text(
-            self.rank, self.timeout, waiting, last, now, _stacks(threading.get_ident()), peer
+        own = threading.get_ident()
+        positions = (
+            program_position(frame)
+            for ident, frame in sys._current_frames().items()
+            if ident != own
         )
+        text = report_text(
+            self.rank, self.timeout, waiting, last, now, _stacks(own), peer,
+            program=next((p for p in positions if p is not None), None),
+        )  # fmt: skip
         self.report = text
         sys.stderr.write(text)
         sys.stderr.flush()
@@ -302,9 +351,12 @@ def record_collectives() -> None:
 
 def summarize(reports: Iterable[str]) -> list[str]:
     """The ranks' reports in brief: each one's first two lines (who never arrived, or where
-    it waits; then the last collective the former finished), the rank that never arrived
-    visible by its lower sequence number. ``plait run`` prints them after a hang."""
+    it waits; then the last collective the former finished) and its place in the plan's
+    program, the rank that never arrived visible by its lower sequence number. ``plait run``
+    prints them after a hang."""
     out: list[str] = []
     for text in reports:
-        out += text.splitlines()[:2]
+        lines = text.splitlines()
+        out += lines[:2]
+        out += [line for line in lines if line.startswith("  in the plan's per-rank program")]
     return out

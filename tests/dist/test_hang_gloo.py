@@ -58,6 +58,46 @@ def test_a_rank_that_never_arrives_is_named_and_the_job_stops(
     assert waits == finished + 1  # the one collective rank 1 never reached
 
 
+def _plan_step_never_arrives() -> str:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import plait
+    from plait.models import MLP
+
+    plait.init(hang_timeout=2.0)
+    torch.manual_seed(0)
+    # auto splits the hidden layers over tp: the program gathers a hidden activation
+    job = plait.parallelize(
+        MLP((64, 256, 256, 64)), plait.ParallelConfig(mode="auto", mesh={"tp": 2}),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+    )  # fmt: skip
+    batch = (torch.randn(8, 64), torch.randn(8, 64))
+    job.step(batch)
+    if dist.get_rank() == 1:
+        time.sleep(SLEEP_S)
+    job.step(batch)  # rank 0 waits inside the per-rank program
+    return "finished"
+
+
+def test_a_hang_inside_the_plans_program_names_the_plans_op_and_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PLAIT_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    with pytest.raises(Exception, match=f"exit code {HANG_EXIT_CODE}|{HANG_EXIT_CODE}"):
+        run_workers(_plan_step_never_arrives, 2, timeout_s=120)
+    waiting = (tmp_path / "hang_rank0.txt").read_text()
+    assert "waiting in gloo:all_gather #" in waiting
+    assert re.search(
+        r"in the plan's per-rank program at node 'all_gather_into_tensor\w*' \(all_gather_into_"
+        r"tensor.default\), the plan's op 'linear_1' \(module 'layers.1'\): linear_1 needs"
+        r" output of gelu as \[None, None\]; it is \[None, tp\]",
+        waiting,
+    ), waiting
+
+
 NEVER_ARRIVES = """
 import time
 

@@ -840,13 +840,15 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.moved: dict[tuple[str, TensorLayout], torch.Tensor] = {}
         # Each op's node carries the model's module that runs it: the Interpreter makes a
         # node's meta the current trace meta, so the per-rank program's nodes traced from it
-        # carry the tag too (recompute regions, plait.runtime.program.remat).
+        # carry the tag too (recompute regions, plait.runtime.program.remat; the plan's op
+        # and reason beside a collective in hang reports, plait.launch.hang).
         modules = {op.name: op.module_path for op in executor.captured.graph.ops}
         for node in cast(torch.fx.GraphModule, self.module).graph.nodes:
             if node.name in modules:
                 node.meta["custom"] = {
                     **(node.meta.get("custom") or {}),
                     "plait_module": modules[node.name],
+                    "plait_op": node.name,  # the plan's op: named by hang reports
                 }
 
     def forget(self) -> None:

@@ -53,6 +53,7 @@ from plait.comm.dtensor import (
 )
 from plait.comm.lower import (
     ProgramCollective,
+    collective_kind,
     collectives_of,
     fuse_output_reductions,
     run_lockstep,
@@ -518,6 +519,7 @@ def compile_program(
     seconds = time.perf_counter() - started
     for graph_module in traced.values():
         drop_aliases(graph_module)
+        _tag_planned_reasons(graph_module, executor.plan)
     program = Program(
         traced,
         inputs=inputs,
@@ -539,6 +541,22 @@ def compile_program(
         len(traced),
     )
     return program
+
+
+def _tag_planned_reasons(graph_module: torch.fx.GraphModule, plan: Any) -> None:
+    """Tag each collective node with the plan's reason for it (``plait_reason``), found by the
+    plan op its node was traced from and its kind, so a hang report can say why the program
+    waits there (:mod:`plait.launch.hang`)."""
+    reasons: dict[tuple[str, str], str] = {}
+    for planned in plan.collectives:
+        reasons.setdefault((planned.op, planned.kind), planned.reason)
+    for node in graph_module.graph.nodes:
+        kind = collective_kind(node)
+        tags = node_tags(node)
+        op = tags.get("plait_op")
+        if kind is None or not isinstance(op, str) or (op, kind) not in reasons:
+            continue
+        node.meta["custom"] = {**tags, "plait_reason": reasons[(op, kind)]}
 
 
 def _input_specs(executor: Any, flat: Sequence[Any], trained: set[str]) -> list[_Input]:

@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -138,7 +138,9 @@ class ParallelConfig:
     devices: int | None = None
     """Number of devices (ranks); None = the world size at parallelize time."""
     mesh: Mapping[str, int] | None = None
-    """Named mesh axes, outermost first, e.g. {"dp": 2, "tp": 2}; None = {dp_axis: devices}."""
+    """Named mesh axes, outermost first, e.g. {"dp": 2, "tp": 2}; None = {dp_axis: devices}.
+    The ``dp_axis`` may be -1: it takes the rest of the world (``{"dp": -1, "tp": 2}`` is
+    dp=2 on 4 ranks, dp=4 on 8), so one config serves every size of an elastic job."""
     dp_axis: str = "dp"
     """The mesh axis that plays data parallel (the batch is split across it)."""
     pipeline_stages: int = 1
@@ -308,7 +310,7 @@ class ParallelConfig:
                 "optimizer_shard=1, 2 or 3, or leave optimizer_weight_shard_size out"
             )
         dp = self._mesh.get(self.dp_axis)
-        if dp is not None and dp % size:
+        if dp is not None and dp > 0 and dp % size:  # -1: checked once sized (for_world)
             raise ConfigError(
                 f"ParallelConfig.optimizer_weight_shard_size={size} does not divide the "
                 f"{self.dp_axis!r} axis ({dp} ranks): give a divisor of {dp}, e.g. "
@@ -397,10 +399,18 @@ class ParallelConfig:
                 raise ConfigError(
                     f"ParallelConfig.mesh axis name {name!r} is not allowed; use a non-empty string"
                 )
+            if size == -1 and name == self.dp_axis and not isinstance(size, bool):
+                continue  # the rest of the world: resolved by for_world
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ConfigError(
-                    f"ParallelConfig.mesh[{name!r}]={size!r} is not allowed; sizes are integers >= 1"
+                    f"ParallelConfig.mesh[{name!r}]={size!r} is not allowed; sizes are integers"
+                    f" >= 1, or -1 on the data-parallel axis ({self.dp_axis!r}) for the rest of"
+                    " the world"
                 )
+        if self.mesh.get(self.dp_axis) == -1:
+            if self.devices is None:
+                return dict(self.mesh)  # parallelize resolves it on the world (for_world)
+            return self._rest_to_dp(self.devices)
         total = math.prod(self.mesh.values())
         if self.devices is not None and total != self.devices:
             raise ConfigError(
@@ -408,6 +418,32 @@ class ParallelConfig:
                 "make the product of the mesh sizes equal devices"
             )
         return dict(self.mesh)
+
+    def _rest_to_dp(self, world_size: int) -> dict[str, int]:
+        """The mesh with the -1 data-parallel axis given the rest of ``world_size`` ranks."""
+        assert self.mesh is not None
+        others = math.prod(size for name, size in self.mesh.items() if name != self.dp_axis)
+        if world_size % others:
+            raise ConfigError(
+                f"ParallelConfig.mesh={dict(self.mesh)!r} on {world_size} ranks: the other axes"
+                f" take {others} ranks, which does not divide {world_size}, so "
+                f"{self.dp_axis}=-1 has no size; run a multiple of {others} ranks"
+            )
+        return {
+            name: world_size // others if name == self.dp_axis else size
+            for name, size in self.mesh.items()
+        }
+
+    def for_world(self, world_size: int) -> ParallelConfig:
+        """This config on a world of ``world_size`` ranks: a -1 data-parallel axis sized.
+
+        Example:
+            >>> ParallelConfig(mode="semi_auto", mesh={"dp": -1, "tp": 2}).for_world(8).mesh_dict
+            {'dp': 4, 'tp': 2}
+        """
+        if self.mesh is None or self.mesh.get(self.dp_axis) != -1:
+            return self
+        return replace(self, mesh=self._rest_to_dp(world_size))
 
     @property
     def mesh_dict(self) -> dict[str, int]:

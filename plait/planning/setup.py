@@ -69,6 +69,11 @@ def check_config(cfg: ParallelConfig) -> None:
 def mesh_of(cfg: ParallelConfig) -> MeshSpec:
     """The plan's mesh: ``cfg.mesh``, or ``{pp: stages, dp: rest}`` from ``cfg.devices``."""
     mesh = cfg.mesh_dict if cfg.mesh is not None else {}
+    if mesh.get(cfg.dp_axis) == -1:
+        raise ConfigError(
+            f"ParallelConfig.mesh={mesh!r}: {cfg.dp_axis}=-1 takes the rest of the world, and"
+            " plait.plan never looks at a live world: give devices=N (e.g. devices=8) to size it"
+        )
     stages = cfg.pipeline_stages
     if not mesh:
         if cfg.mode == "stand_alone":

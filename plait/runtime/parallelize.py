@@ -184,12 +184,14 @@ def parallelize(
             f"parallelize expects a plait.ParallelConfig or a plait.Plan, got "
             f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
         )
+    world = current_world()
+    if world is not None:
+        config = config.for_world(world.world_size)  # a mesh's dp=-1 takes the rest
     support.check(config)  # what is refused on every engine (plait.support's table)
     check_log_dir(config)  # metrics that could not be written: before any collective
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     install_model_generate(model, config.dp_axis)  # HF's own generate on the job's DTensor parameters
-    world = current_world()
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
         # its engine's rules need the axes inside the stages: check_pipeline_config reads them

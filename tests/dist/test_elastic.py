@@ -4,7 +4,7 @@ group re-forms alone at world 2 and resumes from the last checkpoint, resharded;
 again, A's launcher sees it waiting, and the group re-forms at world 4 and resumes once more.
 The script keeps the global batch (8 samples: gradient accumulation takes the micro-batches a
 smaller world cannot hold side by side) and the data loader's position (in the checkpoint), and
-lets data parallel absorb the change (the default mesh is the world). Every step's loss, however
+lets data parallel absorb the change (``mesh={"dp": -1}``: dp takes the world). Every step's loss, however
 many times it was run, and the final weights equal one device's.
 """
 
@@ -49,7 +49,8 @@ torch.manual_seed(0)
 job = plait.parallelize(
     MLP((8, 16, 4)),
     plait.ParallelConfig(
-        mode="data_parallel", grad_accumulation={GLOBAL_BATCH} // ({MICRO} * world.world_size)
+        mode="data_parallel", mesh={{"dp": -1}},  # dp takes the world, whatever its size
+        grad_accumulation={GLOBAL_BATCH} // ({MICRO} * world.world_size),
     ),
     optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
     loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),

@@ -41,10 +41,19 @@ def test_config_defaults_and_mesh():
         ({"dp_axis": ""}, r"dp_axis='' is not allowed"),
         ({"log_dir": 3}, r"log_dir=3 is not allowed; give a directory path"),
         ({"log_dir": ""}, r"log_dir='' is not allowed"),
-        ({"log_dir": "runs", "log_formats": "jsonl"}, r"log_formats='jsonl' is not allowed; give a non-empty tuple"),
+        (
+            {"log_dir": "runs", "log_formats": "jsonl"},
+            r"log_formats='jsonl' is not allowed; give a non-empty tuple",
+        ),
         ({"log_dir": "runs", "log_formats": ()}, r"log_formats=\(\) is not allowed"),
-        ({"log_dir": "runs", "log_formats": ("csv",)}, r"log_formats=\('csv',\) is not allowed; give a non-empty tuple of 'tensorboard', 'jsonl'"),
-        ({"log_formats": ("jsonl",)}, r"log_formats=\('jsonl',\)\) without log_dir writes nothing; give log_dir="),
+        (
+            {"log_dir": "runs", "log_formats": ("csv",)},
+            r"log_formats=\('csv',\) is not allowed; give a non-empty tuple of 'tensorboard', 'jsonl'",
+        ),
+        (
+            {"log_formats": ("jsonl",)},
+            r"log_formats=\('jsonl',\)\) without log_dir writes nothing; give log_dir=",
+        ),
     ],
 )
 def test_config_invalid_field_is_refused(kwargs, message):
@@ -78,3 +87,25 @@ def test_pipeline_stages_come_from_the_mesh_pp_axis() -> None:
     """The mesh's pp axis holds the stages: saying it once is enough."""
     assert ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}).pipeline_stages == 2
     assert ParallelConfig(mode="auto", mesh={"dp": 4}).pipeline_stages == 1
+
+
+def test_config_dp_minus_one_takes_the_rest_of_the_world() -> None:
+    cfg = ParallelConfig(mode="semi_auto", mesh={"dp": -1, "tp": 2})
+    assert cfg.mesh_dict == {"dp": -1, "tp": 2}  # sized by parallelize, on the world
+    assert cfg.for_world(8).mesh_dict == {"dp": 4, "tp": 2}
+    assert cfg.for_world(2).mesh_dict == {"dp": 1, "tp": 2}
+    assert ParallelConfig(mesh={"dp": 2}).for_world(8).mesh_dict == {"dp": 2}  # nothing to size
+    assert ParallelConfig(mesh={"dp": -1, "tp": 2}, devices=6).mesh_dict == {"dp": 3, "tp": 2}
+    with pytest.raises(ConfigError, match=r"take 2 ranks, which does not divide 5"):
+        cfg.for_world(5)
+    with pytest.raises(
+        ConfigError, match=r"mesh\['tp'\]=-1 is not allowed.*-1 on the data-parallel"
+    ):
+        ParallelConfig(mesh={"dp": 2, "tp": -1})
+
+
+def test_plan_needs_devices_to_size_dp_minus_one() -> None:
+    from plait.planning.setup import mesh_of
+
+    with pytest.raises(ConfigError, match=r"dp=-1 takes the rest of the world.*give devices=N"):
+        mesh_of(ParallelConfig(mode="auto", mesh={"dp": -1, "tp": 2}))

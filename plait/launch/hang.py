@@ -130,9 +130,9 @@ def program_position(frame: FrameType | None) -> str | None:
     on. Read without importing torch (the watchdog may run before it is imported).
     """
     while frame is not None:
-        module = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        module: Any = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
         lines = getattr(module, "_lineno_map", None)
-        if lines is not None and hasattr(module, "graph"):
+        if module is not None and lines is not None and hasattr(module, "graph"):
             index = lines.get(frame.f_lineno - getattr(module, "_prologue_start", 0))
             nodes = list(module.graph.nodes)
             if index is not None and 0 <= index < len(nodes):

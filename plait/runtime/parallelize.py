@@ -150,6 +150,25 @@ def _job_mesh(cfg: ParallelConfig, world_size: int) -> MeshSpec:
     return spec
 
 
+def _plan_and_config(
+    given: ParallelConfig | Plan, world: Any
+) -> tuple[Plan | None, ParallelConfig]:
+    """The plan given (if one was) and the config to run, sized for the world (a mesh's
+    ``dp=-1`` takes the rest of it)."""
+    plan: Plan | None = None
+    config: Any = given
+    if isinstance(given, Plan):
+        plan, config = given, _config_of(given)
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(
+            f"parallelize expects a plait.ParallelConfig or a plait.Plan, got "
+            f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
+        )
+    if world is not None:
+        config = config.for_world(world.world_size)
+    return plan, config
+
+
 def parallelize(
     model: nn.Module,
     config: ParallelConfig | Plan,
@@ -176,17 +195,8 @@ def parallelize(
         ConfigError: the mesh does not match the world.
         ShardingError, LayoutError: an annotation does not fit the model or the mesh.
     """
-    plan: Plan | None = None
-    if isinstance(config, Plan):
-        plan, config = config, _config_of(config)
-    if not isinstance(config, ParallelConfig):
-        raise ConfigError(
-            f"parallelize expects a plait.ParallelConfig or a plait.Plan, got "
-            f"{type(config).__name__}; build one with plait.ParallelConfig(...) or plait.plan(...)"
-        )
     world = current_world()
-    if world is not None:
-        config = config.for_world(world.world_size)  # a mesh's dp=-1 takes the rest
+    plan, config = _plan_and_config(config, world)
     support.check(config)  # what is refused on every engine (plait.support's table)
     check_log_dir(config)  # metrics that could not be written: before any collective
     config = _with_model_marks(model, config)

@@ -55,13 +55,21 @@ def test_launch_worker_command_uses_exec_shim() -> None:
 
 def test_launch_logs_named_by_rank(tmp_path: Path) -> None:
     logs = RankLogsSpecs(tmp_path, frozenset({2}))
-    envs = {0: {"RANK": "2", "TORCHELASTIC_RESTART_COUNT": "0"},
-            1: {"RANK": "3", "TORCHELASTIC_RESTART_COUNT": "1"}}  # fmt: skip
+
+    def start(count: str) -> dict[int, dict[str, str]]:
+        return {0: {"RANK": "2", "TORCHELASTIC_RESTART_COUNT": count},
+                1: {"RANK": "3", "TORCHELASTIC_RESTART_COUNT": count}}  # fmt: skip
+
+    envs = start("0")
     dest = logs.reify(envs)
     assert dest.stdouts == {0: str(tmp_path / "worker_2.log"),
-                            1: str(tmp_path / "worker_3.restart1.log")}  # fmt: skip
+                            1: str(tmp_path / "worker_3.log")}  # fmt: skip
     assert dest.tee_stdouts == {0: str(tmp_path / "worker_2.log")}
     assert envs[1]["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "worker_3.error.json")
+    assert logs.reify(start("1")).stdouts[1] == str(tmp_path / "worker_3.restart1.log")
+    # an elastic group re-formed for a joining node keeps torch's restart count: the logs
+    # count this node's starts, so the previous formation's are kept
+    assert logs.reify(start("1")).stdouts[1] == str(tmp_path / "worker_3.restart2.log")
 
 
 def test_launch_failure_report_names_rank_signal_and_log() -> None:

@@ -141,6 +141,7 @@ def _one_device() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.state_dict()
 
 
+@pytest.mark.nightly  # about 65 s: in `make nightly` (.ci/run), not `make test`
 def test_node_leaves_and_joins_training_goes_on_like_one_device(tmp_path: Path) -> None:
     prog = script(tmp_path, "train.py", TRAIN)
     port, ckpt = free_port(), tmp_path / "ckpt"

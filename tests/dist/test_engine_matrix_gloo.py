@@ -186,6 +186,7 @@ def _check(results: list[dict[str, Any]], configs: dict[str, ParallelConfig], hf
 
 
 @pytest.mark.nightly
+@pytest.mark.timeout(1500)  # the workers' own bound: 24 cases in one run, past pytest's 300 s
 @pytest.mark.parametrize("hf", [False, True], ids=["sdpa_llama", "hf_llama"])
 def test_every_4_process_layout_and_option_trains_like_one_device_nightly(hf: bool) -> None:
     if hf:
@@ -195,6 +196,7 @@ def test_every_4_process_layout_and_option_trains_like_one_device_nightly(hf: bo
 
 
 @pytest.mark.nightly
+@pytest.mark.timeout(1500)  # the workers' own bound, as above
 @pytest.mark.parametrize("hf", [False, True], ids=["sdpa_llama", "hf_llama"])
 def test_pp2_dp2_tp2_on_8_processes_trains_like_one_device_nightly(hf: bool) -> None:
     if hf:

@@ -31,9 +31,9 @@ from plait.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and readers
-    from plait import checkpoint, data, ops, testing
-    from plait.annotate import on_host, pipeline_stage, recompute, shard
-    from plait.config import CommFusion, ParallelConfig
+    from plait import checkpoint, data, ops, ps, testing
+    from plait.annotate import on_host, on_server, pipeline_stage, recompute, shard
+    from plait.config import CommFusion, ParallelConfig, SparseOptimizer
     from plait.graph import OpGraph, capture
     from plait.launch import World, init
     from plait.layout import Layout, Partial, Replicate, Shard, TensorLayout
@@ -46,11 +46,13 @@ __version__ = "0.1.0"
 
 _LAZY: dict[str, str] = {
     "on_host": "plait.annotate",
+    "on_server": "plait.annotate",
     "pipeline_stage": "plait.annotate",
     "recompute": "plait.annotate",
     "shard": "plait.annotate",
     "CommFusion": "plait.config",
     "ParallelConfig": "plait.config",
+    "SparseOptimizer": "plait.config",
     "OpGraph": "plait.graph",
     "capture": "plait.graph",
     "World": "plait.launch",
@@ -68,7 +70,7 @@ _LAZY: dict[str, str] = {
 }
 """Each public name and the module it is defined in (loaded on first use)."""
 
-_SUBMODULES = ("checkpoint", "data", "ops", "testing")
+_SUBMODULES = ("checkpoint", "data", "ops", "ps", "testing")
 """Rooms users reach as attributes (``plait.testing.simulate``), loaded on first use."""
 
 
@@ -110,6 +112,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardingError",
+    "SparseOptimizer",
     "TensorLayout",
     "WorkerFailed",
     "World",
@@ -119,10 +122,12 @@ __all__ = [
     "data",
     "init",
     "on_host",
+    "on_server",
     "ops",
     "parallelize",
     "pipeline_stage",
     "plan",
+    "ps",
     "recompute",
     "shard",
     "testing",

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args
 
 from plait.errors import ConfigError, NotBuiltError
 
-__all__ = ["SPLIT_BACKWARD", "CommFusion", "LogFormat", "ParallelConfig"]
+__all__ = ["SPLIT_BACKWARD", "CommFusion", "LogFormat", "ParallelConfig", "SparseOptimizer"]
 
 Mode = Literal["stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"]
 Search = Literal["sharding_propagation", "recursive_programming", "dynamic_programming", "ilp"]
@@ -31,6 +31,9 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Hardware = Literal["local", "a100-40g", "a100-80g", "h100", "h200", "ascend-910"]
 DatasetStrategy = Literal["data_parallel", "full_batch"]
 LogFormat = Literal["tensorboard", "jsonl"]
+PsMode = Literal["sync", "async"]
+PsSplit = Literal["range", "hash"]
+SparseKind = Literal["sgd", "adagrad", "adam"]
 SPLIT_BACKWARD = frozenset({"zero_bubble", "zero_bubble_v"})
 """Schedules that run the weight gradient as a pass of its own (Qi et al. 2023)."""
 
@@ -119,6 +122,57 @@ class CommFusion:
                 f"CommFusion.boundaries={b!r} is not allowed for mode 'index'; give strictly "
                 "increasing parameter indices >= 1, e.g. (4, 8)"
             )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SparseOptimizer:
+    """The optimizer a parameter server applies to the rows of its tables that a step touched
+    (rows no batch used keep their values and states). Each kind is torch's own optimizer on
+    the server's rows with a sparse gradient, so one device reaches the same table with
+    ``nn.Embedding(..., sparse=True)`` and the same class:
+
+    - ``"sgd"``: ``torch.optim.SGD(lr)`` (no momentum: its buffer would touch every row);
+    - ``"adagrad"``: ``torch.optim.Adagrad(lr, lr_decay, initial_accumulator_value, eps)``;
+    - ``"adam"``: ``torch.optim.SparseAdam(lr, betas, eps)``, Adam with lazy per-row moments.
+
+    Example:
+        >>> SparseOptimizer(kind="adagrad", lr=0.05).kind
+        'adagrad'
+    """
+
+    kind: SparseKind = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    """``"adam"`` only."""
+    eps: float = 1e-8
+    """``"adam"`` (default 1e-8) and ``"adagrad"`` (torch's default is 1e-10: give it)."""
+    lr_decay: float = 0.0
+    """``"adagrad"`` only."""
+    initial_accumulator_value: float = 0.0
+    """``"adagrad"`` only."""
+
+    def __post_init__(self) -> None:
+        _check_choice("SparseOptimizer.kind", self.kind, SparseKind)
+        if not isinstance(self.lr, int | float) or isinstance(self.lr, bool) or self.lr <= 0:
+            raise ConfigError(f"SparseOptimizer.lr={self.lr!r} is not allowed; use a number > 0")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(
+                f"SparseOptimizer.betas={self.betas!r} is not allowed; give two numbers in [0, 1)"
+            )
+        object.__setattr__(self, "betas", betas)
+        defaults = SparseOptimizer.__dataclass_fields__
+        unused = {
+            "sgd": ("betas", "eps", "lr_decay", "initial_accumulator_value"),
+            "adagrad": ("betas",),
+            "adam": ("lr_decay", "initial_accumulator_value"),
+        }[self.kind]
+        for name in unused:
+            if getattr(self, name) != defaults[name].default:
+                raise ConfigError(
+                    f"SparseOptimizer(kind={self.kind!r}, {name}={getattr(self, name)!r}): "
+                    f"{self.kind!r} has no {name}; leave it out or choose the kind that has it"
+                )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,6 +271,22 @@ class ParallelConfig:
     """What ``log_dir`` gets: ``"tensorboard"`` event files (``tensorboard --logdir DIR``;
     needs ``pip install 'plait[metrics]'``) and ``"jsonl"``, ``DIR/metrics.jsonl`` (one JSON
     object a step, no extra package)."""
+    server_modules: tuple[str, ...] = ()
+    """``mode="parameter_server"``: the embedding tables (module paths, ``nn.Embedding`` or
+    ``nn.EmbeddingBag``) held by the server ranks (MindSpore's ``set_param_ps``);
+    ``plait.on_server(module)`` marks one the same way (:mod:`plait.ps`)."""
+    ps_mode: PsMode = "sync"
+    """``"sync"``: servers apply a step's row gradients once every worker pushed them (one
+    device's training); ``"async"``: each push is applied when it arrives, a worker's pull
+    waiting only for pushes more than ``max_staleness`` steps old."""
+    max_staleness: int = 0
+    """``ps_mode="async"``: how many steps a worker may run ahead of the slowest push applied."""
+    server_optimizer: SparseOptimizer = field(default_factory=SparseOptimizer)
+    """What the servers apply to the rows a step touched."""
+    ps_split: PsSplit = "range"
+    """How a table's rows are split over servers: ``"range"`` (server ``s`` holds the ``s``-th
+    of equal consecutive blocks; the server count must divide the rows) or ``"hash"`` (row
+    ``i`` on server ``i mod S``: consecutive hot ids spread over every server)."""
     _mesh: MappingProxyType[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -233,6 +303,7 @@ class ParallelConfig:
             )
         self._check_choices()
         self._check_counts()
+        self._check_parameter_server()
         object.__setattr__(self, "_mesh", MappingProxyType(self._resolve_mesh()))
         pp = self._mesh.get("pp", 1)
         if pp > 1 and self.pipeline_stages == 1:
@@ -376,6 +447,51 @@ class ParallelConfig:
                 "virtual_stages out"
             )
 
+    def _check_parameter_server(self) -> None:
+        _check_choice("ps_mode", self.ps_mode, PsMode)
+        _check_choice("ps_split", self.ps_split, PsSplit)
+        if isinstance(self.server_optimizer, Mapping):
+            try:
+                built = SparseOptimizer(**self.server_optimizer)
+            except TypeError as e:
+                raise ConfigError(
+                    f"ParallelConfig.server_optimizer={self.server_optimizer!r}: {e}"
+                ) from None
+            object.__setattr__(self, "server_optimizer", built)
+        elif not isinstance(self.server_optimizer, SparseOptimizer):
+            raise ConfigError(
+                f"ParallelConfig.server_optimizer={self.server_optimizer!r} is not allowed; give "
+                "a plait.SparseOptimizer, e.g. SparseOptimizer(kind='adagrad', lr=0.05)"
+            )
+        staleness = self.max_staleness
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise ConfigError(
+                f"ParallelConfig.max_staleness={staleness!r} is not allowed; use an integer >= 0"
+            )
+        servers = _sorted_names("server_modules", self.server_modules,
+                                "module paths, e.g. ('user_table',)")  # fmt: skip
+        object.__setattr__(self, "server_modules", servers)
+        if self.mode != "parameter_server":
+            given = {
+                name: getattr(self, name)
+                for name in ("server_modules", "ps_mode", "max_staleness", "server_optimizer",
+                             "ps_split")
+                if getattr(self, name) != getattr(_PS_DEFAULTS, name)
+            }  # fmt: skip
+            if given:
+                field_name, value = next(iter(given.items()))
+                raise ConfigError(
+                    f"ParallelConfig({field_name}={value!r}) with mode={self.mode!r} would do "
+                    "nothing: it sets up parameter servers; give mode='parameter_server' or "
+                    f"leave {field_name} out"
+                )
+        elif staleness and self.ps_mode == "sync":
+            raise ConfigError(
+                f"ParallelConfig(max_staleness={staleness}) with ps_mode='sync' would do "
+                "nothing: sync servers apply every step before the next pull; give "
+                "ps_mode='async' or leave max_staleness out"
+            )
+
     def _check_counts(self) -> None:
         for name in ("pipeline_stages", "micro_batches", "grad_accumulation"):
             _check_positive_int(name, getattr(self, name))
@@ -477,12 +593,24 @@ class ParallelConfig:
         }
 
 
+class _PsDefaults:
+    """The parameter-server fields' defaults (ParallelConfig's own, read before it exists)."""
+
+    server_modules: tuple[str, ...] = ()
+    ps_mode = "sync"
+    max_staleness = 0
+    server_optimizer = SparseOptimizer()
+    ps_split = "range"
+
+
+_PS_DEFAULTS = _PsDefaults()
+
+
 # Options users of the field (MindSpore's auto-parallel context, Megatron, torchtitan) write
 # that plait has not built yet: each names what it is, so a config asking for it is refused
 # by name (a NotBuiltError), not with Python's "unexpected keyword argument".
 NOT_BUILT_FIELDS: Mapping[str, str] = MappingProxyType(
     {
-        "parameter_server": "parameter-server training (sparse tables on server ranks)",
         "sequence_parallel": "sequence parallel (activations split along the sequence)",
         "context_parallel": "context parallel (ring attention over a 'cp' axis)",
         "expert_parallel": "expert parallel (mixture-of-experts layers over an 'ep' axis)",
@@ -498,6 +626,8 @@ NOT_BUILT_FIELDS: Mapping[str, str] = MappingProxyType(
 _SAME_AS: Mapping[str, str] = MappingProxyType(
     {
         "parallel_mode": "mode",
+        "parameter_server": "mode='parameter_server'",
+        "enable_ps": "mode='parameter_server'",
         "device_num": "devices",
         "search_mode": "search",
         "full_batch": "dataset_strategy='full_batch'",

@@ -39,7 +39,9 @@ Engine = Literal["stand_alone", "plain", "program", "pipeline", "hybrid"]
 with memory passes); ``pipeline``: pipeline stages; ``hybrid``: the user's own code on
 DTensors; ``stand_alone``: one device."""
 
-BUILT_MODES = ("stand_alone", "data_parallel", "semi_auto", "auto", "hybrid")
+BUILT_MODES = (
+    "stand_alone", "data_parallel", "semi_auto", "auto", "hybrid", "parameter_server"
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def engine_of(cfg: ParallelConfig, mesh: Mapping[str, int], *, planned: bool = F
     if cfg.mode == "hybrid":
         return "hybrid"
     pure = (
-        cfg.mode == "data_parallel"
+        cfg.mode in ("data_parallel", "parameter_server")
         and not planned
         and (not mesh or cfg.dp_axis in mesh)
         and all(size == 1 for axis, size in mesh.items() if axis != cfg.dp_axis)
@@ -152,14 +154,38 @@ def _compiled_stages(cfg: ParallelConfig, where: Where | None) -> bool:
     return where is not None and cfg.compiled_stages
 
 
+def _ps_dense(cfg: ParallelConfig) -> str | None:
+    """What a parameter-server job asks of its dense part beyond plain data parallel (the
+    setting as written), or None."""
+    if cfg.mode != "parameter_server":
+        return None
+    others = {a: n for a, n in cfg.mesh_dict.items() if a != cfg.dp_axis and n > 1}
+    checks: tuple[tuple[bool, str], ...] = (
+        (bool(others), f"mesh={cfg.mesh_dict!r}"),
+        (cfg.pipeline_stages > 1, f"pipeline_stages={cfg.pipeline_stages}"),
+        (cfg.optimizer_shard is not None, f"optimizer_shard={cfg.optimizer_shard}"),
+        (cfg.recompute != "none", f"recompute={cfg.recompute!r}"),
+        (bool(cfg.recompute_modules), f"recompute_modules={cfg.recompute_modules!r}"),
+        (cfg.offload is not None, f"offload={cfg.offload!r}"),
+        (cfg.compile, "compile=True"),
+        (bool(cfg.host_modules), f"host_modules={cfg.host_modules!r}"),
+        (cfg.precision == "fp16", "precision='fp16'"),
+        (isinstance(cfg.dataset_strategy, tuple), "dataset_strategy=(...)"),
+        (cfg.plan is not None, f"plan={cfg.plan!r}"),
+    )
+    return next((given for refused, given in checks if refused), None)
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
-        "mode",
-        "every engine",
-        lambda c, w: c.mode not in BUILT_MODES,
-        lambda c: f"mode={c.mode!r}",
-        "mode 'parameter_server'",
-        f"use one of the modes built so far: {list(BUILT_MODES)!r}",
+        "parameter_server",
+        "mode parameter_server",
+        lambda c, w: _ps_dense(c) is not None,
+        lambda c: _ps_dense(c) or "",
+        "a parameter-server job's dense part on anything but plain data parallel",
+        "leave it out: the dense layers train plain data parallel over the workers beside "
+        "the servers' tables (docs/parameter_server.md)",
+        context=lambda c: " with mode='parameter_server'",
     ),
     Rule(
         "search",

@@ -1,7 +1,7 @@
 """Semi-automatic annotations: what a user marks on a model before ``plait.parallelize``.
 
 - :mod:`plait.annotate.marks`: ``shard`` (how a module's tensors are split), ``recompute``,
-  ``on_host`` and ``pipeline_stage``, and the readers of those marks.
+  ``on_host``, ``on_server`` and ``pipeline_stage``, and the readers of those marks.
 - :mod:`plait.annotate.tensor_parallel`: ``megatron(model, tp)``, which finds the attention
   and MLP blocks, embeddings and LM head of a model by structure and marks them with
   ``shard`` as Megatron splits them, returning a report of what it matched and what not.
@@ -10,16 +10,19 @@ Every name is re-exported here, so ``from plait.annotate import shard`` works as
 """
 
 from plait.annotate.marks import (
+    ServerMark,
     ShardSpec,
     StrategyLike,
     get_shard_spec,
     host_marks,
     on_host,
+    on_server,
     parameter_layouts,
     pipeline_stage,
     pipeline_stage_marks,
     recompute,
     recompute_marks,
+    server_marks,
     shard,
 )
 from plait.annotate.tensor_parallel import Matched, MegatronReport, Unrecognised, megatron
@@ -27,6 +30,7 @@ from plait.annotate.tensor_parallel import Matched, MegatronReport, Unrecognised
 __all__ = [
     "Matched",
     "MegatronReport",
+    "ServerMark",
     "ShardSpec",
     "StrategyLike",
     "Unrecognised",
@@ -34,10 +38,12 @@ __all__ = [
     "host_marks",
     "megatron",
     "on_host",
+    "on_server",
     "parameter_layouts",
     "pipeline_stage",
     "pipeline_stage_marks",
     "recompute",
     "recompute_marks",
+    "server_marks",
     "shard",
 ]

@@ -23,8 +23,11 @@ from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 
 __all__ = [
+    "ServerMark",
     "ShardSpec",
     "get_shard_spec",
+    "on_server",
+    "server_marks",
     "parameter_layouts",
     "pipeline_stage",
     "pipeline_stage_marks",
@@ -236,6 +239,50 @@ def on_host(module: nn.Module, host: bool = True) -> nn.Module:
 def host_marks(model: nn.Module) -> tuple[str, ...]:
     """Paths of the sub-modules marked by :func:`on_host`, in model order."""
     return tuple(name for name, m in model.named_modules() if getattr(m, _HOST_ATTR, False))
+
+
+_SERVER_ATTR = "_plait_server"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerMark:
+    """How ``plait.on_server`` put a table on the parameter servers."""
+
+    init_in_server: bool = False
+    """The servers make its rows (it never exists whole on a worker)."""
+    seed: int = 0
+    """Seed of the rows made on the servers (``plait.ps.initial_table`` gives them whole)."""
+
+
+def on_server(
+    module: M, *, init_in_server: bool = False, seed: int = 0, server: bool = True
+) -> M:
+    """Keep embedding table ``module`` (``nn.Embedding`` or ``nn.EmbeddingBag``) on the
+    parameter servers of a ``mode="parameter_server"`` job, each server holding a split of
+    its rows with their optimizer states (MindSpore's ``set_param_ps``). The same as naming
+    it in ``ParallelConfig.server_modules``. ``init_in_server``: the servers make its rows
+    (N(0, 1), from ``seed``), so it may be built on the meta device and never exist whole on
+    a worker. ``server=False`` undoes the mark. Returns ``module``."""
+    for name, value in (("init_in_server", init_in_server), ("server", server)):
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"plait.on_server({type(module).__name__}, {name}={value!r}): give True or False"
+            )
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**31:
+        raise ConfigError(
+            f"plait.on_server({type(module).__name__}, seed={seed!r}): give an integer in "
+            "0..2**31-1"
+        )
+    mark = ServerMark(init_in_server, seed) if server else None
+    object.__setattr__(module, _SERVER_ATTR, mark)
+    return module
+
+
+def server_marks(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the sub-modules marked by :func:`on_server`, in model order."""
+    return tuple(
+        name for name, m in model.named_modules() if getattr(m, _SERVER_ATTR, None) is not None
+    )
 
 
 _STAGE_ATTR = "_plait_pipeline_stage"

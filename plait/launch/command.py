@@ -31,6 +31,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--local-worker-num", type=int, help="workers on this node (default: --worker-num)")
     add(
+        "--server-num",
+        type=int,
+        default=0,
+        help="parameter servers started beside the workers, on this one node (ranks after the"
+        " workers'; a job with ParallelConfig(mode='parameter_server')); default 0",
+    )
+    add(
         "--nnodes",
         default=None,
         metavar="N|MIN:MAX",
@@ -160,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     table = load_rank_table(args.rank_table) if args.rank_table else None
     min_nodes, max_nodes = _nnodes(args.nnodes)
     worker_num, local_worker_num = _worker_counts(args, table, max_nodes)
+    server_num = _server_num(args, worker_num, local_worker_num, table, max_nodes)
     node_rank = args.node_rank
     master_addr = args.master_addr or DEFAULT_MASTER_ADDR
     if table is not None:
@@ -172,13 +180,37 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
             )
         master_addr = args.master_addr or table.servers[0].server_id
     return RunConfig(
-        program=program, worker_num=worker_num, local_worker_num=local_worker_num,
+        program=program, worker_num=worker_num + server_num,
+        local_worker_num=local_worker_num + server_num, server_num=server_num,
         master_addr=master_addr, master_port=args.master_port, node_rank=node_rank,
         log_dir=args.log_dir, tail_ranks=_tail_ranks(args.tail_worker_log, worker_num),
         join=args.join, cluster_timeout=args.cluster_timeout, max_restarts=args.max_restarts,
         bind_core=args.bind_core, rank_table=args.rank_table, run_id=args.run_id,
         checkpoint_dir=args.checkpoint_dir, hang_timeout=args.hang_timeout, min_nodes=min_nodes,
     )  # fmt: skip
+
+
+def _server_num(
+    args: argparse.Namespace,
+    worker_num: int,
+    local_worker_num: int,
+    table: RankTable | None,
+    max_nodes: int | None,
+) -> int:
+    """``--server-num``: parameter servers on this node beside its workers (one node only)."""
+    servers = args.server_num
+    if servers == 0:
+        return 0
+    if servers < 0:
+        raise LaunchError(f"--server-num {servers} must be >= 0 (0: no parameter servers).")
+    if table is not None or (max_nodes or 1) > 1 or worker_num != local_worker_num:
+        raise LaunchError(
+            f"--server-num {servers} starts the servers on this node, and this job spans"
+            " several nodes: plait run places parameter servers on one-node jobs only so far."
+            " On several nodes start every process under torchrun, mpirun or srun with"
+            " PLAIT_SERVER_NUM set (the last ranks are the servers)."
+        )
+    return servers
 
 
 def _nnodes(value: str | None) -> tuple[int | None, int | None]:

@@ -33,7 +33,10 @@ class RunConfig:
     program: tuple[str, ...]
     """Script and its arguments (`train.py --lr 0.1`), or `-m module args` to run a module."""
     worker_num: int = 1
-    """Workers in the whole job (every node)."""
+    """Workers in the whole job (every node), parameter servers included."""
+    server_num: int = 0
+    """Of `worker_num`, the processes that are parameter servers (the last ranks; one-node
+    jobs), exported as ``PLAIT_SERVER_NUM``."""
     local_worker_num: int = 1
     """Workers on this node; the same on every node."""
     master_addr: str = DEFAULT_MASTER_ADDR
@@ -104,6 +107,11 @@ class RunConfig:
             )
 
     def _check_counts(self) -> None:
+        if not 0 <= self.server_num < self.worker_num:
+            raise LaunchError(
+                f"--server-num {self.server_num} with {self.worker_num} processes: give"
+                " 0..processes-1 servers (at least one worker trains)."
+            )
         if self.worker_num < 1 or self.local_worker_num < 1:
             raise LaunchError(
                 f"--worker-num {self.worker_num} and --local-worker-num {self.local_worker_num}"

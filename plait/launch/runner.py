@@ -115,6 +115,8 @@ def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
     options += ["--env", f"PLAIT_LOG_DIR={config.log_dir or ''}"]
     if config.rank_table:
         options += ["--env", f"PLAIT_RANK_TABLE={os.path.abspath(config.rank_table)}"]
+    if config.server_num:
+        options += ["--env", f"PLAIT_SERVER_NUM={config.server_num}"]
     if config.checkpoint_dir:
         options += ["--env", f"PLAIT_CHECKPOINT_DIR={os.path.abspath(config.checkpoint_dir)}"]
     ifname = _interface_to(config.master_addr, config.master_port)

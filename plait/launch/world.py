@@ -76,6 +76,11 @@ class World:
     """Device this process computes on: "cuda:<i>" or "cpu"."""
     launcher: str
     """Which launcher's environment was read ("torchrun", "openmpi", "single", ...)."""
+    role: Literal["worker", "server"] = "worker"
+    """"server" only inside plait (a parameter server's ranks never return from ``init``)."""
+    server_num: int = 0
+    """Parameter servers beside the workers (``plait run --server-num``, ``PLAIT_SERVER_NUM``);
+    ``world_size`` counts the workers only: they form the default process group."""
 
     @property
     def is_main(self) -> bool:
@@ -132,19 +137,94 @@ def init(
         _watch(_world, hang)
         return _world
     chosen = resolve_backend(backend, penv)
-    device = _select_device(chosen, penv)
+    servers = server_count(penv)
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    if servers and penv.rank >= penv.world_size - servers:
+        _serve(penv, servers, wait)  # a parameter server: never returns
+    device = _select_device(chosen, penv)
     if hang is not None:
         record_collectives()  # before the groups exist: each records from its creation
-    _init_process_group(chosen, penv, wait)
+    if servers:
+        _init_worker_groups(chosen, penv, wait, servers)
+    else:
+        _init_process_group(chosen, penv, wait)
     # The group init() made is destroyed at exit, before the interpreter tears down: left to
     # process teardown, a gloo group's threads can outlive it and abort the process
     # ("terminate called without an active exception", exit code 134) after a clean run.
     atexit.register(_leave)
-    _world = _make_world(penv, chosen, device)
+    _world = _make_world(penv, chosen, device, servers)
     _watch(_world, hang)
     logger.info("joined %s", _world)
     return _world
+
+
+SERVER_NUM_VARS = ("PLAIT_SERVER_NUM", "MS_SERVER_NUM")
+"""Where a launcher says how many of the job's ranks are parameter servers (the last ones)."""
+
+
+def server_count(penv: ProcessEnv) -> int:
+    """Parameter servers among the job's ranks (0: none), from ``PLAIT_SERVER_NUM``."""
+    for var in SERVER_NUM_VARS:
+        text = os.environ.get(var)
+        if text is None or text == "":
+            continue
+        try:
+            count = int(text)
+        except ValueError:
+            count = -1
+        if not 0 <= count < penv.world_size:
+            raise LaunchError(
+                f"{var}={text!r} on rank {penv.rank}: give the number of parameter servers, "
+                f"0..{penv.world_size - 1} (the job has {penv.world_size} processes and at "
+                "least one must be a worker)"
+            )
+        return count
+    return 0
+
+
+def _ps_store(penv: ProcessEnv, timeout: timedelta) -> Any:
+    """The job's store, for a parameter-server job's two groups."""
+    import torch.distributed as dist
+
+    store = _attempt_store(penv, timeout) if penv.launcher is LauncherKind.TORCHRUN else None
+    if store is not None:
+        return store
+    if penv.launcher is LauncherKind.TORCHRUN:
+        init_method = "env://"
+    else:
+        init_method = f"tcp://{_bracket(penv.master_addr)}:{penv.master_port}"
+    store, _, _ = next(dist.rendezvous(init_method, penv.rank, penv.world_size, timeout=timeout))
+    return store
+
+
+def _init_worker_groups(
+    backend: Backend, penv: ProcessEnv, timeout: timedelta, servers: int
+) -> None:
+    """A worker of a parameter-server job: the default group of the workers alone, then the
+    group of workers and servers (:mod:`plait.comm.ps`)."""
+    import torch.distributed as dist
+
+    from plait.comm import ps
+
+    store = _ps_store(penv, timeout)
+    workers = penv.world_size - servers
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("plait.workers/", store), rank=penv.rank,
+        world_size=workers, timeout=timeout,
+    )  # fmt: skip
+    ps.join(store, penv.rank, workers, servers, timeout)
+
+
+def _serve(penv: ProcessEnv, servers: int, timeout: timedelta) -> None:
+    """A parameter server's life: join the workers' group, answer them until they leave,
+    exit (the script's code after ``plait.init()`` never runs on a server)."""
+    from plait.comm import ps
+    from plait.ps.server import serve
+
+    store = _ps_store(penv, timeout)
+    group = ps.join(store, penv.rank, penv.world_size - servers, servers, timeout)
+    serve(group)
+    raise SystemExit(0)
 
 
 def _watch(world: World, hang: float | None) -> None:
@@ -188,7 +268,11 @@ def _leave() -> None:
         _watchdog = None
     if not dist.is_initialized():
         return
-    if getattr(sys, "last_value", None) is not None:
+    if getattr(sys, "last_value", None) is None:
+        from plait.comm import ps
+
+        ps.leave()  # a parameter-server job's worker says goodbye to the servers
+    else:
         # The script died of an exception (the interpreter sets sys.last_value before atexit
         # runs): its peers may be blocked in a collective waiting for this rank, so meeting
         # them at a barrier would wait on them while they wait on us (a dead node's peers
@@ -296,12 +380,12 @@ def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) 
         ) from e
 
 
-def _make_world(penv: ProcessEnv, backend: str, device: str) -> World:
+def _make_world(penv: ProcessEnv, backend: str, device: str, servers: int = 0) -> World:
     num_nodes = max(-(-penv.world_size // max(penv.local_world_size, 1)), penv.node_rank + 1)
     return World(
-        rank=penv.rank, world_size=penv.world_size, local_rank=penv.local_rank,
+        rank=penv.rank, world_size=penv.world_size - servers, local_rank=penv.local_rank,
         local_world_size=penv.local_world_size, node_rank=penv.node_rank, num_nodes=num_nodes,
-        backend=backend, device=device, launcher=str(penv.launcher),
+        backend=backend, device=device, launcher=str(penv.launcher), server_num=servers,
     )  # fmt: skip
 
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from plait import support
 from plait._compat import tree_leaves, tree_map
-from plait.annotate import host_marks, parameter_layouts, recompute_marks
+from plait.annotate import host_marks, parameter_layouts, recompute_marks, server_marks
+from plait.comm import ps as ps_comm
 from plait.comm.dp import host_group_mesh
 from plait.comm.dtensor import DeviceMesh, build_device_mesh, coordinate_of
 from plait.comm.world import current_world
@@ -37,6 +38,7 @@ from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning import Plan
+from plait.ps.worker import serve_tables
 from plait.runtime.engine.data_parallel import PlainDataParallel, PlainGradSync, fresh_parameters
 from plait.runtime.engine.generate import install_model_generate
 from plait.runtime.engine.host import (
@@ -71,6 +73,15 @@ def _with_model_marks(model: nn.Module, cfg: ParallelConfig) -> ParallelConfig:
     hosts = host_marks(model)
     if hosts:
         cfg = dataclasses.replace(cfg, host_modules=(*cfg.host_modules, *hosts))
+    tables = server_marks(model)
+    if tables and cfg.mode != "parameter_server":
+        raise ConfigError(
+            f"plait.on_server marks {tables[0]!r} of {type(model).__name__}, and mode="
+            f"{cfg.mode!r} would do nothing with it: give ParallelConfig(mode="
+            "'parameter_server') or undo the mark (plait.on_server(module, server=False))"
+        )
+    if tables:
+        cfg = dataclasses.replace(cfg, server_modules=(*cfg.server_modules, *tables))
     marks = recompute_marks(model)
     if marks:
         cfg = dataclasses.replace(
@@ -202,6 +213,9 @@ def parallelize(
     config = _with_model_marks(model, config)
     check_meta_buffers(model)  # meta init: refused before planning, not after
     install_model_generate(model, config.dp_axis)  # HF's own generate on the job's DTensor parameters
+    _servers_match(config, world)
+    if config.mode == "parameter_server":
+        return _parameter_server_job(model, config, optimizer, loss_fn)
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
         # its engine's rules need the axes inside the stages: check_pipeline_config reads them
@@ -251,6 +265,51 @@ def parallelize(
     if example_batch is None:
         return _deferred_job(model, config, build, plan, mesh, device_mesh, world.simulated)
     return build(example_batch)
+
+
+def _servers_match(config: ParallelConfig, world: Any) -> None:
+    """A parameter-server job has server ranks, and only it: refused by name otherwise."""
+    servers = ps_comm.group()
+    if config.mode != "parameter_server":
+        if servers is not None:
+            raise ConfigError(
+                f"this job was launched with {servers.servers} parameter servers "
+                f"(PLAIT_SERVER_NUM, plait run --server-num) and ParallelConfig(mode="
+                f"{config.mode!r}) puts nothing on them; give mode='parameter_server' or "
+                "launch without servers"
+            )
+        return
+    if servers is None:
+        simulated = world is not None and world.simulated
+        raise ConfigError(
+            "ParallelConfig(mode='parameter_server') needs server ranks beside the workers, "
+            + (
+                "and plait.testing.simulate has none (the servers are processes): "
+                if simulated
+                else "and this job has none: "
+            )
+            + "launch with plait run --worker-num W --server-num S train.py (or set "
+            "PLAIT_SERVER_NUM=S under torchrun, mpirun or srun: the last S ranks serve)"
+        )
+
+
+def _parameter_server_job(
+    model: nn.Module, config: ParallelConfig, optimizer: OptimizerFactory, loss_fn: LossFn
+) -> Job:
+    """A parameter-server job: the model's tables moved to the servers (:mod:`plait.ps`), the
+    dense rest data parallel over the workers on plain tensors; each step pushes the rows'
+    gradients after its last backward."""
+    world = current_world()
+    servers = ps_comm.group()
+    assert world is not None and servers is not None
+    support.check(config, Where("plain"), engine_only=True)
+    mesh = _job_mesh(config, world.world_size)
+    client = serve_tables(model, config, servers, _device_of(world.device_type))
+    device_mesh = build_device_mesh(mesh, world.device_type)
+    job = _plain_job(model, config, mesh, device_mesh, {}, optimizer, loss_fn)
+    job.before_update.append(client.flush)
+    job.parameter_server = client
+    return job
 
 
 def _stages_need_processes(config: ParallelConfig, world: Any) -> None:

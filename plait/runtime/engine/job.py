@@ -119,6 +119,12 @@ class Job:
         self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
         self.steps_taken = 0
         """Optimizer steps taken (restored by :meth:`load`)."""
+        self.before_update: list[Callable[[], None]] = []
+        """Called after a step's last backward, before the optimizer's update (a
+        parameter-server job pushes its tables' row gradients there)."""
+        self.parameter_server: Any = None
+        """A parameter-server job's link to its servers (:class:`plait.ps.worker.PsClient`:
+        its ``traffic``); None for other jobs (nothing reads it to choose a path)."""
         self._saving: SaveHandle | None = None
         self._save_group: Any = None
         self._step_seconds: list[float] = []
@@ -448,6 +454,8 @@ class Job:
             (loss * weight if weight != 1.0 else loss).backward()
         if sync is not None:
             sync.finish()
+        for hook in self.before_update:
+            hook()
         if self._gradients_usable():
             self.optimizer.step()
         assert started is not None

@@ -1,0 +1,330 @@
+"""A worker's side of a parameter-server job: tables read by id from the servers.
+
+:func:`serve_tables` replaces each table module of the model (``ParallelConfig.server_modules``
+and modules marked by ``plait.on_server``) with a :class:`ServerEmbedding` or
+:class:`ServerEmbeddingBag`, which holds no parameter: its forward deduplicates the batch's
+ids, pulls those rows from their servers (:class:`PsClient`) and looks them up as the module
+would; backward leaves each pulled row's gradient on the pulled rows. After the step's last
+backward, :meth:`PsClient.flush` pushes every table's row gradients to their servers (rows
+read by several forwards of a step summed into one) and the step counter moves on. The dense
+rest of the model trains data parallel over the workers as any other job.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.comm.ps import Header, Kind, PsGroup, wait_all
+from plait.config import ParallelConfig
+from plait.errors import ConfigError, ShardingError
+from plait.ps.table import TableSpec
+
+__all__ = ["PsClient", "ServerEmbedding", "ServerEmbeddingBag", "serve_tables"]
+
+logger = logging.getLogger(__name__)
+
+INIT_CHUNK = 1 << 24
+"""Most values in one INIT message (64 MiB of fp32)."""
+
+
+@dataclass
+class PsTraffic:
+    """What a worker moved to and from the servers since the job began."""
+
+    pulls: int = 0
+    rows_pulled: int = 0
+    bytes_pulled: int = 0
+    bytes_pushed: int = 0
+    steps: int = 0
+
+
+@dataclass
+class _Read:
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class PsClient:
+    """A worker's link to the servers: pulls, the step's reads, pushes."""
+
+    ps: PsGroup
+    step: int = 0
+    """Steps pushed so far (the step the next pull and push belong to)."""
+    traffic: PsTraffic = field(default_factory=PsTraffic)
+    _reads: dict[str, list[_Read]] = field(default_factory=dict)
+    _specs: dict[str, TableSpec] = field(default_factory=dict)
+
+    def create(self, spec: TableSpec, weight: torch.Tensor | None) -> None:
+        """Tell every server about ``spec``; worker 0 sends ``weight``'s rows (None: the
+        servers make them)."""
+        self._specs[spec.name] = spec
+        blob = torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
+        works: list[Any] = []
+        for s in range(spec.servers):
+            dst = self.ps.server_rank(s)
+            works += self.ps.send(dst, Header(Kind.CREATE, spec.id, count=blob.numel()), [blob])
+            if weight is None:
+                continue
+            mine = weight.detach()[spec.global_ids(s)].float().cpu()
+            per = max(1, INIT_CHUNK // max(spec.dim, 1))
+            for start in range(0, mine.shape[0], per):
+                chunk = mine[start : start + per]
+                head = Header(Kind.INIT, spec.id, count=chunk.shape[0], extra=start)
+                works += self.ps.send(dst, head, [chunk])
+        wait_all(works)
+
+    def pull(self, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (unique global ids) of table ``spec``, from their servers."""
+        owner = spec.owner(ids)
+        local = spec.local_index(ids)
+        out = torch.empty(len(ids), spec.dim)
+        works: list[Any] = []
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for s in range(spec.servers):
+            mask = owner == s
+            count = int(mask.sum())
+            if count == 0:
+                continue
+            dst = self.ps.server_rank(s)
+            head = Header(Kind.PULL, spec.id, self.step, count)
+            works += self.ps.send(dst, head, [local[mask]])
+            rows = torch.empty(count, spec.dim)
+            works.append(self.ps.start_recv(dst, rows))
+            pieces.append((mask, rows))
+        wait_all(works)
+        for mask, rows in pieces:
+            out[mask] = rows
+        self.traffic.pulls += 1
+        self.traffic.rows_pulled += len(ids)
+        self.traffic.bytes_pulled += out.numel() * out.element_size() + ids.numel() * 8
+        return out
+
+    def table(self, name: str) -> torch.Tensor:
+        """The whole of table ``name`` as the servers hold it now (every row pulled into this
+        worker's memory: for inspection and small tables; nothing is recorded or trained)."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise ConfigError(
+                f"no table {name!r} on the parameter servers; the tables are {sorted(self._specs)}"
+            )
+        per = max(1, INIT_CHUNK // max(spec.dim, 1))
+        return torch.cat(
+            [self.pull(spec, torch.arange(a, min(a + per, spec.rows))) for a in range(0, spec.rows, per)]
+        )
+
+    def record(self, spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Remember a training forward's pulled rows: their gradients are pushed at flush."""
+        self._reads.setdefault(spec.name, []).append(_Read(ids, rows))
+
+    def forget(self) -> None:
+        """Drop the reads of a step that will not be pushed (a new step begins)."""
+        self._reads.clear()
+
+    def flush(self) -> None:
+        """Push this step's row gradients of every table to every server (an empty push
+        where no row was read: sync servers count one per worker and step)."""
+        works: list[Any] = []
+        for name, spec in self._specs.items():
+            ids, grads = _coalesced(self._reads.get(name, []), spec)
+            owner = spec.owner(ids)
+            local = spec.local_index(ids)
+            for s in range(spec.servers):
+                mask = owner == s
+                head = Header(Kind.PUSH, spec.id, self.step, int(mask.sum()))
+                works += self.ps.send(self.ps.server_rank(s), head, [local[mask], grads[mask]])
+            self.traffic.bytes_pushed += grads.numel() * grads.element_size() + ids.numel() * 8
+        wait_all(works)
+        self._reads.clear()
+        self.step += 1
+        self.traffic.steps += 1
+
+
+def _coalesced(reads: list[_Read], spec: TableSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's reads of a table as unique ids and their summed gradients (rows without a
+    gradient, and the padding row, left out)."""
+    used = [r for r in reads if r.rows.grad is not None]
+    if not used:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, spec.dim)
+    ids = torch.cat([r.ids for r in used])
+    grads = torch.cat([r.rows.grad.detach().float().cpu() for r in used])  # type: ignore[union-attr]
+    if len(used) > 1:
+        ids, where = torch.unique(ids, return_inverse=True)
+        grads = torch.zeros(len(ids), spec.dim).index_add_(0, where, grads)
+    if spec.padding_idx is not None:
+        keep = ids != spec.padding_idx
+        ids, grads = ids[keep], grads[keep]
+    return ids, grads
+
+
+class _ServerTable(nn.Module):
+    """What both table kinds share: ids checked, deduplicated, pulled, recorded."""
+
+    def __init__(self, spec: TableSpec, client: PsClient, device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        self.client = client
+        self.device = device
+        self.num_embeddings, self.embedding_dim = spec.rows, spec.dim
+        self.padding_idx = spec.padding_idx
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{s.rows}, {s.dim}, on {s.servers} servers ({s.split} split)"
+
+    def _pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(the ids as indices into the pulled rows, the rows, the padding row's index)."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ShardingError(
+                f"table {self.spec.name!r} (on the parameter servers) was given ids of dtype "
+                f"{ids.dtype}; give integer ids (torch.long), as nn.Embedding needs"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.rows):
+            bad = ids[(ids < 0) | (ids >= self.spec.rows)][0]
+            raise ShardingError(
+                f"table {self.spec.name!r} (on the parameter servers) was given id {int(bad)}, "
+                f"outside its rows 0..{self.spec.rows - 1}; check the batch's ids or the "
+                "table's num_embeddings"
+            )
+        unique, inverse = torch.unique(ids.cpu().long(), return_inverse=True)
+        rows = self.client.pull(self.spec, unique).to(self.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self.client.record(self.spec, unique, rows)
+        pad = None
+        if self.spec.padding_idx is not None:
+            at = int(torch.searchsorted(unique, self.spec.padding_idx))
+            pad = at if at < len(unique) and int(unique[at]) == self.spec.padding_idx else None
+        return inverse.to(self.device), rows, pad
+
+
+class ServerEmbedding(_ServerTable):
+    """``nn.Embedding`` whose rows live on the parameter servers."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        index, rows, pad = self._pull(input)
+        return F.embedding(index, rows, padding_idx=pad)
+
+
+class ServerEmbeddingBag(_ServerTable):
+    """``nn.EmbeddingBag`` whose rows live on the parameter servers."""
+
+    def __init__(
+        self, spec: TableSpec, client: PsClient, device: torch.device, bag: nn.EmbeddingBag
+    ) -> None:
+        super().__init__(spec, client, device)
+        self.mode = bag.mode
+        self.include_last_offset = bag.include_last_offset
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        index, rows, pad = self._pull(input)
+        return F.embedding_bag(
+            index, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset, padding_idx=pad,
+        )  # fmt: skip
+
+
+def serve_tables(
+    model: nn.Module, config: ParallelConfig, ps: PsGroup, device: torch.device
+) -> PsClient:
+    """Move ``config.server_modules`` of ``model`` to the servers (in place): each checked,
+    described to every server, its rows sent by worker 0 (or made there), and replaced by
+    its server-backed module. Returns the worker's client."""
+    if not config.server_modules:
+        raise ConfigError(
+            "ParallelConfig(mode='parameter_server') with no table on the servers: mark the "
+            "embedding tables with plait.on_server(model.table) or name them in "
+            "ParallelConfig(server_modules=('table',))"
+        )
+    client = PsClient(ps)
+    for path in config.server_modules:
+        module = _table_module(model, path)
+        spec = _spec(path, module, config, ps)
+        weight = None if spec.init_in_server or ps.rank != 0 else module.weight
+        client.create(spec, weight)
+        if isinstance(module, nn.EmbeddingBag):
+            table: nn.Module = ServerEmbeddingBag(spec, client, device, module)
+        else:
+            table = ServerEmbedding(spec, client, device)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, table)
+        logger.info(
+            "parameter server: table %r (%d x %d) on %d servers, %s split, %s",
+            path, spec.rows, spec.dim, spec.servers, spec.split,
+            "made on the servers" if spec.init_in_server else "sent by worker 0",
+        )  # fmt: skip
+    return client
+
+
+def _table_module(model: nn.Module, path: str) -> nn.Embedding | nn.EmbeddingBag:
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        raise ConfigError(
+            f"ParallelConfig.server_modules names {path!r}, which is not a module of "
+            f"{type(model).__name__}; name a module path as model.named_modules() gives it"
+        ) from None
+    if type(module).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
+        raise ConfigError(
+            f"{path!r} ({type(module).__name__}) cannot live on the parameter servers: only "
+            "nn.Embedding and nn.EmbeddingBag tables can (a worker pulls the rows its ids "
+            "name); keep it on the workers, or on the host with plait.on_host"
+        )
+    table: nn.Embedding | nn.EmbeddingBag = module  # type: ignore[assignment]
+    for attr, off in (("max_norm", None), ("scale_grad_by_freq", False)):
+        if getattr(table, attr) != off:
+            raise ConfigError(
+                f"{path!r} has {attr}={getattr(table, attr)!r}, which a server-held table "
+                f"cannot honour yet (it would renormalise or rescale rows across workers); "
+                f"build it with {attr}={off!r} or keep it on the workers"
+            )
+    shared = [
+        n
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p is table.weight and not n.startswith(f"{path}.")
+    ]
+    if shared:
+        raise ConfigError(
+            f"{path!r}'s weight is also {shared[0]!r} (a tied weight); a server-held table is "
+            "read by id only, so it cannot be shared with a dense layer; untie them or keep "
+            "the table on the workers"
+        )
+    return table
+
+
+def _spec(
+    path: str, module: nn.Embedding | nn.EmbeddingBag, config: ParallelConfig, ps: PsGroup
+) -> TableSpec:
+    mark = getattr(module, "_plait_server", None)
+    init_in_server = bool(getattr(mark, "init_in_server", False))
+    rows, dim = module.num_embeddings, module.embedding_dim
+    if config.ps_split == "range" and rows % ps.servers:
+        raise ConfigError(
+            f"table {path!r} has {rows} rows, which {ps.servers} servers cannot split in equal "
+            f"ranges (ps_split='range'); use ParallelConfig(ps_split='hash'), or a server "
+            "count that divides the rows"
+        )
+    if not init_in_server and module.weight.is_meta:
+        raise ConfigError(
+            f"table {path!r} was built on the meta device, so worker 0 has no rows to send; "
+            "make it on the servers with plait.on_server(module, init_in_server=True), or "
+            "build it on a real device"
+        )
+    return TableSpec(
+        name=path, rows=rows, dim=dim, servers=ps.servers, split=config.ps_split,
+        optimizer=config.server_optimizer, workers=ps.workers, mode=config.ps_mode,
+        max_staleness=config.max_staleness, init_in_server=init_in_server,
+        seed=int(getattr(mark, "seed", 0)), padding_idx=module.padding_idx,
+    )  # fmt: skip

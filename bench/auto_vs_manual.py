@@ -228,7 +228,7 @@ def prepare_profile(hardware_file: str | None, home: Path) -> HardwareProfile:
         origin = f"default path {default}"
     else:
         print(f"no calibrated profile at {default}: running `plait calibrate --quick` ...")
-        calibrate(quick=True, out=target)
+        calibrate(run_workers, quick=True, out=target)
         origin = "calibrated now (quick), in a temporary PLAIT_HOME"
     os.environ["PLAIT_HOME"] = str(home)  # the workers inherit it
     profile = load_profile(target)

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_calibrate:
             from plait.cost.calibrate import calibrate, format_profile
 
-            profile = calibrate(world_size=4)
+            profile = calibrate(run_workers, world_size=4)
             print(format_profile(profile))
         started = datetime.datetime.now()
         results = run_workers(

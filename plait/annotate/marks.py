@@ -27,10 +27,10 @@ __all__ = [
     "ShardSpec",
     "get_shard_spec",
     "on_server",
-    "server_marks",
     "parameter_layouts",
     "pipeline_stage",
     "pipeline_stage_marks",
+    "server_marks",
     "shard",
 ]
 

@@ -40,9 +40,10 @@ def _handle(args: argparse.Namespace) -> int:
     from plait.cost.calibrate import calibrate, format_profile
     from plait.cost.hardware import default_profile_path
     from plait.errors import CostError
+    from plait.launch.local import run_workers
 
     try:
-        profile = calibrate(world_size=args.world_size, out=args.out, quick=args.quick)
+        profile = calibrate(run_workers, world_size=args.world_size, out=args.out, quick=args.quick)
     except CostError as e:
         sys.stderr.write(f"plait calibrate: error: {e}\n")
         return EXIT_USAGE

@@ -47,8 +47,9 @@ Not measured: the inter-node link (one machine cannot see it); the profile keeps
 uncalibrated 10 GbE default and says so in ``source``. Numbers are achieved throughput, so
 the memory efficiency is 1.0; the compute efficiency is what a stack of linear layers reaches
 of the square product's rate (below). The collective measurement runs real processes through
-:func:`plait.testing.run_workers`; it is the only place in the cost model that touches
-``torch.distributed``, and only inside the spawned workers.
+``calibrate``'s ``spawn`` (:func:`plait.launch.local.run_workers`, given by the caller); it is
+the only place in the cost model that touches ``torch.distributed``, and only inside the
+spawned workers.
 """
 
 from __future__ import annotations
@@ -646,13 +647,18 @@ def _measure_local(
     }
 
 
-def _measure_world(settings: CalibrationSettings, world_size: int) -> dict[str, Any]:
+Spawn = Callable[..., list[Any]]
+"""``spawn(fn, world_size, *args)``: ``fn(*args)`` on ``world_size`` gloo processes, each
+rank's result (:func:`plait.launch.local.run_workers`)."""
+
+
+def _measure_world(
+    spawn: Spawn, settings: CalibrationSettings, world_size: int
+) -> dict[str, Any]:
     """Every rank's figures, measured together: the median rank's compute figures and the
     slowest rank's all-reduce times (a collective is done when its slowest rank is)."""
-    from plait.launch.local import run_workers  # spawns processes: import on use
-
     threads = worker_threads(world_size)
-    per_rank = run_workers(_rank_measurements, world_size, settings, threads)
+    per_rank = spawn(_rank_measurements, world_size, settings, threads)
     return _combine(per_rank, settings, threads)
 
 
@@ -701,20 +707,23 @@ def _combine(
 
 
 def calibrate(
+    spawn: Spawn,
     world_size: int = 2,
     out: str | os.PathLike[str] | None = None,
     quick: bool = False,
     settings: CalibrationSettings | None = None,
 ) -> HardwareProfile:
     """Measure this machine, write the ``local`` profile to ``out`` (default
-    :func:`~plait.cost.hardware.default_profile_path`) and return it."""
+    :func:`~plait.cost.hardware.default_profile_path`) and return it. ``spawn`` runs the
+    measurement on ``world_size`` processes (:func:`plait.launch.local.run_workers`, given by
+    the caller: the cost model starts no process of its own, nor imports the launcher)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 2:
         raise CostError(
             f"calibrate: world_size={world_size!r} is not allowed; collectives need at least 2 "
             "processes, e.g. --world-size 2"
         )
     settings = settings or (CalibrationSettings.quick() if quick else CalibrationSettings.full())
-    world = _measure_world(settings, world_size)
+    world = _measure_world(spawn, settings, world_size)
     how = f"`plait calibrate{' --quick' if quick else ''}`"
     profile = _profile_of(world, settings, world_size, how, quick=quick)
     save_profile(profile, out if out is not None else default_profile_path())

@@ -77,6 +77,13 @@ class WorkerFailure:
     """Its log file, when known."""
     log_tail: tuple[str, ...] = ()
     """Last lines of its log."""
+    server: bool = False
+    """A parameter server (``--server-num``), not a training worker."""
+
+    @property
+    def role(self) -> str:
+        """"worker" or "parameter server", as reports say it."""
+        return "parameter server" if self.server else "worker"
 
     @property
     def how(self) -> str:
@@ -253,7 +260,10 @@ def run_job(config: RunConfig) -> JobResult:
     try:
         elastic_launch(build_launch_config(config, logs, keeper), entrypoint)(*args)
     except ChildFailedError as e:
-        failures = tuple(_failure(rank, f, logs) for rank, f in e.failures.items())
+        servers_from = config.worker_num - config.server_num
+        failures = tuple(
+            _failure(rank, f, logs, server=rank >= servers_from) for rank, f in e.failures.items()
+        )
         stamp = min(float(f.timestamp) for f in e.failures.values())
         return JobResult(
             exit_code=_exit_code(failures[0].exitcode), log_dir=config.log_dir,
@@ -291,11 +301,14 @@ def _node_text(config: RunConfig) -> str:
     return "auto" if rank is None else str(rank)
 
 
-def _failure(rank: int, failure: ProcessFailure, logs: RankLogsSpecs) -> WorkerFailure:
+def _failure(
+    rank: int, failure: ProcessFailure, logs: RankLogsSpecs, *, server: bool = False
+) -> WorkerFailure:
     path = logs.paths.get(rank)
     return WorkerFailure(
         rank=rank, local_rank=failure.local_rank, pid=failure.pid, exitcode=failure.exitcode,
         log_file=path, log_tail=tuple(last_lines(path, TAIL_LINES)) if path else (),
+        server=server,
     )  # fmt: skip
 
 
@@ -309,7 +322,7 @@ def format_failure(result: JobResult) -> str:
         return f"plait run: job ended with exit code {result.exit_code}; logs in {result.log_dir}"
     root, *others = result.failures
     lines = [
-        f"plait run: worker rank {root.rank} (local rank {root.local_rank}, pid {root.pid})"
+        f"plait run: {root.role} rank {root.rank} (local rank {root.local_rank}, pid {root.pid})"
         f" failed with {root.how}.",
     ]
     if others:

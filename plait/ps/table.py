@@ -8,7 +8,7 @@ Row ``i`` of a table of ``R`` rows on ``S`` servers lives on
 
 Initial rows made on the servers (``plait.on_server(..., init_in_server=True)``) are
 ``nn.Embedding``'s default, N(0, 1), drawn block by block of :data:`INIT_BLOCK` rows, block
-``b`` from a generator seeded by ``(seed, b)``: the table is the same whatever the server
+``b`` from a generator seeded by ``(seed, b)`` (:func:`block_seed`): the table is the same whatever the server
 count, and :func:`initial_table` builds it whole for one device.
 """
 
@@ -100,12 +100,18 @@ def initial_rows(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         if lo == hi:
             continue
         start = b * INIT_BLOCK
-        generator = torch.Generator().manual_seed((spec.seed << 32) + b)
+        generator = torch.Generator().manual_seed(block_seed(spec.seed, b))
         block = torch.randn(min(INIT_BLOCK, spec.rows - start), spec.dim, generator=generator)
         out[lo:hi] = block[ids[lo:hi] - start]
     if spec.padding_idx is not None:
         out[ids == spec.padding_idx] = 0.0
     return out
+
+
+def block_seed(seed: int, block: int) -> int:
+    """The generator seed of init block ``block`` of a table seeded ``seed``: 32 bits, as
+    torch's CPU generator keeps (Knuth's multiplicative hash of the seed, plus the block)."""
+    return (seed * 0x9E3779B1 + block) & 0xFFFFFFFF
 
 
 def initial_table(

@@ -117,7 +117,10 @@ class PsClient:
             )
         per = max(1, INIT_CHUNK // max(spec.dim, 1))
         return torch.cat(
-            [self.pull(spec, torch.arange(a, min(a + per, spec.rows))) for a in range(0, spec.rows, per)]
+            [
+                self.pull(spec, torch.arange(a, min(a + per, spec.rows)))
+                for a in range(0, spec.rows, per)
+            ]
         )
 
     def record(self, spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> None:

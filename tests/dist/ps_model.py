@@ -31,12 +31,15 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
-    """Global batches: skewed ids (low ids hot), the padding id 0 among the users."""
+    """Global batches: skewed ids (low ids hot), the padding id 0 among the users, labels a
+    fixed function of the ids (learnable) plus a little noise."""
     g = torch.Generator().manual_seed(7)
+    taste = torch.randn(ROWS, generator=g)
     out = []
     for _ in range(steps):
         users = torch.empty(BATCH).exponential_(0.08, generator=g).long().clamp(max=ROWS - 1)
         users[torch.randint(0, BATCH, (2,), generator=g)] = 0
         items = torch.randint(0, ROWS, (BATCH, 3), generator=g)
-        out.append({"users": users, "items": items, "label": torch.randn(BATCH, generator=g)})
+        label = taste[users] + taste[items].mean(1) + 0.05 * torch.randn(BATCH, generator=g)
+        out.append({"users": users, "items": items, "label": label})
     return out

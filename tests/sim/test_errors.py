@@ -12,7 +12,15 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
-from plait import ConfigError, Layout, LayoutError, NotBuiltError, ParallelConfig, ShardingError
+from plait import (
+    ConfigError,
+    Layout,
+    LayoutError,
+    NotBuiltError,
+    ParallelConfig,
+    ShardingError,
+    support,
+)
 from plait.models import MLP, mlp_loss
 from tests.sim.conftest import adamw
 
@@ -172,11 +180,18 @@ def test_pipeline_needs_real_processes_and_refuses_what_is_not_built():
         _parallelize(MLP(), ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}))
 
 
-def test_an_unbuilt_mode_is_refused_naming_itself_and_the_built_ones():
-    with pytest.raises(NotBuiltError) as e:
+def test_parameter_server_on_simulated_ranks_is_refused_naming_the_launch_it_needs():
+    with pytest.raises(ConfigError) as e:
         _parallelize(MLP(), ParallelConfig(mode="parameter_server"))
     text = str(e.value)
-    assert "mode 'parameter_server' is not built" in text and "'semi_auto'" in text
+    assert "needs server ranks" in text and "simulate has none" in text
+    assert "plait run --worker-num W --server-num S" in text and "PLAIT_SERVER_NUM" in text
+
+
+def test_parameter_server_dense_part_beyond_plain_data_parallel_is_refused_by_name():
+    cfg = ParallelConfig(mode="parameter_server", optimizer_shard=1)
+    with pytest.raises(NotBuiltError, match=r"ParallelConfig\(optimizer_shard=1\) with mode="):
+        support.check(cfg)
 
 
 def test_stand_alone_refuses_memory_passes_and_points_to_data_parallel():

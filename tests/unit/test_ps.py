@@ -1,0 +1,208 @@
+"""Parameter-server pieces without processes: table splits, rows made on servers, the
+checks a table and a config meet before anything is sent, the launcher's roles."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import plait
+from plait import ConfigError, ParallelConfig, ShardingError, SparseOptimizer
+from plait.errors import LaunchError
+from plait.launch.command import add_run_arguments, config_from_args
+from plait.launch.config import RunConfig
+from plait.launch.environment import LauncherKind, ProcessEnv
+from plait.launch.runner import worker_command
+from plait.launch.world import server_count
+from plait.ps.table import TableSpec, initial_rows, initial_table
+from plait.ps.worker import PsClient, ServerEmbedding, _spec, _table_module
+
+
+def _spec_of(rows: int = 10, servers: int = 3, split: str = "hash", **kw) -> TableSpec:
+    fields = dict(
+        name="t",
+        rows=rows,
+        dim=4,
+        servers=servers,
+        split=split,
+        optimizer=SparseOptimizer(),
+        workers=2,
+        mode="sync",
+        max_staleness=0,
+        init_in_server=True,
+        seed=5,
+        padding_idx=None,
+    )
+    fields.update(kw)
+    return TableSpec(**fields)
+
+
+@pytest.mark.parametrize(("split", "rows", "servers"), [("hash", 10, 3), ("range", 12, 3)])
+def test_every_row_has_one_server_and_one_local_index(split, rows, servers):
+    spec = _spec_of(rows, servers, split)
+    seen = torch.cat([spec.global_ids(s) for s in range(servers)])
+    assert sorted(seen.tolist()) == list(range(rows))
+    for s in range(servers):
+        ids = spec.global_ids(s)
+        assert len(ids) == spec.local_rows(s)
+        assert (spec.owner(ids) == s).all()
+        assert spec.local_index(ids).tolist() == list(range(len(ids)))
+
+
+def test_rows_made_on_servers_do_not_depend_on_the_server_count():
+    whole = initial_table(9000, 4, seed=5, padding_idx=7)  # three init blocks
+    assert whole[7].abs().sum() == 0 and whole[8].abs().sum() > 0
+    for servers in (1, 2, 3):
+        spec = _spec_of(9000, servers, padding_idx=7)
+        for s in range(servers):
+            ids = spec.global_ids(s)
+            assert torch.equal(initial_rows(spec, ids), whole[ids])
+    assert not torch.equal(initial_table(9000, 4, seed=6), initial_table(9000, 4, seed=5))
+
+
+def test_parameter_server_fields_elsewhere_would_do_nothing():
+    with pytest.raises(
+        ConfigError, match=r"server_modules=\('emb',\)\) with mode='data_parallel' would do nothing"
+    ):
+        ParallelConfig(server_modules=("emb",))
+    with pytest.raises(ConfigError, match=r"ps_mode='async'.*would do nothing"):
+        ParallelConfig(ps_mode="async")
+    with pytest.raises(ConfigError, match=r"max_staleness=2.*ps_mode='sync' would do nothing"):
+        ParallelConfig(mode="parameter_server", max_staleness=2)
+    with pytest.raises(ConfigError, match=r"max_staleness=-1"):
+        ParallelConfig(mode="parameter_server", ps_mode="async", max_staleness=-1)
+    with pytest.raises(ConfigError, match=r"ps_split='rows' is not allowed"):
+        ParallelConfig(mode="parameter_server", ps_split="rows")
+
+
+def test_sparse_optimizer_is_checked_and_read_from_a_dict():
+    cfg = ParallelConfig(mode="parameter_server", server_optimizer={"kind": "sgd", "lr": 0.5})
+    assert cfg.server_optimizer == SparseOptimizer(kind="sgd", lr=0.5)
+    with pytest.raises(ConfigError, match=r"'sgd' has no betas"):
+        SparseOptimizer(kind="sgd", betas=(0.5, 0.5))
+    with pytest.raises(ConfigError, match=r"SparseOptimizer.kind='lamb' is not allowed"):
+        SparseOptimizer(kind="lamb")
+    with pytest.raises(ConfigError, match=r"lr=0"):
+        SparseOptimizer(lr=0)
+    with pytest.raises(ConfigError, match=r"give a plait.SparseOptimizer"):
+        ParallelConfig(mode="parameter_server", server_optimizer="adam")
+    with pytest.raises(ConfigError, match=r"did you mean|mode='parameter_server'"):
+        ParallelConfig(parameter_server=True)
+
+
+class _NoSends:
+    """A worker-and-server group that fails the test if anything is sent."""
+
+    rank, workers, servers = 0, 2, 3
+
+    def send(self, *args, **kwargs):
+        raise AssertionError("sent a message before refusing bad input")
+
+    def server_rank(self, s):
+        return 2 + s
+
+
+def test_ids_out_of_range_are_refused_before_anything_is_sent():
+    table = ServerEmbedding(_spec_of(10, 3), PsClient(_NoSends()), torch.device("cpu"))
+    with pytest.raises(ShardingError, match=r"table 't'.*given id 10, outside its rows 0..9"):
+        table(torch.tensor([1, 10, 2]))
+    with pytest.raises(ShardingError, match=r"given id -1"):
+        table(torch.tensor([-1]))
+    with pytest.raises(ShardingError, match=r"ids of dtype torch.float32"):
+        table(torch.tensor([1.0]))
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 10)
+        self.norm = nn.Embedding(10, 4, max_norm=1.0)
+
+
+def test_only_plain_embedding_tables_go_to_servers():
+    model = _Model()
+    with pytest.raises(ConfigError, match=r"'fc' \(Linear\) cannot live on the parameter servers"):
+        _table_module(model, "fc")
+    with pytest.raises(ConfigError, match=r"'nope', which is not a module of _Model"):
+        _table_module(model, "nope")
+    with pytest.raises(ConfigError, match=r"max_norm=1.0"):
+        _table_module(model, "norm")
+    model.fc.weight = model.emb.weight  # tied: [10, 4] both
+    with pytest.raises(ConfigError, match=r"also 'fc.weight' \(a tied weight\)"):
+        _table_module(model, "emb")
+
+
+def test_range_split_needs_a_server_count_dividing_the_rows_and_meta_tables_init_on_servers():
+    model = _Model()
+    cfg = ParallelConfig(mode="parameter_server")
+    with pytest.raises(
+        ConfigError, match=r"10 rows, which 3 servers cannot split.*ps_split='hash'"
+    ):
+        _spec("emb", model.emb, cfg, _NoSends())
+    hashed = dataclasses.replace(cfg, ps_split="hash")
+    assert _spec("emb", model.emb, hashed, _NoSends()).servers == 3
+    meta = nn.Embedding(10, 4, device="meta")
+    with pytest.raises(ConfigError, match=r"meta device.*init_in_server=True"):
+        _spec("emb", meta, hashed, _NoSends())
+    plait.on_server(meta, init_in_server=True, seed=9)
+    spec = _spec("emb", meta, hashed, _NoSends())
+    assert spec.init_in_server and spec.seed == 9
+
+
+def test_a_server_mark_outside_parameter_server_mode_is_refused():
+    from plait.runtime.parallelize import _with_model_marks
+
+    model = _Model()
+    plait.on_server(model.emb)
+    with pytest.raises(ConfigError, match=r"on_server marks 'emb'.*would do nothing"):
+        _with_model_marks(model, ParallelConfig())
+    cfg = _with_model_marks(model, ParallelConfig(mode="parameter_server"))
+    assert cfg.server_modules == ("emb",)
+    plait.on_server(model.emb, server=False)
+    assert _with_model_marks(model, ParallelConfig()).server_modules == ()
+
+
+def _run_args(*argv: str) -> RunConfig:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return config_from_args(parser.parse_args([*argv, "train.py"]))
+
+
+def test_plait_run_starts_servers_after_the_workers_and_tells_them():
+    cfg = _run_args("--worker-num", "4", "--server-num", "2")
+    assert (cfg.worker_num, cfg.local_worker_num, cfg.server_num) == (6, 6, 2)
+    _, args = worker_command(cfg)
+    assert "PLAIT_SERVER_NUM=2" in args
+    with pytest.raises(LaunchError, match=r"plait run places parameter servers on one-node jobs"):
+        _run_args("--nnodes", "2", "--local-worker-num", "2", "--server-num", "1")
+    with pytest.raises(LaunchError, match=r"--server-num -1 must be >= 0"):
+        _run_args("--worker-num", "2", "--server-num", "-1")
+
+
+def test_server_count_is_read_and_checked(monkeypatch):
+    penv = ProcessEnv(
+        launcher=LauncherKind.TORCHRUN,
+        rank=0,
+        world_size=4,
+        local_rank=0,
+        local_world_size=4,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        device_index=0,
+    )
+    monkeypatch.delenv("PLAIT_SERVER_NUM", raising=False)
+    monkeypatch.delenv("MS_SERVER_NUM", raising=False)
+    assert server_count(penv) == 0
+    monkeypatch.setenv("MS_SERVER_NUM", "1")
+    assert server_count(penv) == 1
+    monkeypatch.setenv("PLAIT_SERVER_NUM", "4")
+    with pytest.raises(
+        LaunchError, match=r"PLAIT_SERVER_NUM='4'.*0..3.*at least one must be a worker"
+    ):
+        server_count(penv)

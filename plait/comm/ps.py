@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Header", "Kind", "PsGroup", "group", "join", "leave"]
+__all__ = ["Header", "Kind", "PsGroup", "agree", "answer", "group", "join", "leave", "request"]
 
 HEADER_TAG = 1
 PAYLOAD_TAG = 2
@@ -47,9 +47,15 @@ class Kind(enum.IntEnum):
     PULL = 3
     """Rows by local index; the server answers with the rows."""
     PUSH = 4
-    """Row gradients by local index (``extra``: 1 when the worker's step ends with it)."""
+    """A worker's row gradients of one step, by local index (``extra``: 1 when its step read
+    the table at all)."""
     DONE = 5
     """The worker leaves; a server stops when every worker has."""
+    SAVE = 6
+    """Write every table's rows and optimizer states into a directory (payload: its path),
+    once ``step`` is applied; answered with a status."""
+    LOAD = 7
+    """Read every table's rows and optimizer states from a directory; answered with a status."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +125,52 @@ class PsGroup:
     def start_recv(self, src: int, out: torch.Tensor) -> Any:
         """Start receiving a payload from ``src`` into ``out``; returns the work."""
         return self.pg.recv([out], src, PAYLOAD_TAG)
+
+
+def encode(text: str) -> torch.Tensor:
+    """``text`` as a payload (utf-8 bytes)."""
+    raw = text.encode()
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode(t: torch.Tensor) -> str:
+    return t.numpy().tobytes().decode()
+
+
+def request(ps: PsGroup, header: Header, text: str) -> list[str]:
+    """Send ``header`` with ``text`` to every server and wait for their answers: each
+    server's error, or nothing when all succeeded."""
+    works: list[Any] = []
+    for s in range(ps.servers):
+        works += ps.send(ps.server_rank(s), header, [encode(text)])
+    wait_all(works)
+    errors = []
+    for s in range(ps.servers):
+        status = ps.recv_payload(ps.server_rank(s), torch.empty(2, dtype=torch.int64))
+        if int(status[1]):
+            message = ps.recv_payload(
+                ps.server_rank(s), torch.empty(int(status[1]), dtype=torch.uint8)
+            )
+            errors.append(decode(message))
+    return errors
+
+
+def answer(ps: PsGroup, dst: int, error: str | None) -> None:
+    """A server's answer to :func:`request`: ok, or ``error``."""
+    message = encode(error or "")
+    status = torch.tensor([0 if error is None else 1, message.numel()], dtype=torch.int64)
+    wait_all(ps.reply(dst, status, *([message] if message.numel() else [])))
+
+
+def agree(error: str | None) -> str | None:
+    """Worker 0's ``error`` on every worker (a broadcast over the workers' default group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    box: list[str | None] = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class _Keep:

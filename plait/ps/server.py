@@ -23,14 +23,18 @@ worker's pushes up to step ``t - 1 - max_staleness``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from plait.comm.ps import Header, Kind, PsGroup, wait_all
+from plait.comm.ps import Header, Kind, PsGroup, answer, decode, wait_all
 from plait.errors import ConfigError
 from plait.ps.table import TableSpec, initial_rows, sparse_optimizer
 
@@ -55,6 +59,8 @@ class Shard:
     """Sync: steps applied."""
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """Sync: the pushes of the step being gathered (local ids, gradient rows)."""
+    used: bool = False
+    """Sync: some worker read the table in the step being gathered."""
 
     def __post_init__(self) -> None:
         n = self.spec.local_rows(self.server)
@@ -79,8 +85,67 @@ class Shard:
             return self.applied >= step
         return min(self.pushed) >= step - self.spec.max_staleness
 
-    def push(self, worker: int, step: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Take worker ``worker``'s gradient rows of ``step``."""
+    def complete_at(self, step: int) -> bool:
+        """Has every worker's push of the steps before ``step`` been applied?"""
+        if self.spec.mode == "sync":
+            return self.applied >= step
+        return min(self.pushed) >= step
+
+    def saved(self) -> dict[str, Any]:
+        """This shard as a checkpoint file holds it: global ids, rows, optimizer states (per
+        row where a state is as large as the rows, else as it is)."""
+        state = self.optimizer.state.get(self.weight, {})
+        return {
+            "table": self.spec.name,
+            "rows": self.spec.rows,
+            "dim": self.spec.dim,
+            "optimizer": self.spec.optimizer.kind,
+            "ids": self.spec.global_ids(self.server),
+            "weight": self.weight.detach().clone(),
+            "per_row": {k: v.clone() for k, v in state.items() if _per_row(v, self.weight)},
+            "scalars": {k: v for k, v in state.items() if not _per_row(v, self.weight)},
+        }
+
+    def load(self, pieces: list[dict[str, Any]]) -> None:
+        """Take this shard's rows (and their optimizer states) from every saved piece of the
+        table, whatever server count and split wrote them."""
+        spec = self.spec
+        for piece in pieces:
+            if (piece["rows"], piece["dim"]) != (spec.rows, spec.dim):
+                raise ValueError(
+                    f"table {spec.name!r} is {piece['rows']} x {piece['dim']} in the checkpoint "
+                    f"and {spec.rows} x {spec.dim} in this model"
+                )
+            if piece["optimizer"] != spec.optimizer.kind:
+                raise ValueError(
+                    f"table {spec.name!r} was trained with the {piece['optimizer']!r} sparse "
+                    f"optimizer and this job's is {spec.optimizer.kind!r}; give "
+                    f"server_optimizer=SparseOptimizer(kind={piece['optimizer']!r}, ...)"
+                )
+        weight = torch.empty_like(self.weight)
+        found = torch.zeros(weight.shape[0], dtype=torch.bool)
+        per_row: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            ids = piece["ids"]
+            mine = spec.owner(ids) == self.server
+            where = spec.local_index(ids[mine])
+            weight[where] = piece["weight"][mine]
+            found[where] = True
+            for k, v in piece["per_row"].items():
+                per_row.setdefault(k, torch.zeros_like(weight))[where] = v[mine]
+        if not bool(found.all()):
+            raise ValueError(f"table {spec.name!r}: the checkpoint lacks some of its rows")
+        with torch.no_grad():
+            self.weight.copy_(weight)
+        self.loaded = weight.shape[0]
+        if per_row or pieces[0]["scalars"]:
+            self.optimizer.state[self.weight] = {**pieces[0]["scalars"], **per_row}
+
+    def push(
+        self, worker: int, step: int, ids: torch.Tensor, grads: torch.Tensor, used: bool
+    ) -> None:
+        """Take worker ``worker``'s gradient rows of ``step`` (``used``: its step read the
+        table at all, perhaps no row of this server's)."""
         if step != self.pushed[worker]:
             raise RuntimeError(
                 f"parameter server {self.server}, table {self.spec.name!r}: worker {worker} "
@@ -89,18 +154,23 @@ class Shard:
             )
         self.pushed[worker] = step + 1
         if self.spec.mode == "async":
-            self._apply([(ids, grads)])
+            self._apply([(ids, grads)], used)
             return
         self.pending.append((ids, grads))
+        self.used = self.used or used
         if min(self.pushed) > self.applied:  # every worker pushed this step
-            self._apply(self.pending)
-            self.pending = []
+            self._apply(self.pending, self.used)
+            self.pending, self.used = [], False
             self.applied += 1
 
-    def _apply(self, pushes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _apply(self, pushes: list[tuple[torch.Tensor, torch.Tensor]], used: bool) -> None:
+        """One optimizer step over the pushed rows. A table some worker read steps its
+        optimizer even when no row of this server's was read (an empty gradient), as one
+        device's table does when it is used: its step count (Adam's bias correction,
+        Adagrad's decay) is the table's, the same on every server."""
+        if not used:
+            return  # the table was not read this step: one device's has no gradient either
         ids = torch.cat([i for i, _ in pushes])
-        if ids.numel() == 0:
-            return  # no row of this table was read: its optimizer is not stepped
         grads = torch.cat([g for _, g in pushes])
         # ids are in range by construction (workers check theirs): no invariant checks, said
         # explicitly (torch warns when they are off implicitly, its optimizers' too)
@@ -112,12 +182,23 @@ class Shard:
         self.weight.grad = None
 
 
+def _per_row(value: Any, weight: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == weight.shape
+
+
 @dataclass
 class _Pull:
     src: int
     table: int
     step: int
     ids: torch.Tensor
+
+
+@dataclass
+class _Save:
+    src: int
+    step: int
+    directory: Path
 
 
 class _Server:
@@ -128,6 +209,7 @@ class _Server:
         self.index = ps.rank - ps.workers
         self.shards: dict[int, Shard] = {}
         self.waiting: list[_Pull] = []
+        self.saves: list[_Save] = []
         self.left = 0
 
     def handle(self, src: int, h: Header) -> None:
@@ -148,7 +230,13 @@ class _Server:
             shard = self.shards[h.table]
             ids = ps.recv_payload(src, torch.empty(h.count, dtype=torch.int64))
             grads = ps.recv_payload(src, torch.empty(h.count, shard.spec.dim))
-            shard.push(src, h.step, ids, grads)
+            shard.push(src, h.step, ids, grads, used=bool(h.extra))
+        elif h.kind == Kind.SAVE:
+            path = decode(ps.recv_payload(src, torch.empty(h.count, dtype=torch.uint8)))
+            self.saves.append(_Save(src, h.step, Path(path)))
+        elif h.kind == Kind.LOAD:
+            path = decode(ps.recv_payload(src, torch.empty(h.count, dtype=torch.uint8)))
+            answer(ps, src, self._guarded(lambda: self._load(Path(path))))
         elif h.kind == Kind.DONE:
             self.left += 1
         self._answer()
@@ -169,8 +257,39 @@ class _Server:
                 "model and ParallelConfig"
             )
 
+    def _guarded(self, action: Callable[[], None]) -> str | None:
+        """Run ``action``; its error as a message for the worker that asked (None: done)."""
+        try:
+            action()
+        except (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as e:
+            return f"parameter server {self.index} (rank {self.ps.rank}): {e}"
+        return None
+
+    def _save(self, directory: Path) -> None:
+        servers = self.ps.servers
+        for shard in self.shards.values():
+            folder = directory / shard.spec.name
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save(shard.saved(), folder / f"server{self.index}-of-{servers}.pt")
+
+    def _load(self, directory: Path) -> None:
+        for shard in self.shards.values():
+            folder = directory / shard.spec.name
+            files = sorted(folder.glob("server*-of-*.pt"))
+            if not files:
+                raise ValueError(f"the checkpoint at {directory} has no table {shard.spec.name!r}")
+            shard.load([torch.load(f, weights_only=False) for f in files])
+
     def _answer(self) -> None:
-        """Answer every waiting pull that may be answered now."""
+        """Answer every waiting pull that may be answered now, then every save whose step
+        every table has applied."""
+        self._answer_pulls()
+        ready = [s for s in self.saves if all(t.complete_at(s.step) for t in self.shards.values())]
+        for save in ready:
+            self.saves.remove(save)
+            answer(self.ps, save.src, self._guarded(functools.partial(self._save, save.directory)))
+
+    def _answer_pulls(self) -> None:
         still: list[_Pull] = []
         works = []
         for pull in self.waiting:

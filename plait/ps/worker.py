@@ -13,17 +13,19 @@ rest of the model trains data parallel over the workers as any other job.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.comm.ps import Header, Kind, PsGroup, wait_all
+from plait.comm.ps import Header, Kind, PsGroup, agree, request, wait_all
 from plait.config import ParallelConfig
-from plait.errors import ConfigError, ShardingError
+from plait.errors import CheckpointError, ConfigError, ShardingError
 from plait.ps.table import TableSpec
 
 __all__ = ["PsClient", "ServerEmbedding", "ServerEmbeddingBag", "serve_tables"]
@@ -56,6 +58,8 @@ class PsClient:
     """A worker's link to the servers: pulls, the step's reads, pushes."""
 
     ps: PsGroup
+    name: str = "parameter_server"
+    """Its folder in a checkpoint's ``parts`` (a checkpoint part of the job)."""
     step: int = 0
     """Steps pushed so far (the step the next pull and push belong to)."""
     traffic: PsTraffic = field(default_factory=PsTraffic)
@@ -123,6 +127,50 @@ class PsClient:
             ]
         )
 
+    def save(self, directory: Path) -> None:
+        """Have every server write its rows and their optimizer states under ``directory``
+        once this step is applied (every worker calls it; worker 0 asks)."""
+        self._ask(Kind.SAVE, directory, "save")
+
+    def load(self, directory: Path) -> None:
+        """Have every server read its rows and optimizer states from ``directory``, written
+        by :meth:`save` under any server count and split (every worker calls it)."""
+        if self.ps.rank == 0 and not directory.is_dir():
+            error: str | None = (
+                f"the checkpoint has no parameter-server tables ({directory} is missing): it "
+                "was saved by a job without servers; export tables with "
+                "job.parameter_server.export(...) there, or load it into such a job"
+            )
+        else:
+            error = None
+        agreed = agree(error)
+        if agreed is not None:
+            raise CheckpointError(agreed)
+        self._ask(Kind.LOAD, directory, "load")
+
+    def _ask(self, kind: Kind, directory: Path, verb: str) -> None:
+        error = None
+        if self.ps.rank == 0:
+            text = str(Path(directory).resolve())
+            head = Header(kind, step=self.step, count=len(text.encode()))
+            errors = request(self.ps, head, text)
+            error = "; ".join(errors) if errors else None
+        error = agree(error)
+        if error is not None:
+            raise CheckpointError(f"the parameter servers could not {verb} the tables: {error}")
+
+    def export(self, path: str | os.PathLike[str]) -> Path:
+        """Write every table whole to the safetensors file ``path`` as ``<table>.weight``
+        (a one-device model with the same tables loads it with ``load_state_dict(...,
+        strict=False)``); worker 0 writes, every worker calls it. Returns the path."""
+        from safetensors.torch import save_file
+
+        target = Path(path)
+        if self.ps.rank == 0:
+            save_file({f"{name}.weight": self.table(name) for name in self._specs}, str(target))
+        agree(None)  # the file is there when any worker returns
+        return target
+
     def record(self, spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Remember a training forward's pulled rows: their gradients are pushed at flush."""
         self._reads.setdefault(spec.name, []).append(_Read(ids, rows))
@@ -136,12 +184,14 @@ class PsClient:
         where no row was read: sync servers count one per worker and step)."""
         works: list[Any] = []
         for name, spec in self._specs.items():
-            ids, grads = _coalesced(self._reads.get(name, []), spec)
+            reads = self._reads.get(name, [])
+            used = any(r.rows.grad is not None for r in reads)
+            ids, grads = _coalesced(reads, spec)
             owner = spec.owner(ids)
             local = spec.local_index(ids)
             for s in range(spec.servers):
                 mask = owner == s
-                head = Header(Kind.PUSH, spec.id, self.step, int(mask.sum()))
+                head = Header(Kind.PUSH, spec.id, self.step, int(mask.sum()), extra=int(used))
                 works += self.ps.send(self.ps.server_rank(s), head, [local[mask], grads[mask]])
             self.traffic.bytes_pushed += grads.numel() * grads.element_size() + ids.numel() * 8
         wait_all(works)

@@ -308,6 +308,7 @@ def _parameter_server_job(
     device_mesh = build_device_mesh(mesh, world.device_type)
     job = _plain_job(model, config, mesh, device_mesh, {}, optimizer, loss_fn)
     job.before_update.append(client.flush)
+    job.checkpoint_parts.append(client)
     job.parameter_server = client
     return job
 

@@ -1,6 +1,13 @@
 """A parameter-server job's script (run by tests/dist/test_parameter_server.py under
 `plait run --server-num`): trains tests/dist/ps_model.py's recommender and, on worker 0,
-saves its losses, dense weights and both tables as the servers hold them."""
+saves its losses (by step), dense weights and both tables as the servers hold them.
+
+``sys.argv[2]`` is JSON: ParallelConfig fields, plus what the test asks of the run:
+``steps``; ``kill_server_at`` (worker 0 SIGKILLs the first server before that step, in the
+first attempt only); ``save_at`` and ``save`` (a checkpoint after that step); ``load`` (a
+checkpoint to start from); ``every`` (plait.checkpoint.Checkpoints in --checkpoint-dir);
+``export`` (the tables to a safetensors file at the end).
+"""
 
 from __future__ import annotations
 
@@ -14,11 +21,14 @@ import torch
 
 import plait
 from plait import ParallelConfig
+from plait.checkpoint import Checkpoints
 from tests.dist.ps_model import Recommender, batches, loss_fn
 
 out, settings = sys.argv[1], json.loads(sys.argv[2])
-steps = settings.pop("steps", None)
-kill_server_at = settings.pop("kill_server_at", None)
+asked = {
+    k: settings.pop(k, None)
+    for k in ("steps", "kill_server_at", "save_at", "save", "load", "every", "export")
+}
 
 
 def kill_first_server(world: plait.World) -> None:
@@ -43,13 +53,26 @@ config = ParallelConfig(mode="parameter_server", server_modules=("items",), **se
 job = plait.parallelize(
     model, config, optimizer=lambda p: torch.optim.Adam(p, lr=0.01), loss_fn=loss_fn
 )
-losses = []
-for step, batch in enumerate(batches(steps) if steps else batches()):
-    if step == kill_server_at and world.rank == 0:
+checkpoints = Checkpoints(every=asked["every"]) if asked["every"] else None
+start = job.load(asked["load"]) if asked["load"] else 0
+if checkpoints is not None:
+    start = checkpoints.resume(job)
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+losses = {}
+for step, batch in enumerate(batches(asked["steps"]) if asked["steps"] else batches()):
+    if step < start:
+        continue
+    if step == asked["kill_server_at"] and world.rank == 0 and first_attempt:
         kill_first_server(world)
     mine = {k: v.chunk(world.world_size)[world.rank] for k, v in batch.items()}
-    losses.append(job.step(mine))
+    losses[step] = job.step(mine)
+    if step + 1 == asked["save_at"]:
+        job.save(asked["save"])
+    if checkpoints is not None:
+        checkpoints.maybe_save(job)
 client = job.parameter_server
+if asked["export"]:
+    client.export(asked["export"])
 if world.rank == 0:
     torch.save(
         {

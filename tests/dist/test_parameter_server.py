@@ -30,13 +30,16 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "dist" / "ps_worker.py"
 
 
-def _run(tmp_path: Path, settings: dict, *, workers: int = 2, servers: int = 2):
-    out = tmp_path / "result.pt"
+def _run(
+    tmp_path: Path, settings: dict, *, workers: int = 2, servers: int = 2, name: str = "run",
+    flags: tuple[str, ...] = (),
+):  # fmt: skip
+    out = tmp_path / f"{name}.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable, "-m", "plait", "run", "--worker-num", str(workers), "--server-num",
-        str(servers), "--log-dir", str(tmp_path / "logs"), str(SCRIPT), str(out),
-        json.dumps(settings),
+        str(servers), "--log-dir", str(tmp_path / f"{name}-logs"), *flags, str(SCRIPT),
+        str(out), json.dumps(settings),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     return proc, out
@@ -80,7 +83,8 @@ def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer
     losses, model = _one_device(optimizer)
     # fp32; the only difference is the order rows' gradients are summed in (per worker, then
     # over workers): rounding, a few ulps after six steps
-    torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=1e-6)
+    assert list(got["losses"]) == list(range(6))
+    torch.testing.assert_close(list(got["losses"].values()), losses, rtol=1e-5, atol=1e-6)
     for name, value in model.mlp.state_dict().items():
         torch.testing.assert_close(got["mlp"][name], value, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["users"], model.users.weight.detach(), rtol=1e-5, atol=1e-6)
@@ -90,13 +94,14 @@ def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer
     assert got["traffic"]["steps"] == 6 and got["traffic"]["bytes_pushed"] > 0
 
 
+@pytest.mark.nightly  # about 15 s: in `make nightly` (.ci/run), not `make test`
 def test_async_parameter_server_converges_on_the_same_task(tmp_path):
     optimizer = SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10)
     settings = {"ps_mode": "async", "max_staleness": 2, "steps": 40, "server_optimizer": {
         "kind": "adagrad", "lr": 0.1, "eps": 1e-10}}  # fmt: skip
     proc, out = _run(tmp_path, settings)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = torch.load(out)["losses"]
+    got = list(torch.load(out)["losses"].values())
     sync, _ = _one_device(optimizer, steps=40)
     first, last, one = sum(got[:5]) / 5, sum(got[-5:]) / 5, sum(sync[-5:]) / 5
     # one device goes from 1.05 to 0.67 over these 40 steps (the mean of 5); async, whose
@@ -110,3 +115,38 @@ def test_a_killed_server_stops_the_job_naming_it(tmp_path):
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "parameter server rank 2" in text and "SIGKILL" in text, text[-3000:]
+
+
+def test_a_checkpoint_loads_under_another_server_count_and_split(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc, out = _run(tmp_path, {"save_at": 3, "save": str(ckpt)}, name="a")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (ckpt / "parts" / "parameter_server" / "items" / "server1-of-2.pt").is_file()
+    exported = tmp_path / "tables.safetensors"
+    settings = {"ps_split": "hash", "load": str(ckpt), "export": str(exported)}
+    proc, again = _run(tmp_path, settings, servers=3, name="b")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = torch.load(out), torch.load(again)
+    assert list(b["losses"]) == [3, 4, 5]
+    # the same numbers in the same order: servers hold other rows, each row's update is its own
+    for step in (3, 4, 5):
+        assert b["losses"][step] == pytest.approx(a["losses"][step], rel=1e-6)
+    for table in ("users", "items"):
+        torch.testing.assert_close(b[table], a[table], rtol=1e-6, atol=1e-7)
+    from safetensors.torch import load_file
+
+    whole = load_file(str(exported))
+    assert torch.equal(whole["users.weight"], b["users"])
+    assert torch.equal(whole["items.weight"], b["items"])
+
+
+def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path):
+    flags = ("--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpts"))
+    proc, out = _run(tmp_path, {"every": 2, "kill_server_at": 3}, flags=flags)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out)
+    assert list(got["losses"]) == [2, 3, 4, 5]  # resumed after step 2's checkpoint
+    losses, model = _one_device(SparseOptimizer())
+    torch.testing.assert_close(list(got["losses"].values()), losses[2:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["users"], model.users.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)

@@ -206,3 +206,24 @@ def test_server_count_is_read_and_checked(monkeypatch):
         LaunchError, match=r"PLAIT_SERVER_NUM='4'.*0..3.*at least one must be a worker"
     ):
         server_count(penv)
+
+
+def test_a_table_read_anywhere_steps_every_servers_optimizer():
+    """One device's table steps its optimizer whenever it is read; a server whose rows no
+    batch named steps too (an empty gradient), so Adam's step count is the table's on every
+    server; a table nobody read does not step."""
+    from plait.ps.server import Shard
+
+    spec = _spec_of(10, 2, "range", optimizer=SparseOptimizer(kind="adam"), workers=2)
+    shard = Shard(spec, server=1)
+    empty = torch.empty(0, dtype=torch.int64), torch.empty(0, 4)
+    shard.push(0, 0, *empty, used=True)  # worker 0 read rows of server 0 only
+    shard.push(1, 0, *empty, used=False)
+    assert shard.applied == 1 and shard.optimizer.state[shard.weight]["step"] == 1
+    before = shard.weight.detach().clone()
+    shard.push(0, 1, *empty, used=False)
+    shard.push(1, 1, *empty, used=False)
+    assert shard.applied == 2 and shard.optimizer.state[shard.weight]["step"] == 1
+    assert torch.equal(before, shard.weight.detach())
+    with pytest.raises(RuntimeError, match="worker 0 pushed step 5 but 2 was next"):
+        shard.push(0, 5, *empty, used=False)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ class CheckpointedJob(Protocol):
     mesh: Any
     steps_taken: int
 
+    checkpoint_parts: list[CheckpointPart]
+
     def state_modules(self) -> list[nn.Module]: ...
 
     def wait_for_save(self) -> None: ...
@@ -70,7 +73,25 @@ class CheckpointedJob(Protocol):
     def checkpoint_group(self) -> Any: ...
 
 
+class CheckpointPart(Protocol):
+    """State a job keeps outside its processes' model and optimizer (a parameter server's
+    tables), saved into and loaded from a directory of its own in the checkpoint
+    (``parts/<name>``). Every worker calls both, together; each raises the same error
+    everywhere (:class:`~plait.errors.CheckpointError`) when it fails."""
+
+    name: str
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+
+PARTS = "parts"
+"""The checkpoint's folder of :class:`CheckpointPart` directories."""
+
+
 __all__ = [
+    "CheckpointPart",
     "SaveHandle",
     "Stateful",
     "load_job",
@@ -303,6 +324,8 @@ def save_job(
         group = None
     manifest = _manifest(job, extras)
     plan_text = _plan_text(job) if rank == 0 else None
+    parts = _save_parts(job, final)
+
 
     def write() -> None:
         small = {f"extra/rank{rank}.pt": _serialized(extras)}
@@ -310,6 +333,8 @@ def save_job(
             small["plan.json"] = plan_text.encode()
 
         def commit(written: dict[str, tuple[int, int]]) -> None:
+            if parts is not None:  # written before DCP cleared the partial directory
+                os.replace(parts, partial / PARTS)
             _commit(partial, final, manifest, written)
 
         # A synchronous save owns the process while it writes: torch.save's own CRC-32 of
@@ -334,6 +359,19 @@ def save_job(
     handle._thread = thread
     thread.start()
     return handle
+
+
+def _save_parts(job: CheckpointedJob, final: Path) -> Path | None:
+    """Every :class:`CheckpointPart` of ``job`` written now (in the training thread, also for
+    a background save) to ``<final>.parts``, moved into the checkpoint when it commits."""
+    if not job.checkpoint_parts:
+        return None
+    staging = final.with_name(final.name + ".parts")
+    if io.rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    for part in job.checkpoint_parts:
+        part.save(staging / part.name)
+    return staging
 
 
 def _plan_text(job: CheckpointedJob) -> str | None:
@@ -692,6 +730,8 @@ def load_job(
             {**model_state, **dest}, where, metadata=metadata, before_read=before_read
         ),
     )
+    for part in job.checkpoint_parts:
+        part.load(where / PARTS / part.name)
     for module in job.state_modules():
         mark_initialised(module)  # meta init: the pieces hold the checkpoint's values now
     # Everything below only writes what was read and checked.

@@ -47,7 +47,7 @@ from plait.runtime.program.grad_sync import GradSync
 from plait.runtime.program.zero import ZeroOptimizer, reduce_scatter_accumulated
 
 if TYPE_CHECKING:
-    from plait.runtime.engine.checkpoint import SaveHandle, Stateful
+    from plait.runtime.engine.checkpoint import CheckpointPart, SaveHandle, Stateful
     from plait.runtime.engine.measure import MemoryMeasurement
     from plait.runtime.engine.report import RunReport
 
@@ -122,6 +122,9 @@ class Job:
         self.before_update: list[Callable[[], None]] = []
         """Called after a step's last backward, before the optimizer's update (a
         parameter-server job pushes its tables' row gradients there)."""
+        self.checkpoint_parts: list[CheckpointPart] = []
+        """State kept outside this job's processes, saved and loaded with it (a
+        parameter-server job's tables)."""
         self.parameter_server: Any = None
         """A parameter-server job's link to its servers (:class:`plait.ps.worker.PsClient`:
         its ``traffic``); None for other jobs (nothing reads it to choose a path)."""

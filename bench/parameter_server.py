@@ -14,14 +14,18 @@ Sides, each its own ``plait run`` (same model, seed, batches and dense optimizer
 * ``host modules``: the same with ``host_modules=("users", "items")`` (on this CPU machine the
   host is the device: the same work, listed because a GPU user would weigh it);
 * ``ps sync`` / ``ps async``: ``mode="parameter_server"`` with ``--servers`` more processes
-  holding the tables (``SparseOptimizer(kind="adam")``: lazy per-row Adam) and the workers
-  pulling and pushing the rows a batch names; async with ``max_staleness=2``.
+  holding the tables (``SparseOptimizer(kind="adam")``: lazy per-row Adam; built on the meta
+  device and made on the servers, ``init_in_server``) and the workers pulling and pushing the
+  rows a batch names; async with ``max_staleness=2``;
+* ``ps async + cache``: async with ``vocab_cache_size=--cache`` rows of each table cached on
+  every worker and the next step's rows prefetched before each step.
 
 Each step starts after a barrier of the workers and is timed on rank 0. The table gives the
 median step, samples a second over all workers, the bytes a worker moves a step (data
 parallel: a ring all-reduce of the dense gradients moves ``2 (n-1)/n`` of their bytes per
 rank; parameter server: the rows and ids pulled and pushed, counted by the worker), the
-tensor bytes a worker holds (parameters, gradients and optimizer states) and its peak RSS.
+tensor bytes a worker holds (parameters, gradients and optimizer states), its peak RSS and the
+share of rows read that the worker's cache served.
 
 Run from the repository root: ``.venv/bin/python bench/parameter_server.py`` (about 4 minutes
 here); ``--rows 100000`` for a quick run.
@@ -44,14 +48,14 @@ import torch
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-SIDES = ("data parallel", "host modules", "ps sync", "ps async")
+SIDES = ("data parallel", "host modules", "ps sync", "ps async", "ps async + cache")
 
 
 class Recommender(nn.Module):
-    def __init__(self, rows: int, dim: int) -> None:
+    def __init__(self, rows: int, dim: int, *, tables_on: str | None = None) -> None:
         super().__init__()
-        self.users = nn.Embedding(rows, dim)
-        self.items = nn.EmbeddingBag(rows, dim, mode="sum")
+        self.users = nn.Embedding(rows, dim, device=tables_on)
+        self.items = nn.EmbeddingBag(rows, dim, mode="sum", device=tables_on)
         self.mlp = nn.Sequential(
             nn.Linear(2 * dim, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)
         )
@@ -89,14 +93,21 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     world = plait.init()  # the servers of a ps side stay inside
     torch.manual_seed(0)
-    model = Recommender(args.rows, args.dim)
-    if side.startswith("ps"):
+    ps = side.startswith("ps")
+    # a parameter server's tables never exist whole on a worker: built on meta, made on the
+    # servers (data parallel needs them on every worker)
+    model = Recommender(args.rows, args.dim, tables_on="meta" if ps else None)
+    if ps:
+        asynchronous = side.startswith("ps async")
+        plait.on_server(model.users, init_in_server=True, seed=1)
+        plait.on_server(model.items, init_in_server=True, seed=2)
         config = ParallelConfig(
-            mode="parameter_server", server_modules=("users", "items"),
+            mode="parameter_server",
             server_optimizer=SparseOptimizer(kind="adam", lr=1e-3),
-            ps_mode="async" if side == "ps async" else "sync",
-            max_staleness=2 if side == "ps async" else 0,
-        )  # fmt: skip
+            ps_mode="async" if asynchronous else "sync",
+            max_staleness=2 if asynchronous else 0,
+            vocab_cache_size=args.cache if side.endswith("cache") else 0,
+        )
     elif side == "host modules":
         config = ParallelConfig(host_modules=("users", "items"))
     else:
@@ -108,6 +119,9 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
     times, moved = [], []
     for step in range(args.warmup + args.steps):
         batch = batch_of(step, world.rank, args)
+        if client is not None and client.cache_rows:  # the next step's rows, asked now
+            following = batch_of(step + 1, world.rank, args)
+            client.prefetch({"users": following["users"], "items": following["items"]})
         dist.barrier()
         before = client.traffic.bytes_pulled + client.traffic.bytes_pushed if client else 0
         start = time.perf_counter()
@@ -134,6 +148,7 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
         "held": held,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "workers": world.world_size,
+        "hit_rate": client.traffic.hit_rate if client is not None else None,
     }
     everyone: list[dict | None] = [None] * world.world_size
     dist.all_gather_object(everyone, result)
@@ -157,7 +172,7 @@ def run_side(side: str, args: argparse.Namespace, folder: Path) -> list[dict]:
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
-    names = ("rows", "dim", "bag", "batch", "steps", "warmup")
+    names = ("rows", "dim", "bag", "batch", "steps", "warmup", "cache")
     return [x for n in names for x in (f"--{n}", str(getattr(args, n)))]
 
 
@@ -173,6 +188,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512, help="samples a worker a step")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--cache", type=int, default=200_000, help="vocab_cache_size of + cache")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sides", default=",".join(SIDES))
@@ -187,8 +203,11 @@ def main() -> None:
         f"# {args.workers} workers (+{args.servers} servers for ps), tables 2 x {args.rows:,} x "
         f"{args.dim}, batch {args.batch} a worker, bag {args.bag}, {args.steps} timed steps"
     )
-    print("| side | step (median) | samples/s | moved a step, a worker | held a worker | peak RSS a worker |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| side | step (median) | samples/s | moved a step, a worker | held a worker "
+        "| peak RSS a worker | cache hits |"
+    )
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="plait-bench-ps-") as tmp:
         for side in sides:
             ranks = run_side(side, args, Path(tmp))
@@ -197,9 +216,10 @@ def main() -> None:
             moved = statistics.mean(r["bytes_moved"] for r in ranks)
             held = max(r["held"] for r in ranks)
             rss = max(r["rss"] for r in ranks)
+            hits = ranks[0]["hit_rate"]
             print(
                 f"| {side} | {step * 1e3:,.0f} ms | {samples:,.0f} | {_mb(moved)} | {_mb(held)} "
-                f"| {_mb(rss)} |",
+                f"| {_mb(rss)} | {'-' if not hits else f'{hits:.0%}'} |",
                 flush=True,
             )
 

@@ -283,6 +283,11 @@ class ParallelConfig:
     """``ps_mode="async"``: how many steps a worker may run ahead of the slowest push applied."""
     server_optimizer: SparseOptimizer = field(default_factory=SparseOptimizer)
     """What the servers apply to the rows a step touched."""
+    vocab_cache_size: int = 0
+    """``mode="parameter_server"``: rows of each table a worker caches (MindSpore's
+    ``vocab_cache_size``), the hottest kept, each reused while it is as fresh as ``ps_mode``
+    allows (:mod:`plait.ps.cache`); ``job.parameter_server.prefetch`` fills it for the next
+    step while this one computes. 0: every read pulls."""
     ps_split: PsSplit = "range"
     """How a table's rows are split over servers: ``"range"`` (server ``s`` holds the ``s``-th
     of equal consecutive blocks; the server count must divide the rows) or ``"hash"`` (row
@@ -464,10 +469,12 @@ class ParallelConfig:
                 "a plait.SparseOptimizer, e.g. SparseOptimizer(kind='adagrad', lr=0.05)"
             )
         staleness = self.max_staleness
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise ConfigError(
-                f"ParallelConfig.max_staleness={staleness!r} is not allowed; use an integer >= 0"
-            )
+        for name in ("max_staleness", "vocab_cache_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(
+                    f"ParallelConfig.{name}={value!r} is not allowed; use an integer >= 0"
+                )
         servers = _sorted_names("server_modules", self.server_modules,
                                 "module paths, e.g. ('user_table',)")  # fmt: skip
         object.__setattr__(self, "server_modules", servers)
@@ -475,7 +482,7 @@ class ParallelConfig:
             given = {
                 name: getattr(self, name)
                 for name in ("server_modules", "ps_mode", "max_staleness", "server_optimizer",
-                             "ps_split")
+                             "vocab_cache_size", "ps_split")
                 if getattr(self, name) != getattr(_PS_DEFAULTS, name)
             }  # fmt: skip
             if given:
@@ -600,6 +607,7 @@ class _PsDefaults:
     ps_mode = "sync"
     max_staleness = 0
     server_optimizer = SparseOptimizer()
+    vocab_cache_size = 0
     ps_split = "range"
 
 

@@ -31,6 +31,9 @@ __all__ = ["Header", "Kind", "PsGroup", "agree", "answer", "group", "join", "lea
 
 HEADER_TAG = 1
 PAYLOAD_TAG = 2
+REPLY_TAGS = range(16, 16 + 4096)
+"""Tags of pull replies: each pull names its own (``Header.extra``), so a worker with a
+prefetch outstanding matches every reply to its request, whatever order servers answer in."""
 
 IDLE_TIMEOUT = timedelta(hours=24)
 """How long a server waits for the next message: a worker may evaluate or save for a long
@@ -45,7 +48,8 @@ class Kind(enum.IntEnum):
     INIT = 2
     """Initial rows of a table, from worker 0 (``extra``: the first local row)."""
     PULL = 3
-    """Rows by local index; the server answers with the rows."""
+    """Rows by local index (``extra``: the reply's tag); answered with the rows' version and
+    the rows, once the table may be read at ``step``."""
     PUSH = 4
     """A worker's row gradients of one step, by local index (``extra``: 1 when its step read
     the table at all)."""
@@ -105,9 +109,9 @@ class PsGroup:
         works.append(_Keep(head, payload))
         return works
 
-    def reply(self, dst: int, *payload: torch.Tensor) -> list[Any]:
+    def reply(self, dst: int, *payload: torch.Tensor, tag: int = PAYLOAD_TAG) -> list[Any]:
         """Start sending payload tensors alone (an answer the receiver waits for)."""
-        works = [self.pg.send([t.contiguous()], dst, PAYLOAD_TAG) for t in payload]
+        works = [self.pg.send([t.contiguous()], dst, tag) for t in payload]
         return [*works, _Keep(payload)]
 
     def recv_header(self) -> tuple[int, Header]:
@@ -122,9 +126,9 @@ class PsGroup:
         self.pg.recv([out], src, PAYLOAD_TAG).wait()
         return out
 
-    def start_recv(self, src: int, out: torch.Tensor) -> Any:
+    def start_recv(self, src: int, out: torch.Tensor, tag: int = PAYLOAD_TAG) -> Any:
         """Start receiving a payload from ``src`` into ``out``; returns the work."""
-        return self.pg.recv([out], src, PAYLOAD_TAG)
+        return self.pg.recv([out], src, tag)
 
 
 def encode(text: str) -> torch.Tensor:

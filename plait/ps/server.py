@@ -85,6 +85,12 @@ class Shard:
             return self.applied >= step
         return min(self.pushed) >= step - self.spec.max_staleness
 
+    @property
+    def version(self) -> int:
+        """Steps whose pushes from every worker these rows hold (a pull's stamp: a worker's
+        cache keeps a row while it is fresh enough, :mod:`plait.ps.cache`)."""
+        return self.applied if self.spec.mode == "sync" else min(self.pushed)
+
     def complete_at(self, step: int) -> bool:
         """Has every worker's push of the steps before ``step`` been applied?"""
         if self.spec.mode == "sync":
@@ -192,6 +198,7 @@ class _Pull:
     table: int
     step: int
     ids: torch.Tensor
+    tag: int
 
 
 @dataclass
@@ -225,7 +232,7 @@ class _Server:
             shard.loaded += h.count
         elif h.kind == Kind.PULL:
             ids = ps.recv_payload(src, torch.empty(h.count, dtype=torch.int64))
-            self.waiting.append(_Pull(src, h.table, h.step, ids))
+            self.waiting.append(_Pull(src, h.table, h.step, ids, h.extra))
         elif h.kind == Kind.PUSH:
             shard = self.shards[h.table]
             ids = ps.recv_payload(src, torch.empty(h.count, dtype=torch.int64))
@@ -299,7 +306,8 @@ class _Server:
                 continue
             with torch.no_grad():
                 rows = shard.weight[pull.ids]
-            works += self.ps.reply(pull.src, rows)
+            version = torch.tensor([shard.version], dtype=torch.int64)
+            works += self.ps.reply(pull.src, version, rows, tag=pull.tag)
         self.waiting = still
         wait_all(works)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.comm.ps import Header, Kind, PsGroup, agree, request, wait_all
+from plait.comm.ps import REPLY_TAGS, Header, Kind, PsGroup, agree, request, wait_all
 from plait.config import ParallelConfig
 from plait.errors import CheckpointError, ConfigError, ShardingError
+from plait.ps.cache import RowCache
 from plait.ps.table import TableSpec
 
 __all__ = ["PsClient", "ServerEmbedding", "ServerEmbeddingBag", "serve_tables"]
@@ -42,15 +44,48 @@ class PsTraffic:
 
     pulls: int = 0
     rows_pulled: int = 0
+    """Rows asked of the servers (prefetched ones included)."""
+    rows_read: int = 0
+    """Rows the tables' forwards read (each distinct row once a forward)."""
+    cache_hits: int = 0
+    """Of ``rows_read``, those the worker's cache served."""
     bytes_pulled: int = 0
     bytes_pushed: int = 0
     steps: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of the rows read that the cache served (0 without a cache)."""
+        return self.cache_hits / self.rows_read if self.rows_read else 0.0
 
 
 @dataclass
 class _Read:
     ids: torch.Tensor
     rows: torch.Tensor
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A pull on its way: the rows of ``ids`` from each server they live on."""
+
+    ids: torch.Tensor
+    out: torch.Tensor
+    step: int
+    """The step the rows are for (a sync server answers once the steps before it are
+    applied: waiting for it earlier would wait on this worker's own push)."""
+    works: list[Any] = field(default_factory=list)
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(which of ``ids``, the server's version, its rows)."""
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows, and each row's version."""
+        wait_all(self.works)
+        version = torch.empty(len(self.ids), dtype=torch.int64)
+        for mask, v, rows in self.pieces:
+            self.out[mask] = rows
+            version[mask] = v
+        return self.out, version
 
 
 @dataclass
@@ -63,13 +98,20 @@ class PsClient:
     step: int = 0
     """Steps pushed so far (the step the next pull and push belong to)."""
     traffic: PsTraffic = field(default_factory=PsTraffic)
+    cache_rows: int = 0
+    """Rows of each table cached on this worker (``vocab_cache_size``; 0: none)."""
     _reads: dict[str, list[_Read]] = field(default_factory=dict)
     _specs: dict[str, TableSpec] = field(default_factory=dict)
+    _caches: dict[str, RowCache] = field(default_factory=dict)
+    _prefetched: dict[str, list[_Pending]] = field(default_factory=dict)
+    _tags: int = 0
 
     def create(self, spec: TableSpec, weight: torch.Tensor | None) -> None:
         """Tell every server about ``spec``; worker 0 sends ``weight``'s rows (None: the
         servers make them)."""
         self._specs[spec.name] = spec
+        if self.cache_rows:
+            self._caches[spec.name] = RowCache(self.cache_rows, spec.dim)
         blob = torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
         works: list[Any] = []
         for s in range(spec.servers):
@@ -86,46 +128,106 @@ class PsClient:
         wait_all(works)
 
     def pull(self, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (unique global ids) of table ``spec``, from their servers."""
+        """Rows ``ids`` (ascending unique global ids) of table ``spec`` for a read at this
+        step: from the cache where fresh enough, the rest from their servers (a prefetch
+        of them waited for first)."""
+        cache = self._caches.get(spec.name)
+        self._land_prefetches(spec.name)
+        self.traffic.rows_read += len(ids)
+        if cache is None:
+            rows, _ = self._request(spec, ids, self.step).wait()
+            return rows
+        hit, pos = cache.find(ids, self.step - spec.max_staleness)
+        out = torch.empty(len(ids), spec.dim)
+        out[hit] = cache.read(pos[hit], self.step)
+        missing = ids[~hit]
+        if len(missing):
+            rows, version = self._request(spec, missing, self.step).wait()
+            cache.put(missing, rows, version, self.step)
+            out[~hit] = rows
+        self.traffic.cache_hits += int(hit.sum())
+        return out
+
+    def prefetch(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """Start pulling the next step's rows now (``{table: ids}``, the ids the next batch
+        gives each table), so they arrive while this step computes; the next step's reads
+        find them in the cache. Needs ``vocab_cache_size``; rows cached and fresh for the next
+        step are not asked again. Call it before ``job.step`` of the current batch."""
+        for name, given in ids.items():
+            spec = self._specs.get(name)
+            cache = self._caches.get(name)
+            if spec is None or cache is None:
+                raise ConfigError(
+                    f"prefetch({name!r}): "
+                    + (
+                        f"no table {name!r} on the parameter servers (the tables are "
+                        f"{sorted(self._specs)})"
+                        if spec is None
+                        else "the rows would have nowhere to wait: give ParallelConfig("
+                        "vocab_cache_size=N), the rows each worker caches a table"
+                    )
+                )
+            wanted = torch.unique(_checked_ids(spec, given).cpu().long())
+            hit, _ = cache.find(wanted, self.step + 1 - spec.max_staleness)
+            if not bool(hit.all()):
+                self._prefetched.setdefault(name, []).append(
+                    self._request(spec, wanted[~hit], self.step + 1)
+                )
+
+    def _land_prefetches(self, name: str) -> None:
+        """Wait for table ``name``'s prefetches of this step and cache their rows; later
+        steps' stay on their way."""
+        pending = self._prefetched.pop(name, [])
+        cache = self._caches.get(name)
+        for pull in (p for p in pending if p.step <= self.step):
+            rows, version = pull.wait()
+            if cache is not None:
+                cache.put(pull.ids, rows, version, self.step)
+        later = [p for p in pending if p.step > self.step]
+        if later:
+            self._prefetched[name] = later
+
+    def _request(self, spec: TableSpec, ids: torch.Tensor, step: int) -> _Pending:
+        """Ask each server for its rows of ``ids`` as readable at ``step``; the answer is
+        waited for by :meth:`_Pending.wait`."""
         owner = spec.owner(ids)
         local = spec.local_index(ids)
-        out = torch.empty(len(ids), spec.dim)
-        works: list[Any] = []
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pending = _Pending(ids, torch.empty(len(ids), spec.dim), step)
         for s in range(spec.servers):
             mask = owner == s
             count = int(mask.sum())
             if count == 0:
                 continue
             dst = self.ps.server_rank(s)
-            head = Header(Kind.PULL, spec.id, self.step, count)
-            works += self.ps.send(dst, head, [local[mask]])
+            tag = REPLY_TAGS[self._tags % len(REPLY_TAGS)]
+            self._tags += 1
+            head = Header(Kind.PULL, spec.id, step, count, extra=tag)
+            pending.works += self.ps.send(dst, head, [local[mask]])
+            version = torch.empty(1, dtype=torch.int64)
             rows = torch.empty(count, spec.dim)
-            works.append(self.ps.start_recv(dst, rows))
-            pieces.append((mask, rows))
-        wait_all(works)
-        for mask, rows in pieces:
-            out[mask] = rows
+            pending.works.append(self.ps.start_recv(dst, version, tag))
+            pending.works.append(self.ps.start_recv(dst, rows, tag))
+            pending.pieces.append((mask, version, rows))
         self.traffic.pulls += 1
         self.traffic.rows_pulled += len(ids)
-        self.traffic.bytes_pulled += out.numel() * out.element_size() + ids.numel() * 8
-        return out
+        self.traffic.bytes_pulled += len(ids) * (spec.dim * 4 + 8)
+        return pending
 
     def table(self, name: str) -> torch.Tensor:
         """The whole of table ``name`` as the servers hold it now (every row pulled into this
-        worker's memory: for inspection and small tables; nothing is recorded or trained)."""
+        worker's memory, past its cache: for inspection and small tables; nothing is recorded
+        or trained, and the traffic counts only the bytes)."""
         spec = self._specs.get(name)
         if spec is None:
             raise ConfigError(
                 f"no table {name!r} on the parameter servers; the tables are {sorted(self._specs)}"
             )
         per = max(1, INIT_CHUNK // max(spec.dim, 1))
-        return torch.cat(
-            [
-                self.pull(spec, torch.arange(a, min(a + per, spec.rows)))
-                for a in range(0, spec.rows, per)
-            ]
-        )
+        chunks = [
+            self._request(spec, torch.arange(a, min(a + per, spec.rows)), self.step).wait()[0]
+            for a in range(0, spec.rows, per)
+        ]
+        return torch.cat(chunks)
 
     def save(self, directory: Path) -> None:
         """Have every server write its rows and their optimizer states under ``directory``
@@ -143,10 +245,18 @@ class PsClient:
             )
         else:
             error = None
+        if any(self._prefetched.values()):
+            # a sync server answers them after this step's push: waiting here would hang
+            error = error or (
+                "job.load with rows prefetched for the next step on their way; load before "
+                "job.parameter_server.prefetch(...), or after the step it prefetched for"
+            )
         agreed = agree(error)
         if agreed is not None:
             raise CheckpointError(agreed)
         self._ask(Kind.LOAD, directory, "load")
+        for cache in self._caches.values():
+            cache.clear()
 
     def _ask(self, kind: Kind, directory: Path, verb: str) -> None:
         error = None
@@ -217,6 +327,23 @@ def _coalesced(reads: list[_Read], spec: TableSpec) -> tuple[torch.Tensor, torch
     return ids, grads
 
 
+def _checked_ids(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+    """``ids``, refused by name unless they are integer rows of ``spec``'s table."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ShardingError(
+            f"table {spec.name!r} (on the parameter servers) was given ids of dtype "
+            f"{ids.dtype}; give integer ids (torch.long), as nn.Embedding needs"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= spec.rows):
+        bad = ids[(ids < 0) | (ids >= spec.rows)][0]
+        raise ShardingError(
+            f"table {spec.name!r} (on the parameter servers) was given id {int(bad)}, "
+            f"outside its rows 0..{spec.rows - 1}; check the batch's ids or the "
+            "table's num_embeddings"
+        )
+    return ids
+
+
 class _ServerTable(nn.Module):
     """What both table kinds share: ids checked, deduplicated, pulled, recorded."""
 
@@ -234,18 +361,7 @@ class _ServerTable(nn.Module):
 
     def _pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """(the ids as indices into the pulled rows, the rows, the padding row's index)."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise ShardingError(
-                f"table {self.spec.name!r} (on the parameter servers) was given ids of dtype "
-                f"{ids.dtype}; give integer ids (torch.long), as nn.Embedding needs"
-            )
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.rows):
-            bad = ids[(ids < 0) | (ids >= self.spec.rows)][0]
-            raise ShardingError(
-                f"table {self.spec.name!r} (on the parameter servers) was given id {int(bad)}, "
-                f"outside its rows 0..{self.spec.rows - 1}; check the batch's ids or the "
-                "table's num_embeddings"
-            )
+        _checked_ids(self.spec, ids)
         unique, inverse = torch.unique(ids.cpu().long(), return_inverse=True)
         rows = self.client.pull(self.spec, unique).to(self.device)
         if torch.is_grad_enabled():
@@ -301,7 +417,7 @@ def serve_tables(
             "embedding tables with plait.on_server(model.table) or name them in "
             "ParallelConfig(server_modules=('table',))"
         )
-    client = PsClient(ps)
+    client = PsClient(ps, cache_rows=config.vocab_cache_size)
     for path in config.server_modules:
         module = _table_module(model, path)
         spec = _spec(path, module, config, ps)

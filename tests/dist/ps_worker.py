@@ -6,7 +6,8 @@ saves its losses (by step), dense weights and both tables as the servers hold th
 ``steps``; ``kill_server_at`` (worker 0 SIGKILLs the first server before that step, in the
 first attempt only); ``save_at`` and ``save`` (a checkpoint after that step); ``load`` (a
 checkpoint to start from); ``every`` (plait.checkpoint.Checkpoints in --checkpoint-dir);
-``export`` (the tables to a safetensors file at the end).
+``export`` (the tables to a safetensors file at the end); ``prefetch`` (the next batch's rows
+asked before each step).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.dist.ps_model import Recommender, batches, loss_fn
 out, settings = sys.argv[1], json.loads(sys.argv[2])
 asked = {
     k: settings.pop(k, None)
-    for k in ("steps", "kill_server_at", "save_at", "save", "load", "every", "export")
+    for k in ("steps", "kill_server_at", "save_at", "save", "load", "every", "export", "prefetch")
 }
 
 
@@ -59,13 +60,22 @@ if checkpoints is not None:
     start = checkpoints.resume(job)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 losses = {}
-for step, batch in enumerate(batches(asked["steps"]) if asked["steps"] else batches()):
+every_batch = batches(asked["steps"]) if asked["steps"] else batches()
+
+
+def mine(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.chunk(world.world_size)[world.rank] for k, v in batch.items()}
+
+
+for step, batch in enumerate(every_batch):
     if step < start:
         continue
     if step == asked["kill_server_at"] and world.rank == 0 and first_attempt:
         kill_first_server(world)
-    mine = {k: v.chunk(world.world_size)[world.rank] for k, v in batch.items()}
-    losses[step] = job.step(mine)
+    if asked["prefetch"] and step + 1 < len(every_batch):
+        following = mine(every_batch[step + 1])
+        job.parameter_server.prefetch({"users": following["users"], "items": following["items"]})
+    losses[step] = job.step(mine(batch))
     if step + 1 == asked["save_at"]:
         job.save(asked["save"])
     if checkpoints is not None:
@@ -80,7 +90,8 @@ if world.rank == 0:
             "mlp": {k: v.clone() for k, v in model.mlp.state_dict().items()},
             "users": client.table("users"),
             "items": client.table("items"),
-            "traffic": vars(client.traffic),
+            "traffic": {**vars(client.traffic), "hit_rate": client.traffic.hit_rate},
+            "report": str(job.report()),
         },
         out,
     )

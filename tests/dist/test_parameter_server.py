@@ -67,16 +67,22 @@ def _one_device(optimizer: SparseOptimizer, steps: int | None = None):
 
 
 @pytest.mark.parametrize(
-    ("split", "optimizer"),
+    ("split", "optimizer", "extra"),
     [
-        ("range", SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10)),
-        ("hash", SparseOptimizer(kind="adam", lr=0.05)),
+        ("range", SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10), {}),
+        # the worker's cache, filled ahead by prefetch and shared by a step's two
+        # micro-batches: still one device's training
+        (
+            "hash",
+            SparseOptimizer(kind="adam", lr=0.05),
+            {"vocab_cache_size": 40, "prefetch": True, "grad_accumulation": 2},
+        ),
     ],
-    ids=["range-adagrad", "hash-adam"],
+    ids=["range-adagrad", "hash-adam-cache-prefetch-accumulation"],
 )
-def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer):
+def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer, extra):
     settings = {"ps_split": split, "server_optimizer": {
-        "kind": optimizer.kind, "lr": optimizer.lr, "eps": optimizer.eps}}  # fmt: skip
+        "kind": optimizer.kind, "lr": optimizer.lr, "eps": optimizer.eps}, **extra}  # fmt: skip
     proc, out = _run(tmp_path, settings)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
@@ -90,8 +96,14 @@ def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer
     torch.testing.assert_close(got["users"], model.users.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)
     assert got["users"][0].abs().sum() == 0  # the padding row: never trained
-    # traffic: each worker pulls the rows its half-batch names, once per table and step
-    assert got["traffic"]["steps"] == 6 and got["traffic"]["bytes_pushed"] > 0
+    traffic = got["traffic"]
+    assert traffic["steps"] == 6 and traffic["bytes_pushed"] > 0
+    assert "parameter servers, a step on this worker:" in got["report"]
+    if extra:  # the second micro-batch, and each step's prefetched rows, read from the cache
+        assert traffic["hit_rate"] > 0.5, traffic
+        assert "cache hit rate" in got["report"]
+    else:
+        assert traffic["cache_hits"] == 0 and traffic["rows_read"] > 0
 
 
 @pytest.mark.nightly  # about 15 s: in `make nightly` (.ci/run), not `make test`

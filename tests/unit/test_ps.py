@@ -227,3 +227,25 @@ def test_a_table_read_anywhere_steps_every_servers_optimizer():
     assert torch.equal(before, shard.weight.detach())
     with pytest.raises(RuntimeError, match="worker 0 pushed step 5 but 2 was next"):
         shard.push(0, 5, *empty, used=False)
+
+
+def test_cached_rows_serve_while_fresh_and_the_hottest_stay():
+    from plait.ps.cache import RowCache
+
+    cache = RowCache(capacity=3, dim=2)
+    ids = torch.tensor([1, 4, 7])
+    cache.put(ids, torch.arange(6.0).view(3, 2), torch.tensor([5, 5, 4]), step=5)
+    hit, pos = cache.find(torch.tensor([1, 2, 7]), fresh_from=5)
+    assert hit.tolist() == [True, False, False]  # 2 never cached; 7's version 4 too old
+    assert torch.equal(cache.read(pos[hit], step=6), torch.tensor([[0.0, 1.0]]))
+    hit, _ = cache.find(torch.tensor([7]), fresh_from=4)
+    assert hit.tolist() == [True]  # a staleness bound of one more step lets it serve
+    # rows 1 and 4 were read in two steps, 7 and 9 in one: 9 evicts the coldest, 7 (older)
+    cache.read(cache.find(torch.tensor([4]), 0)[1], step=6)
+    cache.put(torch.tensor([9]), torch.ones(1, 2), torch.tensor([6]), step=7)
+    assert cache.ids.tolist() == [1, 4, 9]
+    # a row pulled again replaces its copy and keeps its count
+    cache.put(torch.tensor([1]), torch.full((1, 2), 8.0), torch.tensor([7]), step=8)
+    assert cache.uses[0] == 3 and torch.equal(cache.rows[0], torch.tensor([8.0, 8.0]))
+    cache.clear()
+    assert len(cache) == 0

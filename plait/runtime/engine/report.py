@@ -68,6 +68,8 @@ class RunReport:
     """A pipeline job's last training step as measured (every pipeline rank's passes)."""
     predicted_timeline: Timeline | None = None
     """A pipeline job's plan's predicted schedule (None without a plan)."""
+    notes: tuple[str, ...] = ()
+    """Lines under the table: a parameter-server job's traffic with its servers."""
 
     @property
     def step_ratio(self) -> float | None:
@@ -104,6 +106,8 @@ class RunReport:
             rows.append(_row(kind, format_bytes(predicted), _bytes(got), _ratio(got, predicted)))
         if self.hardware_uncalibrated:
             rows += ["", f"predicted on hardware {self.hardware}"]
+        if self.notes:
+            rows += ["", *self.notes]
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -209,6 +213,21 @@ def run_report(
         predicted_timeline=None
         if measured_timeline is None or plan is None or plan.pipeline_stages < 2
         else plan.timeline(),
+        notes=_server_traffic(job),
+    )
+
+
+def _server_traffic(job: Any) -> tuple[str, ...]:
+    """A parameter-server job's traffic, a step on average (:class:`plait.ps.worker.PsTraffic`)."""
+    client = getattr(job, "parameter_server", None)
+    if client is None or not client.traffic.steps:
+        return ()
+    t, steps = client.traffic, client.traffic.steps
+    cache = f", cache hit rate {t.hit_rate:.0%}" if client.cache_rows else ""
+    return (
+        f"parameter servers, a step on this worker: {t.rows_read / steps:,.0f} rows read, "
+        f"{t.rows_pulled / steps:,.0f} pulled ({format_bytes(t.bytes_pulled // steps)}), "
+        f"{format_bytes(t.bytes_pushed // steps)} pushed{cache}",
     )
 
 

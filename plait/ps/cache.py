@@ -29,23 +29,32 @@ __all__ = ["RowCache"]
 
 @dataclass
 class RowCache:
-    """Rows of one table, by global id (kept sorted)."""
+    """Rows of one table, by global id. The rows sit in a buffer of ``capacity`` slots
+    allocated once (a put writes only the rows it brings); the ids, kept sorted for lookups,
+    point to their slots."""
 
     capacity: int
     dim: int
     ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    rows: torch.Tensor = field(init=False)
+    slot: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    """Each cached id's slot in :attr:`buffer`."""
     version: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     uses: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     """Steps each row was read in."""
     last: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     """The last step each row was read in."""
+    buffer: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rows = torch.empty(0, self.dim)
+        self.buffer = torch.empty(self.capacity, self.dim)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The cached rows, in id order."""
+        return self.buffer[self.slot]
 
     def find(self, ids: torch.Tensor, fresh_from: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For ascending unique ``ids``: which are cached with a version ``>= fresh_from``
@@ -61,38 +70,64 @@ class RowCache:
         first = self.last[pos] != step
         self.uses[pos[first]] += 1
         self.last[pos] = step
-        return self.rows[pos]
+        return self.buffer[self.slot[pos]]
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor, version: torch.Tensor, step: int) -> None:
-        """Cache rows ``ids`` (as pulled at ``step``, read then), replacing older copies, then
-        evict down to ``capacity``."""
+        """Cache rows ``ids`` (ascending unique, as pulled at ``step`` and read then): a row
+        cached already is overwritten in its slot and keeps its count; new rows take free
+        slots, the coldest rows evicted to make room."""
         if self.capacity == 0 or len(ids) == 0:
             return
-        known = torch.isin(self.ids, ids)
-        uses = torch.ones(len(ids), dtype=torch.int64)
-        if bool(known.any()):  # a row pulled again keeps its count
-            old = torch.searchsorted(ids, self.ids[known])
-            uses[old] += self.uses[known] - (self.last[known] == step).long()
-        keep = ~known
-        all_ids = torch.cat([self.ids[keep], ids])
-        order = torch.argsort(all_ids)
-        self.ids = all_ids[order]
-        self.rows = torch.cat([self.rows[keep], rows])[order]
-        self.version = torch.cat([self.version[keep], version])[order]
-        self.uses = torch.cat([self.uses[keep], uses])[order]
-        self.last = torch.cat([self.last[keep], torch.full((len(ids),), step)])[order]
-        if len(self.ids) > self.capacity:
-            self._evict()
+        if len(ids) > self.capacity:  # only the last capacity rows can stay
+            ids, rows, version = (
+                ids[-self.capacity :],
+                rows[-self.capacity :],
+                version[-self.capacity :],
+            )
+        pos = torch.searchsorted(self.ids, ids).clamp(max=max(len(self.ids) - 1, 0))
+        known = (self.ids[pos] == ids) if len(self.ids) else torch.zeros(len(ids), dtype=torch.bool)
+        at = pos[known]
+        self.buffer[self.slot[at]] = rows[known]
+        self.version[at] = version[known]
+        self.uses[at] += (self.last[at] != step).long()
+        self.last[at] = step
+        fresh = ~known
+        if not bool(fresh.any()):
+            return
+        slots = self._free_slots(int(fresh.sum()), keep=at)
+        self.buffer[slots] = rows[fresh]
+        n = int(fresh.sum())
+        merged = torch.cat([self.ids, ids[fresh]])
+        order = torch.argsort(merged)
+        self.ids = merged[order]
+        self.slot = torch.cat([self.slot, slots])[order]
+        self.version = torch.cat([self.version, version[fresh]])[order]
+        self.uses = torch.cat([self.uses, torch.ones(n, dtype=torch.int64)])[order]
+        self.last = torch.cat([self.last, torch.full((n,), step)])[order]
 
-    def _evict(self) -> None:
-        # the hottest first: most steps read, then the most recent
+    def _free_slots(self, n: int, keep: torch.Tensor) -> torch.Tensor:
+        """``n`` slots for new rows: unused ones first, then those of the coldest rows (the
+        fewest steps read, then the least recently), never one of ``keep``'s positions."""
+        used = len(self.ids)
+        spare = min(n, self.capacity - used)
+        taken = torch.zeros(self.capacity, dtype=torch.bool)
+        taken[self.slot] = True
+        slots = torch.nonzero(~taken).flatten()[:spare]
+        evict = n - spare
+        if evict == 0:
+            return slots
         score = self.uses * (int(self.last.max()) + 2) + self.last
-        kept = torch.topk(score, self.capacity).indices.sort().values
-        self.ids, self.rows = self.ids[kept], self.rows[kept]
-        self.version, self.uses, self.last = self.version[kept], self.uses[kept], self.last[kept]
+        score[keep] = torch.iinfo(torch.int64).max  # refreshed just now: stay
+        gone = torch.topk(score, evict, largest=False).indices
+        stay = torch.ones(used, dtype=torch.bool)
+        stay[gone] = False
+        freed = self.slot[gone]
+        self.ids, self.slot = self.ids[stay], self.slot[stay]
+        self.version, self.uses, self.last = self.version[stay], self.uses[stay], self.last[stay]
+        return torch.cat([slots, freed])
 
     def clear(self) -> None:
         """Forget every row (the servers' rows were replaced: a checkpoint loaded)."""
-        fresh = RowCache(self.capacity, self.dim)
-        self.ids, self.rows, self.version = fresh.ids, fresh.rows, fresh.version
-        self.uses, self.last = fresh.uses, fresh.last
+        empty = torch.empty(0, dtype=torch.int64)
+        self.ids, self.slot, self.version = empty, empty.clone(), empty.clone()
+        self.uses, self.last = empty.clone(), empty.clone()

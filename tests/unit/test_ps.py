@@ -249,3 +249,21 @@ def test_cached_rows_serve_while_fresh_and_the_hottest_stay():
     assert cache.uses[0] == 3 and torch.equal(cache.rows[0], torch.tensor([8.0, 8.0]))
     cache.clear()
     assert len(cache) == 0
+
+
+def test_the_cache_always_returns_the_rows_last_put_and_never_grows_past_capacity():
+    from plait.ps.cache import RowCache
+
+    g = torch.Generator().manual_seed(0)
+    cache, truth = RowCache(capacity=50, dim=3), {}
+    for step in range(40):
+        ids = torch.unique(torch.randint(0, 120, (30,), generator=g))
+        hit, pos = cache.find(ids, fresh_from=0)
+        got = cache.read(pos[hit], step)
+        for i, row in zip(ids[hit].tolist(), got, strict=True):
+            assert torch.equal(row, truth[i])
+        rows = torch.randn(len(ids), 3, generator=g)
+        cache.put(ids, rows, torch.full((len(ids),), step), step)
+        truth.update({i: r for i, r in zip(ids.tolist(), rows, strict=True)})
+        assert len(cache) <= 50 and len(set(cache.slot.tolist())) == len(cache)
+        assert torch.equal(cache.ids, torch.sort(cache.ids).values)

@@ -364,7 +364,7 @@ class _ServerTable(nn.Module):
         _checked_ids(self.spec, ids)
         unique, inverse = torch.unique(ids.cpu().long(), return_inverse=True)
         rows = self.client.pull(self.spec, unique).to(self.device)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self.training:  # evaluation trains nothing: no push
             rows.requires_grad_(True)
             self.client.record(self.spec, unique, rows)
         pad = None

@@ -81,6 +81,7 @@ for step, batch in enumerate(every_batch):
     if checkpoints is not None:
         checkpoints.maybe_save(job)
 client = job.parameter_server
+evaluated = job.evaluate(mine(every_batch[0]))  # eval mode, no gradient: nothing pushed
 if asked["export"]:
     client.export(asked["export"])
 if world.rank == 0:
@@ -92,6 +93,7 @@ if world.rank == 0:
             "items": client.table("items"),
             "traffic": {**vars(client.traffic), "hit_rate": client.traffic.hit_rate},
             "report": str(job.report()),
+            "evaluated": evaluated,
         },
         out,
     )

@@ -96,6 +96,9 @@ def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer
     torch.testing.assert_close(got["users"], model.users.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)
     assert got["users"][0].abs().sum() == 0  # the padding row: never trained
+    with torch.no_grad():  # job.evaluate pulls the trained rows: one device's eval loss
+        expected = loss_fn(model.eval(), batches()[0]).item()
+    assert got["evaluated"] == pytest.approx(expected, rel=1e-5)
     traffic = got["traffic"]
     assert traffic["steps"] == 6 and traffic["bytes_pushed"] > 0
     assert "parameter servers, a step on this worker:" in got["report"]

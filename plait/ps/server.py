@@ -91,6 +91,12 @@ class Shard:
         cache keeps a row while it is fresh enough, :mod:`plait.ps.cache`)."""
         return self.applied if self.spec.mode == "sync" else min(self.pushed)
 
+    def waits_on(self, step: int, gone: set[int], *, whole: bool = False) -> int | None:
+        """A worker that has left whose pushes a read at ``step`` (``whole``: a save of
+        ``step``) still waits for: it never will push them (None: no such worker)."""
+        need = step if whole or self.spec.mode == "sync" else step - self.spec.max_staleness
+        return next((w for w in sorted(gone) if self.pushed[w] < need), None)
+
     def complete_at(self, step: int) -> bool:
         """Has every worker's push of the steps before ``step`` been applied?"""
         if self.spec.mode == "sync":
@@ -217,6 +223,8 @@ class _Server:
         self.shards: dict[int, Shard] = {}
         self.waiting: list[_Pull] = []
         self.saves: list[_Save] = []
+        self.gone: set[int] = set()
+        """Workers that have left (DONE)."""
         self.left = 0
 
     def handle(self, src: int, h: Header) -> None:
@@ -246,6 +254,7 @@ class _Server:
             answer(ps, src, self._guarded(lambda: self._load(Path(path))))
         elif h.kind == Kind.DONE:
             self.left += 1
+            self.gone.add(src)
         self._answer()
 
     def _create(self, src: int, spec: TableSpec) -> None:
@@ -291,16 +300,41 @@ class _Server:
         """Answer every waiting pull that may be answered now, then every save whose step
         every table has applied."""
         self._answer_pulls()
-        ready = [s for s in self.saves if all(t.complete_at(s.step) for t in self.shards.values())]
-        for save in ready:
-            self.saves.remove(save)
-            answer(self.ps, save.src, self._guarded(functools.partial(self._save, save.directory)))
+        for save in list(self.saves):
+            shards = self.shards.values()
+            stuck = [
+                w for t in shards if (w := t.waits_on(save.step, self.gone, whole=True)) is not None
+            ]
+            if stuck:
+                self.saves.remove(save)
+                answer(self.ps, save.src, self._left_early(stuck[0], save.step))
+            elif all(t.complete_at(save.step) for t in shards):
+                self.saves.remove(save)
+                answer(
+                    self.ps, save.src, self._guarded(functools.partial(self._save, save.directory))
+                )
+
+    def _left_early(self, worker: int, step: int) -> str:
+        return (
+            f"parameter server {self.index}: worker {worker} left the job after pushing "
+            f"step {min(t.pushed[worker] for t in self.shards.values()) - 1}, and step {step} "
+            "needs its pushes; every worker must run job.step the same number of times (give "
+            "each worker as many batches)"
+        )
 
     def _answer_pulls(self) -> None:
         still: list[_Pull] = []
         works = []
         for pull in self.waiting:
             shard = self.shards.get(pull.table)
+            stuck = None if shard is None else shard.waits_on(pull.step, self.gone)
+            if shard is not None and stuck is not None:
+                # never answerable: the worker is told who left (a negative version), with
+                # the rows it waits for left empty
+                version = torch.tensor([-1 - stuck], dtype=torch.int64)
+                rows = torch.zeros(len(pull.ids), shard.spec.dim)
+                works += self.ps.reply(pull.src, version, rows, tag=pull.tag)
+                continue
             if shard is None or not shard.readable_at(pull.step):
                 still.append(pull)
                 continue

@@ -26,7 +26,7 @@ from torch import nn
 
 from plait.comm.ps import REPLY_TAGS, Header, Kind, PsGroup, agree, request, wait_all
 from plait.config import ParallelConfig
-from plait.errors import CheckpointError, ConfigError, ShardingError
+from plait.errors import CheckpointError, ConfigError, LaunchError, ShardingError
 from plait.ps.cache import RowCache
 from plait.ps.table import TableSpec
 
@@ -83,6 +83,12 @@ class _Pending:
         wait_all(self.works)
         version = torch.empty(len(self.ids), dtype=torch.int64)
         for mask, v, rows in self.pieces:
+            if int(v) < 0:  # the server's word that a worker it needs has left
+                raise LaunchError(
+                    f"rows for step {self.step} cannot come: worker {-1 - int(v)} left the job "
+                    "before pushing the steps they need; every worker must run job.step the "
+                    "same number of times (give each worker as many batches)"
+                )
             self.out[mask] = rows
             version[mask] = v
         return self.out, version

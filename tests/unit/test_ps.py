@@ -267,3 +267,18 @@ def test_the_cache_always_returns_the_rows_last_put_and_never_grows_past_capacit
         truth.update({i: r for i, r in zip(ids.tolist(), rows, strict=True)})
         assert len(cache) <= 50 and len(set(cache.slot.tolist())) == len(cache)
         assert torch.equal(cache.ids, torch.sort(cache.ids).values)
+
+
+def test_a_read_that_waits_on_a_worker_who_left_is_named_not_waited_for():
+    from plait.ps.server import Shard
+
+    sync = Shard(_spec_of(10, 2, "range", workers=2), server=0)
+    empty = torch.empty(0, dtype=torch.int64), torch.empty(0, 4)
+    sync.push(1, 0, *empty, used=True)  # worker 1 pushed step 0, then left
+    assert sync.waits_on(1, gone={1}) is None  # step 1 needs step 0 only: it is there
+    assert sync.waits_on(2, gone={1}) == 1  # step 2 needs worker 1's step 1: never
+    assert sync.waits_on(2, gone=set()) is None  # still coming
+    lazy = Shard(_spec_of(10, 2, "range", workers=2, mode="async", max_staleness=2), server=0)
+    assert lazy.waits_on(2, gone={1}) is None  # async: step 2 needs nothing yet
+    assert lazy.waits_on(3, gone={1}) == 1
+    assert lazy.waits_on(1, gone={1}, whole=True) == 1  # a save waits for every push

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,4 +166,36 @@ def test_a_killed_server_restarts_the_job_from_the_last_checkpoint(tmp_path):
     losses, model = _one_device(SparseOptimizer())
     torch.testing.assert_close(list(got["losses"].values()), losses[2:], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["users"], model.users.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_other_launchers_give_the_last_ranks_to_the_servers(tmp_path, launcher):
+    """PLAIT_SERVER_NUM under torchrun and mpirun: the same job, the same one-device result."""
+    out = tmp_path / "run.pt"
+    optimizer = SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10)
+    settings = json.dumps({"server_optimizer": {"kind": "adagrad", "lr": 0.1, "eps": 1e-10}})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PLAIT_SERVER_NUM": "2"}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "4", str(SCRIPT), str(out), settings]  # fmt: skip
+    else:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            pytest.skip("mpirun is not installed (CI installs Debian's openmpi-bin via .ci/run)")
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4",
+               "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}",
+               "-x", "PYTHONPATH", "-x", "PLAIT_SERVER_NUM",
+               sys.executable, str(SCRIPT), str(out), settings]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(out)
+    losses, model = _one_device(optimizer)
+    torch.testing.assert_close(list(got["losses"].values()), losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)

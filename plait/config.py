@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Literal, get_args
 
@@ -481,10 +481,9 @@ class ParallelConfig:
         if self.mode != "parameter_server":
             given = {
                 name: getattr(self, name)
-                for name in ("server_modules", "ps_mode", "max_staleness", "server_optimizer",
-                             "vocab_cache_size", "ps_split")
-                if getattr(self, name) != getattr(_PS_DEFAULTS, name)
-            }  # fmt: skip
+                for name, default in _field_defaults(type(self), _PS_FIELDS).items()
+                if getattr(self, name) != default
+            }
             if given:
                 field_name, value = next(iter(given.items()))
                 raise ConfigError(
@@ -600,18 +599,22 @@ class ParallelConfig:
         }
 
 
-class _PsDefaults:
-    """The parameter-server fields' defaults (ParallelConfig's own, read before it exists)."""
-
-    server_modules: tuple[str, ...] = ()
-    ps_mode = "sync"
-    max_staleness = 0
-    server_optimizer = SparseOptimizer()
-    vocab_cache_size = 0
-    ps_split = "range"
+_PS_FIELDS = (
+    "server_modules", "ps_mode", "max_staleness", "server_optimizer", "vocab_cache_size",
+    "ps_split",
+)  # fmt: skip
+"""ParallelConfig's fields that set up parameter servers (refused with another mode)."""
 
 
-_PS_DEFAULTS = _PsDefaults()
+def _field_defaults(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+    """The defaults ``cls`` (a dataclass) gives fields ``names``, as its constructor would."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in names:
+            continue
+        factory = f.default_factory
+        out[f.name] = f.default if factory is MISSING else factory()
+    return out
 
 
 # Options users of the field (MindSpore's auto-parallel context, Megatron, torchtitan) write

@@ -189,12 +189,16 @@ def _ps_store(penv: ProcessEnv, timeout: timedelta) -> Any:
     store = _attempt_store(penv, timeout) if penv.launcher is LauncherKind.TORCHRUN else None
     if store is not None:
         return store
-    if penv.launcher is LauncherKind.TORCHRUN:
-        init_method = "env://"
-    else:
-        init_method = f"tcp://{_bracket(penv.master_addr)}:{penv.master_port}"
-    store, _, _ = next(dist.rendezvous(init_method, penv.rank, penv.world_size, timeout=timeout))
+    rendezvous = dist.rendezvous(_init_method(penv), penv.rank, penv.world_size, timeout=timeout)
+    store, _, _ = next(rendezvous)
     return store
+
+
+def _init_method(penv: ProcessEnv) -> str:
+    """Where the ranks meet: torch's elastic agent (``env://``) or rank 0's store (``tcp://``)."""
+    if penv.launcher is LauncherKind.TORCHRUN:
+        return "env://"
+    return f"tcp://{_bracket(penv.master_addr)}:{penv.master_port}"
 
 
 def _init_worker_groups(
@@ -354,8 +358,8 @@ def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) 
         store = dist.FileStore(path, 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return
+    init_method = _init_method(penv)
     if penv.launcher is LauncherKind.TORCHRUN:
-        init_method = "env://"
         store = _attempt_store(penv, timeout)
         if store is not None:
             logger.debug("rank %d: init_process_group(%s, agent store)", penv.rank, backend)
@@ -364,8 +368,6 @@ def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) 
                 timeout=timeout,
             )  # fmt: skip
             return
-    else:
-        init_method = f"tcp://{_bracket(penv.master_addr)}:{penv.master_port}"
     logger.debug("rank %d: init_process_group(%s, %s)", penv.rank, backend, init_method)
     try:
         dist.init_process_group(

@@ -225,7 +225,6 @@ class _Server:
         self.saves: list[_Save] = []
         self.gone: set[int] = set()
         """Workers that have left (DONE)."""
-        self.left = 0
 
     def handle(self, src: int, h: Header) -> None:
         ps = self.ps
@@ -253,7 +252,6 @@ class _Server:
             path = decode(ps.recv_payload(src, torch.empty(h.count, dtype=torch.uint8)))
             answer(ps, src, self._guarded(lambda: self._load(Path(path))))
         elif h.kind == Kind.DONE:
-            self.left += 1
             self.gone.add(src)
         self._answer()
 
@@ -351,7 +349,7 @@ def serve(ps: PsGroup) -> None:
     server = _Server(ps)
     logger.info("parameter server %d (rank %d): serving %d workers", server.index, ps.rank,
                 ps.workers)  # fmt: skip
-    while server.left < ps.workers:
+    while len(server.gone) < ps.workers:
         src, header = ps.recv_header()
         server.handle(src, header)
     logger.info("parameter server %d: every worker left", server.index)

@@ -34,6 +34,10 @@ __all__ = [
 INIT_BLOCK = 4096
 """Rows drawn from one generator when a server initialises its rows."""
 
+ROWS_MESSAGE_VALUES = 1 << 24
+"""Most values in one message of whole-table rows (64 MiB of fp32): worker 0's initial rows,
+a whole table read back."""
+
 
 def table_id(name: str) -> int:
     """The id a table's messages carry (from its module path, the same on every rank)."""
@@ -61,6 +65,11 @@ class TableSpec:
     @property
     def id(self) -> int:
         return table_id(self.name)
+
+    @property
+    def rows_per_message(self) -> int:
+        """Most rows one message carries (:data:`ROWS_MESSAGE_VALUES` values)."""
+        return max(1, ROWS_MESSAGE_VALUES // max(self.dim, 1))
 
     def local_rows(self, server: int) -> int:
         """How many rows server ``server`` holds."""

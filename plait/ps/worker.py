@@ -34,9 +34,6 @@ __all__ = ["PsClient", "ServerEmbedding", "ServerEmbeddingBag", "serve_tables"]
 
 logger = logging.getLogger(__name__)
 
-INIT_CHUNK = 1 << 24
-"""Most values in one INIT message (64 MiB of fp32)."""
-
 
 @dataclass
 class PsTraffic:
@@ -126,7 +123,7 @@ class PsClient:
             if weight is None:
                 continue
             mine = weight.detach()[spec.global_ids(s)].float().cpu()
-            per = max(1, INIT_CHUNK // max(spec.dim, 1))
+            per = spec.rows_per_message
             for start in range(0, mine.shape[0], per):
                 chunk = mine[start : start + per]
                 head = Header(Kind.INIT, spec.id, count=chunk.shape[0], extra=start)
@@ -222,13 +219,13 @@ class PsClient:
     def table(self, name: str) -> torch.Tensor:
         """The whole of table ``name`` as the servers hold it now (every row pulled into this
         worker's memory, past its cache: for inspection and small tables; nothing is recorded
-        or trained, and the traffic counts only the bytes)."""
+        or trained, and the rows are not counted as read, only as pulled)."""
         spec = self._specs.get(name)
         if spec is None:
             raise ConfigError(
                 f"no table {name!r} on the parameter servers; the tables are {sorted(self._specs)}"
             )
-        per = max(1, INIT_CHUNK // max(spec.dim, 1))
+        per = spec.rows_per_message
         chunks = [
             self._request(spec, torch.arange(a, min(a + per, spec.rows)), self.step).wait()[0]
             for a in range(0, spec.rows, per)

@@ -688,3 +688,9 @@ def _with_known_fields(init: Any) -> Any:
 
 
 ParallelConfig.__init__ = _with_known_fields(ParallelConfig.__init__)  # type: ignore[method-assign]
+
+
+def parameter_server_defaults() -> dict[str, Any]:
+    """ParallelConfig's parameter-server fields at their defaults (what a parameter-server
+    job's dense part is planned with, beside ``mode="data_parallel"``)."""
+    return _field_defaults(ParallelConfig, _PS_FIELDS)

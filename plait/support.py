@@ -186,6 +186,7 @@ RULES: tuple[Rule, ...] = (
         "leave it out: the dense layers train plain data parallel over the workers beside "
         "the servers' tables (docs/parameter_server.md)",
         context=lambda c: " with mode='parameter_server'",
+        planning=True,
     ),
     Rule(
         "search",

@@ -177,6 +177,23 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument(
         "--dataset-strategy", choices=get_args(DatasetStrategy), default="data_parallel"
     )
+    ps = parser.add_argument_group("parameter server (--mode parameter_server)")
+    ps.add_argument(
+        "--server-num", type=int, metavar="S",
+        help="server ranks beside the --devices workers (plait run --server-num S)",
+    )  # fmt: skip
+    ps.add_argument(
+        "--server-modules", nargs="+", default=(), metavar="PATH",
+        help="embedding tables on the servers (module paths); plait.on_server marks count too",
+    )  # fmt: skip
+    ps.add_argument("--ps-mode", choices=("sync", "async"), default="sync")
+    ps.add_argument("--max-staleness", type=int, default=0)
+    ps.add_argument(
+        "--server-optimizer", choices=("sgd", "adagrad", "adam"), default="adam",
+        help="the servers' sparse optimizer (its states are on the servers)",
+    )  # fmt: skip
+    ps.add_argument("--vocab-cache-size", type=int, default=0)
+    ps.add_argument("--ps-split", choices=("range", "hash"), default="range")
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the plan file here")
     out.add_argument(
@@ -232,7 +249,29 @@ def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
         hardware=args.hardware,
         memory_limit=args.memory_limit,
         dataset_strategy=args.dataset_strategy,
+        **_server_fields(args),
     )
+
+
+def _server_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The parameter-server fields given (those left at their defaults are not passed, so
+    another mode sees none of them)."""
+    from plait.config import SparseOptimizer
+
+    given = {
+        "server_modules": tuple(args.server_modules),
+        "ps_mode": args.ps_mode,
+        "max_staleness": args.max_staleness,
+        "server_optimizer": SparseOptimizer(kind=args.server_optimizer),
+        "vocab_cache_size": args.vocab_cache_size,
+        "ps_split": args.ps_split,
+    }
+    if args.mode == "parameter_server":
+        return given
+    from plait.config import parameter_server_defaults
+
+    defaults = parameter_server_defaults()
+    return {k: v for k, v in given.items() if v != defaults[k]}
 
 
 def _build_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -287,7 +326,12 @@ def run_plan_with(args: argparse.Namespace) -> tuple[str, Any]:
     cfg = config_from_args(args)
     model, batch, loss_fn = _build_model(args)
     plan = plait.plan(
-        model, cfg, example_batch=batch, loss_fn=loss_fn, hardware_file=args.hardware_file
+        model,
+        cfg,
+        example_batch=batch,
+        loss_fn=loss_fn,
+        hardware_file=args.hardware_file,
+        servers=args.server_num,
     )
     parts = [plan.summary()]
     parts += [plan.explain(name) for name in args.explain]

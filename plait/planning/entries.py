@@ -47,6 +47,7 @@ __all__ = [
     "PlannedCollective",
     "PlannedOp",
     "PlannedParameter",
+    "PlannedServerTable",
     "Prediction",
 ]
 
@@ -305,6 +306,53 @@ class PlanOption:
         check_str("PlanOption.note", self.note)
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedServerTable:
+    """One table of a parameter-server plan: where its rows live and what a worker's step moves.
+
+    Bytes and rows are per worker and optimizer step (with ``grad_accumulation=k`` a worker
+    pulls once per micro-batch and pushes once a step)."""
+
+    name: str
+    """The table module's path in the model."""
+    rows: int
+    dim: int
+    split: str
+    """``ParallelConfig.ps_split``: "range" or "hash"."""
+    rows_per_server: tuple[int, ...]
+    """Rows each server holds."""
+    server_bytes: int
+    """Bytes the busiest server holds for the table: its rows and their optimizer states."""
+    ids_per_step: int
+    """Ids a worker looks up in the table a step."""
+    pulled_rows: int
+    """Distinct rows a worker pulls a step (summed over its micro-batches)."""
+    pushed_rows: int
+    """Rows whose gradients a worker pushes a step (distinct over the step)."""
+    measured: bool
+    """Distinct rows counted on the example batch's ids (False: every id taken as distinct)."""
+    pull_bytes: int
+    """Bytes a worker's pulls move a step (ids out, rows back)."""
+    push_bytes: int
+    """Bytes a worker's push moves a step (ids and row gradients)."""
+    seconds: float
+    """What the table adds to a step: pulls, the push and the servers' update."""
+
+    def __post_init__(self) -> None:
+        check_str("PlannedServerTable.name", self.name, empty=False)
+        for attr in ("rows", "dim", "ids_per_step", "pulled_rows", "pushed_rows",
+                     "server_bytes", "pull_bytes", "push_bytes"):  # fmt: skip
+            check_int(f"PlannedServerTable.{attr}", getattr(self, attr))
+        check_choice("PlannedServerTable.split", self.split, ("range", "hash"))
+        object.__setattr__(self, "rows_per_server", tuple(self.rows_per_server))
+        for n in self.rows_per_server:
+            check_int("PlannedServerTable.rows_per_server", n)
+        check_bool("PlannedServerTable.measured", self.measured)
+        object.__setattr__(
+            self, "seconds", check_seconds("PlannedServerTable.seconds", self.seconds)
+        )
+
+
 @dataclass(frozen=True)
 class PlanContents:
     """The fields of a :class:`~plait.planning.records.Plan` (what each means: its docstring)
@@ -366,6 +414,11 @@ class PlanContents:
     """The prediction was made on the uncalibrated ``local`` defaults (no ``plait calibrate``
     file: :attr:`plait.cost.HardwareProfile.uncalibrated`); every report of it says so
     (:attr:`hardware_label`). Files written before the field: False."""
+    servers: int = 0
+    """Parameter servers the plan is for (mode ``parameter_server``; 0 otherwise)."""
+    server_tables: tuple[PlannedServerTable, ...] = ()
+    """Mode ``parameter_server``: each server table's placement and traffic (the dense part's
+    ops and parameters are the rest of the plan)."""
     schema_version: ClassVar[int] = 1
     # The file reads top-down: what was planned (model, batch, mesh, settings), what it costs,
     # then the long per-op and per-parameter lists.
@@ -376,7 +429,7 @@ class PlanContents:
         "optimizer_weight_shard_size", "recompute",
         "memory_limit", "grad_accumulation", "dp_axis", "dataset_strategy", "comm_fusion",
         "offload", "recompute_regions", "predicted", "stages", "stage_compute_s", "ops",
-        "parameters", "collectives", "options", "notes",
+        "parameters", "collectives", "servers", "server_tables", "options", "notes",
     )  # fmt: skip
     _ops: dict[str, PlannedOp] = field(init=False, repr=False, compare=False, hash=False)
     _params: dict[str, PlannedParameter] = field(init=False, repr=False, compare=False, hash=False)
@@ -385,7 +438,7 @@ class PlanContents:
         if not isinstance(self.mesh, MeshSpec):
             raise fail("Plan.mesh", self.mesh, "must be a MeshSpec", "use MeshSpec.from_dict")
         self._check_settings()
-        for attr in ("ops", "parameters", "collectives", "options", "notes"):
+        for attr in ("ops", "parameters", "collectives", "options", "notes", "server_tables"):
             object.__setattr__(self, attr, tuple(getattr(self, attr)))
         object.__setattr__(
             self, "stages", tuple(check_names("Plan.stages", s) for s in self.stages)
@@ -475,6 +528,7 @@ class PlanContents:
             ("parameters", PlannedParameter, self.parameters),
             ("collectives", PlannedCollective, self.collectives),
             ("options", PlanOption, self.options),
+            ("server_tables", PlannedServerTable, self.server_tables),
         ]
         for attr, kind, items in kinds:
             for i, item in enumerate(items):
@@ -484,6 +538,16 @@ class PlanContents:
             raise fail("Plan.predicted", self.predicted, "must be a Prediction", "fix it")
         check_unique("Plan.ops", (op.name for op in self.ops))
         check_unique("Plan.parameters", (p.name for p in self.parameters))
+        check_unique("Plan.server_tables", (t.name for t in self.server_tables))
+        check_int("Plan.servers", self.servers)
+        if bool(self.servers) != bool(self.server_tables) or (
+            self.server_tables and self.mode != "parameter_server"
+        ):
+            raise fail(
+                "Plan.server_tables", len(self.server_tables),
+                f"needs servers > 0 (servers={self.servers}) and mode 'parameter_server' "
+                f"(mode={self.mode!r}), and servers need tables", "plan again with plait.plan",
+            )  # fmt: skip
         if self.stages and len(self.stages) != self.pipeline_stages:
             raise PlanError(
                 f"Plan.stages lists {len(self.stages)} stages but pipeline_stages="

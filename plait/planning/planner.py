@@ -15,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from plait import support
 from plait.config import ParallelConfig
 from plait.data import split_micro_batches
 from plait.errors import ConfigError
@@ -32,9 +34,23 @@ from plait.mesh import MeshSpec
 from plait.planning.assemble import assemble_plan
 from plait.planning.outer import auto_plan
 from plait.planning.records import Plan
-from plait.planning.setup import check_config, mesh_of, prepare
+from plait.planning.servers import (
+    check_servers,
+    dense_config,
+    distinct_rows,
+    ids_per_micro_batch,
+    on_meta,
+    read_tables,
+    replaced,
+    server_plan,
+    server_table_paths,
+    server_tables,
+    stand_in_tables,
+)
+from plait.planning.setup import check_config, hardware_of, mesh_of, prepare
 from plait.planning.timing import PlanTiming
 from plait.search import get_searcher
+from plait.support import Where
 
 __all__ = ["LossFn", "PlanTiming", "plan", "plan_graph"]
 
@@ -51,6 +67,7 @@ def plan(
     loss_fn: LossFn | None = None,
     hardware_file: str | None = None,
     timing: PlanTiming | None = None,
+    servers: int | None = None,
 ) -> Plan:
     """Plan how to train ``model`` under ``config`` (no process group, no parameter memory).
 
@@ -62,6 +79,10 @@ def plan(
     ``plan(model, example_batch, config[, loss_fn])`` is still read. ``timing``, a
     :class:`~plait.planning.timing.PlanTiming`, receives where the time went (capture,
     candidates, search, estimate, assemble, and what the outer planner did with its meshes).
+    ``servers`` (mode ``parameter_server`` only, where it is required): the server ranks the
+    job runs beside ``devices`` workers (``plait run --server-num``); the plan places each
+    table on them, counts each step's pulls and pushes and weighs the other placements
+    (:mod:`plait.planning.servers`).
 
     Example:
         >>> cfg = ParallelConfig(mode="auto", devices=8)
@@ -71,6 +92,10 @@ def plan(
     start = time.perf_counter()
     timing = timing if timing is not None else PlanTiming()
     config, example_batch, loss_fn = _arguments(config, legacy, example_batch, loss_fn)
+    if config.mode == "parameter_server" or servers is not None:
+        result = _server_plan(model, config, example_batch, loss_fn, servers, hardware_file, timing)
+        timing.total_s = time.perf_counter() - start
+        return result
     check_config(config)
     if config.mode != "auto":
         mesh_of(config)  # a bad mesh or device count fails before the capture
@@ -91,6 +116,77 @@ def plan(
     timing.total_s = time.perf_counter() - start
     _log.info("%s", timing.line())
     return result
+
+
+def _server_plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    example_batch: Any,
+    loss_fn: LossFn | None,
+    servers: int | None,
+    hardware_file: str | None,
+    timing: PlanTiming,
+) -> Plan:
+    """A parameter-server job's plan (:mod:`plait.planning.servers`): the dense part planned
+    data parallel with stand-ins for the tables, each table's traffic added to its step, and
+    the placements a user could take instead weighed beside it."""
+    check_servers(config, servers)
+    assert servers is not None
+    dense = dense_config(config)
+    check_config(dense)
+    support.check(config, Where(support.engine_of(config, config.mesh_dict)), planning=True)
+    workers = mesh_of(dense).size
+    tables = read_tables(model, server_table_paths(model, config), servers, config.ps_split)
+    hardware = hardware_of(dense, hardware_file)
+    k = config.grad_accumulation
+    micro = split_micro_batches(example_batch, k)[0]
+    with _gc_paused(), on_meta_after(model, tables, example_batch, loss_fn, workers, k) as counted:
+        with timing.phase("capture"), in_mode(model, training=True):
+            whole = capture(model, micro, loss_fn)
+        planned = server_tables(
+            tables, config, servers=servers, workers=workers,
+            ids=ids_per_micro_batch(whole, tables), counted=counted, hardware=hardware,
+        )  # fmt: skip
+        with replaced(model, stand_in_tables(tables, planned, k)):
+            with timing.phase("capture"), in_mode(model, training=True):
+                graph = capture(model, micro, loss_fn)
+            dense_plan = _plan_graph(graph, dense, None, model, hardware_file, False, timing)
+        data_parallel = _plan_graph(whole, dense, None, model, hardware_file, False, timing)
+        auto = _plan_graph(
+            whole, dataclasses.replace(dense, mode="auto"), None, model, hardware_file, False,
+            timing,
+        )  # fmt: skip
+    return server_plan(
+        dense_plan, config, servers=servers, tables=planned, counted=counted is not None,
+        data_parallel=data_parallel, auto=auto, table_states=_table_states(data_parallel, tables),
+        limit=int(config.memory_limit or hardware.memory_bytes),
+    )  # fmt: skip
+
+
+@contextmanager
+def on_meta_after(
+    model: nn.Module,
+    tables: Sequence[Any],
+    batch: Any,
+    loss_fn: LossFn | None,
+    workers: int,
+    micro: int,
+) -> Iterator[dict[str, tuple[int, int]] | None]:
+    """The distinct rows the example batch reads (:func:`distinct_rows`, run on the model as
+    given, in training mode), then the model on meta tensors for capturing it."""
+    with in_mode(model, training=True):
+        counted = distinct_rows(model, tables, batch, loss_fn, workers, micro)
+    with on_meta(model):
+        yield counted
+
+
+def _table_states(plan: Plan, tables: Sequence[Any]) -> int:
+    """Bytes the tables' parameters, gradients and optimizer states take on a device under a
+    data-parallel plan (their share of the plan's model states)."""
+    total = sum(math.prod(p.shape) for p in plan.parameters)
+    share = sum(t.rows * t.dim for t in tables) / max(total, 1)
+    kinds = plan.predicted.memory_by_kind
+    return int(share * sum(kinds.get(k, 0) for k in ("parameters", "gradients", "optimizer")))
 
 
 def _arguments(

@@ -36,6 +36,7 @@ from plait.planning.entries import (
     PlannedCollective,
     PlannedOp,
     PlannedParameter,
+    PlannedServerTable,
     PlanOption,
     Prediction,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "PlannedCollective",
     "PlannedOp",
     "PlannedParameter",
+    "PlannedServerTable",
     "Prediction",
 ]
 

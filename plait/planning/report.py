@@ -320,7 +320,37 @@ def _summary_lines(plan: PlanContents) -> list[str]:
         *_table(headers, rows),
         *_uncovered_lines(plan),
         *_collective_lines(plan),
+        *_server_lines(plan),
         *_extra_lines(plan),
+    ]
+
+
+def _server_lines(plan: PlanContents) -> list[str]:
+    """Mode parameter_server: each table's servers and what a worker's step moves."""
+    if not plan.server_tables:
+        return []
+    rows = [
+        [
+            t.name,
+            f"{t.rows:,} x {t.dim}",
+            f"{t.split}: "
+            + ", ".join(f"{n:,}" for n in t.rows_per_server[:4])
+            + (" ..." if len(t.rows_per_server) > 4 else ""),
+            fmt_bytes(t.server_bytes),
+            f"{t.ids_per_step:,}",
+            f"{t.pulled_rows:,}" + ("" if t.measured else " (at most)"),
+            fmt_bytes(t.pull_bytes),
+            fmt_bytes(t.push_bytes),
+            fmt_seconds(t.seconds),
+        ]
+        for t in plan.server_tables
+    ]
+    headers = ["table", "rows x dim", "rows per server", "server bytes", "ids", "pulled rows",
+               "pulled", "pushed", "time"]  # fmt: skip
+    return [
+        f"parameter servers: {plan.servers} (a worker's step: ids looked up, rows pulled, "
+        "bytes pulled and pushed, seconds added)",
+        *_table(headers, rows),
     ]
 
 

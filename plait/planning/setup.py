@@ -52,7 +52,8 @@ def check_config(cfg: ParallelConfig) -> None:
     if cfg.mode not in PLANNABLE_MODES:
         raise ConfigError(
             f"ParallelConfig.mode={cfg.mode!r}: plait.plan plans modes {', '.join(PLANNABLE_MODES)}; "
-            "hybrid and parameter_server runs are written by hand, not planned"
+            "hybrid runs are written by hand, not planned; parameter_server is planned by "
+            "plait.plan(..., servers=S) (plait plan --server-num S)"
         )
     if cfg.mesh is not None and cfg.pipeline_stages == 1 and cfg.micro_batches != 1:
         raise ConfigError(

@@ -19,16 +19,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import nn
 
 from plait.config import SparseOptimizer
+from plait.errors import ConfigError
 
 __all__ = [
     "INIT_BLOCK",
     "TableSpec",
+    "check_split",
     "initial_rows",
     "initial_table",
     "sparse_optimizer",
     "table_id",
+    "table_module",
 ]
 
 INIT_BLOCK = 4096
@@ -95,6 +99,54 @@ class TableSpec:
             per = self.rows // self.servers
             return torch.arange(server * per, (server + 1) * per)
         return torch.arange(server, self.rows, self.servers)
+
+
+def table_module(model: nn.Module, path: str) -> nn.Embedding | nn.EmbeddingBag:
+    """The table module at ``path`` of ``model``: an ``nn.Embedding`` or ``nn.EmbeddingBag``
+    a server can hold (ConfigError naming the path and the rule otherwise)."""
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        raise ConfigError(
+            f"ParallelConfig.server_modules names {path!r}, which is not a module of "
+            f"{type(model).__name__}; name a module path as model.named_modules() gives it"
+        ) from None
+    if type(module).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
+        raise ConfigError(
+            f"{path!r} ({type(module).__name__}) cannot live on the parameter servers: only "
+            "nn.Embedding and nn.EmbeddingBag tables can (a worker pulls the rows its ids "
+            "name); keep it on the workers, or on the host with plait.on_host"
+        )
+    table: nn.Embedding | nn.EmbeddingBag = module  # type: ignore[assignment]
+    for attr, off in (("max_norm", None), ("scale_grad_by_freq", False)):
+        if getattr(table, attr) != off:
+            raise ConfigError(
+                f"{path!r} has {attr}={getattr(table, attr)!r}, which a server-held table "
+                f"cannot honour yet (it would renormalise or rescale rows across workers); "
+                f"build it with {attr}={off!r} or keep it on the workers"
+            )
+    shared = [
+        n
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p is table.weight and not n.startswith(f"{path}.")
+    ]
+    if shared:
+        raise ConfigError(
+            f"{path!r}'s weight is also {shared[0]!r} (a tied weight); a server-held table is "
+            "read by id only, so it cannot be shared with a dense layer; untie them or keep "
+            "the table on the workers"
+        )
+    return table
+
+
+def check_split(path: str, rows: int, servers: int, split: str) -> None:
+    """ConfigError unless ``servers`` can split a table of ``rows`` rows as ``split`` says."""
+    if split == "range" and rows % servers:
+        raise ConfigError(
+            f"table {path!r} has {rows} rows, which {servers} servers cannot split in equal "
+            f"ranges (ps_split='range'); use ParallelConfig(ps_split='hash'), or a server "
+            "count that divides the rows"
+        )
 
 
 def initial_rows(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:

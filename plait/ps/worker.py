@@ -28,7 +28,7 @@ from plait.comm.ps import REPLY_TAGS, Header, Kind, PsGroup, agree, request, wai
 from plait.config import ParallelConfig
 from plait.errors import CheckpointError, ConfigError, LaunchError, ShardingError
 from plait.ps.cache import RowCache
-from plait.ps.table import TableSpec
+from plait.ps.table import TableSpec, check_split, table_module
 
 __all__ = ["PsClient", "ServerEmbedding", "ServerEmbeddingBag", "serve_tables"]
 
@@ -422,7 +422,7 @@ def serve_tables(
         )
     client = PsClient(ps, cache_rows=config.vocab_cache_size)
     for path in config.server_modules:
-        module = _table_module(model, path)
+        module = table_module(model, path)
         spec = _spec(path, module, config, ps)
         weight = None if spec.init_in_server or ps.rank != 0 else module.weight
         client.create(spec, weight)
@@ -440,54 +440,13 @@ def serve_tables(
     return client
 
 
-def _table_module(model: nn.Module, path: str) -> nn.Embedding | nn.EmbeddingBag:
-    try:
-        module = model.get_submodule(path)
-    except AttributeError:
-        raise ConfigError(
-            f"ParallelConfig.server_modules names {path!r}, which is not a module of "
-            f"{type(model).__name__}; name a module path as model.named_modules() gives it"
-        ) from None
-    if type(module).forward not in (nn.Embedding.forward, nn.EmbeddingBag.forward):
-        raise ConfigError(
-            f"{path!r} ({type(module).__name__}) cannot live on the parameter servers: only "
-            "nn.Embedding and nn.EmbeddingBag tables can (a worker pulls the rows its ids "
-            "name); keep it on the workers, or on the host with plait.on_host"
-        )
-    table: nn.Embedding | nn.EmbeddingBag = module  # type: ignore[assignment]
-    for attr, off in (("max_norm", None), ("scale_grad_by_freq", False)):
-        if getattr(table, attr) != off:
-            raise ConfigError(
-                f"{path!r} has {attr}={getattr(table, attr)!r}, which a server-held table "
-                f"cannot honour yet (it would renormalise or rescale rows across workers); "
-                f"build it with {attr}={off!r} or keep it on the workers"
-            )
-    shared = [
-        n
-        for n, p in model.named_parameters(remove_duplicate=False)
-        if p is table.weight and not n.startswith(f"{path}.")
-    ]
-    if shared:
-        raise ConfigError(
-            f"{path!r}'s weight is also {shared[0]!r} (a tied weight); a server-held table is "
-            "read by id only, so it cannot be shared with a dense layer; untie them or keep "
-            "the table on the workers"
-        )
-    return table
-
-
 def _spec(
     path: str, module: nn.Embedding | nn.EmbeddingBag, config: ParallelConfig, ps: PsGroup
 ) -> TableSpec:
     mark = getattr(module, "_plait_server", None)
     init_in_server = bool(getattr(mark, "init_in_server", False))
     rows, dim = module.num_embeddings, module.embedding_dim
-    if config.ps_split == "range" and rows % ps.servers:
-        raise ConfigError(
-            f"table {path!r} has {rows} rows, which {ps.servers} servers cannot split in equal "
-            f"ranges (ps_split='range'); use ParallelConfig(ps_split='hash'), or a server "
-            "count that divides the rows"
-        )
+    check_split(path, rows, ps.servers, config.ps_split)
     if not init_in_server and module.weight.is_meta:
         raise ConfigError(
             f"table {path!r} was built on the meta device, so worker 0 has no rows to send; "

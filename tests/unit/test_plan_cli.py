@@ -55,14 +55,8 @@ def test_every_config_field_has_a_flag() -> None:
     fields = {f.name for f in dataclasses.fields(ParallelConfig) if not f.name.startswith("_")}
     # `plait plan` makes plans: it does not read one, and compile and stage_programs are how
     # a job runs its programs, which no plan depends on; nor does it train (log_dir: metrics);
-    # nor plan mode parameter_server (refused by name), whose fields are the rest
-    parameter_server = {
-        "server_modules", "ps_mode", "max_staleness", "server_optimizer", "vocab_cache_size",
-        "ps_split",
-    }  # fmt: skip
-    assert fields - dests == {
-        "plan", "compile", "stage_programs", "log_dir", "log_formats", *parameter_server
-    }
+    # (mode parameter_server's fields are flags: --server-modules, --ps-mode, ...)
+    assert fields - dests == {"plan", "compile", "stage_programs", "log_dir", "log_formats"}
 
 
 def test_plan_writes_the_documented_file(tmp_path, capsys) -> None:

@@ -18,8 +18,8 @@ from plait.launch.config import RunConfig
 from plait.launch.environment import LauncherKind, ProcessEnv
 from plait.launch.runner import worker_command
 from plait.launch.world import server_count
-from plait.ps.table import TableSpec, initial_rows, initial_table
-from plait.ps.worker import PsClient, ServerEmbedding, _spec, _table_module
+from plait.ps.table import TableSpec, initial_rows, initial_table, table_module
+from plait.ps.worker import PsClient, ServerEmbedding, _spec
 
 
 def _spec_of(rows: int = 10, servers: int = 3, split: str = "hash", **kw) -> TableSpec:
@@ -127,14 +127,14 @@ class _Model(nn.Module):
 def test_only_plain_embedding_tables_go_to_servers():
     model = _Model()
     with pytest.raises(ConfigError, match=r"'fc' \(Linear\) cannot live on the parameter servers"):
-        _table_module(model, "fc")
+        table_module(model, "fc")
     with pytest.raises(ConfigError, match=r"'nope', which is not a module of _Model"):
-        _table_module(model, "nope")
+        table_module(model, "nope")
     with pytest.raises(ConfigError, match=r"max_norm=1.0"):
-        _table_module(model, "norm")
+        table_module(model, "norm")
     model.fc.weight = model.emb.weight  # tied: [10, 4] both
     with pytest.raises(ConfigError, match=r"also 'fc.weight' \(a tied weight\)"):
-        _table_module(model, "emb")
+        table_module(model, "emb")
 
 
 def test_range_split_needs_a_server_count_dividing_the_rows_and_meta_tables_init_on_servers():

@@ -116,7 +116,7 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
         model, config, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss_fn=loss_fn
     )
     client = job.parameter_server
-    times, moved = [], []
+    times, moved, waited = [], [], []
     for step in range(args.warmup + args.steps):
         batch = batch_of(step, world.rank, args)
         if client is not None and client.cache_rows:  # the next step's rows, asked now
@@ -124,6 +124,7 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
             client.prefetch({"users": following["users"], "items": following["items"]})
         dist.barrier()
         before = client.traffic.bytes_pulled + client.traffic.bytes_pushed if client else 0
+        in_ps = client.traffic.pull_s + client.traffic.push_s if client else 0.0
         start = time.perf_counter()
         job.step(batch)
         elapsed = time.perf_counter() - start
@@ -131,6 +132,7 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
             times.append(elapsed)
             if client is not None:
                 moved.append(client.traffic.bytes_pulled + client.traffic.bytes_pushed - before)
+                waited.append(client.traffic.pull_s + client.traffic.push_s - in_ps)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     held += sum(p.numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     held += sum(
@@ -144,6 +146,7 @@ def worker(side: str, out: str, args: argparse.Namespace) -> None:
         moved = [2 * (world.world_size - 1) / world.world_size * grads]
     result = {
         "median_s": statistics.median(times),
+        "ps_s": statistics.median(waited) if waited else None,
         "bytes_moved": statistics.mean(moved),
         "held": held,
         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -192,6 +195,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument(
+        "--no-calibrate", action="store_true",
+        help="predict with the uncalibrated local defaults (default: plait calibrate first)",
+    )  # fmt: skip
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -204,12 +211,20 @@ def main() -> None:
         f"{args.dim}, batch {args.batch} a worker, bag {args.bag}, {args.steps} timed steps"
     )
     print(
-        "| side | step (median) | samples/s | moved a step, a worker | held a worker "
-        "| peak RSS a worker | cache hits |"
+        "| side | step (median) | predicted | pulls and pushes | predicted | samples/s "
+        "| moved a step, a worker | predicted moved | held a worker | peak RSS a worker "
+        "| cache hits |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="plait-bench-ps-") as tmp:
+        if not args.no_calibrate:  # the profile the plans read: calibrated now, here
+            os.environ["PLAIT_HOME"] = tmp
+            from plait.cost.calibrate import calibrate
+            from plait.launch.local import run_workers
+
+            calibrate(run_workers, world_size=args.workers)
         for side in sides:
+            predicted, predicted_ps, predicted_moved = predict(side, args)
             ranks = run_side(side, args, Path(tmp))
             step = ranks[0]["median_s"]
             samples = args.batch * ranks[0]["workers"] / step
@@ -217,11 +232,48 @@ def main() -> None:
             held = max(r["held"] for r in ranks)
             rss = max(r["rss"] for r in ranks)
             hits = ranks[0]["hit_rate"]
+            ps_s = ranks[0]["ps_s"]
+            in_ps = "-" if ps_s is None else f"{ps_s * 1e3:,.1f} ms"
+            ps_predicted = "-" if ps_s is None else f"{predicted_ps * 1e3:,.1f} ms"
             print(
-                f"| {side} | {step * 1e3:,.0f} ms | {samples:,.0f} | {_mb(moved)} | {_mb(held)} "
-                f"| {_mb(rss)} | {'-' if not hits else f'{hits:.0%}'} |",
+                f"| {side} | {step * 1e3:,.0f} ms | {predicted * 1e3:,.0f} ms "
+                f"({predicted / step:.2f}) | {in_ps} | {ps_predicted} | {samples:,.0f} "
+                f"| {_mb(moved)} "
+                f"| {_mb(predicted_moved)} | {_mb(held)} | {_mb(rss)} "
+                f"| {'-' if not hits else f'{hits:.0%}'} |",
                 flush=True,
             )
+
+
+def predict(side: str, args: argparse.Namespace) -> tuple[float, float, float]:
+    """plait.plan's step time, the tables' traffic's share of it (parameter server) and the
+    bytes a worker moves a step for ``side``, on the first timed step's global batch (every
+    worker's, as the job cuts it)."""
+    import plait
+    from plait import ParallelConfig, SparseOptimizer
+
+    step = args.warmup
+    parts = [batch_of(step, rank, args) for rank in range(args.workers)]
+    batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    model = Recommender(args.rows, args.dim, tables_on="meta")
+    if side.startswith("ps"):
+        asynchronous = side.startswith("ps async")
+        config = ParallelConfig(
+            mode="parameter_server", devices=args.workers, server_modules=("users", "items"),
+            server_optimizer=SparseOptimizer(kind="adam", lr=1e-3),
+            ps_mode="async" if asynchronous else "sync", max_staleness=2 if asynchronous else 0,
+            vocab_cache_size=args.cache if side.endswith("cache") else 0,
+        )  # fmt: skip
+        plan = plait.plan(model, config, example_batch=batch, loss_fn=loss_fn, servers=args.servers)
+        moved = sum(t.pull_bytes + t.push_bytes for t in plan.server_tables)
+        in_ps = sum(t.seconds for t in plan.server_tables)
+        return plan.predicted.step_time_s, in_ps, float(moved)
+    with torch.device("meta"):  # data parallel: one device, the whole model on it
+        model = Recommender(args.rows, args.dim)
+    config = ParallelConfig(mode="data_parallel", devices=args.workers)
+    plan = plait.plan(model, config, example_batch=batch, loss_fn=loss_fn)
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    return plan.predicted.step_time_s, 0.0, 2 * (args.workers - 1) / args.workers * grads
 
 
 if __name__ == "__main__":

@@ -167,7 +167,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     table = load_rank_table(args.rank_table) if args.rank_table else None
     min_nodes, max_nodes = _nnodes(args.nnodes)
     worker_num, local_worker_num = _worker_counts(args, table, max_nodes)
-    server_num = _server_num(args, worker_num, local_worker_num, table, max_nodes)
+    server_num, local_servers = _server_num(
+        args, worker_num, local_worker_num, table, max_nodes, min_nodes
+    )
     node_rank = args.node_rank
     master_addr = args.master_addr or DEFAULT_MASTER_ADDR
     if table is not None:
@@ -181,7 +183,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         master_addr = args.master_addr or table.servers[0].server_id
     return RunConfig(
         program=program, worker_num=worker_num + server_num,
-        local_worker_num=local_worker_num + server_num, server_num=server_num,
+        local_worker_num=local_worker_num + local_servers, server_num=server_num,
+        local_server_num=local_servers,
         master_addr=master_addr, master_port=args.master_port, node_rank=node_rank,
         log_dir=args.log_dir, tail_ranks=_tail_ranks(args.tail_worker_log, worker_num),
         join=args.join, cluster_timeout=args.cluster_timeout, max_restarts=args.max_restarts,
@@ -196,21 +199,34 @@ def _server_num(
     local_worker_num: int,
     table: RankTable | None,
     max_nodes: int | None,
-) -> int:
-    """``--server-num``: parameter servers on this node beside its workers (one node only)."""
+    min_nodes: int | None,
+) -> tuple[int, int]:
+    """``--server-num``: the job's parameter servers, and each node's share of them (the last
+    local ranks of every node), beside the workers."""
     servers = args.server_num
     if servers == 0:
-        return 0
+        return 0, 0
     if servers < 0:
         raise LaunchError(f"--server-num {servers} must be >= 0 (0: no parameter servers).")
-    if table is not None or (max_nodes or 1) > 1 or worker_num != local_worker_num:
+    if table is not None:
         raise LaunchError(
-            f"--server-num {servers} starts the servers on this node, and this job spans"
-            " several nodes: plait run places parameter servers on one-node jobs only so far."
-            " On several nodes start every process under torchrun, mpirun or srun with"
-            " PLAIT_SERVER_NUM set (the last ranks are the servers)."
+            f"--server-num {servers} with --rank-table: a rank table maps every rank to a"
+            " device, and parameter servers hold none. Start the job with torchrun, mpirun or"
+            " srun and PLAIT_SERVER_NUM (the last ranks serve), or without the rank table."
         )
-    return servers
+    if min_nodes is not None and min_nodes != max_nodes:
+        raise LaunchError(
+            f"--server-num {servers} with an elastic --nnodes {min_nodes}:{max_nodes}: a node"
+            " leaving would take its servers' rows with it. Give a fixed --nnodes N."
+        )
+    nodes = max(worker_num // max(local_worker_num, 1), 1)
+    if servers % nodes:
+        raise LaunchError(
+            f"--server-num {servers} over {nodes} nodes: every node runs the same processes,"
+            f" so each starts servers / nodes of them; give a multiple of {nodes} (e.g."
+            f" --server-num {nodes * max(servers // nodes, 1)})."
+        )
+    return servers, servers // nodes
 
 
 def _nnodes(value: str | None) -> tuple[int | None, int | None]:

@@ -35,10 +35,13 @@ class RunConfig:
     worker_num: int = 1
     """Workers in the whole job (every node), parameter servers included."""
     server_num: int = 0
-    """Of `worker_num`, the processes that are parameter servers (the last ranks; one-node
-    jobs), exported as ``PLAIT_SERVER_NUM``."""
+    """Of `worker_num`, the processes that are parameter servers, exported as
+    ``PLAIT_SERVER_NUM``."""
     local_worker_num: int = 1
     """Workers on this node; the same on every node."""
+    local_server_num: int = 0
+    """Of `local_worker_num`, the parameter servers on each node (its last local ranks),
+    exported as ``PLAIT_LOCAL_SERVER_NUM``; ``server_num`` is this times the nodes."""
     master_addr: str = DEFAULT_MASTER_ADDR
     """Host of the rendezvous (node 0's address)."""
     master_port: int = DEFAULT_MASTER_PORT
@@ -111,6 +114,16 @@ class RunConfig:
             raise LaunchError(
                 f"--server-num {self.server_num} with {self.worker_num} processes: give"
                 " 0..processes-1 servers (at least one worker trains)."
+            )
+        if self.server_num and (
+            not 0 < self.local_server_num < self.local_worker_num
+            or self.local_server_num * max(self.worker_num // self.local_worker_num, 1)
+            != self.server_num
+        ):
+            raise LaunchError(
+                f"--server-num {self.server_num} over {self.worker_num // self.local_worker_num}"
+                f" node(s) of {self.local_worker_num} processes puts {self.local_server_num}"
+                " on each: give a server count the nodes divide, leaving a worker on each node."
             )
         if self.worker_num < 1 or self.local_worker_num < 1:
             raise LaunchError(

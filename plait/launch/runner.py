@@ -124,6 +124,7 @@ def worker_command(config: RunConfig) -> tuple[str, tuple[str, ...]]:
         options += ["--env", f"PLAIT_RANK_TABLE={os.path.abspath(config.rank_table)}"]
     if config.server_num:
         options += ["--env", f"PLAIT_SERVER_NUM={config.server_num}"]
+        options += ["--env", f"PLAIT_LOCAL_SERVER_NUM={config.local_server_num}"]
     if config.checkpoint_dir:
         options += ["--env", f"PLAIT_CHECKPOINT_DIR={os.path.abspath(config.checkpoint_dir)}"]
     ifname = _interface_to(config.master_addr, config.master_port)
@@ -260,9 +261,8 @@ def run_job(config: RunConfig) -> JobResult:
     try:
         elastic_launch(build_launch_config(config, logs, keeper), entrypoint)(*args)
     except ChildFailedError as e:
-        servers_from = config.worker_num - config.server_num
         failures = tuple(
-            _failure(rank, f, logs, server=rank >= servers_from) for rank, f in e.failures.items()
+            _failure(rank, f, logs, server=_serves(config, rank)) for rank, f in e.failures.items()
         )
         stamp = min(float(f.timestamp) for f in e.failures.values())
         return JobResult(
@@ -299,6 +299,12 @@ def _across_nodes(
 def _node_text(config: RunConfig) -> str:
     rank = effective_node_rank(config)
     return "auto" if rank is None else str(rank)
+
+
+def _serves(config: RunConfig, rank: int) -> bool:
+    """Whether global rank ``rank`` is a parameter server (each node's last local ranks)."""
+    local = config.local_worker_num
+    return bool(config.local_server_num) and rank % local >= local - config.local_server_num
 
 
 def _failure(

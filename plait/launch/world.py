@@ -20,6 +20,7 @@ rank 0's host, reachable from every rank (it defaults to 127.0.0.1 for MPI).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -137,17 +138,19 @@ def init(
         _watch(_world, hang)
         return _world
     chosen = resolve_backend(backend, penv)
-    servers = server_count(penv)
+    roles = server_roles(penv)
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
-    if servers and penv.rank >= penv.world_size - servers:
-        _serve(penv, servers, wait)  # a parameter server: never returns
+    if roles is not None and roles.serves(penv):
+        _serve(penv, roles, wait)  # a parameter server: never returns
     device = _select_device(chosen, penv)
     if hang is not None:
         record_collectives()  # before the groups exist: each records from its creation
-    if servers:
-        _init_worker_groups(chosen, penv, wait, servers)
+    if roles is not None:
+        _init_worker_groups(chosen, penv, wait, roles)
+        penv = roles.worker_env(penv)  # the world the script sees: the workers alone
     else:
         _init_process_group(chosen, penv, wait)
+    servers = 0 if roles is None else roles.servers
     # The group init() made is destroyed at exit, before the interpreter tears down: left to
     # process teardown, a gloo group's threads can outlive it and abort the process
     # ("terminate called without an active exception", exit code 134) after a clean run.
@@ -182,6 +185,67 @@ def server_count(penv: ProcessEnv) -> int:
     return 0
 
 
+LOCAL_SERVER_NUM_VAR = "PLAIT_LOCAL_SERVER_NUM"
+"""Parameter servers on each node (its last local ranks), where a job spans several nodes;
+unset: the job's last ``PLAIT_SERVER_NUM`` ranks."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRoles:
+    """Which ranks of a parameter-server job serve: the last ``local`` ranks of every node of
+    ``per_node`` processes (``local`` 0: the job's last ``servers`` ranks). Workers and servers
+    are numbered apart: workers ``0..W-1`` and servers ``W..W+S-1``, each in rank order (the
+    group of workers and servers, and the workers' default group, use these numbers)."""
+
+    servers: int
+    local: int = 0
+    per_node: int = 1
+
+    def serves(self, penv: ProcessEnv) -> bool:
+        if not self.local:
+            return penv.rank >= penv.world_size - self.servers
+        return penv.rank % self.per_node >= self.per_node - self.local
+
+    def ps_rank(self, penv: ProcessEnv) -> int:
+        """This rank's number in the group of workers and servers."""
+        if not self.local:
+            return penv.rank
+        node, local = divmod(penv.rank, self.per_node)
+        workers_a_node = self.per_node - self.local
+        if local < workers_a_node:
+            return node * workers_a_node + local
+        return penv.world_size - self.servers + node * self.local + local - workers_a_node
+
+    def worker_env(self, penv: ProcessEnv) -> ProcessEnv:
+        """A worker's place among the workers alone (rank, world size, node's share)."""
+        return dataclasses.replace(
+            penv, rank=self.ps_rank(penv), world_size=penv.world_size - self.servers,
+            local_world_size=penv.local_world_size - self.local,
+        )  # fmt: skip
+
+
+def server_roles(penv: ProcessEnv) -> ServerRoles | None:
+    """The job's :class:`ServerRoles` from ``PLAIT_SERVER_NUM`` and
+    ``PLAIT_LOCAL_SERVER_NUM`` (None: no parameter server)."""
+    servers = server_count(penv)
+    if not servers:
+        return None
+    text = os.environ.get(LOCAL_SERVER_NUM_VAR) or ""
+    if not text:
+        return ServerRoles(servers)
+    per_node = penv.local_world_size
+    nodes = penv.world_size // max(per_node, 1)
+    local = int(text) if text.isdigit() else -1
+    if not 0 < local < per_node or penv.world_size % per_node or local * nodes != servers:
+        raise LaunchError(
+            f"{LOCAL_SERVER_NUM_VAR}={text!r} with PLAIT_SERVER_NUM={servers} on rank "
+            f"{penv.rank} ({penv.world_size} processes, {per_node} a node): give the servers "
+            f"on each node, 1..{per_node - 1}, with PLAIT_SERVER_NUM that times the nodes; or "
+            f"leave {LOCAL_SERVER_NUM_VAR} unset for the job's last ranks to serve"
+        )
+    return ServerRoles(servers, local, per_node)
+
+
 def _ps_store(penv: ProcessEnv, timeout: timedelta) -> Any:
     """The job's store, for a parameter-server job's two groups."""
     import torch.distributed as dist
@@ -202,7 +266,7 @@ def _init_method(penv: ProcessEnv) -> str:
 
 
 def _init_worker_groups(
-    backend: Backend, penv: ProcessEnv, timeout: timedelta, servers: int
+    backend: Backend, penv: ProcessEnv, timeout: timedelta, roles: ServerRoles
 ) -> None:
     """A worker of a parameter-server job: the default group of the workers alone, then the
     group of workers and servers (:mod:`plait.comm.ps`)."""
@@ -211,22 +275,23 @@ def _init_worker_groups(
     from plait.comm import ps
 
     store = _ps_store(penv, timeout)
-    workers = penv.world_size - servers
+    workers = penv.world_size - roles.servers
     dist.init_process_group(
-        backend, store=dist.PrefixStore("plait.workers/", store), rank=penv.rank,
+        backend, store=dist.PrefixStore("plait.workers/", store), rank=roles.ps_rank(penv),
         world_size=workers, timeout=timeout,
     )  # fmt: skip
-    ps.join(store, penv.rank, workers, servers, timeout)
+    ps.join(store, roles.ps_rank(penv), workers, roles.servers, timeout)
 
 
-def _serve(penv: ProcessEnv, servers: int, timeout: timedelta) -> None:
+def _serve(penv: ProcessEnv, roles: ServerRoles, timeout: timedelta) -> None:
     """A parameter server's life: join the workers' group, answer them until they leave,
     exit (the script's code after ``plait.init()`` never runs on a server)."""
     from plait.comm import ps
     from plait.ps.server import serve
 
     store = _ps_store(penv, timeout)
-    group = ps.join(store, penv.rank, penv.world_size - servers, servers, timeout)
+    workers = penv.world_size - roles.servers
+    group = ps.join(store, roles.ps_rank(penv), workers, roles.servers, timeout)
     serve(group)
     raise SystemExit(0)
 
@@ -385,7 +450,7 @@ def _init_process_group(backend: Backend, penv: ProcessEnv, timeout: timedelta) 
 def _make_world(penv: ProcessEnv, backend: str, device: str, servers: int = 0) -> World:
     num_nodes = max(-(-penv.world_size // max(penv.local_world_size, 1)), penv.node_rank + 1)
     return World(
-        rank=penv.rank, world_size=penv.world_size - servers, local_rank=penv.local_rank,
+        rank=penv.rank, world_size=penv.world_size, local_rank=penv.local_rank,
         local_world_size=penv.local_world_size, node_rank=penv.node_rank, num_nodes=num_nodes,
         backend=backend, device=device, launcher=str(penv.launcher), server_num=servers,
     )  # fmt: skip

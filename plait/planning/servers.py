@@ -22,8 +22,10 @@ example_batch=..., loss_fn=...)`` plans what :mod:`plait.ps` runs:
 The cost of a table's traffic (:func:`table_seconds`): a worker's pulls go to every server at
 once and each server answers every worker, so a pull takes the busier end's bytes over the
 link (a server sends ``W / S`` workers' shares) plus one round trip; a push the same the other
-way; in sync mode each server then applies the step's pushed rows (reading and writing each
-row with its optimizer states once) at host memory bandwidth. The link is the profile's
+way; each round trip waits for its peer once (the profile's ``wait_latency``, what a transfer
+between processes computing between transfers waits beyond its bytes); in sync mode each
+server then applies the step's pushed rows (reading and writing each row with its optimizer
+states once) at host memory bandwidth. The link is the profile's
 intra-node link when workers and servers fit on one node, else the inter-node link.
 """
 
@@ -267,15 +269,18 @@ def distinct_rows(
 def table_seconds(
     *, pull_bytes: int, push_bytes: int, pulls: int, workers: int, servers: int,
     applied_rows: int, row_bytes: int, states: int, link: Link, sync: bool,
+    wait_latency: float = 0.0,
 ) -> float:  # fmt: skip
     """Seconds a table adds to a worker's step (the module docstring's model): ``pulls``
     round trips of ``pull_bytes`` in all, one push of ``push_bytes``, each at the busier end
-    (a server serves ``workers / servers`` workers' shares), and in sync mode the busiest
-    server's update of ``applied_rows`` rows of ``row_bytes`` with ``states`` optimizer states."""
+    (a server serves ``workers / servers`` workers' shares) and each waiting for its peer
+    once (``wait_latency``, the profile's: a transfer between processes that compute between
+    transfers), and in sync mode the busiest server's update of ``applied_rows`` rows of
+    ``row_bytes`` with ``states`` optimizer states."""
     share = max(1.0, workers / servers)
     trips = pulls + 1
     wire = (pull_bytes + push_bytes) * share / link.bandwidth
-    latency = trips * (2 * link.latency + link.overhead)
+    latency = trips * (2 * link.latency + link.overhead + wait_latency)
     update = applied_rows * row_bytes * (2 * (1 + states) + 1) / HOST_BANDWIDTH if sync else 0.0
     return wire + latency + update
 
@@ -314,7 +319,7 @@ def server_tables(
         seconds = table_seconds(
             pull_bytes=pull_bytes, push_bytes=push_bytes, pulls=micro, workers=workers,
             servers=servers, applied_rows=applied, row_bytes=row, states=states, link=link,
-            sync=config.ps_mode == "sync",
+            sync=config.ps_mode == "sync", wait_latency=hardware.wait_latency,
         )  # fmt: skip
         out.append(
             PlannedServerTable(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,10 @@ class PsTraffic:
     bytes_pulled: int = 0
     bytes_pushed: int = 0
     steps: int = 0
+    pull_s: float = 0.0
+    """Seconds the tables' forwards waited for their rows (cache reads included)."""
+    push_s: float = 0.0
+    """Seconds the step's pushes took (coalescing the gradients and sending them)."""
 
     @property
     def hit_rate(self) -> float:
@@ -134,6 +139,13 @@ class PsClient:
         """Rows ``ids`` (ascending unique global ids) of table ``spec`` for a read at this
         step: from the cache where fresh enough, the rest from their servers (a prefetch
         of them waited for first)."""
+        start = time.perf_counter()
+        try:
+            return self._pull(spec, ids)
+        finally:
+            self.traffic.pull_s += time.perf_counter() - start
+
+    def _pull(self, spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
         cache = self._caches.get(spec.name)
         self._land_prefetches(spec.name)
         self.traffic.rows_read += len(ids)
@@ -295,6 +307,7 @@ class PsClient:
     def flush(self) -> None:
         """Push this step's row gradients of every table to every server (an empty push
         where no row was read: sync servers count one per worker and step)."""
+        start = time.perf_counter()
         works: list[Any] = []
         for name, spec in self._specs.items():
             reads = self._reads.get(name, [])
@@ -311,6 +324,7 @@ class PsClient:
         self._reads.clear()
         self.step += 1
         self.traffic.steps += 1
+        self.traffic.push_s += time.perf_counter() - start
 
 
 def _coalesced(reads: list[_Read], spec: TableSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,6 +104,7 @@ def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer
     traffic = got["traffic"]
     assert traffic["steps"] == 6 and traffic["bytes_pushed"] > 0
     assert "parameter servers, a step on this worker:" in got["report"]
+    assert "ms waiting for rows" in got["report"] and traffic["pull_s"] > 0 < traffic["push_s"]
     if extra:  # the second micro-batch, and each step's prefetched rows, read from the cache
         assert traffic["hit_rate"] > 0.5, traffic
         assert "cache hit rate" in got["report"]
@@ -198,4 +199,36 @@ def test_other_launchers_give_the_last_ranks_to_the_servers(tmp_path, launcher):
     got = torch.load(out)
     losses, model = _one_device(optimizer)
     torch.testing.assert_close(list(got["losses"].values()), losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_servers_on_two_nodes_train_like_one_device(tmp_path):
+    """`plait run --nnodes 2 --server-num 2`: two launchers on loopback, each node one worker
+    and its share of the servers (one); the job trains as one device does."""
+    out = tmp_path / "run.pt"
+    optimizer = SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10)
+    settings = json.dumps({"server_optimizer": {"kind": "adagrad", "lr": 0.1, "eps": 1e-10}})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    common = [sys.executable, "-m", "plait", "run", "--nnodes", "2", "--local-worker-num", "1",
+              "--server-num", "2", "--master-port", str(_free_port()), "--cluster-timeout",
+              "60"]  # fmt: skip
+    node1 = subprocess.Popen(
+        [*common, "--node-rank", "1", "--log-dir", str(tmp_path / "n1"), str(SCRIPT),
+         str(tmp_path / "node1.pt"), settings],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    node0 = subprocess.run(
+        [*common, "--node-rank", "0", "--log-dir", str(tmp_path / "n0"), str(SCRIPT), str(out),
+         settings],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    out1, err1 = node1.communicate(timeout=60)
+    assert node0.returncode == 0, node0.stdout[-3000:] + node0.stderr[-3000:]
+    assert node1.returncode == 0, out1[-3000:] + err1[-3000:]
+    # node 1's worker is worker 1 (global rank 2); its server is the second server
+    assert "worker 1: losses" in (tmp_path / "n1" / "worker_2.log").read_text()
+    got = torch.load(out)
+    losses, model = _one_device(optimizer)
+    torch.testing.assert_close(list(got["losses"].values()), losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["users"], model.users.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)

@@ -17,7 +17,7 @@ from plait.launch.command import add_run_arguments, config_from_args
 from plait.launch.config import RunConfig
 from plait.launch.environment import LauncherKind, ProcessEnv
 from plait.launch.runner import worker_command
-from plait.launch.world import server_count
+from plait.launch.world import ServerRoles, server_count, server_roles
 from plait.ps.table import TableSpec, initial_rows, initial_table, table_module
 from plait.ps.worker import PsClient, ServerEmbedding, _spec
 
@@ -177,11 +177,47 @@ def test_plait_run_starts_servers_after_the_workers_and_tells_them():
     cfg = _run_args("--worker-num", "4", "--server-num", "2")
     assert (cfg.worker_num, cfg.local_worker_num, cfg.server_num) == (6, 6, 2)
     _, args = worker_command(cfg)
-    assert "PLAIT_SERVER_NUM=2" in args
-    with pytest.raises(LaunchError, match=r"plait run places parameter servers on one-node jobs"):
-        _run_args("--nnodes", "2", "--local-worker-num", "2", "--server-num", "1")
+    assert "PLAIT_SERVER_NUM=2" in args and "PLAIT_LOCAL_SERVER_NUM=2" in args
+    # several nodes: each starts its share of the servers after its workers
+    cfg = _run_args("--nnodes", "2", "--local-worker-num", "3", "--server-num", "4")
+    assert (cfg.worker_num, cfg.local_worker_num, cfg.server_num) == (10, 5, 4)
+    assert cfg.local_server_num == 2 and cfg.num_nodes == 2
+    _, args = worker_command(cfg)
+    assert "PLAIT_LOCAL_SERVER_NUM=2" in args
+    with pytest.raises(LaunchError, match=r"--server-num 3 over 2 nodes.*multiple of 2"):
+        _run_args("--nnodes", "2", "--local-worker-num", "2", "--server-num", "3")
+    with pytest.raises(LaunchError, match=r"elastic --nnodes 1:2.*fixed --nnodes N"):
+        _run_args("--nnodes", "1:2", "--local-worker-num", "2", "--server-num", "2")
     with pytest.raises(LaunchError, match=r"--server-num -1 must be >= 0"):
         _run_args("--worker-num", "2", "--server-num", "-1")
+
+
+def _penv(rank: int, world_size: int = 6, local_world_size: int = 3) -> ProcessEnv:
+    return ProcessEnv(
+        launcher=LauncherKind.TORCHRUN, rank=rank, world_size=world_size,
+        local_rank=rank % local_world_size, local_world_size=local_world_size,
+        node_rank=rank // local_world_size, master_addr="127.0.0.1", master_port=29500,
+        device_index=rank % local_world_size,
+    )  # fmt: skip
+
+
+def test_server_roles_on_several_nodes(monkeypatch):
+    """Two nodes of 2 workers + 1 server: ranks 0 1 [2] | 3 4 [5]; workers numbered 0-3 in
+    rank order, servers 4-5; a worker sees the workers' world alone."""
+    monkeypatch.setenv("PLAIT_SERVER_NUM", "2")
+    monkeypatch.setenv("PLAIT_LOCAL_SERVER_NUM", "1")
+    roles = [server_roles(_penv(r)) for r in range(6)]
+    assert all(r == ServerRoles(2, 1, 3) for r in roles)
+    assert [roles[r].serves(_penv(r)) for r in range(6)] == [False, False, True] * 2
+    assert [roles[r].ps_rank(_penv(r)) for r in range(6)] == [0, 1, 4, 2, 3, 5]
+    env = roles[3].worker_env(_penv(3))
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (2, 4, 0, 2)
+    monkeypatch.delenv("PLAIT_LOCAL_SERVER_NUM")  # the job's last ranks serve
+    last = server_roles(_penv(4))
+    assert last is not None and last.serves(_penv(4)) and not last.serves(_penv(3))
+    monkeypatch.setenv("PLAIT_LOCAL_SERVER_NUM", "2")  # 2 a node x 2 nodes is not 2
+    with pytest.raises(LaunchError, match=r"PLAIT_LOCAL_SERVER_NUM='2' with PLAIT_SERVER_NUM=2"):
+        server_roles(_penv(0))
 
 
 def test_server_count_is_read_and_checked(monkeypatch):

@@ -227,7 +227,9 @@ def _server_traffic(job: Any) -> tuple[str, ...]:
     return (
         f"parameter servers, a step on this worker: {t.rows_read / steps:,.0f} rows read, "
         f"{t.rows_pulled / steps:,.0f} pulled ({format_bytes(t.bytes_pulled // steps)}), "
-        f"{format_bytes(t.bytes_pushed // steps)} pushed{cache}",
+        f"{format_bytes(t.bytes_pushed // steps)} pushed{cache}; "
+        f"{t.pull_s / steps * 1e3:,.1f} ms waiting for rows, {t.push_s / steps * 1e3:,.1f} ms "
+        "pushing",
     )
 
 

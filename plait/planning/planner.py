@@ -39,13 +39,17 @@ from plait.planning.servers import (
     dense_config,
     distinct_rows,
     ids_per_micro_batch,
+    mesh_of_auto,
     on_meta,
+    ps_config_for,
     read_tables,
     replaced,
+    servable_tables,
     server_plan,
     server_table_paths,
     server_tables,
     stand_in_tables,
+    weigh_servers,
 )
 from plait.planning.setup import check_config, hardware_of, mesh_of, prepare
 from plait.planning.timing import PlanTiming
@@ -92,8 +96,16 @@ def plan(
     start = time.perf_counter()
     timing = timing if timing is not None else PlanTiming()
     config, example_batch, loss_fn = _arguments(config, legacy, example_batch, loss_fn)
+    if config.mode == "auto" and servers is not None:
+        result = _auto_with_servers(
+            model, config, example_batch, loss_fn, servers, hardware_file, timing
+        )
+        timing.total_s = time.perf_counter() - start
+        return result
     if config.mode == "parameter_server" or servers is not None:
-        result = _server_plan(model, config, example_batch, loss_fn, servers, hardware_file, timing)
+        result = _server_plan(
+            model, config, example_batch, loss_fn, servers, hardware_file, timing
+        )[0]
         timing.total_s = time.perf_counter() - start
         return result
     check_config(config)
@@ -126,10 +138,12 @@ def _server_plan(
     servers: int | None,
     hardware_file: str | None,
     timing: PlanTiming,
-) -> Plan:
+    auto_config: ParallelConfig | None = None,
+) -> tuple[Plan, Plan]:
     """A parameter-server job's plan (:mod:`plait.planning.servers`): the dense part planned
     data parallel with stand-ins for the tables, each table's traffic added to its step, and
-    the placements a user could take instead weighed beside it."""
+    the placements a user could take instead weighed beside it; and mode auto's plan of the
+    whole model (``auto_config``, default the job's config in mode auto), one of them."""
     check_servers(config, servers)
     assert servers is not None
     dense = dense_config(config)
@@ -152,15 +166,38 @@ def _server_plan(
                 graph = capture(model, micro, loss_fn)
             dense_plan = _plan_graph(graph, dense, None, model, hardware_file, False, timing)
         data_parallel = _plan_graph(whole, dense, None, model, hardware_file, False, timing)
-        auto = _plan_graph(
-            whole, dataclasses.replace(dense, mode="auto"), None, model, hardware_file, False,
-            timing,
-        )  # fmt: skip
-    return server_plan(
+        auto_cfg = auto_config or dataclasses.replace(dense, mode="auto")
+        auto = _plan_graph(whole, auto_cfg, None, model, hardware_file, False, timing)
+    plan = server_plan(
         dense_plan, config, servers=servers, tables=planned, counted=counted is not None,
         data_parallel=data_parallel, auto=auto, table_states=_table_states(data_parallel, tables),
         limit=int(config.memory_limit or hardware.memory_bytes),
     )  # fmt: skip
+    return plan, auto
+
+
+def _auto_with_servers(
+    model: nn.Module,
+    config: ParallelConfig,
+    example_batch: Any,
+    loss_fn: LossFn | None,
+    servers: int,
+    hardware_file: str | None,
+    timing: PlanTiming,
+) -> Plan:
+    """Mode auto with ``servers`` parameter servers to weigh: the model's embedding tables on
+    them (a parameter-server plan) against mode auto's plan of the whole model on the devices;
+    the faster that fits wins, and its notes say what the other would take."""
+    check_servers(config, servers)
+    check_config(config)
+    tables, split = servable_tables(model, servers)
+    ps_config = ps_config_for(config, mesh_of_auto(config), tables, split)
+    ps_plan, auto = _server_plan(
+        model, ps_config, example_batch, loss_fn, servers, hardware_file, timing,
+        auto_config=config,
+    )  # fmt: skip
+    limit = int(config.memory_limit or hardware_of(config, hardware_file).memory_bytes)
+    return weigh_servers(auto, ps_plan, servers, limit)
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -56,10 +57,14 @@ from plait.ps.table import check_split, table_module
 __all__ = [
     "HOST_BANDWIDTH",
     "PlannedServerTable",
+    "mesh_of_auto",
     "placement_options",
+    "ps_config_for",
+    "servable_tables",
     "server_tables",
     "stand_in_tables",
     "table_seconds",
+    "weigh_servers",
 ]
 
 HOST_BANDWIDTH = 10e9
@@ -402,15 +407,15 @@ def dense_config(config: ParallelConfig) -> ParallelConfig:
 def check_servers(config: ParallelConfig, servers: object) -> None:
     """ConfigError unless ``servers`` and ``config.mode`` agree: a server count >= 1 exactly
     when the mode is ``parameter_server``."""
-    if config.mode != "parameter_server":
+    if config.mode not in ("parameter_server", "auto"):
         raise ConfigError(
             f"plait.plan(servers={servers!r}) with mode={config.mode!r} would do nothing: servers "
-            "hold embedding tables only in mode='parameter_server'; give that mode or leave "
-            "servers out"
+            "hold embedding tables in mode='parameter_server' (and mode='auto' weighs them); "
+            "give one of those modes or leave servers out"
         )
     if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
         raise ConfigError(
-            f"plait.plan(mode='parameter_server', servers={servers!r}): give the server ranks "
+            f"plait.plan(mode={config.mode!r}, servers={servers!r}): give the server ranks "
             "the job runs beside its workers as an int >= 1 (plait run --server-num S, "
             "PLAIT_SERVER_NUM), e.g. servers=2"
         )
@@ -469,3 +474,79 @@ def server_plan(
             "pulls and pushes are still on it",
         )
     return dataclasses.replace(ps_plan, options=options, notes=notes)
+
+
+def servable_tables(model: nn.Module, servers: int) -> tuple[tuple[str, ...], str]:
+    """Mode auto with servers: every embedding table of ``model`` a server could hold (the
+    checks :func:`~plait.ps.table.table_module` makes), and the split: "range" where the
+    server count divides every table's rows, else "hash"."""
+    paths: list[tuple[str, int]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding | nn.EmbeddingBag):
+            continue
+        try:
+            table_module(model, name)
+        except ConfigError:
+            continue  # tied, max_norm, a subclass's own forward: stays on the devices
+        paths.append((name, module.num_embeddings))
+    if not paths:
+        raise ConfigError(
+            f"plait.plan(mode='auto', servers={servers}): {type(model).__name__} has no "
+            "nn.Embedding or nn.EmbeddingBag a parameter server can hold (untied, without "
+            "max_norm or scale_grad_by_freq); leave servers out"
+        )
+    split = "range" if all(rows % servers == 0 for _, rows in paths) else "hash"
+    return tuple(name for name, _ in paths), split
+
+
+def mesh_of_auto(config: ParallelConfig) -> int:
+    """The workers of mode auto's config: its ``devices``, or its mesh's size."""
+    if config.devices is not None:
+        return int(config.devices)
+    if config.mesh is not None:
+        return math.prod(config.mesh_dict.values())
+    raise ConfigError(
+        "plait.plan(mode='auto', servers=S) needs ParallelConfig(devices=N) (or a mesh): the "
+        "workers beside the servers"
+    )
+
+
+def ps_config_for(
+    config: ParallelConfig, workers: int, tables: Sequence[str], split: str
+) -> ParallelConfig:
+    """The parameter-server config mode auto weighs: ``tables`` on the servers, the dense part
+    data parallel over ``workers`` with the auto config's precision, hardware, memory limit,
+    gradient accumulation and dataset strategy."""
+    return ParallelConfig(
+        mode="parameter_server", devices=workers, server_modules=tuple(tables),
+        ps_split=split,  # type: ignore[arg-type]
+        precision=config.precision, hardware=config.hardware, memory_limit=config.memory_limit,
+        grad_accumulation=config.grad_accumulation, dp_axis=config.dp_axis,
+        dataset_strategy=config.dataset_strategy,
+    )  # fmt: skip
+
+
+def weigh_servers(auto: Plan, ps_plan: Plan, servers: int, limit: int) -> Plan:
+    """The faster of mode auto's plan and the parameter-server plan among those whose memory
+    fits ``limit`` (when neither fits, the smaller), its notes saying what the other takes."""
+
+    def key(p: Plan) -> tuple[bool, float]:
+        fits = p.predicted.memory_bytes <= limit
+        return (not fits, p.predicted.step_time_s if fits else p.predicted.memory_bytes)
+
+    winner = min((auto, ps_plan), key=key)
+    tables = ", ".join(t.name for t in ps_plan.server_tables)
+    weighed = (
+        f"mode auto weighed {tables} on {servers} parameter servers: "
+        f"{_ms(ps_plan.predicted.step_time_s)} a step against {_ms(auto.predicted.step_time_s)} "
+        f"for its best plan on the devices (mesh {auto.mesh.as_dict()})"
+    )
+    if winner is ps_plan:
+        names = tuple(t.name for t in ps_plan.server_tables)
+        note = (
+            f"{weighed}: the servers win; run it with ParallelConfig(mode='parameter_server', "
+            f"server_modules={names!r}) and plait run --server-num {servers}"
+        )
+    else:
+        note = f"{weighed}: the tables stay on the devices"
+    return dataclasses.replace(winner, notes=(*winner.notes, note))

@@ -142,6 +142,7 @@ def test_async_leaves_the_servers_update_off_the_step() -> None:
         (lambda: config(), None, r"servers=None.*int >= 1.*--server-num"),
         (lambda: config(), 0, r"servers=0"),
         (lambda: ParallelConfig(mode="data_parallel", devices=2), 2, r"would do nothing"),
+        (lambda: ParallelConfig(mode="auto", devices=2), 0, r"mode=.auto., servers=0"),
         (lambda: config(server_modules=("mlp.0",)), 2, r"'mlp.0' \(Linear\) cannot live"),
         (lambda: config(server_modules=("nope",)), 2, r"'nope', which is not a module"),
         (lambda: config(), 3, r"1000 rows, which 3 servers cannot split.*ps_split='hash'"),
@@ -178,3 +179,21 @@ def test_plait_plan_cli(tmp_path, capsys) -> None:
     code = main(["plan", "--factory", f"{__name__}:factory", "--mode", "data_parallel",
                  "--devices", "2", "--server-num", "2"])  # fmt: skip
     assert code == 2 and "would do nothing" in capsys.readouterr().err
+
+
+def test_mode_auto_weighs_the_tables_on_servers() -> None:
+    """Mode auto with servers: big tables go to the servers when that is faster; small ones
+    stay on the devices, the note saying what the servers would have taken."""
+    with torch.device("meta"):
+        big = Recommender(rows=1_000_000, dim=64)
+    auto = ParallelConfig(mode="auto", devices=WORKERS)
+    plan = plait.plan(big, auto, example_batch=batch_of(), loss_fn=loss_fn, servers=2)
+    assert plan.mode == "parameter_server" and plan.servers == 2
+    assert {t.name for t in plan.server_tables} == {"users", "items"}
+    assert "the servers win" in plan.notes[-1] and "--server-num 2" in plan.notes[-1]
+    small = plait.plan(Recommender(), auto, example_batch=batch_of(), loss_fn=loss_fn, servers=2)
+    assert small.mode == "auto" and not small.server_tables
+    assert "the tables stay on the devices" in small.notes[-1]
+    with pytest.raises(ConfigError, match=r"has no nn.Embedding or nn.EmbeddingBag"):
+        plait.plan(nn.Linear(4, 4), auto, example_batch=torch.randn(4, 4),
+                   loss_fn=lambda m, b: m(b).sum(), servers=2)  # fmt: skip

@@ -155,15 +155,14 @@ def _compiled_stages(cfg: ParallelConfig, where: Where | None) -> bool:
 
 
 def _ps_dense(cfg: ParallelConfig) -> str | None:
-    """What a parameter-server job asks of its dense part beyond plain data parallel (the
-    setting as written), or None."""
+    """What a parameter-server job asks of its dense part beyond data parallel with optimizer
+    parallel (ZeRO 1 to 3; the setting as written), or None."""
     if cfg.mode != "parameter_server":
         return None
     others = {a: n for a, n in cfg.mesh_dict.items() if a != cfg.dp_axis and n > 1}
     checks: tuple[tuple[bool, str], ...] = (
         (bool(others), f"mesh={cfg.mesh_dict!r}"),
         (cfg.pipeline_stages > 1, f"pipeline_stages={cfg.pipeline_stages}"),
-        (cfg.optimizer_shard is not None, f"optimizer_shard={cfg.optimizer_shard}"),
         (cfg.recompute != "none", f"recompute={cfg.recompute!r}"),
         (bool(cfg.recompute_modules), f"recompute_modules={cfg.recompute_modules!r}"),
         (cfg.offload is not None, f"offload={cfg.offload!r}"),
@@ -182,9 +181,9 @@ RULES: tuple[Rule, ...] = (
         "mode parameter_server",
         lambda c, w: _ps_dense(c) is not None,
         lambda c: _ps_dense(c) or "",
-        "a parameter-server job's dense part on anything but plain data parallel",
-        "leave it out: the dense layers train plain data parallel over the workers beside "
-        "the servers' tables (docs/parameter_server.md)",
+        "a parameter-server job's dense part on anything but data parallel (with ZeRO 1-3)",
+        "leave it out: the dense layers train data parallel over the workers (optimizer_shard "
+        "1 to 3 for ZeRO) beside the servers' tables (docs/parameter_server.md)",
         context=lambda c: " with mode='parameter_server'",
         planning=True,
     ),

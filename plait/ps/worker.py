@@ -29,6 +29,7 @@ from plait.comm.ps import REPLY_TAGS, Header, Kind, PsGroup, agree, request, wai
 from plait.config import ParallelConfig
 from plait.errors import CheckpointError, ConfigError, LaunchError, ShardingError
 from plait.ps.cache import RowCache
+from plait.ps.ops import register
 from plait.ps.table import TableSpec, check_split, table_module
 
 __all__ = ["PsClient", "ServerEmbedding", "ServerEmbeddingBag", "serve_tables"]
@@ -63,8 +64,10 @@ class PsTraffic:
 
 @dataclass
 class _Read:
+    """A backward's gradients of a table's rows: one row of ``grads`` per id of ``ids``."""
+
     ids: torch.Tensor
-    rows: torch.Tensor
+    grads: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -296,9 +299,10 @@ class PsClient:
         agree(None)  # the file is there when any worker returns
         return target
 
-    def record(self, spec: TableSpec, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Remember a training forward's pulled rows: their gradients are pushed at flush."""
-        self._reads.setdefault(spec.name, []).append(_Read(ids, rows))
+    def accumulate(self, spec: TableSpec, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Keep a backward's gradients of rows ``ids`` (one per id, repeats included): the
+        step's are summed per row and pushed at flush."""
+        self._reads.setdefault(spec.name, []).append(_Read(ids, grads))
 
     def forget(self) -> None:
         """Drop the reads of a step that will not be pushed (a new step begins)."""
@@ -311,7 +315,7 @@ class PsClient:
         works: list[Any] = []
         for name, spec in self._specs.items():
             reads = self._reads.get(name, [])
-            used = any(r.rows.grad is not None for r in reads)
+            used = bool(reads)
             ids, grads = _coalesced(reads, spec)
             owner = spec.owner(ids)
             local = spec.local_index(ids)
@@ -328,16 +332,14 @@ class PsClient:
 
 
 def _coalesced(reads: list[_Read], spec: TableSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's reads of a table as unique ids and their summed gradients (rows without a
-    gradient, and the padding row, left out)."""
-    used = [r for r in reads if r.rows.grad is not None]
-    if not used:
+    """One step's gradients of a table as unique ids and their summed gradients (the padding
+    row left out: ``nn.Embedding`` never trains it)."""
+    if not reads:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, spec.dim)
-    ids = torch.cat([r.ids for r in used])
-    grads = torch.cat([r.rows.grad.detach().float().cpu() for r in used])  # type: ignore[union-attr]
-    if len(used) > 1:
-        ids, where = torch.unique(ids, return_inverse=True)
-        grads = torch.zeros(len(ids), spec.dim).index_add_(0, where, grads)
+    ids = torch.cat([r.ids for r in reads])
+    grads = torch.cat([r.grads for r in reads])
+    ids, where = torch.unique(ids, return_inverse=True)
+    grads = torch.zeros(len(ids), spec.dim).index_add_(0, where, grads)
     if spec.padding_idx is not None:
         keep = ids != spec.padding_idx
         ids, grads = ids[keep], grads[keep]
@@ -371,36 +373,42 @@ class _ServerTable(nn.Module):
         self.device = device
         self.num_embeddings, self.embedding_dim = spec.rows, spec.dim
         self.padding_idx = spec.padding_idx
+        # Zero and never changed: it makes a lookup's output need a gradient, so backward
+        # (eager or the program's traced one) hands the rows' gradient over (plait.ps.ops).
+        self.anchor = nn.Parameter(torch.zeros((), device=device))
+        self.handle = register(self)
 
     def extra_repr(self) -> str:
         s = self.spec
         return f"{s.rows}, {s.dim}, on {s.servers} servers ({s.split} split)"
 
-    def _pull(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        """(the ids as indices into the pulled rows, the rows, the padding row's index)."""
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ``ids``: checked, deduplicated, pulled, gathered (``plait::ps_lookup``)."""
         _checked_ids(self.spec, ids)
-        unique, inverse = torch.unique(ids.cpu().long(), return_inverse=True)
-        rows = self.client.pull(self.spec, unique).to(self.device)
-        if torch.is_grad_enabled() and self.training:  # evaluation trains nothing: no push
-            rows.requires_grad_(True)
-            self.client.record(self.spec, unique, rows)
-        pad = None
-        if self.spec.padding_idx is not None:
-            at = int(torch.searchsorted(unique, self.spec.padding_idx))
-            pad = at if at < len(unique) and int(unique[at]) == self.spec.padding_idx else None
-        return inverse.to(self.device), rows, pad
+        unique, inverse = torch.unique(ids.reshape(-1).cpu().long(), return_inverse=True)
+        rows = self.client.pull(self.spec, unique)
+        return rows[inverse].view(*ids.shape, self.spec.dim).to(self.device)
+
+    def accumulate(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """Keep the gradient of a lookup's rows for the step's push (``plait::ps_grad``)."""
+        flat = grad.detach().reshape(-1, self.spec.dim).float().cpu()
+        self.client.accumulate(self.spec, ids.reshape(-1).cpu().long(), flat)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.plait.ps_lookup(ids, self.anchor, self.handle, self.spec.dim)
+        return out
 
 
 class ServerEmbedding(_ServerTable):
     """``nn.Embedding`` whose rows live on the parameter servers."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        index, rows, pad = self._pull(input)
-        return F.embedding(index, rows, padding_idx=pad)
+        return self._rows(input)
 
 
 class ServerEmbeddingBag(_ServerTable):
-    """``nn.EmbeddingBag`` whose rows live on the parameter servers."""
+    """``nn.EmbeddingBag`` whose rows live on the parameter servers: each id's row looked
+    up, then bagged as ``nn.EmbeddingBag`` would (the padding id's entries left out)."""
 
     def __init__(
         self, spec: TableSpec, client: PsClient, device: torch.device, bag: nn.EmbeddingBag
@@ -415,7 +423,13 @@ class ServerEmbeddingBag(_ServerTable):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        index, rows, pad = self._pull(input)
+        rows = self._rows(input.reshape(-1))
+        index = torch.arange(input.numel(), device=input.device).view(input.shape)
+        pad = self.spec.padding_idx
+        if pad is not None:  # a bag skips the padding id: index one zero row past the rest
+            index = torch.where(input == pad, input.numel(), index)
+            rows = torch.cat([rows, rows.new_zeros(1, self.spec.dim)])
+            pad = input.numel()
         return F.embedding_bag(
             index, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
             include_last_offset=self.include_last_offset, padding_idx=pad,

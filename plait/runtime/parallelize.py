@@ -32,7 +32,14 @@ from plait.comm import ps as ps_comm
 from plait.comm.dp import host_group_mesh
 from plait.comm.dtensor import DeviceMesh, build_device_mesh, coordinate_of
 from plait.comm.world import current_world
-from plait.config import CommFusion, ParallelConfig, Recompute, Schedule, Search
+from plait.config import (
+    CommFusion,
+    ParallelConfig,
+    Recompute,
+    Schedule,
+    Search,
+    parameter_server_defaults,
+)
 from plait.data import split_micro_batches
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
@@ -215,7 +222,7 @@ def parallelize(
     install_model_generate(model, config.dp_axis)  # HF's own generate on the job's DTensor parameters
     _servers_match(config, world)
     if config.mode == "parameter_server":
-        return _parameter_server_job(model, config, optimizer, loss_fn)
+        return _parameter_server_job(model, config, optimizer, loss_fn, example_batch)
     planned = config.mode == "auto" or config.plan is not None or plan is not None
     if config.pipeline_stages > 1 and not planned:
         # its engine's rules need the axes inside the stages: check_pipeline_config reads them
@@ -294,23 +301,45 @@ def _servers_match(config: ParallelConfig, world: Any) -> None:
 
 
 def _parameter_server_job(
-    model: nn.Module, config: ParallelConfig, optimizer: OptimizerFactory, loss_fn: LossFn
+    model: nn.Module,
+    config: ParallelConfig,
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+    example_batch: Any,
 ) -> Job:
-    """A parameter-server job: the model's tables moved to the servers (:mod:`plait.ps`), the
-    dense rest data parallel over the workers on plain tensors; each step pushes the rows'
-    gradients after its last backward."""
+    """A parameter-server job: the model's tables moved to the servers (:mod:`plait.ps`, each
+    lookup one ``plait::ps_lookup`` op), the dense rest data parallel over the workers - on
+    plain tensors, or as a plan's per-rank program where ZeRO asks for one; each step pushes
+    the rows' gradients after its last backward."""
     world = current_world()
     servers = ps_comm.group()
     assert world is not None and servers is not None
-    support.check(config, Where("plain"), engine_only=True)
     mesh = _job_mesh(config, world.world_size)
+    engine = support.engine_of(config, mesh.as_dict())
+    support.check(config, Where(engine), engine_only=True)
     client = serve_tables(model, config, servers, _device_of(world.device_type))
     device_mesh = build_device_mesh(mesh, world.device_type)
-    job = _plain_job(model, config, mesh, device_mesh, {}, optimizer, loss_fn)
-    job.before_update.append(client.flush)
-    job.checkpoint_parts.append(client)
-    job.parameter_server = client
-    return job
+
+    def attach(job: Job) -> Job:
+        job.before_update.append(client.flush)
+        job.checkpoint_parts.append(client)
+        job.parameter_server = client
+        return job
+
+    if engine == "plain":
+        return attach(_plain_job(model, config, mesh, device_mesh, {}, optimizer, loss_fn))
+    dense = dataclasses.replace(config, mode="data_parallel", **parameter_server_defaults())
+    build = functools.partial(
+        _planned_job, model, dense, optimizer, loss_fn, world_size=world.world_size,
+        device_mesh=device_mesh,
+    )  # fmt: skip
+    if example_batch is not None:
+        return attach(build(example_batch))
+    deferred = _deferred_job(
+        model, dense, lambda batch: attach(build(batch)), None, mesh, device_mesh, False
+    )
+    deferred.parameter_server = client  # readable before the first step (prefetch)
+    return deferred
 
 
 def _stages_need_processes(config: ParallelConfig, world: Any) -> None:

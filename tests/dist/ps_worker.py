@@ -23,6 +23,7 @@ import torch
 import plait
 from plait import ParallelConfig
 from plait.checkpoint import Checkpoints
+from plait.testing.comm import CollectiveLog
 from tests.dist.ps_model import Recommender, batches, loss_fn
 
 out, settings = sys.argv[1], json.loads(sys.argv[2])
@@ -60,6 +61,7 @@ if checkpoints is not None:
     start = checkpoints.resume(job)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 losses = {}
+collectives: list[tuple[str, str, int]] = []
 every_batch = batches(asked["steps"]) if asked["steps"] else batches()
 
 
@@ -75,7 +77,12 @@ for step, batch in enumerate(every_batch):
     if asked["prefetch"] and step + 1 < len(every_batch):
         following = mine(every_batch[step + 1])
         job.parameter_server.prefetch({"users": following["users"], "items": following["items"]})
-    losses[step] = job.step(mine(batch))
+    if step == 2:  # a step after the first (a plan job's program is traced by then)
+        with CollectiveLog(job.device_mesh) as log:
+            losses[step] = job.step(mine(batch))
+        collectives = [(c.kind, c.axis, c.bytes) for c in log.events]
+    else:
+        losses[step] = job.step(mine(batch))
     if step + 1 == asked["save_at"]:
         job.save(asked["save"])
     if checkpoints is not None:
@@ -84,16 +91,22 @@ client = job.parameter_server
 evaluated = job.evaluate(mine(every_batch[0]))  # eval mode, no gradient: nothing pushed
 if asked["export"]:
     client.export(asked["export"])
+# a plan job's parameters are DTensors (ZeRO-3 shards them): made whole on every rank
+mlp = {
+    k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+    for k, v in job.model.mlp.state_dict().items()
+}
 if world.rank == 0:
     torch.save(
         {
             "losses": losses,
-            "mlp": {k: v.clone() for k, v in model.mlp.state_dict().items()},
+            "mlp": mlp,
             "users": client.table("users"),
             "items": client.table("items"),
             "traffic": {**vars(client.traffic), "hit_rate": client.traffic.hit_rate},
             "report": str(job.report()),
             "evaluated": evaluated,
+            "collectives": collectives,
         },
         out,
     )

@@ -79,8 +79,12 @@ def _one_device(optimizer: SparseOptimizer, steps: int | None = None):
             SparseOptimizer(kind="adam", lr=0.05),
             {"vocab_cache_size": 40, "prefetch": True, "grad_accumulation": 2},
         ),
+        # the dense part as the plan's per-rank program with ZeRO: the lookups are ops of it
+        ("range", SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10), {"optimizer_shard": 1}),
+        ("hash", SparseOptimizer(kind="adam", lr=0.05), {"optimizer_shard": 3,
+                                                         "grad_accumulation": 2}),
     ],
-    ids=["range-adagrad", "hash-adam-cache-prefetch-accumulation"],
+    ids=["range-adagrad", "hash-adam-cache-prefetch-accumulation", "zero1", "zero3-accumulation"],
 )
 def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer, extra):
     settings = {"ps_split": split, "server_optimizer": {
@@ -103,9 +107,16 @@ def test_sync_parameter_server_trains_like_one_device(tmp_path, split, optimizer
     assert got["evaluated"] == pytest.approx(expected, rel=1e-5)
     traffic = got["traffic"]
     assert traffic["steps"] == 6 and traffic["bytes_pushed"] > 0
+    # the workers' collectives of a step are the dense part's: no table's rows or gradients
+    # cross the workers' mesh (a table is 3,072 bytes, the MLP's gradients 1,156)
+    kinds = {kind for kind, _, _ in got["collectives"]}
+    assert got["collectives"] and kinds <= {"all_reduce", "all_gather", "reduce_scatter"}, kinds
+    assert max(n for _, _, n in got["collectives"]) < ROWS * DIM * 4, got["collectives"]
+    if not extra.get("optimizer_shard"):  # plain data parallel: gradient buckets and the loss
+        assert kinds == {"all_reduce"}, got["collectives"]
     assert "parameter servers, a step on this worker:" in got["report"]
     assert "ms waiting for rows" in got["report"] and traffic["pull_s"] > 0 < traffic["push_s"]
-    if extra:  # the second micro-batch, and each step's prefetched rows, read from the cache
+    if extra.get("vocab_cache_size"):  # the second micro-batch and the prefetched rows: cached
         assert traffic["hit_rate"] > 0.5, traffic
         assert "cache hit rate" in got["report"]
     else:

@@ -188,10 +188,11 @@ def test_parameter_server_on_simulated_ranks_is_refused_naming_the_launch_it_nee
     assert "plait run --worker-num W --server-num S" in text and "PLAIT_SERVER_NUM" in text
 
 
-def test_parameter_server_dense_part_beyond_plain_data_parallel_is_refused_by_name():
-    cfg = ParallelConfig(mode="parameter_server", optimizer_shard=1)
-    with pytest.raises(NotBuiltError, match=r"ParallelConfig\(optimizer_shard=1\) with mode="):
+def test_parameter_server_dense_part_beyond_data_parallel_is_refused_by_name():
+    cfg = ParallelConfig(mode="parameter_server", recompute="full")
+    with pytest.raises(NotBuiltError, match=r"ParallelConfig\(recompute='full'\) with mode="):
         support.check(cfg)
+    support.check(ParallelConfig(mode="parameter_server", optimizer_shard=3))  # ZeRO runs
 
 
 def test_stand_alone_refuses_memory_passes_and_points_to_data_parallel():

@@ -352,6 +352,8 @@ class Job:
             total = loss.detach() if total is None else total + loss.detach()
             del out, new, loss  # the last micro-step's gradients die here, not after the update
         assert grads is not None and total is not None
+        for hook in self.before_update:  # after the step's last backward (a server's push)
+            hook()
         meshes = program.grad_meshes  # HSDP's gradient shards: on the shard groups' mesh
         for i, (p, g, placements) in enumerate(
             zip(trained, grads, program.grad_placements, strict=True)

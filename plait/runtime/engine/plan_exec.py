@@ -116,7 +116,8 @@ logger = logging.getLogger(__name__)
 # matmuls on 4-D operands costs seconds per shape. Torch 2.13's DTensor has no strategy for
 # the backward of average, adaptive-max and 3-D pooling, and runs group norm's backward with
 # the global sizes on local pieces: pooling (spatial dims never split) and group norm (whole
-# groups per rank) run locally too.
+# groups per rank) run locally too, and a parameter server's lookup (plait.ps.ops: each rank
+# pulls the rows of its own ids; DTensor knows nothing of the op).
 _GROUP_NORM = "aten.group_norm.default"
 _POOLING = frozenset(t for rule in pooling_rules() for t in rule.targets)
 _LOCAL_BY_RULE = _POOLING | frozenset(
@@ -133,6 +134,7 @@ _LOCAL_BY_RULE = _POOLING | frozenset(
         "aten.bmm.default",
         "aten.addmm.default",
         "aten.baddbmm.default",
+        "plait.ps_lookup.default",
     }
 )
 

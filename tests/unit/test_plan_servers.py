@@ -126,6 +126,17 @@ def test_meta_model_takes_every_id_as_distinct() -> None:
     assert "32 (at most)" in plan.summary()
 
 
+def test_the_dense_part_plans_with_zero() -> None:
+    plan = plait.plan(
+        Recommender(), config(optimizer_shard=3), example_batch=batch_of(), loss_fn=loss_fn,
+        servers=2,
+    )  # fmt: skip
+    assert plan.mode == "parameter_server" and plan.optimizer_shard == 3
+    assert {p.name for p in plan.parameters} == {
+        "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"
+    }  # fmt: skip
+
+
 def test_async_leaves_the_servers_update_off_the_step() -> None:
     model, batch = Recommender(), batch_of()
     sync = plait.plan(model, config(), example_batch=batch, loss_fn=loss_fn, servers=2)

@@ -14,6 +14,7 @@ not installed; ``.ci/run`` installs them).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist.test_launch_e2e import ALLREDUCE, CRASH, PY, REPO, clean_env, free_port, results
 from tests.dist.test_launch_e2e import script as write_script
@@ -196,3 +198,26 @@ def test_emitted_sbatch_script_fails_with_the_rank_named(slurm: Slurm, tmp_path:
     assert "JobState=FAILED" in state, state
     assert "worker rank 1 (local rank 1" in output, output
     assert "failed with exit code 3" in output, output
+
+
+def test_srun_gives_the_last_ranks_to_parameter_servers(slurm: Slurm, tmp_path: Path) -> None:
+    """`srun -n 4` with PLAIT_SERVER_NUM=2: ranks 2 and 3 serve, 0 and 1 train, and the job
+    trains as one device does (issue 31: a role per rank under Slurm)."""
+    from plait import SparseOptimizer
+    from tests.dist.test_parameter_server import SCRIPT, _one_device
+
+    out = tmp_path / "run.pt"
+    settings = json.dumps({"server_optimizer": {"kind": "adagrad", "lr": 0.1, "eps": 1e-10}})
+    exports = f"ALL,MASTER_PORT={free_port()},PLAIT_SERVER_NUM=2,PYTHONPATH={REPO}"
+    proc = slurm.run(
+        ["srun", "-n", "4", "--overcommit", "--export", exports, PY, str(SCRIPT), str(out),
+         settings],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + slurm.logs()
+    assert sorted(line.split(":")[0] for line in proc.stdout.splitlines() if "losses" in line) \
+        == ["worker 0", "worker 1"]  # fmt: skip
+    got = torch.load(out)
+    losses, model = _one_device(SparseOptimizer(kind="adagrad", lr=0.1, eps=1e-10))
+    torch.testing.assert_close(list(got["losses"].values()), losses, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["items"], model.items.weight.detach(), rtol=1e-5, atol=1e-6)

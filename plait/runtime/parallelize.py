@@ -53,7 +53,15 @@ from plait.runtime.engine.host import (
     place_on_host,
     plan_host_placement,
 )
-from plait.runtime.engine.job import DeferredJob, Job, LossFn, OptimizerFactory
+from plait.runtime.engine.job import (
+    DeferredJob,
+    HybridJob,
+    Job,
+    LossFn,
+    OptimizerFactory,
+    PlainJob,
+    StandAloneJob,
+)
 from plait.runtime.engine.meta_init import (
     capture_on_device,
     check_meta_buffers,
@@ -502,16 +510,7 @@ def _stand_alone_job(
 ) -> Job:
     """The model as it is, on one process."""
     materialize_meta(model, "cpu")  # stand-alone runs where the model is: the CPU for meta
-    return Job(
-        model,
-        optimizer(model.parameters()),
-        loss_fn,
-        config,
-        mesh=None,
-        device_mesh=None,
-        slice_inputs=False,
-        layouts={},
-    )
+    return StandAloneJob(model, optimizer(model.parameters()), loss_fn, config)
 
 
 def _pipeline_job(
@@ -568,6 +567,7 @@ def _pipeline_job(
         mesh=mesh,
         device_mesh=device_mesh,
         to_global=_global_batch(config, mesh),
+        engine="pipeline",
     )
 
 
@@ -724,17 +724,16 @@ def _plain_job(
         mesh.as_dict(),
         f"; {host.describe()}" if host else "",
     )
-    return Job(
+    return PlainJob(
         model,
         optimizer(model.parameters()),
         loss_fn,
         cfg,
         mesh=mesh,
         device_mesh=device_mesh,
-        slice_inputs=plain.slice_inputs,
         layouts=layouts,
-        grad_sync=grad_sync,
         plain=plain,
+        grad_sync=grad_sync,
     )
 
 
@@ -782,7 +781,7 @@ def _hybrid_job(
         if reduced:
             grad_sync = GradSync(reduced, device_mesh, dp, cfg.comm_fusion or CommFusion())
     logger.info("parallelized %s on mesh %s (mode hybrid)", type(model).__name__, mesh.as_dict())
-    return Job(
+    return HybridJob(
         model,
         build_optimizer(model, optimizer),
         loss_fn,

@@ -82,7 +82,7 @@ def test_plain_data_parallel_writes_its_losses_to_tensorboard_and_json_lines(tmp
             _model(), ParallelConfig(mesh={"dp": 2}, log_dir=tmp_path / "run"), optimizer=sgd,
             loss_fn=gpt_loss,
         )  # fmt: skip
-        assert job.plain is not None  # the plain data-parallel engine
+        assert job.engine == "plain"  # the plain data-parallel engine
         losses = [job.step(b) for b in batches]
         job.close()
     reference = reference_run(_model(), gpt_loss, sgd, batches)

@@ -137,24 +137,20 @@ def generate(
     refuse_on_stages(job, "generate")
     require_initialised(job.model, "job.generate")
     request = _request(job.model, input_ids, max_new_tokens, attention_mask, eos_token_id)
-    laid_out = job.device_mesh is not None and job.plain is None
+    laid_out = job.parameters_laid_out
     if laid_out and request.attention_mask is not None:
         refuse_padding(request.attention_mask, "job.generate")
     context = _laid_out_context(job.model) if laid_out else contextlib.nullcontext()
     lay: Callable[[torch.Tensor], torch.Tensor] = (
         functools.partial(_lay_rows, job) if laid_out else _same
     )
-    precision = autocast_for(job.config.precision, _device_type(job))
+    precision = autocast_for(job.config.precision, job.device_type)
     with torch.no_grad(), in_mode(job.model, training=False), context, precision:
         return _greedy(job.model, request, lay)
 
 
 def _same(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def _device_type(job: Job) -> str:
-    return "cpu" if job.device_mesh is None else job.device_mesh.device_type
 
 
 def _request(
@@ -287,8 +283,9 @@ class _WholeSequenceStep:
 
 def _lay_rows(job: Job, x: torch.Tensor) -> torch.Tensor:
     """``x`` (whole, the same on every rank) as a DTensor: dim 0 split over the data-parallel
-    axis where the batch divides (each rank keeps its rows), else whole on every rank."""
-    assert job.mesh is not None
+    axis where the batch divides (each rank keeps its rows), else whole on every rank (a job
+    whose parameters are laid out: it has a mesh)."""
+    assert job.mesh is not None and job.device_mesh is not None
     return distribute(x, job.device_mesh, _rows_layout(job.mesh, job.config.dp_axis, x))
 
 

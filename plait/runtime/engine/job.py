@@ -8,7 +8,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -45,13 +45,24 @@ from plait.runtime.engine.predict import batch_key
 from plait.runtime.program.compile import Program, check_loss
 from plait.runtime.program.grad_sync import GradSync
 from plait.runtime.program.zero import ZeroOptimizer, reduce_scatter_accumulated
+from plait.support import Engine
 
 if TYPE_CHECKING:
     from plait.runtime.engine.checkpoint import CheckpointPart, SaveHandle, Stateful
     from plait.runtime.engine.measure import MemoryMeasurement
     from plait.runtime.engine.report import RunReport
 
-__all__ = ["DeferredJob", "Job", "LossFn", "OptimizerFactory"]
+__all__ = [
+    "DeferredJob",
+    "HybridJob",
+    "Job",
+    "LossFn",
+    "MeshJob",
+    "OptimizerFactory",
+    "PlainJob",
+    "ProgramJob",
+    "StandAloneJob",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +71,23 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 class Job:
-    """A model laid out on a mesh, with its optimizer and loss; ``step(batch)`` trains once.
+    """A model laid out on its devices, with its optimizer and loss; ``step(batch)`` trains
+    once.
 
-    Create it with :func:`plait.parallelize`, not directly.
+    Create it with :func:`plait.parallelize`, not directly. Each engine a config runs on
+    (:func:`plait.support.engine_of`) is a subclass: :class:`StandAloneJob` (one device),
+    :class:`PlainJob` (pure data parallel on plain tensors), :class:`ProgramJob` (a plan's
+    compiled per-rank program), :class:`HybridJob` (the user's own code on DTensors), and the
+    pipeline's :class:`~plait.runtime.pipeline.job.PipelineJob`; :class:`DeferredJob` becomes
+    one of them at its first step. What they share (checkpoints, reports, metrics,
+    generation) is here; nothing here chooses an engine.
     """
+
+    engine: ClassVar[Engine]
+    """The engine this job runs on (:data:`plait.support.Engine`)."""
+    parameters_laid_out: ClassVar[bool] = True
+    """The parameters are DTensors in a layout (False: plain tensors, whole on every rank)."""
+    device_mesh: DeviceMesh | None
 
     def __init__(
         self,
@@ -73,15 +97,9 @@ class Job:
         config: ParallelConfig,
         *,
         mesh: MeshSpec | None,
-        device_mesh: Any,  # None for a stand-alone job (Job still branches on its nullable fields)
+        device_mesh: DeviceMesh | None,
         slice_inputs: bool,
         layouts: dict[str, TensorLayout],
-        grad_sync: GradSync | PlainGradSync | None = None,
-        plain: PlainDataParallel | None = None,
-        micro_step_shapes: bool = False,
-        program: Program | None = None,
-        program_for: Callable[[Any], Program] | None = None,
-        evaluation_for: Callable[[Any, bool], Program] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -91,32 +109,7 @@ class Job:
         self.device_mesh = device_mesh
         self.parameter_layouts = layouts
         self._slice_inputs = slice_inputs
-        self.grad_sync = grad_sync
-        self.plain = plain
-        """Set for pure data parallelism, which runs on plain tensors (runtime.data_parallel)."""
         self.loss_scaler = LossScaler() if config.precision == "fp16" else None
-        self._micro_step_shapes = micro_step_shapes
-        """The loss function runs batches of one micro-step's shapes only (a plan's program):
-        evaluate cuts its batch into micro-batches as step does."""
-        self._device_type = "cpu" if device_mesh is None else device_mesh.device_type
-        self.program = program
-        """The compiled per-rank program a plan job's step runs (None for other jobs): the one
-        of the last batch shape stepped or evaluated."""
-        self.program_for = program_for
-        """A plan job's program for another executor of its plan (a new batch shape): traced
-        and given the same passes as :attr:`program`."""
-        self.evaluation_for = evaluation_for
-        """``evaluation_for(executor, outputs)``: a plan job's evaluation program for an
-        executor of its plan, the forward of the model's eval-mode program (traced at the
-        first ``evaluate`` of a batch shape); with ``outputs``, of the model without its loss
-        (``predict``'s executor, returning the model's outputs)."""
-        self._evaluations: dict[int, tuple[Any, Program]] = {}
-        """id(executor) -> (executor, its evaluation or prediction program)."""
-        self.replan: Callable[[Any, Any], tuple[Any, Program]] | None = None
-        """``replan(executor, batch)`` plans and compiles again for a laid-out batch of a new
-        shape (:mod:`plait.runtime.engine.replan`); None: the job runs its planned shapes only."""
-        self._by_shape: dict[tuple[Any, ...], tuple[Any, Program]] = {}
-        self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
         self.steps_taken = 0
         """Optimizer steps taken (restored by :meth:`load`)."""
         self.before_update: list[Callable[[], None]] = []
@@ -137,6 +130,64 @@ class Job:
         step (:mod:`plait.runtime.engine.metrics`); None without ``log_dir`` and on other ranks."""
         if self.metrics is not None:  # closed when the job goes, or at the process's end
             weakref.finalize(self, self.metrics.close)
+
+    # ------------------------------------------------------------ what each engine writes
+
+    def _step(self, batch: Any) -> float:
+        """One step (see :meth:`step`) on this job's engine."""
+        raise NotImplementedError(f"{type(self).__name__} has no training step")
+
+    def evaluate(self, batch: Any) -> float:
+        """The global loss on ``batch`` without training (the model in eval mode).
+
+        A job running a plan takes the batch size ``step`` takes: with ``grad_accumulation=k``
+        the batch is cut into ``k`` micro-batches and the mean of their losses is returned, as
+        ``step`` computes its loss.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no evaluation")
+
+    def predict(self, batch: Any) -> Any:
+        """The model's outputs on ``batch``, whole, on every rank (distributed inference).
+
+        ``batch`` is the whole batch, the same on every rank; the model is called as its
+        documentation shows (``model(**batch)`` for a dict, ``model(*batch)`` for a tuple,
+        ``model(batch)`` for a tensor) in eval mode without gradients. Each rank computes its
+        part under the job's layout and the outputs (logits, hidden states, a Hugging Face
+        ``ModelOutput``) come back whole, equal to one device's. Every rank must call it.
+        See :mod:`plait.runtime.engine.predict`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no prediction")
+
+    def shard_batch(self, batch: Any) -> Any:
+        """``batch`` as this rank's step reads it (its slice, or DTensors in the batch's
+        layout; see each engine)."""
+        return batch
+
+    @property
+    def device_type(self) -> str:
+        """The device type this job computes on (autocast's, the metrics' peak memory)."""
+        first = next(iter(self.model.parameters()), None)
+        return "cpu" if first is None else local_piece(first).device.type
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
+
+        Gathers sharded tensors: on real processes every rank must call it. The values are
+        copies, never the live parameters.
+        """
+        return {k: full_value(v).clone() for k, v in self.model.state_dict().items()}
+
+    def _batch_processes(self, batch: Any) -> int:
+        """How many processes' batches make up a step's global batch (for the metrics'
+        samples per second): 1 where ``step`` takes the global batch."""
+        return 1
+
+    def _finite_check_mesh(self) -> DeviceMesh | None:
+        """The mesh fp16's inf/NaN check agrees over (None: every rank's gradients are
+        already the same, nothing to agree on)."""
+        return None
+
+    # ------------------------------------------------------------------------- shared
 
     def step(self, batch: Any) -> float:
         """Forward, backward, gradient reduction and one optimizer update; returns the global loss.
@@ -161,29 +212,6 @@ class Job:
         Steps after it are not logged."""
         if self.metrics is not None:
             self.metrics.close()
-
-    def _batch_processes(self, batch: Any) -> int:
-        """How many processes' batches make up a step's global batch (for the metrics'
-        samples per second): 1 where ``step`` takes the global batch (simulated worlds,
-        ``full_batch``, stand-alone), else the data-parallel processes whose slices it is
-        (per-input strategies: the cuts of the first input's dim 0)."""
-        if self._slice_inputs or self.mesh is None:
-            return 1
-        strategies = self.config.dataset_strategy
-        if isinstance(strategies, tuple):
-            first = strategies[0] if strategies else ()
-            cuts = first.splits() if isinstance(first, TensorLayout) else tuple(first)
-            return int(cuts[0]) if cuts else 1
-        dp = self.config.dp_axis
-        return self.mesh.axis_size(dp) if dp in self.mesh.axis_names else 1
-
-    def _memory_device(self) -> str:
-        """The device type whose peak memory the metrics report: the mesh's, or where a
-        stand-alone model's parameters are."""
-        if self.device_mesh is not None:
-            return str(self.device_mesh.device_type)
-        first = next(iter(self.model.parameters()), None)
-        return "cpu" if first is None else first.device.type
 
     def report(self, memory: MemoryMeasurement | None = None, *, warmup: int = 1) -> RunReport:
         """What the plan predicted beside what this rank measured: the median step time of
@@ -271,32 +299,85 @@ class Job:
             self._save_group = checkpoint_group()
         return self._save_group
 
-    def _step(self, batch: Any) -> float:
-        """One step (see :meth:`step`)."""
-        if self.plain is not None:
-            return self._step_plain(batch, self.plain)
-        if self.program is not None:
-            return self._step_program(batch, self.program)
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | list[int] | None = None,
+    ) -> torch.Tensor:
+        """Greedy decoding of ``max_new_tokens`` tokens after each prompt of ``input_ids``
+        (``[batch, sequence]``, the whole batch, the same on every rank; ``attention_mask``: 0
+        for left padding); returns the whole ids, prompt and new tokens, on every rank.
+
+        The forward runs on the job's layout, its key/value cache laid out as the plan lays
+        out attention (heads over tp, rows over dp); the tokens equal the model's own greedy
+        generation on one device. ``eos_token_id`` (default: the model's generation config's)
+        ends a row. Every rank must call it. See :mod:`plait.runtime.engine.generate`.
+        """
+        from plait.runtime.engine.generate import generate
+
+        return generate(
+            self,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            attention_mask=attention_mask,
+            eos_token_id=eos_token_id,
+        )
+
+    def save_pretrained(
+        self, directory: str | os.PathLike[str], *, max_shard_bytes: int | None = None
+    ) -> Path:
+        """Write the model's weights (safetensors, gathered one tensor at a time to the first
+        rank, in shards of at most ``max_shard_bytes``) and, for a Hugging Face model, its
+        config and generation config to ``directory``: ``from_pretrained(directory)`` loads
+        the trained model, and ``job.load_pretrained(directory)`` loads it into any plan.
+        Every rank must call it. See :mod:`plait.runtime.engine.save_pretrained`."""
+        from plait.runtime.engine.save_pretrained import DEFAULT_SHARD_BYTES, save_pretrained
+
+        require_initialised(self.model, "job.save_pretrained")
+        return save_pretrained(
+            self.model,
+            directory,
+            holders=self.state_modules(),
+            max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes,
+        )
+
+    def _gradients_usable(self) -> bool:
+        """Unscale fp16 gradients; False (skip the update) if any rank saw an inf or NaN."""
+        if self.loss_scaler is None:
+            return True
+        finite = self.loss_scaler.unscale_and_check(
+            self.model.parameters(), self._finite_check_mesh()
+        )
+        self.loss_scaler.update(finite)
+        return finite
+
+    def _eager_step(self, batch: Any, grad_sync: GradSync | None) -> float:
+        """A step run eagerly, op by op: the model's own code on its parameters (plain
+        tensors on one device, DTensors under hybrid), ``grad_sync`` reducing the gradients
+        once the last micro-batch's backward has made them."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         k = self.config.grad_accumulation
         total: torch.Tensor | None = None
-        if self.grad_sync is not None:
-            self.grad_sync.launched_in_backward = 0
+        if grad_sync is not None:
+            grad_sync.launched_in_backward = 0
         with greedy_redistribution_planning():
             for i, micro in enumerate(split_micro_batches(batch, k)):
-                if self.grad_sync is not None:
+                if grad_sync is not None:
                     # Reduce gradients only once they are complete: after the last micro-batch.
-                    self.grad_sync.enabled = i == k - 1
+                    grad_sync.enabled = i == k - 1
                 loss = self._loss(micro)
                 # Backward from the loss as it is (a pending mean over the data-parallel axis):
                 # going through a replicated copy would add an all-reduce to the backward pass.
                 scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
                 (loss * (scale / k) if scale != 1.0 or k != 1 else loss).backward()
                 total = loss.detach() if total is None else total + loss.detach()
-            if self.grad_sync is not None:
-                self.grad_sync.finish()
+            if grad_sync is not None:
+                grad_sync.finish()
         for p in self.model.parameters():
             sync_grad(p)
         if self._gradients_usable():
@@ -307,8 +388,365 @@ class Job:
         assert total is not None
         return float(full_value(total if k == 1 else total / k).item())
 
-    def _step_program(self, batch: Any, program: Program) -> float:
-        """``step`` by the compiled per-rank program (:mod:`plait.runtime.program.compile`).
+    @torch.no_grad()
+    def _eager_evaluate(self, batch: Any, k: int) -> float:
+        """``evaluate`` run eagerly: the mean of ``k`` micro-batches' global losses."""
+        require_initialised(self.model, "job.evaluate")
+        self.model.eval()
+        with greedy_redistribution_planning():
+            losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
+        return float(sum(loss.item() for loss in losses)) / k
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The loss function on ``batch`` as this engine runs it eagerly."""
+        raise NotImplementedError(f"{type(self).__name__} runs no eager loss")
+
+
+class StandAloneJob(Job):
+    """The model as it is, on one process (``mode="stand_alone"``): the reference every
+    parallel job is compared with."""
+
+    engine: ClassVar[Engine] = "stand_alone"
+    parameters_laid_out: ClassVar[bool] = False
+    device_mesh: None
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: ParallelConfig,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            loss_fn,
+            config,
+            mesh=None,
+            device_mesh=None,
+            slice_inputs=False,
+            layouts={},
+        )
+
+    def _step(self, batch: Any) -> float:
+        return self._eager_step(batch, None)
+
+    def evaluate(self, batch: Any) -> float:
+        return self._eager_evaluate(batch, 1)
+
+    def predict(self, batch: Any) -> Any:
+        from plait.runtime.engine.predict import predict_stand_alone
+
+        return predict_stand_alone(self, batch)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        with autocast_for(self.config.precision, self.device_type):
+            return self.loss_fn(self.model, batch)
+
+
+class MeshJob(Job):
+    """What the jobs on a device mesh share: the mesh, the batch laid out as
+    ``dataset_strategy`` says, the loss run on DTensors."""
+
+    mesh: MeshSpec
+    device_mesh: DeviceMesh
+
+    @property
+    def device_type(self) -> str:
+        return str(self.device_mesh.device_type)
+
+    def _finite_check_mesh(self) -> DeviceMesh | None:
+        return self.device_mesh
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        # a gathered DTensor is a new tensor already: no copy on top
+        return {k: full_value(v) for k, v in self.model.state_dict().items()}
+
+    def _batch_processes(self, batch: Any) -> int:
+        """How many processes' batches make up a step's global batch (for the metrics'
+        samples per second): 1 where ``step`` takes the global batch (simulated worlds,
+        ``full_batch``), else the data-parallel processes whose slices it is (per-input
+        strategies: the cuts of the first input's dim 0)."""
+        if self._slice_inputs:
+            return 1
+        strategies = self.config.dataset_strategy
+        if isinstance(strategies, tuple):
+            first = strategies[0] if strategies else ()
+            cuts = first.splits() if isinstance(first, TensorLayout) else tuple(first)
+            return int(cuts[0]) if cuts else 1
+        dp = self.config.dp_axis
+        return self.mesh.axis_size(dp) if dp in self.mesh.axis_names else 1
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        batch = self.shard_batch(batch)
+        precision = autocast_for(self.config.precision, self.device_type)
+        with implicit_replication(), PlaitDispatchMode(), precision:
+            loss = self.loss_fn(self.model, batch)
+        check_loss(loss)
+        return loss
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Lay out every tensor of ``batch`` as ``dataset_strategy`` says.
+
+        ``"data_parallel"``/``"full_batch"``: dim 0 across the data-parallel axis. Per-input
+        strategies: each input of a tuple/list batch takes its own layout (``plait.data``).
+        """
+        strategies = self.config.dataset_strategy
+        if isinstance(strategies, tuple):
+            return self._shard_per_input(batch, strategies)
+        return tree_map(self._shard_input, batch)
+
+    def _shard_per_input(self, batch: Any, strategies: tuple[Any, ...]) -> Any:
+        if not isinstance(batch, tuple | list) or len(batch) != len(strategies):
+            raise ShardingError(
+                f"dataset_strategy gives {len(strategies)} per-input strategies, so step() takes a "
+                f"tuple of {len(strategies)} tensors; got {type(batch).__name__} "
+                f"{'of ' + str(len(batch)) if isinstance(batch, tuple | list) else ''}"
+            )
+        # Layouts depend on the strategies and ranks only; shapes are checked when slicing.
+        probe = [(self.mesh.size,) * x.ndim for x in batch]
+        layouts = input_layouts(strategies, probe, self.mesh, dp_axis=self.config.dp_axis)
+        out = [
+            distribute(x, self.device_mesh, layout)
+            if self._slice_inputs
+            else from_local_piece(x, self.device_mesh, layout)
+            for x, layout in zip(batch, layouts, strict=True)
+        ]
+        return type(batch)(out)
+
+    def _shard_input(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or is_dtensor(x):
+            return x
+        mesh, dp = self.mesh, self.config.dp_axis
+        dp_size = mesh.axis_size(dp) if dp in mesh.axis_names else 1
+        if x.ndim == 0 or dp_size == 1:
+            return distribute(x, self.device_mesh, TensorLayout.replicated(mesh, x.ndim))
+        layout = TensorLayout(mesh, ((dp,),) + ((),) * (x.ndim - 1))
+        if self._slice_inputs:
+            if x.shape[0] % dp_size:
+                raise ShardingError(
+                    f"batch tensor of shape {tuple(x.shape)}: dim 0 ({x.shape[0]}) does not divide "
+                    f"into {dp_size} data-parallel pieces (mesh axis {dp!r}); use a global batch "
+                    f"size divisible by {dp_size}"
+                )
+            return distribute(x, self.device_mesh, layout)
+        return from_local_piece(x, self.device_mesh, layout)
+
+
+class HybridJob(MeshJob):
+    """MindSpore's hybrid (manual) mode: the user's layout-aware code run eagerly on its
+    DTensor parameters (``plait.ops`` and DTensor's propagation decide the collectives);
+    ``grad_sync`` reduces the gradients the user left to data parallel."""
+
+    engine: ClassVar[Engine] = "hybrid"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: ParallelConfig,
+        *,
+        mesh: MeshSpec,
+        device_mesh: DeviceMesh,
+        slice_inputs: bool,
+        layouts: dict[str, TensorLayout],
+        grad_sync: GradSync | None,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            loss_fn,
+            config,
+            mesh=mesh,
+            device_mesh=device_mesh,
+            slice_inputs=slice_inputs,
+            layouts=layouts,
+        )
+        self.grad_sync = grad_sync
+        """The fused data-parallel reduction; None where nothing is reduced over dp."""
+
+    def _step(self, batch: Any) -> float:
+        return self._eager_step(batch, self.grad_sync)
+
+    def evaluate(self, batch: Any) -> float:
+        return self._eager_evaluate(batch, 1)
+
+    def predict(self, batch: Any) -> Any:
+        from plait.runtime.engine.predict import predict_laid_out
+
+        return predict_laid_out(self, batch)
+
+
+class PlainJob(MeshJob):
+    """Pure data parallelism on plain tensors (:mod:`plait.runtime.engine.data_parallel`):
+    each rank runs the model as it is on its slice of the batch, gradients all-reduced in
+    fused buckets during backward."""
+
+    engine: ClassVar[Engine] = "plain"
+    parameters_laid_out: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: ParallelConfig,
+        *,
+        mesh: MeshSpec,
+        device_mesh: DeviceMesh,
+        layouts: dict[str, TensorLayout],
+        plain: PlainDataParallel,
+        grad_sync: PlainGradSync | None,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            loss_fn,
+            config,
+            mesh=mesh,
+            device_mesh=device_mesh,
+            slice_inputs=plain.slice_inputs,
+            layouts=layouts,
+        )
+        self.plain = plain
+        """This rank's place in the data-parallel group and its batch slicing."""
+        self.grad_sync = grad_sync
+        """The fused all-reduce buckets; None with one rank or nothing trained."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return Job.full_state_dict(self)  # plain tensors: copies, not the live parameters
+
+    def _finite_check_mesh(self) -> DeviceMesh | None:
+        # the gradients are summed over ranks already, the same on every rank (an inf or NaN
+        # anywhere is in the sum): no extra collective is needed to agree
+        return None
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's slice of ``batch``'s dim 0 (the batch as given where each process
+        passes its own)."""
+        return self.plain.local_batch(batch)
+
+    def _step(self, batch: Any) -> float:
+        plain = self.plain
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        k = self.config.grad_accumulation
+        sync = self.grad_sync
+        if sync is not None:
+            sync.launched_in_backward = 0
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # Gradients are summed over ranks: scaling the loss by 1/dp makes the sum the mean.
+        weight = scale / (k * plain.size)
+        total: torch.Tensor | None = None
+        started: torch.Tensor | None = None
+        for i, micro in enumerate(split_micro_batches(batch, k)):
+            if sync is not None:
+                # Reduce gradients only once they are complete: after the last micro-batch.
+                sync.enabled = i == k - 1
+            loss = self._loss(micro)
+            total = loss.detach() if total is None else total + loss.detach()
+            if i == k - 1:
+                started = plain.start_loss_sum(total)  # runs while backward computes
+            (loss * weight if weight != 1.0 else loss).backward()
+        if sync is not None:
+            sync.finish()
+        for hook in self.before_update:
+            hook()
+        if self._gradients_usable():
+            self.optimizer.step()
+        assert started is not None
+        return plain.mean_of(started) / k
+
+    @torch.no_grad()
+    def evaluate(self, batch: Any) -> float:
+        require_initialised(self.model, "job.evaluate")
+        self.model.eval()
+        return self.plain.mean_of(self.plain.start_loss_sum(self._loss(batch)))
+
+    def predict(self, batch: Any) -> Any:
+        from plait.runtime.engine.predict import predict_plain
+
+        return predict_plain(self, batch)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The loss on this rank's slice of ``batch``, checked (a training step's must depend
+        on the parameters: with gradients on, it does)."""
+        training = torch.is_grad_enabled()
+        local = self.plain.local_batch(batch)
+        with autocast_for(self.config.precision, self.device_type):
+            loss = self.loss_fn(self.model, local)
+        if not isinstance(loss, torch.Tensor) or (training and not loss.requires_grad):
+            raise ShardingError(
+                f"loss_fn returned a {type(loss).__name__} that does not depend on the model's "
+                "parameters; return the loss tensor itself (no .item() or .detach())"
+            )
+        if loss.numel() != 1:
+            raise ShardingError(
+                f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss"
+            )
+        return loss
+
+
+class ProgramJob(MeshJob):
+    """A plan's job: each step runs the plan's compiled per-rank program
+    (:mod:`plait.runtime.program.compile`: forward and backward on local pieces, every
+    collective explicit, the passes of ZeRO, recompute, offload and gradient buckets over
+    it); ``loss_fn`` is the plan's executor, ``evaluate`` and ``predict`` run the forward of
+    its eval-mode program."""
+
+    engine: ClassVar[Engine] = "program"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: ParallelConfig,
+        *,
+        mesh: MeshSpec,
+        device_mesh: DeviceMesh,
+        slice_inputs: bool,
+        layouts: dict[str, TensorLayout],
+        grad_sync: GradSync | None,
+        program: Program,
+        program_for: Callable[[Any], Program],
+        evaluation_for: Callable[[Any, bool], Program],
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            loss_fn,
+            config,
+            mesh=mesh,
+            device_mesh=device_mesh,
+            slice_inputs=slice_inputs,
+            layouts=layouts,
+        )
+        self.grad_sync = grad_sync
+        """The plan's fused data-parallel buckets; None where nothing is reduced over dp."""
+        self.program = program
+        """The compiled per-rank program the step runs: the one of the last batch shape
+        stepped or evaluated."""
+        self.program_for = program_for
+        """The program for another executor of the plan (a new batch shape): traced and
+        given the same passes as :attr:`program`."""
+        self.evaluation_for = evaluation_for
+        """``evaluation_for(executor, outputs)``: the evaluation program for an executor of
+        the plan, the forward of the model's eval-mode program (traced at the first
+        ``evaluate`` of a batch shape); with ``outputs``, of the model without its loss
+        (``predict``'s executor, returning the model's outputs)."""
+        self._evaluations: dict[int, tuple[Any, Program]] = {}
+        """id(executor) -> (executor, its evaluation or prediction program)."""
+        self.replan: Callable[[Any, Any], tuple[Any, Program]] | None = None
+        """``replan(executor, batch)`` plans and compiles again for a laid-out batch of a new
+        shape (:mod:`plait.runtime.engine.replan`); None: the job runs its planned shapes only."""
+        self._by_shape: dict[tuple[Any, ...], tuple[Any, Program]] = {}
+        self._trained_cache: tuple[Program, list[nn.Parameter]] | None = None
+
+    def _step(self, batch: Any) -> float:
+        """``step`` by the compiled per-rank program.
 
         Each micro-batch is one call of the program (forward and backward on local pieces,
         the plan's redistributions inside it); gradients are summed locally, then reduced over
@@ -384,7 +822,6 @@ class Job:
         ``program``): the planned one, one planned before for these shapes, or planned now
         (once per shape, logged; :mod:`plait.runtime.engine.replan`). A job that cannot plan again
         keeps its program, whose executor refuses other shapes by name."""
-        assert self.program is not None
         micro = split_micro_batches(batch, self.config.grad_accumulation)[0]
         key = batch_key(micro)
         found = self._by_shape.get(key)
@@ -397,7 +834,6 @@ class Job:
         return found[1]
 
     def _program_of_shape(self, micro: Any) -> tuple[Any, Program] | None:
-        assert self.program is not None
         laid_out = self.shard_batch(micro)
         known = [(self.loss_fn, self.program), *self._by_shape.values()]
         for executor, program in known:
@@ -414,7 +850,6 @@ class Job:
         (gradient accumulation: once, after the last micro-batch), then other pending axes."""
         owned: set[int] = set()
         if self.grad_sync is not None:
-            assert isinstance(self.grad_sync, GradSync)  # a plan job's (not plain DP's)
             owned = self.grad_sync.skip  # reduce-scattered by optimizer parallel
             if program.fused_buckets:  # summed inside the program, during its backward
                 self.grad_sync.launched_in_backward = program.fused_buckets
@@ -434,86 +869,19 @@ class Job:
             self._trained_cache = cached
         return cached[1]
 
-    def _step_plain(self, batch: Any, plain: PlainDataParallel) -> float:
-        """``step`` for pure data parallelism on plain tensors (see runtime.data_parallel)."""
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        k = self.config.grad_accumulation
-        sync = self.grad_sync
-        if sync is not None:
-            sync.launched_in_backward = 0
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        # Gradients are summed over ranks: scaling the loss by 1/dp makes the sum the mean.
-        weight = scale / (k * plain.size)
-        total: torch.Tensor | None = None
-        started: torch.Tensor | None = None
-        for i, micro in enumerate(split_micro_batches(batch, k)):
-            if sync is not None:
-                # Reduce gradients only once they are complete: after the last micro-batch.
-                sync.enabled = i == k - 1
-            loss = self._plain_loss(micro, plain, training=True)
-            total = loss.detach() if total is None else total + loss.detach()
-            if i == k - 1:
-                started = plain.start_loss_sum(total)  # runs while backward computes
-            (loss * weight if weight != 1.0 else loss).backward()
-        if sync is not None:
-            sync.finish()
-        for hook in self.before_update:
-            hook()
-        if self._gradients_usable():
-            self.optimizer.step()
-        assert started is not None
-        return plain.mean_of(started) / k
-
-    def _plain_loss(self, batch: Any, plain: PlainDataParallel, *, training: bool) -> torch.Tensor:
-        local = plain.local_batch(batch)
-        with autocast_for(self.config.precision, self._device_type):
-            loss = self.loss_fn(self.model, local)
-        if not isinstance(loss, torch.Tensor) or (training and not loss.requires_grad):
-            raise ShardingError(
-                f"loss_fn returned a {type(loss).__name__} that does not depend on the model's "
-                "parameters; return the loss tensor itself (no .item() or .detach())"
-            )
-        if loss.numel() != 1:
-            raise ShardingError(
-                f"loss_fn returned a tensor of shape {tuple(loss.shape)}; return a scalar loss"
-            )
-        return loss
-
-    def _gradients_usable(self) -> bool:
-        """Unscale fp16 gradients; False (skip the update) if any rank saw an inf or NaN."""
-        if self.loss_scaler is None:
-            return True
-        # Plain data parallelism checks summed gradients, the same on every rank (an inf or
-        # NaN anywhere is in the sum): no extra collective is needed to agree.
-        mesh = None if self.plain is not None else self.device_mesh
-        finite = self.loss_scaler.unscale_and_check(self.model.parameters(), mesh)
-        self.loss_scaler.update(finite)
-        return finite
-
     @torch.no_grad()
     def evaluate(self, batch: Any) -> float:
-        """The global loss on ``batch`` without training (the model in eval mode).
-
-        A job running a plan takes the batch size ``step`` takes: with ``grad_accumulation=k``
-        the batch is cut into ``k`` micro-batches and the mean of their losses is returned, as
-        ``step`` computes its loss.
-        """
         require_initialised(self.model, "job.evaluate")
         self.model.eval()
-        if self.plain is not None:
-            loss = self._plain_loss(batch, self.plain, training=False)
-            return self.plain.mean_of(self.plain.start_loss_sum(loss))
-        k = self.config.grad_accumulation if self._micro_step_shapes else 1
-        if self.program is not None:
-            self._for_batch_shape(batch)
-            if self.evaluation_for is not None:
-                with torch.no_grad():
-                    return self._evaluate_program(batch, k, self.program_for_evaluation())
-        with greedy_redistribution_planning():
-            losses = [full_value(self._loss(m)) for m in split_micro_batches(batch, k)]
-        return float(sum(loss.item() for loss in losses)) / k
+        self._for_batch_shape(batch)
+        return self._evaluate_program(
+            batch, self.config.grad_accumulation, self.program_for_evaluation()
+        )
+
+    def predict(self, batch: Any) -> Any:
+        from plait.runtime.engine.predict import predict_program
+
+        return predict_program(self, batch)
 
     @property
     def evaluation_program(self) -> Program | None:
@@ -526,7 +894,6 @@ class Job:
     def program_for_evaluation(self, executor: Any = None) -> Program:
         """The evaluation program of the active executor (traced once per executor); given a
         prediction's ``executor``, its forward program."""
-        assert self.evaluation_for is not None
         outputs = executor is not None
         executor = self.loss_fn if executor is None else executor
         found = self._evaluations.get(id(executor))
@@ -555,142 +922,6 @@ class Job:
             losses.append(float(full_value(loss).item()))
         return sum(losses) / k
 
-    def predict(self, batch: Any) -> Any:
-        """The model's outputs on ``batch``, whole, on every rank (distributed inference).
-
-        ``batch`` is the whole batch, the same on every rank; the model is called as its
-        documentation shows (``model(**batch)`` for a dict, ``model(*batch)`` for a tuple,
-        ``model(batch)`` for a tensor) in eval mode without gradients. Each rank computes its
-        part under the job's layout and the outputs (logits, hidden states, a Hugging Face
-        ``ModelOutput``) come back whole, equal to one device's. Every rank must call it.
-        See :mod:`plait.runtime.engine.predict`.
-        """
-        from plait.runtime.engine.predict import predict
-
-        return predict(self, batch)
-
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        max_new_tokens: int,
-        attention_mask: torch.Tensor | None = None,
-        eos_token_id: int | list[int] | None = None,
-    ) -> torch.Tensor:
-        """Greedy decoding of ``max_new_tokens`` tokens after each prompt of ``input_ids``
-        (``[batch, sequence]``, the whole batch, the same on every rank; ``attention_mask``: 0
-        for left padding); returns the whole ids, prompt and new tokens, on every rank.
-
-        The forward runs on the job's layout, its key/value cache laid out as the plan lays
-        out attention (heads over tp, rows over dp); the tokens equal the model's own greedy
-        generation on one device. ``eos_token_id`` (default: the model's generation config's)
-        ends a row. Every rank must call it. See :mod:`plait.runtime.engine.generate`.
-        """
-        from plait.runtime.engine.generate import generate
-
-        return generate(
-            self,
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            attention_mask=attention_mask,
-            eos_token_id=eos_token_id,
-        )
-
-    def save_pretrained(
-        self, directory: str | os.PathLike[str], *, max_shard_bytes: int | None = None
-    ) -> Path:
-        """Write the model's weights (safetensors, gathered one tensor at a time to the first
-        rank, in shards of at most ``max_shard_bytes``) and, for a Hugging Face model, its
-        config and generation config to ``directory``: ``from_pretrained(directory)`` loads
-        the trained model, and ``job.load_pretrained(directory)`` loads it into any plan.
-        Every rank must call it. See :mod:`plait.runtime.engine.save_pretrained`."""
-        from plait.runtime.engine.save_pretrained import DEFAULT_SHARD_BYTES, save_pretrained
-
-        require_initialised(self.model, "job.save_pretrained")
-        return save_pretrained(
-            self.model,
-            directory,
-            holders=self.state_modules(),
-            max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes,
-        )
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters and buffers, same keys as ``model.state_dict()``.
-
-        Gathers sharded tensors: on real processes every rank must call it. The values are
-        copies, never the live parameters.
-        """
-        state = self.model.state_dict()
-        if self.plain is not None or self.device_mesh is None:
-            return {k: full_value(v).clone() for k, v in state.items()}
-        return {k: full_value(v) for k, v in state.items()}
-
-    def _loss(self, batch: Any) -> torch.Tensor:
-        if self.plain is not None:
-            return self._plain_loss(batch, self.plain, training=torch.is_grad_enabled())
-        batch = self.shard_batch(batch)
-        precision = autocast_for(self.config.precision, self._device_type)
-        if self.device_mesh is None:
-            with precision:
-                return self.loss_fn(self.model, batch)
-        with implicit_replication(), PlaitDispatchMode(), precision:
-            loss = self.loss_fn(self.model, batch)
-        check_loss(loss)
-        return loss
-
-    def shard_batch(self, batch: Any) -> Any:
-        """Lay out every tensor of ``batch`` as ``dataset_strategy`` says.
-
-        ``"data_parallel"``/``"full_batch"``: dim 0 across the data-parallel axis. Per-input
-        strategies: each input of a tuple/list batch takes its own layout (``plait.data``).
-        """
-        if self.plain is not None:
-            return self.plain.local_batch(batch)
-        if self.device_mesh is None or self.mesh is None:
-            return batch
-        strategies = self.config.dataset_strategy
-        if isinstance(strategies, tuple):
-            return self._shard_per_input(batch, strategies)
-        return tree_map(self._shard_input, batch)
-
-    def _shard_per_input(self, batch: Any, strategies: tuple[Any, ...]) -> Any:
-        if not isinstance(batch, tuple | list) or len(batch) != len(strategies):
-            raise ShardingError(
-                f"dataset_strategy gives {len(strategies)} per-input strategies, so step() takes a "
-                f"tuple of {len(strategies)} tensors; got {type(batch).__name__} "
-                f"{'of ' + str(len(batch)) if isinstance(batch, tuple | list) else ''}"
-            )
-        assert self.mesh is not None
-        # Layouts depend on the strategies and ranks only; shapes are checked when slicing.
-        probe = [(self.mesh.size,) * x.ndim for x in batch]
-        layouts = input_layouts(strategies, probe, self.mesh, dp_axis=self.config.dp_axis)
-        out = [
-            distribute(x, self.device_mesh, layout)
-            if self._slice_inputs
-            else from_local_piece(x, self.device_mesh, layout)
-            for x, layout in zip(batch, layouts, strict=True)
-        ]
-        return type(batch)(out)
-
-    def _shard_input(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or is_dtensor(x):
-            return x
-        mesh, dp = self.mesh, self.config.dp_axis
-        assert mesh is not None
-        dp_size = mesh.axis_size(dp) if dp in mesh.axis_names else 1
-        if x.ndim == 0 or dp_size == 1:
-            return distribute(x, self.device_mesh, TensorLayout.replicated(mesh, x.ndim))
-        layout = TensorLayout(mesh, ((dp,),) + ((),) * (x.ndim - 1))
-        if self._slice_inputs:
-            if x.shape[0] % dp_size:
-                raise ShardingError(
-                    f"batch tensor of shape {tuple(x.shape)}: dim 0 ({x.shape[0]}) does not divide "
-                    f"into {dp_size} data-parallel pieces (mesh axis {dp!r}); use a global batch "
-                    f"size divisible by {dp_size}"
-                )
-            return distribute(x, self.device_mesh, layout)
-        return from_local_piece(x, self.device_mesh, layout)
-
 
 class DeferredJob(Job):
     """A Job planned at its first step, on that step's batch (``parallelize`` without
@@ -712,8 +943,10 @@ class DeferredJob(Job):
         mesh: MeshSpec | None = None,
         device_mesh: DeviceMesh | None = None,
         to_global: Callable[[Any], Any] | None = None,
+        engine: Engine = "program",
     ) -> None:
         self.model = model
+        self._engine: Engine = engine
         self._to_global = to_global
         """A real process's own slice of a batch -> the global batch's shapes (for planning)."""
         self.config = config
@@ -730,14 +963,14 @@ class DeferredJob(Job):
         return self._built.mesh if self._built is not None else self._mesh
 
     @property
-    def device_mesh(self) -> Any:  # type: ignore[override]
+    def device_mesh(self) -> DeviceMesh | None:  # type: ignore[override]
         """The DeviceMesh the planned job runs on (built at parallelize when the mesh is known)."""
         return self._built.device_mesh if self._built is not None else self._device_mesh
 
-    @property
-    def plain(self) -> PlainDataParallel | None:  # type: ignore[override]
-        """Always None: a job that runs a plan is never the plain data-parallel fast path."""
-        return None
+    @property  # type: ignore[misc]
+    def engine(self) -> Engine:  # type: ignore[override]
+        """The engine the planned job runs on: a plan's program, or pipeline stages."""
+        return self._built.engine if self._built is not None else self._engine
 
     def shard_batch(self, batch: Any) -> Any:
         return self._job(batch).shard_batch(batch)
@@ -772,6 +1005,7 @@ class DeferredJob(Job):
             "_device_mesh",
             "_to_global",
             "_pending_load",
+            "_engine",
         ):
             raise AttributeError(name)
         built = self.__dict__.get("_built")

@@ -247,7 +247,7 @@ def _drop_records_from(path: Path, step: int) -> None:
 def step_metrics(job: Any, batch: Any, loss: float, seconds: float) -> StepMetrics:
     """The record of the step ``job`` just took on ``batch`` (``job.steps_taken`` counts it)."""
     samples, tokens = batch_counts(batch, job._batch_processes(batch))
-    peak, source = peak_memory(job._memory_device())
+    peak, source = peak_memory(job.device_type)
     plan = plan_of(job)
     return StepMetrics(
         step=int(job.steps_taken),

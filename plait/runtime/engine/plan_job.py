@@ -32,7 +32,7 @@ from plait.graph import (
     ExecutableCapture,
 )
 from plait.planning import Plan
-from plait.runtime.engine.job import Job, LossFn, OptimizerFactory
+from plait.runtime.engine.job import LossFn, OptimizerFactory, ProgramJob
 from plait.runtime.engine.placement import place_parameters, reshard_parameters
 from plait.runtime.engine.plan_exec import (
     PlanExecutor,
@@ -87,7 +87,7 @@ def build_plan_job(
     strict: bool = False,
     captured: ExecutableCapture | None = None,
     device_mesh: DeviceMesh | None = None,
-) -> Job:
+) -> ProgramJob:
     """A Job that trains ``model`` exactly as ``plan`` says (call inside a process group).
 
     ``captured`` is the model's :func:`~plait.capture.capture_program`, when the caller has it
@@ -170,7 +170,7 @@ def build_plan_job(
         plan.mesh.as_dict(),
         len(plan.ops),
     )
-    return Job(
+    return ProgramJob(
         model,
         _optimizer(
             model,
@@ -190,7 +190,6 @@ def build_plan_job(
         slice_inputs=world.simulated or cfg.dataset_strategy == "full_batch",
         layouts=layouts,
         grad_sync=grad_sync,
-        micro_step_shapes=True,
         program=program,
         program_for=lambda ex: passes(_compile(ex, model, cfg, device_mesh), ex.plan),
         evaluation_for=lambda ex, outputs: _evaluation_passes(

@@ -42,7 +42,6 @@ from plait._compat import simulation_suspended, tree_leaves, tree_map, tree_unfl
 from plait.comm.dispatch import PlaitDispatchMode
 from plait.comm.dp import gather_pieces, rank_slice
 from plait.comm.dtensor import (
-    DeviceMesh,
     distribute,
     full_value,
     implicit_replication,
@@ -65,7 +64,10 @@ __all__ = [
     "call_arguments",
     "call_model",
     "meta_stand_ins",
-    "predict",
+    "predict_laid_out",
+    "predict_plain",
+    "predict_program",
+    "predict_stand_alone",
     "without_cache",
 ]
 
@@ -73,17 +75,28 @@ logger = logging.getLogger(__name__)
 
 
 class Job(Protocol):
-    """What prediction reads of a :class:`plait.Job` (named here, not imported: the Job
-    delegates ``predict`` to this module)."""
+    """What prediction reads of a :class:`plait.Job` (named here, not imported: each engine's
+    Job calls its function of this module)."""
 
     model: nn.Module
     config: ParallelConfig
-    mesh: MeshSpec | None
-    device_mesh: DeviceMesh
-    plain: PlainDataParallel | None
     loss_fn: Any
-    evaluation_for: Any
 
+    @property
+    def mesh(self) -> MeshSpec | None: ...
+
+    @property
+    def device_mesh(self) -> Any: ...
+
+    @property
+    def device_type(self) -> str: ...
+
+
+class PlainJob(Job, Protocol):
+    plain: PlainDataParallel
+
+
+class ProgramJob(Job, Protocol):
     def program_for_evaluation(self, executor: Any = None) -> Any: ...
 
 
@@ -103,25 +116,51 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(*args, **kwargs)
 
 
-@torch.no_grad()
-def predict(job: Job, batch: Any) -> Any:
-    """The outputs of ``job``'s model on ``batch``, whole, on every rank (module docstring)."""
+@contextlib.contextmanager
+def _predicting(job: Job, batch: Any) -> Iterator[Any]:
+    """What every engine's prediction does around its own: the model initialised, the batch
+    checked (``use_cache=False`` added where the model takes it), eval mode, no gradients."""
     require_initialised(job.model, "job.predict")
     _check_batch(batch)
-    batch = without_cache(job.model, batch)
-    precision = autocast_for(job.config.precision, _device_type(job))
-    with in_mode(job.model, training=False):
-        if job.plain is not None:
-            return _predict_plain(job, job.plain, batch, precision)
-        if job.device_mesh is None:
-            with precision:
-                return call_model(job.model, batch)
-        if job.evaluation_for is not None and isinstance(job.loss_fn, PlannedForward):
-            return _predict_program(job, job.loss_fn, batch)
-        with implicit_replication(), PlaitDispatchMode(), precision:
-            if isinstance(job.loss_fn, PlannedForward):
-                return _predict_planned(job, job.loss_fn, batch)
-            return tree_map(full_value, call_model(job.model, _laid_out(job, batch)))
+    with torch.no_grad(), in_mode(job.model, training=False):
+        yield without_cache(job.model, batch)
+
+
+def _precision(job: Job) -> contextlib.AbstractContextManager[Any]:
+    return autocast_for(job.config.precision, job.device_type)
+
+
+def predict_stand_alone(job: Job, batch: Any) -> Any:
+    """``job.predict`` on one device: the model, called."""
+    with _predicting(job, batch) as batch, _precision(job):
+        return call_model(job.model, batch)
+
+
+def predict_plain(job: PlainJob, batch: Any) -> Any:
+    """``job.predict`` under pure data parallel: each rank's slice, the outputs gathered."""
+    with _predicting(job, batch) as batch:
+        return _predict_plain(job, job.plain, batch, _precision(job))
+
+
+def predict_program(job: ProgramJob, batch: Any) -> Any:
+    """``job.predict`` of a plan's job: the eval-mode forward's per-rank program."""
+    with _predicting(job, batch) as batch:
+        executor = job.loss_fn
+        if not isinstance(executor, PlannedForward):
+            raise TypeError(f"a plan job's loss_fn is its executor, not {type(executor).__name__}")
+        return _predict_program(job, executor, batch)
+
+
+def predict_laid_out(job: Job, batch: Any) -> Any:
+    """``job.predict`` under hybrid: the user's layout-aware forward on DTensors, its outputs
+    gathered whole."""
+    with (
+        _predicting(job, batch) as batch,
+        implicit_replication(),
+        PlaitDispatchMode(),
+        _precision(job),
+    ):
+        return tree_map(full_value, call_model(job.model, _laid_out(job, batch)))
 
 
 def without_cache(model: nn.Module, batch: Any) -> Any:
@@ -135,10 +174,6 @@ def without_cache(model: nn.Module, batch: Any) -> Any:
     except (TypeError, ValueError):  # a forward without a readable signature
         takes = False
     return {**batch, "use_cache": False} if takes else batch
-
-
-def _device_type(job: Job) -> str:
-    return "cpu" if job.device_mesh is None else job.device_mesh.device_type
 
 
 def _check_batch(batch: Any) -> None:
@@ -200,7 +235,7 @@ class PlannedForward(Protocol):
     def outputs(self, model: nn.Module, batch: Any) -> Any: ...
 
 
-def _predict_program(job: Job, training: PlannedForward, batch: Any) -> Any:
+def _predict_program(job: ProgramJob, training: PlannedForward, batch: Any) -> Any:
     """A plan job's prediction as a per-rank program: the eval-mode forward for ``batch``'s
     shapes traced once (the executor's, on this plan's strategies), run on local pieces, its
     outputs gathered whole."""
@@ -217,11 +252,6 @@ def _predict_program(job: Job, training: PlannedForward, batch: Any) -> Any:
         values = forward_outputs(program, out[:tensors])
         tree = tree_unflatten(values, executor.captured.program.call_spec.out_spec)
         return tree_map(lambda x: full_value(x) if isinstance(x, torch.Tensor) else x, tree)
-
-
-def _predict_planned(job: Job, training: PlannedForward, batch: Any) -> Any:
-    tree = training.predictor(job.model, batch).outputs(job.model, batch)
-    return tree_map(lambda x: full_value(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 def batch_key(batch: Any) -> tuple[Any, ...]:

@@ -38,7 +38,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 import torch.utils.checkpoint
@@ -71,7 +71,7 @@ from plait.planning.timeline import (
     Timeline,
     timeline_from_records,
 )
-from plait.runtime.engine.job import Job, LossFn, OptimizerFactory
+from plait.runtime.engine.job import LossFn, MeshJob, OptimizerFactory
 from plait.runtime.engine.meta_init import require_initialised
 from plait.runtime.engine.precision import autocast_for
 from plait.runtime.engine.predict import call_arguments
@@ -86,7 +86,7 @@ from plait.runtime.pipeline.stage_program import (
 from plait.runtime.pipeline.stage_timer import StageTimer
 from plait.runtime.program.remat import kept_by_selective
 from plait.runtime.program.zero import ZeroOptimizer, check_elementwise
-from plait.support import Where
+from plait.support import Engine, Where
 
 if TYPE_CHECKING:
     from plait.runtime.engine.measure import MemoryMeasurement
@@ -198,10 +198,10 @@ def model_inputs(model: nn.Module, loss_fn: LossFn, batch: Any) -> tuple[tuple, 
 # ------------------------------------------------------------------------------------ the job
 
 
-class PipelineJob(Job):
+class PipelineJob(MeshJob):
     """A job whose model runs as pipeline stages (see the module docstring)."""
 
-    mesh: MeshSpec  # always given (a plain Job's may be None)
+    engine: ClassVar[Engine] = "pipeline"
 
     def __init__(
         self,

@@ -43,7 +43,7 @@ import math
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -52,6 +52,9 @@ from plait._compat import simulated_ranks, tree_leaves, tree_map
 from plait.errors import ConfigError, LayoutError, ShardingError
 from plait.layout import TensorLayout, resolve_tensor_strategy
 from plait.mesh import MeshSpec
+
+if TYPE_CHECKING:
+    from plait.comm.dtensor import DeviceMesh
 from plait.rules.common import to_mesh
 
 __all__ = [
@@ -474,7 +477,7 @@ class InputSlicer:
 class _JobLike(Protocol):
     mesh: MeshSpec | None
     config: Any
-    device_mesh: Any
+    device_mesh: DeviceMesh | None
 
 
 class ShardedLoader:
@@ -562,7 +565,10 @@ class ShardedLoader:
             or strategy == "full_batch"
         ):
             return cls(dataset, global_batch_size=global_batch_size, **kwargs)
-        coord = tuple(job.device_mesh.get_coordinate())
+        found = job.device_mesh.get_coordinate()
+        if found is None:  # a rank outside its own job's mesh: parallelize makes none
+            raise ConfigError(f"ShardedLoader: this rank is not on the job's mesh {mesh}")
+        coord = tuple(found)
         if strategy == "data_parallel":
             dp = cfg.dp_axis
             if dp not in mesh.axis_names:

@@ -136,7 +136,7 @@ def execute_redistribution(tensor: DTensor, redistribution: Redistribution) -> D
 
     In backward the gradient (in whatever layout the consumers handed back) is brought to
     ``settled(redistribution.src)`` by a planned redistribution: pending sums are reduced by
-    the cheapest collective and splits restored, as :mod:`plait.assemble` prices an edge.
+    the cheapest collective and splits restored, as :mod:`plait.planning.assemble` prices an edge.
     """
     if redistribution.is_noop():
         return tensor

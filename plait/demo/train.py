@@ -566,7 +566,7 @@ def plot_run(
     from plait.runtime.engine.measure import measure_step_memory
     from plait.runtime.engine.report import plot_memory
 
-    pipeline = getattr(job, "stage_modules", None) is not None  # --pp, or a plan's stages
+    pipeline = job.engine == "pipeline"  # --pp, or a plan's stages
     memory = None if pipeline else measure_step_memory(job, batch)
     report = job.report(memory)  # every rank: a pipeline gathers its timeline here
     reports = all_gather_objects(report)

@@ -207,7 +207,7 @@ def parallelize(
 
     Args:
         model: the full model, built identically (same seed) on every rank.
-        config: the parallel configuration, or a :class:`~plait.plan.Plan` to run as it is
+        config: the parallel configuration, or a :class:`~plait.Plan` to run as it is
             (from ``plait.plan`` or ``Plan.load``; its mesh, precision and gradient
             accumulation are the job's; ``ParallelConfig(plan="file.json")`` is the same for a
             saved file).

@@ -428,8 +428,7 @@ def refuse_padding(mask: torch.Tensor, call: str) -> None:
 
 def refuse_on_stages(job: Job, call: str) -> None:
     """``job.<call>`` on pipeline stages: refused by ``plait.support``'s table."""
-    # a pipeline job is the one with stages (named, not imported: pipeline imports the job)
-    if getattr(job, "stage_modules", None) is not None:
+    if job.engine == "pipeline":
         support.check(job.config, support.Where("pipeline"), engine_only=True, call=call)
 
 

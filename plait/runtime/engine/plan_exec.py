@@ -1,6 +1,6 @@
-"""Running a :class:`~plait.plan.Plan` operator by operator (MindSpore's ``step_parallel``).
+"""Running a :class:`~plait.Plan` operator by operator (MindSpore's ``step_parallel``).
 
-The model and its loss are exported once (:func:`plait.capture.capture_program`, on fake
+The model and its loss are exported once (:func:`plait.graph.capture_program`, on fake
 tensors: no parameter is copied) and the exported graph is run by an fx interpreter whose
 inputs are the user's own parameters, turned into DTensors with the plan's layouts, the
 model's buffers (replicated) and the batch (laid out as the plan's inputs). For every op the
@@ -215,7 +215,7 @@ class PlanExecutor:
         dp_axis, dataset_strategy: how the batch is laid out (ParallelConfig's fields).
         strict: raise ShardingError when DTensor's output layout differs from the plan's,
             instead of redistributing to the planned layout and recording the difference.
-        captured: the model's :func:`~plait.capture.capture_program` in its current mode,
+        captured: the model's :func:`~plait.graph.capture_program` in its current mode,
             when the caller has it (otherwise the model is exported here).
         evaluation: also export the model in eval mode, run when ``model.training`` is False
             (see the module docstring); False for that evaluation executor itself.
@@ -597,8 +597,8 @@ class PlanExecutor:
 def capture_in_mode(
     model: nn.Module, example_batch: Any, loss_fn: LossFn | None, *, training: bool
 ) -> ExecutableCapture:
-    """:func:`~plait.capture.capture_program` with the model in training or eval mode
-    (:func:`~plait.capture.in_mode`): Job.step runs under ``model.train()`` and Job.evaluate
+    """:func:`~plait.graph.capture_program` with the model in training or eval mode
+    (:func:`~plait.graph.in_mode`): Job.step runs under ``model.train()`` and Job.evaluate
     under ``model.eval()``, so their programs are exported so."""
     with in_mode(model, training=training):
         return capture_program(model, example_batch, loss_fn)

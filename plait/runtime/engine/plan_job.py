@@ -90,8 +90,8 @@ def build_plan_job(
 ) -> ProgramJob:
     """A Job that trains ``model`` exactly as ``plan`` says (call inside a process group).
 
-    ``captured`` is the model's :func:`~plait.capture.capture_program`, when the caller has it
-    (plan from ``captured.graph`` with :func:`plait.planner.plan_graph` to export only once);
+    ``captured`` is the model's :func:`~plait.graph.capture_program`, when the caller has it
+    (plan from ``captured.graph`` with :func:`plait.planning.planner.plan_graph` to export only once);
     otherwise the model is exported here. Export before entering ``simulate``: some models
     (Hugging Face's) do not export while simulated ranks are active.
 

@@ -13,8 +13,8 @@ compiles a new graph:
    so the parameters, the optimizer's states and the gradient buckets stay as they are; a plan
    that would reduce a gradient over other axes is refused by name;
 3. the program is compiled with the same passes as the first (fused gradient buckets, ZeRO,
-   recompute, offload, ``torch.compile``): :attr:`Job.program_for
-   <plait.runtime.engine.job.Job.program_for>`.
+   recompute, offload, ``torch.compile``): :attr:`ProgramJob.program_for
+   <plait.runtime.engine.job.ProgramJob.program_for>`.
 
 The Job caches each shape's executor and program (by batch structure and shapes) and logs each
 new plan. A job running a plan it was given (a Plan or plan file) runs the shapes it was made
@@ -56,7 +56,7 @@ class Replanner:
         model: the job's model (its parameters are DTensors by now).
         loss_fn: the job's loss function, as ``parallelize`` took it.
         plan_for: plans a captured graph with the job's config and mesh, parameters pinned.
-        program_for: the job's :attr:`~plait.runtime.engine.job.Job.program_for`.
+        program_for: the job's :attr:`~plait.runtime.engine.job.ProgramJob.program_for`.
     """
 
     def __init__(

@@ -101,11 +101,11 @@ class ShardedParameter:
     placements: tuple[Any, ...]
     """Its DTensor placements with that dim also split over the shard group, on
     :attr:`ShardGroups.mesh` (ZeRO-3 keeps it so)."""
-    whole_placements: tuple[Any, ...] = ()
+    whole_placements: tuple[Any, ...]
     """Its own placements on the job's mesh (whole over dp, as the plan lays it out)."""
-    mesh: Any = None
+    mesh: DeviceMesh
     """The mesh :attr:`placements` are on: the job's, or HSDP's with dp cut in two."""
-    mesh_dim: int = 0
+    mesh_dim: int
     """The dim of :attr:`mesh` the shards split over."""
 
     def replicated(self, piece: torch.Tensor, like: Any) -> Any:
@@ -137,7 +137,7 @@ class ShardGroups:
     replicate: str | None
     """HSDP: the group of the ranks holding the same shard, one in each shard group, that
     sums the reduced shards; None without HSDP."""
-    mesh: Any
+    mesh: DeviceMesh
     """The mesh the shards' placements are on: the job's, or the job's with the dp axis cut
     into (replicate, shard) dims (DTensor splits over one mesh dim, so a group within dp needs
     its own dim)."""
@@ -585,7 +585,7 @@ def sharded_parameters(
             groups.split(whole, index, to_dtensor_placements(split)[index]),
             whole,
             groups.mesh,
-            list(groups.mesh.mesh_dim_names).index(groups.axis),
+            list(groups.mesh.mesh_dim_names or ()).index(groups.axis),
         )
     return out
 

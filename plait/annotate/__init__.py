@@ -1,6 +1,7 @@
 """Semi-automatic annotations: what a user marks on a model before ``plait.parallelize``.
 
-- :mod:`plait.annotate.marks`: ``shard`` (how a module's tensors are split), ``recompute``,
+- :mod:`plait.annotate.marks`: ``shard`` (how a module's tensors are split), ``split_sequence``
+  (a module's outputs split along the sequence: Megatron's sequence parallel), ``recompute``,
   ``on_host``, ``on_server`` and ``pipeline_stage``, and the readers of those marks.
 - :mod:`plait.annotate.tensor_parallel`: ``megatron(model, tp)``, which finds the attention
   and MLP blocks, embeddings and LM head of a model by structure and marks them with
@@ -24,6 +25,7 @@ from plait.annotate.marks import (
     recompute_marks,
     server_marks,
     shard,
+    split_sequence,
 )
 from plait.annotate.tensor_parallel import Matched, MegatronReport, Unrecognised, megatron
 
@@ -46,4 +48,5 @@ __all__ = [
     "recompute_marks",
     "server_marks",
     "shard",
+    "split_sequence",
 ]

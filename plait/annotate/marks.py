@@ -1,6 +1,7 @@
 """The marks themselves: ``plait.shard``, ``plait.recompute``, ``plait.pipeline_stage``.
 
-``plait.shard`` marks how a module's tensors are split.
+``plait.shard`` marks how a module's tensors are split; :func:`split_sequence` marks a
+module's outputs split along the sequence (Megatron's sequence parallel).
 
 MindSpore's ``Cell.shard(in_strategy, out_strategy, parameter_plan)`` for PyTorch modules.
 A strategy is a tuple of split counts per tensor dim, or a :class:`~plait.layout.TensorLayout`
@@ -32,6 +33,7 @@ __all__ = [
     "pipeline_stage_marks",
     "server_marks",
     "shard",
+    "split_sequence",
 ]
 
 StrategyLike = tuple[int, ...] | TensorLayout
@@ -46,6 +48,9 @@ class ShardSpec:
     in_strategy: tuple[StrategyLike | None, ...] | None = None
     out_strategy: tuple[StrategyLike | None, ...] | None = None
     parameter_strategy: Mapping[str, StrategyLike] = field(default_factory=dict)
+    sequence_split: tuple[str, int] | None = None
+    """(mesh axis, dim): the values leaving the module split along that dim (the sequence)
+    over that axis, their dim 0 split as the batch is (:func:`split_sequence`)."""
 
 
 def _normalise_one(value: object, where: str) -> StrategyLike | None:
@@ -135,6 +140,52 @@ def shard(
         if out_strategy is not None
         else (old.out_strategy if old else None),
         merged,
+        old.sequence_split if old else None,
+    )
+    object.__setattr__(module, _ATTR, spec)
+    return module
+
+
+def split_sequence(module: M, axis: str = "tp", *, dim: int = 1) -> M:
+    """Mark the values leaving ``module`` as split along ``dim`` (the sequence) over mesh axis
+    ``axis``, dim 0 keeping the batch's data-parallel split; returns the module.
+
+    Megatron's sequence parallel: on a row-parallel module (the attention's output
+    projection, the MLP's down projection) the pending sum of its output is reduce-scattered
+    over the sequence instead of all-reduced, and the norms, dropouts and residual adds that
+    follow run on a slice of the sequence (their activations divided by the axis size); the
+    next column-parallel module all-gathers its input. Resolved against the job's mesh when it
+    is planned (the data-parallel axis is ``ParallelConfig.dp_axis``, left whole where the
+    mesh lacks it); :func:`plait.annotate.megatron` with ``sequence_parallel=True`` marks the
+    modules for you.
+
+    Raises:
+        ShardingError: ``module`` is not an ``nn.Module``, ``axis`` is not a non-empty
+            string, ``dim`` is not an int >= 1 (dim 0 is the batch), or the module was marked
+            with another axis or dim before.
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardingError(
+            f"plait.annotate.split_sequence expects an nn.Module, got {type(module).__name__}"
+        )
+    where = f"plait.annotate.split_sequence({type(module).__name__})"
+    if not isinstance(axis, str) or not axis:
+        raise ShardingError(f"{where}: axis must be a mesh axis name such as 'tp', got {axis!r}")
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+        raise ShardingError(
+            f"{where}: dim must be the sequence dim, an int >= 1 (dim 0 is the batch), got {dim!r}"
+        )
+    old = get_shard_spec(module)
+    if old is not None and old.sequence_split not in (None, (axis, dim)):
+        raise ShardingError(
+            f"{where}: the module was marked split along dim {old.sequence_split[1]} over "
+            f"{old.sequence_split[0]!r} before; a value has one layout, remove one mark"
+        )
+    spec = ShardSpec(
+        old.in_strategy if old else None,
+        old.out_strategy if old else None,
+        dict(old.parameter_strategy) if old else {},
+        (axis, dim),
     )
     object.__setattr__(module, _ATTR, spec)
     return module

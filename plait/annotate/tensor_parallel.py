@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from plait.annotate.marks import get_shard_spec, shard
+from plait.annotate.marks import get_shard_spec, shard, split_sequence
 from plait.annotate.structure import Block, Projection, Structure, find_structure
 from plait.errors import ConfigError, ShardingError
 from plait.layout import Layout, TensorLayout
@@ -74,6 +74,8 @@ class MegatronReport:
     matched: tuple[Matched, ...]
     unrecognised: tuple[Unrecognised, ...]
     notes: tuple[str, ...] = ()
+    sequence_parallel: tuple[str, ...] = ()
+    """Modules whose outputs are split along the sequence (``sequence_parallel=True``)."""
 
     @property
     def roles(self) -> dict[str, tuple[str, str]]:
@@ -82,7 +84,14 @@ class MegatronReport:
 
     def __str__(self) -> str:
         head = f"plait.annotate.megatron: tp={self.tp} over mesh axis {self.axis!r}"
-        rows = [(m.path, m.role, m.strategy, _layouts_text(m.layouts)) for m in self.matched]
+        if self.sequence_parallel:
+            head += " with sequence parallel (outputs split along the sequence: 'seq' below)"
+        seq = set(self.sequence_parallel)
+        rows = [
+            (m.path, m.role, m.strategy + (", seq out" if m.path in seq else ""),
+             _layouts_text(m.layouts))
+            for m in self.matched
+        ]  # fmt: skip
         lines = [head, *_table(("module", "role", "split", "parameters"), rows)]
         if self.unrecognised:
             lines += ["", "not recognised (left whole, data parallel):"]
@@ -279,7 +288,12 @@ def _kind_of(model: nn.Module, path: str) -> str:
 
 
 def megatron(
-    model: nn.Module, tp: int, *, axis: str = "tp", vocab_parallel: bool = True
+    model: nn.Module,
+    tp: int,
+    *,
+    axis: str = "tp",
+    vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
 ) -> MegatronReport:
     """Annotate ``model`` for Megatron tensor parallelism over mesh axis ``axis`` of size ``tp``.
 
@@ -314,6 +328,9 @@ def megatron(
     for plan in plans:
         if plan.matched.layouts:
             shard(plan.module, parameter_strategy=dict(plan.matched.layouts))
+    split = _sequence_split(structure, plans) if sequence_parallel else []
+    for _, module in split:
+        split_sequence(module, axis)
     others = [
         Matched(p, "other embedding (not the vocabulary)", "", "whole", {})
         for p in structure.other_embeddings
@@ -327,7 +344,18 @@ def megatron(
             for path, reason in structure.unrecognised.items()
         ),
         _notes(model),
+        tuple(path for path, _ in split),
     )
+
+
+def _sequence_split(structure: Structure, plans: list[_Plan]) -> list[tuple[str, nn.Module]]:
+    """The modules whose outputs sequence parallel splits along the sequence: the vocabulary
+    embedding (the residual stream starts split) and every row-parallel projection."""
+    found: list[tuple[str, nn.Module]] = []
+    if structure.embedding is not None:
+        found.append(structure.embedding)
+    found += [(p.matched.path, p.module) for p in plans if p.matched.strategy == "row"]
+    return found
 
 
 def _notes(model: nn.Module) -> tuple[str, ...]:

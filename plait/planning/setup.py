@@ -150,7 +150,9 @@ def prepare(
     problem = SearchProblem(
         graph, mesh, candidates, inputs, cost, fused_axis=fused, dp_axis=cfg.dp_axis
     )
-    constraints = collect_constraints(model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters)
+    constraints = collect_constraints(
+        model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters, dp_axis=cfg.dp_axis
+    )
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from plait.annotate import get_shard_spec
+from plait.annotate import ShardSpec, get_shard_spec
 from plait.errors import ShardingError
 from plait.graph import OpGraph, OpNode
 from plait.layout import TensorLayout, resolve_tensor_strategy
@@ -125,9 +125,11 @@ def collect_constraints(
     mesh: MeshSpec,
     mode: str,
     fixed: Mapping[str, TensorLayout] | None = None,
+    dp_axis: str = "dp",
 ) -> Constraints:
     """Turn annotations, the mode and ``fixed`` parameter layouts (by FQN) into per-op checks
-    (see the module doc)."""
+    (see the module doc). ``dp_axis``: the axis a ``split_sequence`` mark keeps the batch
+    dim on."""
     found = Constraints()
     params = graph.parameters()
     by_fqn = {g.target: g.name for g in params.values()}
@@ -144,11 +146,9 @@ def collect_constraints(
                 continue  # not read by the captured forward: nothing to place
             layout = _layout_of(strategy, mesh, params[fqn].meta.shape, fqn)
             _record_param(annotated_params, by_fqn[fqn], fqn, layout, where)
-        if spec.in_strategy or spec.out_strategy:
+        if spec.in_strategy or spec.out_strategy or spec.sequence_split:
             by_module = by_module or _ops_by_module(graph)
-            _module_io(
-                found, graph, by_module, mesh, path, where, spec.in_strategy, spec.out_strategy
-            )
+            _module_io(found, graph, by_module.get(path, []), mesh, path, where, spec, dp_axis)
         # a Linear's bias follows its weight's output dim
         if (
             isinstance(module, nn.Linear)
@@ -251,18 +251,23 @@ def params_name(graph: OpGraph, ref: str) -> str:
 def _module_io(
     found: Constraints,
     graph: OpGraph,
-    by_module: Mapping[str, list[OpNode]],
+    ops: list[OpNode],
     mesh: MeshSpec,
     path: str,
     where: str,
-    ins: tuple[object, ...] | None,
-    outs: tuple[object, ...] | None,
+    spec: ShardSpec,
+    dp_axis: str,
 ) -> None:
-    ops = by_module.get(path, [])
-    if ops and ins:
-        _module_inputs(found, graph, mesh, ops, path, where, ins)
-    if ops and outs:
-        _module_outputs(found, graph, mesh, ops, where, outs)
+    """A module's ``in_strategy``, ``out_strategy`` and ``split_sequence`` marks."""
+    if not ops:
+        return
+    if spec.in_strategy:
+        _module_inputs(found, graph, mesh, ops, path, where, spec.in_strategy)
+    if spec.out_strategy:
+        _module_outputs(found, graph, ops, where, _given_layouts(mesh, spec.out_strategy, where))
+    if spec.sequence_split is not None:
+        axis, dim = spec.sequence_split
+        _module_outputs(found, graph, ops, where, _sequence_layouts(mesh, axis, dim, dp_axis, where))
 
 
 def _module_inputs(
@@ -300,15 +305,59 @@ def _module_inputs(
             )
 
 
+OutLayout = Callable[[int, OpNode, int], TensorLayout | None]
+"""The layout the ``n``-th value leaving a module (output ``k`` of ``op``) is fixed to, or
+None to leave it free."""
+
+
+def _given_layouts(mesh: MeshSpec, outs: tuple[object, ...], where: str) -> OutLayout:
+    """``out_strategy``: one strategy per value leaving the module, in order."""
+
+    def layout(n: int, op: OpNode, k: int) -> TensorLayout | None:
+        if n >= len(outs) or outs[n] is None:
+            return None
+        return _layout_of(outs[n], mesh, op.outputs[k].shape, f"{where} out_strategy[{n}]")
+
+    return layout
+
+
+def _sequence_layouts(mesh: MeshSpec, axis: str, dim: int, dp_axis: str, where: str) -> OutLayout:
+    """``split_sequence``: every value leaving the module split along ``dim`` over ``axis``,
+    dim 0 over the data-parallel axis where the mesh has it."""
+    mark = f"plait.annotate.split_sequence on {where} (axis {axis!r}, dim {dim})"
+    if axis not in mesh.axis_names:
+        raise ShardingError(
+            f"{mark}: the job's mesh {mesh.as_dict()!r} has no axis {axis!r}; name the "
+            f"tensor-parallel axis of the mesh (megatron(..., axis=...)) or add {axis!r} to it"
+        )
+
+    def layout(n: int, op: OpNode, k: int) -> TensorLayout:
+        shape = tuple(op.outputs[k].shape)
+        if len(shape) <= dim:
+            raise ShardingError(
+                f"{mark}: output {n} of the module has shape {shape}, with no dim {dim} to "
+                "split; mark only modules whose outputs are [batch, sequence, ...]"
+            )
+        dims: list[tuple[str, ...]] = [()] * len(shape)
+        if dp_axis in mesh.axis_names and dp_axis != axis:
+            dims[0] = (dp_axis,)
+        dims[dim] = (axis,)
+        out = TensorLayout(mesh, tuple(dims))
+        out.check_shape(shape, f"{mark}: output {n}")
+        return out
+
+    return layout
+
+
 def _module_outputs(
     found: Constraints,
     graph: OpGraph,
-    mesh: MeshSpec,
     ops: list[OpNode],
     where: str,
-    outs: tuple[object, ...],
+    layout_of: OutLayout,
 ) -> None:
-    """``out_strategy``: the values leaving the module (used outside it or graph outputs)."""
+    """``out_strategy`` or ``split_sequence``: the values leaving the module (used outside it
+    or graph outputs) in the layouts ``layout_of`` gives."""
     inside = {op.name for op in ops}
     leaving: list[tuple[OpNode, int]] = []
     for op in ops:
@@ -317,10 +366,10 @@ def _module_outputs(
             users = graph.consumers(ref)
             if ref in graph.outputs or any(c.name not in inside for c, _ in users):
                 leaving.append((op, k))
-    for n, (op, k) in enumerate(leaving[: len(outs)]):
-        if outs[n] is None:
+    for n, (op, k) in enumerate(leaving):
+        layout = layout_of(n, op, k)
+        if layout is None:
             continue
-        layout = _layout_of(outs[n], mesh, op.outputs[k].shape, f"{where} out_strategy[{n}]")
         found.explicit_out.add((op.name, k))
         found.add(
             op.name,

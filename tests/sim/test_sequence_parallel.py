@@ -51,9 +51,7 @@ def _train(model, batches, sequence_parallel: bool):
     """Megatron annotations, semi_auto on dp=2 x tp=2, 3 steps; step 2's collectives checked
     against the plan's list (plait's log and torch's CommDebugMode alike)."""
     model = copy.deepcopy(model)
-    # the vocabulary embedding whole: its vocab-parallel gradient is computed whole today (a
-    # known gap, see docs/semi_auto.md), which this test's exact collective count would see
-    megatron(model, 2, vocab_parallel=False, sequence_parallel=sequence_parallel)
+    megatron(model, 2, sequence_parallel=sequence_parallel)
     cfg = ParallelConfig(mode="semi_auto", mesh=MESH)
     losses = []
     with plait.testing.simulate(4):
@@ -91,20 +89,21 @@ def test_sequence_parallel_trains_as_one_device_with_reduce_scatters(gpt_and_bat
     sp_plan, sp_run = _train(model, batches, sequence_parallel=True)
     assert_same_run(expected, tp_run, rtol=RTOL, atol=1e-6)
     assert_same_run(expected, sp_run, rtol=RTOL, atol=1e-6)
-    # plain tensor parallel all-reduces the 4 row projections' outputs in forward (and the
-    # column projections' input gradients in backward); sequence parallel reduce-scatters
-    # those outputs and all-gathers the inputs of the column-parallel readers (q/k/v and
-    # fc1 of each block, and the whole head after the final norm), each the other way round
-    # in backward
-    rows = 2 * GPT.layers
-    assert _over_tp(tp_plan) == {("all_reduce", "forward"): rows, ("all_reduce", "backward"): rows}
+    # plain tensor parallel all-reduces the vocab-parallel embedding's and the 4 row
+    # projections' outputs in forward, and the inputs' gradients of the 5 column-parallel
+    # readers (q/k/v and fc1 of each block, the head) in backward. Sequence parallel turns
+    # each into a reduce-scatter and an all-gather: those outputs reduce-scattered over the
+    # sequence, the readers' inputs all-gathered, each the other way round in backward.
+    split = 1 + 2 * GPT.layers
+    tp = _over_tp(tp_plan)
+    assert tp[("all_reduce", "forward")] == tp[("all_reduce", "backward")] == split
     sp = _over_tp(sp_plan)
-    assert ("all_reduce", "forward") not in sp
-    assert sp[("reduce_scatter", "forward")] == rows
-    assert sp[("all_gather", "forward")] == rows + 1
-    assert sp[("reduce_scatter", "backward")] == sp[("all_gather", "backward")] == rows
-    # what it still all-reduces over tp: gradients of parameters read on a slice of the
-    # sequence (the norms, the embeddings, the whole head), summed over the slices
+    assert ("all_reduce", "forward") not in sp and ("all_reduce", "backward") not in sp
+    assert sp[("reduce_scatter", "forward")] == sp[("reduce_scatter", "backward")] == split
+    assert sp[("all_gather", "backward")] == split
+    assert sp[("all_gather", "forward")] == tp[("all_gather", "forward")] + split
+    # what it all-reduces over tp besides: gradients of parameters read on a slice of the
+    # sequence (the norms, the position embedding), summed over the slices
     summed = [c for c in sp_plan.collectives if c.kind == "all_reduce" and "tp" in c.axes]
     assert {c.op for c in summed} >= {"blocks.0.ln1.weight", "ln.bias", "pos.weight"}
     assert all(c.phase == "backward" and c.reason.startswith("gradient of") for c in summed)

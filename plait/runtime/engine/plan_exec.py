@@ -119,6 +119,7 @@ logger = logging.getLogger(__name__)
 # groups per rank) run locally too, and a parameter server's lookup (plait.ps.ops: each rank
 # pulls the rows of its own ids; DTensor knows nothing of the op).
 _GROUP_NORM = "aten.group_norm.default"
+_EMBEDDING = "aten.embedding.default"
 _POOLING = frozenset(t for rule in pooling_rules() for t in rule.targets)
 _LOCAL_BY_RULE = _POOLING | frozenset(
     {
@@ -735,6 +736,9 @@ class _NodeStep:
     mean_loss: tuple[str, ...] = ()
     """A mean class-index loss on a split batch: the mesh axes splitting it
     (:func:`_run_mean_class_loss`)."""
+    table_grad: tuple[Any, ...] | None = None
+    """A vocab-split embedding: the placements its table's gradient is brought to (the
+    table's own split, pending over the axes that divide the lookups); None for other ops."""
 
 
 def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> dict[str, _NodeStep]:
@@ -761,6 +765,7 @@ def _node_steps(captured: ExecutableCapture, planned: dict[str, PlannedOp]) -> d
             skipped=str(n.target) in EXPORT_ASSERTIONS,
             local=_local_op(op) if by_rule and op is not None else None,
             mean_loss=mean_loss,
+            table_grad=_vocab_table_grad(op) if str(n.target) == _EMBEDDING else None,
             writes=_writes_any(n.target),
             pin=n.name not in outputs,
             no_grad=no_grad,
@@ -799,6 +804,38 @@ def _local_op(op: PlannedOp) -> _LocalOp:
         share=share,
         groups_split=op.inputs[0].splits()[1] if op.target == _GROUP_NORM else 1,
     )
+
+
+def _vocab_table_grad(op: PlannedOp | None) -> tuple[Any, ...] | None:
+    """An embedding whose table is split over its rows (Megatron's vocab-parallel embedding):
+    the placements of its table's gradient (the table's split, pending over the axes the
+    rule divides the lookups over); None otherwise.
+
+    DTensor looks the rows up as planned (each rank its slice, out-of-slice ids zeros, a
+    pending sum), but its backward knows nothing of the split and computes the whole
+    table's gradient on every rank: left so, the job reduces the whole table over dp and
+    slices it after, where the plan sums this rank's rows in its gradient bucket.
+    """
+    if op is None or not op.covered or not op.inputs or not op.inputs[0].dims[0]:
+        return None
+    strategy = OpStrategy(op.inputs, op.outputs, op.label)
+    return to_dtensor_placements(op.inputs[0].with_partial(grad_reduce_axes(strategy, 0)))
+
+
+class _TableGradient(torch.autograd.Function):
+    """Identity forward; backward brings the table's gradient to ``placements`` (its rows'
+    split: a local slice of a whole gradient, nothing sent)."""
+
+    @staticmethod
+    def forward(ctx: Any, table: torch.Tensor, placements: tuple[Any, ...]) -> torch.Tensor:
+        ctx.placements = placements
+        return table.view_as(table)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if tuple(grad.placements) == ctx.placements:  # type: ignore[attr-defined]
+            return grad, None
+        return grad.redistribute(grad.device_mesh, ctx.placements), None  # type: ignore[attr-defined]
 
 
 def _writes_any(target: Any) -> bool:
@@ -886,6 +923,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
             out = self._run_replicated(target, args, kwargs)
         elif step.mean_loss:
             out = _run_mean_class_loss(op, step.mean_loss, target, args, kwargs)
+        elif step.table_grad is not None:  # embedding(weight, indices, ...)
+            table = _TableGradient.apply(args[0], step.table_grad)
+            out = target(table, *args[1:], **kwargs)
         elif step.local is not None:
             out = _run_local(op, step.local, target, args, kwargs)
         else:

@@ -622,7 +622,6 @@ def _field_defaults(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
 # by name (a NotBuiltError), not with Python's "unexpected keyword argument".
 NOT_BUILT_FIELDS: Mapping[str, str] = MappingProxyType(
     {
-        "sequence_parallel": "sequence parallel (activations split along the sequence)",
         "context_parallel": "context parallel (ring attention over a 'cp' axis)",
         "expert_parallel": "expert parallel (mixture-of-experts layers over an 'ep' axis)",
         "multi_copy": "multi-copy parallel (a batch cut in two to overlap communication)",
@@ -653,6 +652,8 @@ _SAME_AS: Mapping[str, str] = MappingProxyType(
         "micro_batch_num": "micro_batches",
         "mixed_precision": "precision",
         "activation_checkpointing": "recompute",
+        "sequence_parallel": "plait.annotate.megatron(model, tp, sequence_parallel=True) (or "
+        "plait.annotate.split_sequence on your own modules: a mark on the model, not a field)",
     }
 )
 

@@ -323,7 +323,7 @@ def _given_layouts(mesh: MeshSpec, outs: tuple[object, ...], where: str) -> OutL
 
 def _sequence_layouts(mesh: MeshSpec, axis: str, dim: int, dp_axis: str, where: str) -> OutLayout:
     """``split_sequence``: every value leaving the module split along ``dim`` over ``axis``,
-    dim 0 over the data-parallel axis where the mesh has it."""
+    dim 0 over the data-parallel axis where the mesh has it larger than one."""
     mark = f"plait.annotate.split_sequence on {where} (axis {axis!r}, dim {dim})"
     if axis not in mesh.axis_names:
         raise ShardingError(
@@ -339,7 +339,7 @@ def _sequence_layouts(mesh: MeshSpec, axis: str, dim: int, dp_axis: str, where: 
                 "split; mark only modules whose outputs are [batch, sequence, ...]"
             )
         dims: list[tuple[str, ...]] = [()] * len(shape)
-        if dp_axis in mesh.axis_names and dp_axis != axis:
+        if dp_axis in mesh.axis_names and dp_axis != axis and mesh.axis_size(dp_axis) > 1:
             dims[0] = (dp_axis,)
         dims[dim] = (axis,)
         out = TensorLayout(mesh, tuple(dims))

@@ -179,6 +179,30 @@ def test_llama_semi_auto_trains_like_one_device_with_megatron_collectives() -> N
     }
 
 
+def test_llama_sequence_parallel_trains_like_one_device() -> None:
+    """``sequence_parallel=True`` on dp=1 x tp=2: each of plain tensor parallel's tp
+    all-reduces of a value (3 forward, 3 backward) becomes a reduce-scatter and an
+    all-gather; the RMSNorms' weights, read on a slice of the sequence, have their gradients
+    summed over tp (2 in the layer and the final norm's)."""
+    model = llama()
+    report = megatron(model, 2, sequence_parallel=True)
+    assert report.sequence_parallel == (
+        "model.embed_tokens",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.down_proj",
+    )
+    program, planned = train_like_one_device(model, causal_lm_batches(), TP2)
+    # the norms' gradient sums run after the program, with the step's other reductions
+    assert program == {("reduce_scatter", "tp"): 6, ("all_gather", "tp"): 7}
+    assert planned == {
+        ("reduce_scatter", "forward"): 3,
+        ("reduce_scatter", "backward"): 3,
+        ("all_gather", "forward"): 4,
+        ("all_gather", "backward"): 3,
+        ("all_reduce", "backward"): 3,
+    }
+
+
 @pytest.mark.nightly
 def test_llama_dp2_tp2_trains_like_one_device() -> None:
     model = llama()

@@ -204,8 +204,11 @@ def test_stand_alone_refuses_memory_passes_and_points_to_data_parallel():
 
 
 def test_error_unknown_and_unbuilt_config_fields_are_named():
-    with pytest.raises(NotBuiltError, match=r"ParallelConfig\(sequence_parallel=...\): sequence"):
-        ParallelConfig(mode="auto", sequence_parallel=True)
+    with pytest.raises(NotBuiltError, match=r"ParallelConfig\(context_parallel=...\): context"):
+        ParallelConfig(mode="auto", context_parallel=True)
+    # built as a mark on the model: the error says where
+    with pytest.raises(ConfigError, match=r"did you mean plait\.annotate\.megatron\(model, tp, seq"):
+        ParallelConfig(mode="semi_auto", sequence_parallel=True)
     with pytest.raises(ConfigError, match=r"unknown field 'parallel_mode'; did you mean mode\?"):
         ParallelConfig(parallel_mode="auto")
     with pytest.raises(ConfigError, match=r"unknown field 'micro_batch'; did you mean micro_batch"):

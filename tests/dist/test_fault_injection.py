@@ -347,6 +347,8 @@ def run_with_faults(tmp_path: Path, faults: int, steps: int) -> None:
     print(table(rows, corrupt, corrupt_before, wall, ref))
 
 
+# nightly: a kill and a resume are in make test through tests/dist/test_fault_recovery.py
+@pytest.mark.nightly
 def test_three_random_kills_and_a_corrupted_checkpoint_end_bitwise(tmp_path: Path) -> None:
     run_with_faults(tmp_path, faults=3, steps=12)
 

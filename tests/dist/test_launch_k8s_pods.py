@@ -259,7 +259,8 @@ def emitted(api: str, tmp_path: Path) -> dict:
     return yaml.safe_load(out.read_text())
 
 
-@pytest.mark.parametrize("api", ["pytorchjob", "jobset"])
+# JobSet's pods nightly: the same launcher path as PyTorchJob's, which make test runs
+@pytest.mark.parametrize("api", ["pytorchjob", pytest.param("jobset", marks=pytest.mark.nightly)])
 def test_launch_k8s_pods_train(api: str, tmp_path: Path) -> None:
     doc = emitted(api, tmp_path)
     pods = pytorchjob_pods(doc) if api == "pytorchjob" else jobset_pods(doc)

@@ -149,6 +149,8 @@ def test_a_killed_server_stops_the_job_naming_it(tmp_path):
     assert "parameter server rank 2" in text and "SIGKILL" in text, text[-3000:]
 
 
+# nightly: the servers' checkpoint is in make test through the killed-server restart
+@pytest.mark.nightly
 def test_a_checkpoint_loads_under_another_server_count_and_split(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc, out = _run(tmp_path, {"save_at": 3, "save": str(ckpt)}, name="a")

@@ -146,6 +146,8 @@ def _auto_then_replay(plan_path: str) -> dict:
     }
 
 
+# nightly: auto plans on real processes are in make test through tests/dist/test_engine_parity_gloo.py
+@pytest.mark.nightly
 @pytest.mark.dist
 def test_auto_plan_and_its_saved_file_train_like_one_device_on_gloo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -39,7 +39,12 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from plait._compat import custom_reducer, tree_map, unflatten_mesh_dim
+from plait._compat import (
+    custom_reducer,
+    greedy_redistribution_planning,
+    tree_map,
+    unflatten_mesh_dim,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -552,13 +557,18 @@ def start_sum_over_world(value: torch.Tensor) -> Callable[[], torch.Tensor]:
     return wait
 
 
-def stage_on_submesh(module: nn.Module, device_mesh: DeviceMesh) -> None:
+def stage_on_submesh(module: nn.Module, device_mesh: DeviceMesh, *, planned: bool = False) -> None:
     """Run ``module`` (a stage whose parameters are already DTensors on ``device_mesh``, the
     mesh of the axes inside a stage) on DTensors: its tensor inputs enter replicated over
     ``device_mesh`` and its outputs leave whole (a pending sum reduced, a split gathered), so
     the pipeline's sends, receives and loss see the plain tensors one device would. Gradients
     flow through both conversions. The module's ``forward`` is wrapped in place (its
-    parameter names stay the model's)."""
+    parameter names stay the model's).
+
+    ``planned``: the stage's ops have their inputs laid out as a plan says
+    (:mod:`plait.runtime.pipeline.planned_stage`), which reduces each pending sum where and
+    as the plan does (a reduce-scatter where the reader takes it split: sequence parallel);
+    otherwise every op's pending sum is all-reduced at once (:class:`_PendingSumsReduced`)."""
     from plait.comm.dispatch import PlaitDispatchMode
     from plait.comm.dtensor import implicit_replication
 
@@ -574,7 +584,7 @@ def stage_on_submesh(module: nn.Module, device_mesh: DeviceMesh) -> None:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(enter, (args, kwargs))
-        with implicit_replication(), PlaitDispatchMode(), _PendingSumsReduced():
+        with implicit_replication(), PlaitDispatchMode(), _PendingSumsReduced(forward=not planned):
             out = inner(*args, **kwargs)
         return tree_map(leave, out)
 
@@ -592,11 +602,22 @@ class _PendingSumsReduced(TorchFunctionMode):
     linear in the gradient (``rms_norm``'s, unlike ``layer_norm``'s, and the residual adds)
     down to a row-parallel weight, whose gradient then comes out a whole-sized pending sum
     (its activation all-gathered for it), and to a vocabulary-split embedding, whose backward
-    cannot take one (DTensor refuses a sum into its masked partial)."""
+    cannot take one (DTensor refuses a sum into its masked partial).
+
+    ``forward=False``: forward pending sums are left to the plan's layouts (a planned stage's
+    readers reduce them as the plan says); the backward's are still reduced."""
+
+    def __init__(self, *, forward: bool = True) -> None:
+        super().__init__()
+        self.forward = forward
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, DTensor) and any(p.is_partial() for p in out.placements):
+        if (
+            self.forward
+            and isinstance(out, DTensor)
+            and any(p.is_partial() for p in out.placements)
+        ):
             whole = [Replicate() if p.is_partial() else p for p in out.placements]
             out = out.redistribute(out.device_mesh, whole)
         if (
@@ -651,7 +672,10 @@ def lay_out(x: Any, code: PlacementCode) -> Any:
     moved = x.__dict__.setdefault("_plait_laid_out", {})
     key = (code, x._version)
     if key not in moved:
-        moved[key] = x.redistribute(x.device_mesh, want)
+        # the greedy planner, as the plan's executor moves values: a pending sum to a split
+        # is one reduce-scatter (DTensor's min-cost search may take an all-reduce and a slice)
+        with greedy_redistribution_planning():
+            moved[key] = x.redistribute(x.device_mesh, want)
     return moved[key]
 
 

@@ -262,15 +262,16 @@ class PipelineJob(MeshJob):
         )
         modules = [pp_comm.stage_module(s) for s in stages]
         submesh = None
+        follows = inner and plan is not None and virtual == 1 and plan_stage_starts(plan) == starts
         if inner:
             submesh = device_mesh[inner if len(inner) > 1 else inner[0]]
             for m in modules:
                 distribute_stage(m, layouts, submesh, MeshSpec.from_dict(
                     {a: mesh.axis_size(a) for a in inner}
                 ))  # fmt: skip
-                pp_comm.stage_on_submesh(m, submesh)
+                pp_comm.stage_on_submesh(m, submesh, planned=bool(follows))
         followed: list[PlannedStage] = []
-        if inner and plan is not None and virtual == 1 and plan_stage_starts(plan) == starts:
+        if follows and plan is not None:
             ops = {op.name: op for op in plan.ops}
             followed = [
                 follow_plan(m, [ops[n] for n in plan.stages[i] if n in ops], inner)

@@ -31,7 +31,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from plait.errors import MissingExtraError, PlanError
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # read by attribute; the checker alone needs the names
     from matplotlib.figure import Figure
 
     from plait.planning.entries import PlanContents, PlanOption
-    from plait.planning.timeline import Timeline
 
 __all__ = [
     "DPI",
@@ -119,6 +118,39 @@ def png_bytes(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
+
+
+class Timeline(Protocol):
+    """What a picture reads of a :class:`plait.planning.timeline.Timeline` (named here, not
+    imported: the timeline draws itself through this room)."""
+
+    @property
+    def events(self) -> Sequence[Any]: ...
+
+    @property
+    def labels(self) -> Sequence[str]: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def measured(self) -> bool: ...
+
+    @property
+    def ranks(self) -> int: ...
+
+    @property
+    def span_s(self) -> float: ...
+
+    @property
+    def bubble_s(self) -> float: ...
+
+    @property
+    def bubble_fraction(self) -> float: ...
+
+    def compute(self, rank: int) -> Sequence[Any]: ...
+
+    def idle(self, rank: int) -> Sequence[tuple[float, float]]: ...
 
 
 # --------------------------------------------------------------------------- timelines

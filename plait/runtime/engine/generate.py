@@ -49,7 +49,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -72,8 +72,8 @@ from plait.runtime.engine.meta_init import require_initialised
 from plait.runtime.engine.precision import autocast_for
 
 if TYPE_CHECKING:
+    from plait.config import ParallelConfig
     from plait.mesh import MeshSpec
-    from plait.runtime.engine.job import Job
 
 __all__ = ["GenerateRequest", "generate", "install_model_generate", "laid_out_forward"]
 
@@ -123,6 +123,29 @@ class GenerateRequest:
                 "the mask is 1 for a prompt's tokens and 0 for padding, the shape of input_ids "
                 "(pad on the left, as Hugging Face's generate expects)"
             )
+
+
+class Job(Protocol):
+    """What generation reads of a :class:`plait.Job` (named here, not imported: the Job
+    delegates ``generate`` to this module)."""
+
+    model: nn.Module
+    config: ParallelConfig
+
+    @property
+    def parameters_laid_out(self) -> bool: ...
+
+    @property
+    def engine(self) -> str: ...
+
+    @property
+    def mesh(self) -> MeshSpec | None: ...
+
+    @property
+    def device_mesh(self) -> Any: ...
+
+    @property
+    def device_type(self) -> str: ...
 
 
 def generate(

@@ -150,7 +150,7 @@ def test_selective_recompute_keeps_products_and_recomputes_the_cheap_ops() -> No
     """The stage policy is the program pass's rule (plait.runtime.program.remat.kept_by_selective)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from plait.runtime.pipeline.job import selective_policy
+    from plait.runtime.pipeline.stage_wrappers import selective_policy
 
     aten = torch.ops.aten
     for op in (aten.mm.default, aten.addmm.default, aten.embedding.default,
@@ -190,7 +190,7 @@ def test_recompute_auto_in_a_pipeline_takes_the_planners_choice(limit_of: str) -
 def _tanh_between(offload: bool, min_bytes: int = 0) -> tuple[list[torch.Tensor], int, bool]:
     """Linear -> tanh -> linear on CPU, its forward under SavedOnHost or not: (the gradients,
     the tensors copied to the host, whether tanh's output outlived the forward)."""
-    from plait.runtime.pipeline.job import SavedOnHost
+    from plait.runtime.pipeline.stage_wrappers import SavedOnHost
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -272,7 +272,8 @@ def test_activation_offload_moves_what_the_plan_moves() -> None:
     stage holds its input for the input gradient."""
     from plait.comm import pipeline as pp_comm
     from plait.cost.step_memory import StepTrace
-    from plait.runtime.pipeline.job import SavedOnHost, _Returns
+    from plait.runtime.pipeline.job import _Returns
+    from plait.runtime.pipeline.stage_wrappers import SavedOnHost
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab=512, seq=256, width=256, heads=4, layers=4))
@@ -619,8 +620,8 @@ def test_a_stage_whose_trace_is_refused_still_recomputes() -> None:
     """A compiled stage whose trace fails runs eagerly, and a recompute asked of it runs as
     torch's checkpoint there (it used to be dropped silently): backward keeps the stage's
     input alone, where without recompute it keeps every activation."""
-    from plait.runtime.pipeline.job import recompute_eagerly
     from plait.runtime.pipeline.stage_program import compile_stage
+    from plait.runtime.pipeline.stage_wrappers import recompute_eagerly
 
     def saved(recompute: str) -> tuple[int, str | None]:
         stage = _Block(branchy=True)

@@ -41,7 +41,7 @@ activations that it reads are held until it runs, as in torch's own split).
 
 Where it runs (:func:`compiles`): every stage, axes inside (tensor parallel) or not, every
 schedule, fp32 or mixed precision. Under ``precision="bf16"`` or ``"fp16"`` the stage's autocast
-(:func:`plait.runtime.pipeline.job.autocast_stage`) is active when the first micro-batch is
+(:func:`plait.runtime.pipeline.stage_wrappers.autocast_stage`) is active when the first micro-batch is
 traced, so the graphs hold autocast's casts as explicit ops (the products in bf16, the
 norms and the softmax in fp32, as eager autocast runs them) and the backward graph their
 casts back. Activation offload (``offload="activations"``) enters its saved-tensor hooks
@@ -161,14 +161,14 @@ class StageProgram:
         of the same pass (``recompute_modules``); set before the first training call."""
         self.saving: Callable[[Any, nn.Module], Any] | None = None
         """Activation offload's saved-tensor hooks for one call (``offload="activations"``:
-        :meth:`plait.runtime.pipeline.job.SavedOnHost.saving`), given the call's inputs and the
+        :meth:`plait.runtime.pipeline.stage_wrappers.SavedOnHost.saving`), given the call's inputs and the
         stage: what the program's autograd function saves for backward goes through them.
         Entered around the function's call only (a trace on fake tensors must not meet
         them)."""
         self.on_eager: Callable[[], None] | None = None
         """Called once if the trace is refused and the stage runs eagerly for good: what the
         graphs would have done that the eager forward must do otherwise (recompute under
-        torch's checkpoint: :func:`plait.runtime.pipeline.job.recompute_eagerly`)."""
+        torch's checkpoint: :func:`plait.runtime.pipeline.stage_wrappers.recompute_eagerly`)."""
         self.saved_bytes: tuple[int, int] = (0, 0)
         """Bytes of forward values one micro-batch's backward reads, before and after
         recompute (equal without it); set by the trace."""

@@ -17,22 +17,16 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
 from plait.annotate import get_shard_spec, megatron, split_sequence
 from plait.config import ParallelConfig
 from plait.errors import LayoutError, ShardingError
+from plait.graph import capture_program
 from plait.models import GPTConfig, TinyGPT, gpt_loss
-from plait.testing.comm import CollectiveLog
-from plait.testing.equivalence import Run, assert_same_run, reference_run
-from tests.sim.test_plan_exec import (
-    adamw,
-    debug_counts,
-    executed_collectives,
-    gpt_batches,
-    planned_collectives,
-)
+from plait.planning import plan_graph
+from plait.testing.equivalence import assert_same_run, reference_run
+from tests.sim.test_plan_exec import adamw, gpt_batches, planned_collectives, run_plan
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2)
 MESH = {"dp": 2, "tp": 2}
@@ -53,22 +47,11 @@ def _train(model, batches, sequence_parallel: bool):
     model = copy.deepcopy(model)
     megatron(model, 2, sequence_parallel=sequence_parallel)
     cfg = ParallelConfig(mode="semi_auto", mesh=MESH)
-    losses = []
-    with plait.testing.simulate(4):
-        job = plait.parallelize(
-            model, cfg, optimizer=adamw, loss_fn=gpt_loss, example_batch=batches[0]
-        )
-        for i, batch in enumerate(batches):
-            if i != 1:
-                losses.append(job.step(batch))
-                continue
-            with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
-                losses.append(job.step(batch))
-        run = Run(losses, job.full_state_dict())
-        plan = job.loss_fn.plan
-    executed = executed_collectives(log)
+    captured = capture_program(model, batches[0], gpt_loss)
+    plan = plan_graph(captured.graph, cfg, model=model)
+    run, executed, debug, _ = run_plan(model, captured, plan, cfg, gpt_loss, adamw, batches, 4)
     assert executed == planned_collectives(plan)
-    assert sum(debug_counts(debug).values()) == sum(executed.values())
+    assert sum(debug.values()) == sum(executed.values())
     return plan, run
 
 

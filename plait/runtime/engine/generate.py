@@ -70,9 +70,9 @@ from plait.graph import in_mode
 from plait.layout import TensorLayout
 from plait.runtime.engine.meta_init import require_initialised
 from plait.runtime.engine.precision import autocast_for
+from plait.runtime.engine.predict import Job as PredictingJob
 
 if TYPE_CHECKING:
-    from plait.config import ParallelConfig
     from plait.mesh import MeshSpec
 
 __all__ = ["GenerateRequest", "generate", "install_model_generate", "laid_out_forward"]
@@ -125,27 +125,15 @@ class GenerateRequest:
             )
 
 
-class Job(Protocol):
-    """What generation reads of a :class:`plait.Job` (named here, not imported: the Job
-    delegates ``generate`` to this module)."""
-
-    model: nn.Module
-    config: ParallelConfig
+class Job(PredictingJob, Protocol):
+    """What generation reads of a :class:`plait.Job` beyond what prediction does (named
+    here, not imported: the Job delegates ``generate`` to this module)."""
 
     @property
     def parameters_laid_out(self) -> bool: ...
 
     @property
     def engine(self) -> str: ...
-
-    @property
-    def mesh(self) -> MeshSpec | None: ...
-
-    @property
-    def device_mesh(self) -> Any: ...
-
-    @property
-    def device_type(self) -> str: ...
 
 
 def generate(

@@ -26,16 +26,27 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m plait.demo
 
+# Unit and simulated-rank tests run in-process and use one core each (torch's intra-op threads
+# gain nothing on their small tensors), so they run JOBS at a time (pytest-xdist), one torch
+# thread a worker. The multi-process tests (tests/dist) each fill the cores with their own
+# processes and wait on timeouts, so they run one at a time after.
+JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q
+IN_PROCESS := OMP_NUM_THREADS=1 $(PYTEST) -n $(JOBS) tests/unit tests/sim
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(IN_PROCESS)
+	$(PYTEST) tests/dist
 
 # the larger matrix cases too (marked nightly; deselected from `make test`)
 test-nightly: $(STAMP)
-	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q tests
+	PLAIT_NIGHTLY=1 $(IN_PROCESS)
+	PLAIT_NIGHTLY=1 $(PYTEST) tests/dist
 
 # the nightly cases alone (what .ci/run adds after `make test`)
 nightly: $(STAMP)
-	PLAIT_NIGHTLY=1 $(BIN)/python -m pytest -q -m nightly tests
+	PLAIT_NIGHTLY=1 $(IN_PROCESS) -m nightly
+	PLAIT_NIGHTLY=1 $(PYTEST) -m nightly tests/dist
 
 # the tests that build Hugging Face models (nightly cases too), on this venv's transformers
 test-hf: $(STAMP)

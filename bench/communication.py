@@ -1,11 +1,14 @@
-"""Communication techniques side by side with them off: sequence parallel against plain tensor
-parallel (issue #32's ``bench/communication.py``; the other techniques join as they are built).
+"""Communication techniques side by side with them off: sequence parallel and multi-copy
+parallel against plain tensor parallel (issue #32's ``bench/communication.py``; the other
+techniques join as they are built).
 
-Three jobs from the same weights on the same 4 gloo processes, dp=2 x tp=2,
+Four jobs from the same weights on the same 4 gloo processes, dp=2 x tp=2,
 ``mode="semi_auto"``, a TinyGPT annotated by ``plait.annotate.megatron(model, 2)``: the
 outputs of the row projections and the embedding kept whole between the blocks (an
 ``out_strategy``: Megatron's plain tensor parallel, all-reduces), left to semi_auto's
-propagation, and marked by ``sequence_parallel=True``. ``--warmup`` untimed steps, then
+propagation, marked by ``sequence_parallel=True``, and the first again with
+``interleave_num=2`` (multi-copy: each micro-batch cut into two copies whose all-reduces run
+while the other copy computes). ``--warmup`` untimed steps, then
 ``--steps`` timed steps taken in turns. A step's time is the slowest rank's after a barrier;
 the table gives the median, the ratio to the first side, the plan's collectives over tp a
 step and their predicted time (the cost model's, on the uncalibrated ``local`` profile), the
@@ -15,8 +18,10 @@ side (all three train alike: each equals one device).
 
 Two CPU cores cannot show what sequence parallel buys on a GPU (activation memory at long
 sequences; the same bytes on a ring as tensor parallel's all-reduces, in twice the
-collectives). The table prints what this machine measures; the activations column is the
-effect the technique is for.
+collectives), nor what multi-copy buys (four processes share two cores, so a collective in
+flight takes the core the other copy would compute on). The table prints what this machine
+measures; the activations column is the effect sequence parallel is for, the predicted step
+what the cost model says of each.
 
 Run from the repository root: ``.venv/bin/python bench/communication.py`` (CPU, 4 gloo
 processes, about a minute on 2 shared cores).
@@ -39,18 +44,19 @@ from plait.models import GPTConfig, TinyGPT, gpt_loss, token_batches
 from plait.runtime.engine.measure import measure_step_memory
 
 SIDES = {
-    "TP, whole between blocks": "whole",
-    "TP, semi_auto's choice": "free",
-    "sequence parallel": "sequence",
+    "TP, whole between blocks": ("whole", 1),
+    "TP, semi_auto's choice": ("free", 1),
+    "sequence parallel": ("sequence", 1),
+    "TP whole, interleave_num=2": ("whole", 2),
 }
-"""Each side's annotation of what leaves the row projections and the embedding: ``whole``
-(``out_strategy`` replicated over tp: an all-reduce, plain Megatron tensor parallel), ``free``
-(no mark: semi_auto's propagation chooses by its cost model), ``sequence``
-(``megatron(..., sequence_parallel=True)``)."""
+"""Each side's annotation of what leaves the row projections and the embedding, and its
+``interleave_num``: ``whole`` (``out_strategy`` replicated over tp: an all-reduce, plain
+Megatron tensor parallel), ``free`` (no mark: semi_auto's propagation chooses by its cost
+model), ``sequence`` (``megatron(..., sequence_parallel=True)``)."""
 BASE = "TP, whole between blocks"
 
 
-def _job(cfg: GPTConfig, batch: Any, side: str) -> Any:
+def _job(cfg: GPTConfig, batch: Any, side: str, copies: int) -> Any:
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     report = plait.annotate.megatron(model, 2, sequence_parallel=side == "sequence")
@@ -61,7 +67,7 @@ def _job(cfg: GPTConfig, batch: Any, side: str) -> Any:
             plait.shard(model.get_submodule(path), out_strategy=(whole,))
     return plait.parallelize(
         model,
-        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
+        ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, interleave_num=copies),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         loss_fn=gpt_loss,
         example_batch=batch,
@@ -92,7 +98,7 @@ def _tp_seconds(plan: Any) -> float:
 def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     batches = token_batches(cfg, args.batch, args.warmup + args.steps + 1)
-    jobs = {name: _job(cfg, batches[0], side) for name, side in SIDES.items()}
+    jobs = {name: _job(cfg, batches[0], *side) for name, side in SIDES.items()}
     times: dict[str, list[float]] = {name: [] for name in SIDES}
     losses: dict[str, list[float]] = {name: [] for name in SIDES}
     for i, batch in enumerate(batches[:-1]):
@@ -113,6 +119,7 @@ def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
             "peak": memory.peak,
             "activations": memory.activations,
             "predicted_activations": plan.predicted.memory_by_kind.get("activations", 0),
+            "predicted_step": plan.predicted.step_time_s,
         }
     return out
 
@@ -121,9 +128,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     r = results[0]
     base = statistics.median(r[BASE]["times"])
     lines = [
-        "| side | step ms | / whole | tp collectives a step | their predicted ms | peak MiB "
-        "| activations MiB (measured) | activations MiB (predicted) | max rel. loss diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| side | step ms | / whole | predicted step ms | tp collectives a step "
+        "| their predicted ms | peak MiB | activations MiB (measured) "
+        "| activations MiB (predicted) | max rel. loss diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in SIDES:
         side = r[name]
@@ -134,7 +142,8 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             raise SystemExit(f"{name}: losses differ from {BASE}'s by {diff:.2e}")
         mib = 1 << 20
         lines.append(
-            f"| {name} | {median * 1e3:.1f} | {median / base:.3f} | {side['tp_collectives']} "
+            f"| {name} | {median * 1e3:.1f} | {median / base:.3f} "
+            f"| {side['predicted_step'] * 1e3:.1f} | {side['tp_collectives']} "
             f"| {side['tp_seconds'] * 1e3:.2f} | {side['peak'] / mib:.2f} "
             f"| {side['activations'] / mib:.2f} | {side['predicted_activations'] / mib:.2f} "
             f"| {diff:.1e} |"

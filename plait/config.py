@@ -236,6 +236,12 @@ class ParallelConfig:
     marks, MindSpore's ``Cell.recompute()``); held as sorted (path, mode) pairs."""
     grad_accumulation: int = 1
     """Micro-steps per optimizer step."""
+    interleave_num: int = 1
+    """Multi-copy parallel (MindSpore's ``MicroBatchInterleaved(net, interleave_num)``): each
+    micro-batch is cut into this many copies along dim 0, run as one program in which one
+    copy's tensor-parallel collectives are in flight while another copy computes
+    (:mod:`plait.runtime.program.interleave`). The plan is made for one copy's batch; the
+    copies' gradients are summed inside the program and reduced once. 1 = off."""
     comm_fusion: CommFusion | None = None
     """Gradient fusion buckets; None = plait's default."""
     offload: Offload | None = None
@@ -499,7 +505,7 @@ class ParallelConfig:
             )
 
     def _check_counts(self) -> None:
-        for name in ("pipeline_stages", "micro_batches", "grad_accumulation"):
+        for name in ("pipeline_stages", "micro_batches", "grad_accumulation", "interleave_num"):
             _check_positive_int(name, getattr(self, name))
         if self.devices is not None:
             _check_positive_int("devices", self.devices)
@@ -573,6 +579,12 @@ class ParallelConfig:
         return dict(self._mesh)
 
     @property
+    def planned_pieces(self) -> int:
+        """Pieces a step's batch is cut into along dim 0, the plan made for one: the
+        ``grad_accumulation`` micro-steps, each of ``interleave_num`` copies."""
+        return self.grad_accumulation * self.interleave_num
+
+    @property
     def data_parallel_size(self) -> int:
         return self._mesh.get(self.dp_axis, 1)
 
@@ -624,7 +636,6 @@ NOT_BUILT_FIELDS: Mapping[str, str] = MappingProxyType(
     {
         "context_parallel": "context parallel (ring attention over a 'cp' axis)",
         "expert_parallel": "expert parallel (mixture-of-experts layers over an 'ep' axis)",
-        "multi_copy": "multi-copy parallel (a batch cut in two to overlap communication)",
         "elastic": "elastic training (scaling the world in and out between steps)",
         "enable_alltoall": "all-to-all redistribution (MindSpore's enable_alltoall)",
         "mp_comm_recompute": "re-issuing tensor-parallel collectives under recompute",
@@ -650,6 +661,8 @@ _SAME_AS: Mapping[str, str] = MappingProxyType(
         "data_parallel_degree": "mesh={'dp': N}",
         "gradient_accumulation_steps": "grad_accumulation",
         "micro_batch_num": "micro_batches",
+        "multi_copy": "interleave_num",
+        "micro_batch_interleaved": "interleave_num",
         "mixed_precision": "precision",
         "activation_checkpointing": "recompute",
         "sequence_parallel": "plait.annotate.megatron(model, tp, sequence_parallel=True) (or "

@@ -55,6 +55,7 @@ from plait.mesh import MeshSpec
 
 if TYPE_CHECKING:
     from plait.comm.dtensor import DeviceMesh
+    from plait.config import ParallelConfig
 from plait.rules.common import to_mesh
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "ShardedLoader",
     "ShardedSampler",
     "input_layouts",
+    "planned_piece",
     "slice_batch",
     "split_micro_batches",
 ]
@@ -641,8 +643,19 @@ def _linear_rank(mesh: MeshSpec, coord: Sequence[int]) -> int:
     return rank
 
 
-def split_micro_batches(batch: Any, k: int) -> list[Any]:
-    """Cut every tensor of ``batch`` into ``k`` equal pieces along dim 0 (``[batch]`` if k == 1)."""
+def planned_piece(batch: Any, config: ParallelConfig) -> Any:
+    """The piece of a step's ``batch`` a plan is made for (and a job's program traced on):
+    1/``grad_accumulation`` of it, and of that one of ``interleave_num`` copies."""
+    k, copies = config.grad_accumulation, config.interleave_num
+    named = f"grad_accumulation={k} micro-batches"
+    if copies > 1:
+        named = f"grad_accumulation={k} micro-batches of interleave_num={copies} copies"
+    return split_micro_batches(batch, config.planned_pieces, pieces=named)[0]
+
+
+def split_micro_batches(batch: Any, k: int, *, pieces: str = "") -> list[Any]:
+    """Cut every tensor of ``batch`` into ``k`` equal pieces along dim 0 (``[batch]`` if k == 1).
+    ``pieces`` names them in the error (default: ``grad_accumulation=k micro-batches``)."""
     if k == 1:
         return [batch]
     leaves = [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
@@ -650,10 +663,10 @@ def split_micro_batches(batch: Any, k: int) -> list[Any]:
         if x.ndim == 0 or x.shape[0] % k:
             raise ShardingError(
                 f"batch tensor of shape {tuple(x.shape)}: dim 0 does not divide into "
-                f"grad_accumulation={k} micro-batches; use a batch size divisible by {k}"
+                f"{pieces or f'grad_accumulation={k} micro-batches'}; use a batch size "
+                f"divisible by {k}"
             )
-    pieces = [
+    return [
         tree_map(lambda x, i=i: x.chunk(k)[i] if isinstance(x, torch.Tensor) else x, batch)
         for i in range(k)
     ]
-    return pieces

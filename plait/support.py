@@ -175,6 +175,16 @@ def _ps_dense(cfg: ParallelConfig) -> str | None:
     return next((given for refused, given in checks if refused), None)
 
 
+def _only_data_parallel(cfg: ParallelConfig) -> bool:
+    """The config fixes a mesh whose only axis larger than one is the data-parallel one (mode
+    data_parallel, or an explicit mesh); mode auto without a mesh is known after planning."""
+    if cfg.mode in ("data_parallel", "parameter_server", "stand_alone") and cfg.mesh is None:
+        return True
+    return cfg.mesh is not None and all(
+        size == 1 for axis, size in cfg.mesh_dict.items() if axis != cfg.dp_axis
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         "parameter_server",
@@ -371,6 +381,38 @@ RULES: tuple[Rule, ...] = (
         "use recompute='full' or 'none' (per module too) with offload='activations'; "
         "compiled stages, with tensor parallel inside, run both",
         on_engine=True,
+    ),
+    Rule(
+        "interleave_data_parallel",
+        "a mesh of data parallel alone",
+        lambda c, w: c.interleave_num > 1 and _only_data_parallel(c),
+        lambda c: f"interleave_num={c.interleave_num}",
+        "multi-copy parallel on data parallel alone (it runs one copy's tensor-parallel "
+        "collectives while another copy computes; the gradient reductions of data parallel "
+        "run during backward already)",
+        "leave interleave_num out, or give the mesh a 'tp' axis (mode semi_auto or auto)",
+        kind="would do nothing",
+        context=lambda c: f" with mode={c.mode!r}, mesh={c.mesh_dict or None!r}",
+        planning=True,
+    ),
+    Rule(
+        "interleave_hybrid",
+        "hybrid",
+        lambda c, w: c.interleave_num > 1 and c.mode == "hybrid",
+        lambda c: f"interleave_num={c.interleave_num}, mode='hybrid'",
+        "multi-copy parallel for hand-written layouts (it is a pass over a plan's program)",
+        "modes semi_auto and auto run it",
+    ),
+    Rule(
+        "interleave_stages",
+        "pipeline stages",
+        lambda c, w: _on(w, "pipeline") and c.interleave_num > 1,
+        lambda c: f"interleave_num={c.interleave_num}",
+        "multi-copy parallel in pipeline stages",
+        "the pipeline's micro-batches already overlap one stage's transfers with another's "
+        "compute: leave interleave_num out, or run without a 'pp' axis",
+        on_engine=True,
+        planning=True,
     ),
     Rule(
         "stages_grad_accumulation",

@@ -58,12 +58,22 @@ from plait.search.propagation import Decision
 __all__ = ["assemble_plan"]
 
 
+def _pieces(repeat: int, copies: int) -> str:
+    """What a repeated collective repeats in, in words."""
+    if copies == 1:
+        return f"{repeat} micro-steps"
+    if repeat == copies:
+        return f"{copies} copies, interleaved"
+    return f"{repeat // copies} micro-steps x {copies} copies, interleaved"
+
+
 @dataclass
 class _Step:
     """The collectives of one step as the plan lists them."""
 
     topology: Topology
-    repeat: int = 1  # micro-steps (gradient accumulation) the collectives being added repeat in
+    repeat: int = 1  # pieces (micro-steps x copies) the collectives being added repeat in
+    copies: int = 1  # of them, copies of one micro-step (multi-copy parallel)
     items: list[PlannedCollective] = field(default_factory=list)
     moved: set[tuple[str, TensorLayout]] = field(default_factory=set)  # forward fan-out
     reduced: set[tuple[str, TensorLayout]] = field(default_factory=set)  # backward fan-out
@@ -112,7 +122,7 @@ class _Step:
             )
         count *= self.repeat
         if self.repeat > 1:
-            reason += f" (each of {self.repeat} micro-steps)"
+            reason += f" (each of {_pieces(self.repeat, self.copies)})"
         self.items.append(
             PlannedCollective(
                 kind, axes, nbytes, seconds, count, phase, op, reason,
@@ -158,10 +168,10 @@ def assemble_plan(
     chosen, stage_of = estimate.chosen, estimate.stage_of
     stages = cfg.pipeline_stages
     ctx = _Context(graph, cfg, mesh, problem, chosen, stage_of)
-    # With gradient accumulation the graph is one micro-step's: its activation collectives
-    # repeat per micro-step; the gradient reductions (after the last) and the reported loss's
-    # reduction (of the micro-steps' sum) happen once.
-    step = _Step(topology, repeat=cfg.grad_accumulation)
+    # With gradient accumulation the graph is one micro-step's (with interleave_num, one
+    # copy's): its activation collectives repeat per micro-step and copy; the gradient
+    # reductions (after the last) and the reported loss's reduction (of the sum) happen once.
+    step = _Step(topology, repeat=cfg.planned_pieces, copies=cfg.interleave_num)
     param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]] = {}
     for op in graph.ops:
         _op_collectives(ctx, op, step, param_layouts)
@@ -197,6 +207,7 @@ def assemble_plan(
         batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
         memory_limit=cast("int | None", cfg.memory_limit),  # ParallelConfig parsed text to bytes
         grad_accumulation=cfg.grad_accumulation,
+        interleave_num=cfg.interleave_num,
         dp_axis=cfg.dp_axis,
         dataset_strategy=cfg.dataset_strategy,
         comm_fusion=cfg.comm_fusion,

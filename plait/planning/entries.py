@@ -384,6 +384,10 @@ class PlanContents:
     """Micro-steps per optimizer step (``ParallelConfig.grad_accumulation``): ``batch`` is one
     micro-step's batch; activation collectives repeat per micro-step (their ``count``), the
     gradient reductions happen once."""
+    interleave_num: int = 1
+    """Copies each micro-step is cut into (``ParallelConfig.interleave_num``, multi-copy
+    parallel): ``batch`` is one copy's batch; the ops' collectives repeat per copy, and each
+    copy's tensor-parallel collectives run while another copy computes."""
     dp_axis: str = "dp"
     """The data-parallel mesh axis the plan was made with (``ParallelConfig.dp_axis``)."""
     dataset_strategy: DatasetStrategyValue = "data_parallel"
@@ -427,7 +431,7 @@ class PlanContents:
         "precision", "micro_batches",
         "pipeline_stages", "schedule", "virtual_stages", "optimizer_shard",
         "optimizer_weight_shard_size", "recompute",
-        "memory_limit", "grad_accumulation", "dp_axis", "dataset_strategy", "comm_fusion",
+        "memory_limit", "grad_accumulation", "interleave_num", "dp_axis", "dataset_strategy", "comm_fusion",
         "offload", "recompute_regions", "predicted", "stages", "stage_compute_s", "ops",
         "parameters", "collectives", "servers", "server_tables", "options", "notes",
     )  # fmt: skip
@@ -458,6 +462,7 @@ class PlanContents:
         check_choice("Plan.precision", self.precision, get_args(Precision))
         check_int("Plan.micro_batches", self.micro_batches, 1)
         check_int("Plan.grad_accumulation", self.grad_accumulation, 1)
+        check_int("Plan.interleave_num", self.interleave_num, 1)
         check_str("Plan.dp_axis", self.dp_axis, empty=False)
         object.__setattr__(self, "dataset_strategy", _check_dataset_strategy(self.dataset_strategy))
         if self.comm_fusion is not None and not isinstance(self.comm_fusion, CommFusion):

@@ -136,8 +136,20 @@ def micro_batch_seconds(
     for op in graph.ops:
         p = pieces[op.name]
         again = m * op_compute(op, p * m) - op_compute(op, p)
-        extra[stage_of[op.name]] += max(0.0, again) * cfg.grad_accumulation
+        extra[stage_of[op.name]] += max(0.0, again) * cfg.planned_pieces
     return extra
+
+
+def interleaved_seconds(
+    op_comm_s: float, compute_s: float, hidden_s: float, copies: int, overlap: float
+) -> float:
+    """What of the ops' collectives multi-copy parallel hides (``interleave_num``): each
+    copy's collectives run while the other copies compute, so up to ``(copies - 1) / copies``
+    of the step's compute can cover them, less the compute that already covers other
+    collectives (``hidden_s``: the gradient buckets behind backward), at the hardware's
+    ``overlap`` efficiency."""
+    room = max(0.0, compute_s * (copies - 1) / copies - hidden_s)
+    return overlap * min(op_comm_s, room)
 
 
 def recompute_regions(graph: OpGraph, cfg: ParallelConfig) -> tuple[tuple[str, str], ...]:
@@ -347,7 +359,7 @@ def stage_memory(
             stage, cfg.pipeline_stages, m, cast(Schedule, cfg.schedule), cfg.virtual_stages or 1
         )
         if cfg.pipeline_stages > 1
-        else m
+        else m * cfg.interleave_num  # multi-copy: every copy's forward before any backward
     )
     on_device = cfg.offload != "optimizer"
     return step_peak(
@@ -544,7 +556,7 @@ class MeshEstimate:
         stage_list = self._partition(base)
         self.stage_of = dict(zip((op.name for op in graph.ops), stage_list, strict=True))
         self.stage_list = stage_list
-        ga = base.grad_accumulation
+        ga = base.planned_pieces  # the graph is one piece's: micro-steps x copies of it
         self.compute = [0.0] * stages
         for op, s in zip(graph.ops, stage_list, strict=True):
             self.compute[s] += op_time[op.name] * ga
@@ -1036,7 +1048,7 @@ class MeshEstimate:
                 "activations": peak.activations,
             },
             flops_per_step=int(
-                self.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * cfg.grad_accumulation
+                self.graph.flops * (1 + BACKWARD_FLOPS_FACTOR) * cfg.planned_pieces
             ),
         )
         return Estimate(predicted, tuple(t.compute) if self.stages > 1 else ())
@@ -1090,6 +1102,12 @@ class MeshEstimate:
         hidden = [
             clock.hidden(s, level.overlappable[s] + _sends(pipe, s), overlap) for s in range(stages)
         ]
+        copies = self.base.interleave_num
+        if copies > 1:
+            hidden = [
+                h + interleaved_seconds(self.op_sums[s][0], compute[s], h, copies, overlap)
+                for s, h in enumerate(hidden)
+            ]
         busiest = max(range(stages), key=lambda s: compute[s] + comm[s] - hidden[s] + update[s])
         compute_s, comm_s = compute[busiest], comm[busiest]
         bubble_s = schedule_bubble(cfg, compute_s, forward[busiest], comm_s)
@@ -1126,7 +1144,7 @@ class MeshEstimate:
 
     def _micro_batched_s(self, cfg: ParallelConfig) -> list[float]:
         """Per stage, the fixed op costs micro-batches pay again (:func:`micro_batch_seconds`)."""
-        key = (cfg.micro_batches, cfg.grad_accumulation)
+        key = (cfg.micro_batches, cfg.planned_pieces)
         found = self._split.get(key)
         if found is None:
             pieces = {op.name: self._work_pieces(self.chosen[op.name]) for op in self.graph.ops}
@@ -1158,7 +1176,7 @@ class MeshEstimate:
         found = self._again.get(id(trace))
         if found is None:
             found = self._again[id(trace)] = recomputed_seconds(
-                trace, self._op_time, self.stage_of, self.stages, self.base.grad_accumulation
+                trace, self._op_time, self.stage_of, self.stages, self.base.planned_pieces
             )
         return found
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from plait import support
 from plait.config import ParallelConfig
-from plait.data import split_micro_batches
+from plait.data import planned_piece, split_micro_batches
 from plait.errors import ConfigError
 from plait.graph import OpGraph, capture, in_mode
 from plait.layout import TensorLayout
@@ -112,8 +112,9 @@ def plan(
     if config.mode != "auto":
         mesh_of(config)  # a bad mesh or device count fails before the capture
     # A plan is for training steps; with gradient accumulation each micro-step runs on 1/k of
-    # the step's batch, so the graph is traced on one micro-batch (as parallelize does).
-    micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
+    # the step's batch (and with interleave_num on one copy of that), so the graph is traced
+    # on that piece (as parallelize does).
+    micro = planned_piece(example_batch, config)
     with _gc_paused():
         with timing.phase("capture"), in_mode(model, training=True):
             graph = capture(model, micro, loss_fn)

@@ -40,7 +40,7 @@ from plait.config import (
     Search,
     parameter_server_defaults,
 )
-from plait.data import split_micro_batches
+from plait.data import planned_piece
 from plait.errors import ConfigError, NotBuiltError, PlanError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -383,9 +383,10 @@ def _planned_job(
         where = f"plan file {os.fspath(config.plan)!r}"
     else:
         where = f"mode {config.mode!r}"
-    # With gradient accumulation each micro-step runs the graph on 1/k of the batch: the plan
-    # is made for (and the model traced on) one micro-step's batch.
-    micro = split_micro_batches(example_batch, config.grad_accumulation)[0]
+    # With gradient accumulation each micro-step runs the graph on 1/k of the batch (and with
+    # interleave_num, each copy on 1/copies of that): the plan is made for (and the model
+    # traced on) that piece.
+    micro = planned_piece(example_batch, config)
     if plan is None and config.plan is not None:
         plan = Plan.load(config.plan)
         _refuse_plan_overrides(plan, config, where)
@@ -635,6 +636,7 @@ def _config_of(plan: Plan) -> ParallelConfig:
         recompute_modules=tuple((p, m) for p, m in plan.recompute_regions),
         precision=plan.precision,  # type: ignore[arg-type]
         grad_accumulation=plan.grad_accumulation,
+        interleave_num=plan.interleave_num,
         dp_axis=plan.dp_axis,
         dataset_strategy=plan.dataset_strategy,  # type: ignore[arg-type]
         comm_fusion=plan.comm_fusion,
@@ -663,15 +665,17 @@ def _check_plan_settings(plan: Plan, config: ParallelConfig, where: str) -> None
 def _check_plan_batch(plan: Plan, config: ParallelConfig, micro: Any, where: str) -> None:
     """A saved plan runs with the gradient accumulation and batch shapes it was made for."""
     _check_plan_settings(plan, config, where)
-    if plan.grad_accumulation != config.grad_accumulation:
-        raise PlanError(
-            f"{where} was made for grad_accumulation={plan.grad_accumulation} but the config "
-            f"has grad_accumulation={config.grad_accumulation}; use the plan's value or plan "
-            "again with this one"
-        )
+    for name in ("grad_accumulation", "interleave_num"):
+        planned, given = getattr(plan, name), getattr(config, name)
+        if planned != given:
+            raise PlanError(
+                f"{where} was made for {name}={planned} but the config has {name}={given}; "
+                "use the plan's value or plan again with this one"
+            )
     shapes = tuple(tuple(x.shape) for x in tree_leaves(micro) if isinstance(x, torch.Tensor))
     if plan.batch and shapes != plan.batch:
         per = " per micro-step" if config.grad_accumulation > 1 else ""
+        per = " per copy" if config.interleave_num > 1 else per
         raise PlanError(
             f"{where} was made for batch shapes {list(plan.batch)}{per} but example_batch gives "
             f"{list(shapes)}{per}; train with the planned batch size or plan again for this one"

@@ -1,10 +1,13 @@
-"""Sequence parallel on real gloo processes, alone and with ZeRO and pipeline stages.
+"""Sequence parallel on real gloo processes, alone and with ZeRO, multi-copy and pipeline
+stages.
 
 plait's Llama (SDPA, rotary positions, grouped-query attention; the engine-parity test's
 model, batches and SGD) annotated by ``plait.annotate.megatron(model, 2,
 sequence_parallel=True)``, 2 steps in ``mode="semi_auto"`` on 4 processes: dp=2 x tp=2,
-the same with ZeRO-3, and pp=2 x tp=2 (1f1b, 4 micro-batches, the stages the semi_auto
-plan's). Each trains equal to one device (fp32, SGD, ``assert_same_run``'s 1e-5); each
+the same with ZeRO-3, the same with ZeRO-3 and ``interleave_num=2`` (multi-copy: each step's
+batch run as two copies whose collectives take turns with each other's compute, each
+collective of the plan issued once a copy), and pp=2 x tp=2 (1f1b, 4 micro-batches, the
+stages the semi_auto plan's). Each trains equal to one device (fp32, SGD, ``assert_same_run``'s 1e-5); each
 program issues the plan's reduce-scatters over tp where plain tensor parallel all-reduces,
 and the pipeline's compiled stages run the collectives the plan lists for their ops but for
 the sequence-split value crossing between the stages, which the pipeline sends whole (one
@@ -30,6 +33,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.nightly]
 LEGS = {
     "dp2_tp2": ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}),
     "dp2_tp2_zero3": ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, optimizer_shard=3),
+    "dp2_tp2_zero3_copies2": ParallelConfig(
+        mode="semi_auto", mesh={"dp": 2, "tp": 2}, optimizer_shard=3, interleave_num=2
+    ),
     "pp2_tp2": ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4),
 }
 
@@ -70,6 +76,7 @@ def _legs() -> dict:
             ),
             "mismatches": getattr(job, "plan_mismatches", None),
             "compiled_stages": sum(p.calls > 0 for p in programs),
+            "copies": getattr(getattr(job, "program", None), "copies", None),
             "beyond_plan": _beyond_plan(job),
         }
     return out
@@ -95,6 +102,10 @@ def test_sequence_parallel_trains_like_one_device_with_zero_and_stages() -> None
         # gathers it (and reduce-scatters its gradient) and the last one all-gathers the
         # gradient of its slice, where the plan has it cross split (a known gap, see
         # docs/pipeline.md)
+        # multi-copy: each copy issues the plan's collectives over tp (twice those of one)
+        copies, one = r["dp2_tp2_zero3_copies2"], r["dp2_tp2_zero3"]
+        assert copies["copies"] == 2 and not copies["mismatches"]
+        assert copies["planned"] == Counter({k: 2 * n for k, n in one["planned"].items()})
         pp = r["pp2_tp2"]
         (stage,) = pp["beyond_plan"]  # the one stage this rank runs
         boundary = {

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
+from torch.export.graph_signature import InputKind
 
 from plait._compat import (
     dtensor_like,
@@ -33,7 +34,7 @@ from plait.comm.dtensor import (
 )
 from plait.comm.world import current_world
 from plait.config import ParallelConfig
-from plait.data import input_layouts, split_micro_batches
+from plait.data import input_layouts, planned_piece, split_micro_batches
 from plait.errors import CheckpointError, NotBuiltError, ShardingError
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
@@ -771,13 +772,12 @@ class ProgramJob(MeshJob):
         trained = self._trained_parameters(program)
         grads: list[torch.Tensor] | None = None
         total: torch.Tensor | None = None
-        flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
         for micro in split_micro_batches(batch, k):
             # the program was traced on contiguous inputs: a batch sliced by the user
             # (``ids[:, :-1]``) arrives strided, and its views would not fit it (the batch
             # only: parameters are the program's own, checked by nothing on this hot path)
             micro = tree_map(_contiguous, micro)
-            flat = [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
+            flat = self._program_inputs(micro, program)
             out = program.run(weight, flat)
             loss, new = out[0], out[1 : 1 + len(trained)]
             if grads is None:
@@ -817,16 +817,34 @@ class ProgramJob(MeshJob):
         loss_value = dtensor_from_local(local, self.device_mesh, program.loss_placements, (), ())
         return float(full_value(loss_value).item())
 
+    def _program_inputs(self, micro: Any, program: Program) -> list[Any]:
+        """The program's inputs for one micro-batch, local pieces: the executor's (its
+        parameters, buffers, constants and the batch laid out as planned); with multi-copy
+        parallel each batch input holds the copies' pieces one after another along dim 0, as
+        the program cuts them."""
+        flat_inputs = self.loss_fn.flat_inputs  # type: ignore[attr-defined]
+        if program.copies == 1:
+            return [local_piece(x) for x in flat_inputs(self.model, self.shard_batch(micro))]
+        copies = split_micro_batches(micro, program.copies)
+        flats = [flat_inputs(self.model, self.shard_batch(c)) for c in copies]
+        out: list[Any] = []
+        for i, spec in enumerate(program.inputs):
+            if spec.kind == InputKind.USER_INPUT and isinstance(flats[0][i], torch.Tensor):
+                out.append(torch.cat([local_piece(f[i]) for f in flats]))
+            else:
+                out.append(local_piece(flats[0][i]))
+        return out
+
     def _for_batch_shape(self, batch: Any) -> Program:
         """The program for ``batch``'s micro-batch shapes, made active (``loss_fn`` and
         ``program``): the planned one, one planned before for these shapes, or planned now
         (once per shape, logged; :mod:`plait.runtime.engine.replan`). A job that cannot plan again
         keeps its program, whose executor refuses other shapes by name."""
-        micro = split_micro_batches(batch, self.config.grad_accumulation)[0]
-        key = batch_key(micro)
+        piece = planned_piece(batch, self.config)  # with interleave_num: one copy
+        key = batch_key(piece)
         found = self._by_shape.get(key)
         if found is None:
-            found = self._program_of_shape(micro)
+            found = self._program_of_shape(piece)
             if found is None:
                 return self.program
             self._by_shape[key] = found
@@ -874,8 +892,9 @@ class ProgramJob(MeshJob):
         require_initialised(self.model, "job.evaluate")
         self.model.eval()
         self._for_batch_shape(batch)
+        # the evaluation program runs one planned piece a call (one copy with interleave_num)
         return self._evaluate_program(
-            batch, self.config.grad_accumulation, self.program_for_evaluation()
+            batch, self.config.planned_pieces, self.program_for_evaluation()
         )
 
     def predict(self, batch: Any) -> Any:

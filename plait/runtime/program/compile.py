@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from plait.comm.lower import (
 from plait.comm.redistribute import replicated_from_local
 from plait.errors import ConfigError, PlanError, ShardingError
 from plait.runtime.program.grad_sync import write_buckets_in_place
+from plait.runtime.program.interleave import COPY_TAG, interleave_copies
 from plait.runtime.program.offload import offload_saved
 from plait.runtime.program.remat import is_collective, recompute_policy, rematerialize, saved_bytes
 from plait.runtime.program.remat import regions as region_map
@@ -127,9 +129,13 @@ class Program:
         trace_seconds: float,
         simulated: bool = False,
         outputs: Sequence[Any] = (),
+        copies: int = 1,
     ) -> None:
         self.graphs = graphs
         self.inputs = tuple(inputs)
+        """How each exported input enters (a batch input's shape: one copy's)."""
+        self.copies = copies
+        """Copies of the executor's batch one call runs (multi-copy parallel; 1: off)."""
         self.trained = tuple(trained)
         """Parameter names whose local gradients the program returns, in output order."""
         self.grad_placements = tuple(grad_placements)
@@ -492,6 +498,7 @@ def compile_program(
     trained: Sequence[str],
     contexts: Callable[[], contextlib.AbstractContextManager[Any]],
     outputs: bool = False,
+    copies: int = 1,
 ) -> Program:
     """Trace ``executor`` (a :class:`~plait.runtime.engine.plan_exec.PlanExecutor`) into a Program.
 
@@ -502,7 +509,11 @@ def compile_program(
     buffers it updates). ``contexts`` enters what the step runs under (autocast, DTensor
     settings). ``outputs``: a forward program of a model without its loss (``job.predict``):
     it returns the local pieces of the model's tensor outputs (:attr:`Program.outputs` says
-    how each is laid out) and nothing is trained.
+    how each is laid out) and nothing is trained. ``copies`` (a training program): multi-copy
+    parallel (``ParallelConfig.interleave_num``): the program's batch inputs hold that many
+    of the executor's batches along dim 0, each run through the executor, their losses
+    averaged, and the graph ordered so the copies take turns at their collectives
+    (:mod:`plait.runtime.program.interleave`).
     """
     device_mesh = executor.device_mesh
     inputs = _input_specs(executor, flat, set(trained))
@@ -510,15 +521,27 @@ def compile_program(
     record: dict[str, Any] = {}
     started = time.perf_counter()
     examples = [torch.zeros((), dtype=torch.float32)] + [
-        local_piece(x) for x, spec in zip(flat, inputs, strict=True) if spec.placements
+        _copies_of(local_piece(x), copies) if spec.kind == InputKind.USER_INPUT else local_piece(x)
+        for x, spec in zip(flat, inputs, strict=True)
+        if spec.placements
     ]
-    traced_fn = _traced_forward if outputs else _traced_step
-    traced = trace_per_rank(
-        lambda: traced_fn(executor, model, inputs, contexts, record), examples, device_mesh
-    )
+    if outputs:
+        traced = trace_per_rank(
+            lambda: _traced_forward(executor, model, inputs, contexts, record),
+            examples,
+            device_mesh,
+        )
+    else:
+        traced = trace_per_rank(
+            lambda: _traced_step(executor, model, inputs, contexts, record, copies),
+            examples,
+            device_mesh,
+        )
     seconds = time.perf_counter() - started
     for graph_module in traced.values():
         drop_aliases(graph_module)
+        if copies > 1:
+            interleave_copies(graph_module, copies, first_backward_node(graph_module))
         _tag_planned_reasons(graph_module, executor.plan)
     program = Program(
         traced,
@@ -532,6 +555,7 @@ def compile_program(
         trace_seconds=seconds,
         simulated=simulated,
         outputs=record.get("outputs", ()),
+        copies=copies,
     )
     logger.info(
         "compiled per-rank program: %d nodes, %d collectives (%.2f s, %d rank(s) traced)",
@@ -580,35 +604,53 @@ def _input_specs(executor: Any, flat: Sequence[Any], trained: set[str]) -> list[
     return out
 
 
+def _copies_of(piece: torch.Tensor, copies: int) -> torch.Tensor:
+    """An example batch input holding ``copies`` of ``piece`` along dim 0 (shapes only)."""
+    return piece if copies == 1 else torch.cat([piece] * copies)
+
+
 def _traced_step(
     executor: Any,
     model: torch.nn.Module,
     inputs: Sequence[_Input],
     contexts: Callable[[], contextlib.AbstractContextManager[Any]],
     record: dict[str, Any],
+    copies: int = 1,
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """The function make_fx traces: local pieces in, local loss, gradients and buffers out."""
+    """The function make_fx traces: local pieces in, local loss, gradients and buffers out;
+    with ``copies``, the executor run on each copy of the batch, the losses averaged."""
     mesh = executor.device_mesh
     signature = executor.captured.program.graph_signature
 
     def step(scale: torch.Tensor, *local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        values = _laid_out_inputs(inputs, local, mesh)
         leaves: list[tuple[str, torch.Tensor]] = []
+        runs = _copy_inputs(inputs, local, mesh, copies)
         for i, spec in enumerate(inputs):
-            if spec.trained:
-                values[i] = values[i].detach().requires_grad_(True)
+            if spec.trained:  # one leaf, read by every copy: autograd sums their gradients
+                leaf = runs[0][i].detach().requires_grad_(True)
+                for run in runs:
+                    run[i] = leaf
                 assert spec.target is not None
-                leaves.append((spec.target, values[i]))
-        with node_meta_preserved(), contexts():
-            outputs = executor.run_flat(values)
-        loss: Any = None
+                leaves.append((spec.target, leaf))
+        losses: list[Any] = []
         buffers: list[tuple[str, torch.Tensor]] = []
-        for out_spec, value in zip(signature.output_specs, outputs, strict=True):
-            if out_spec.kind == OutputKind.BUFFER_MUTATION:
-                buffers.append((strip_wrapper(out_spec.target), value))
-            elif loss is None and out_spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
-                loss = value
-        check_loss(loss)
+        for run in runs:
+            with node_meta_preserved(), contexts():
+                outputs = executor.run_flat(run)
+            loss: Any = None
+            for out_spec, value in zip(signature.output_specs, outputs, strict=True):
+                if out_spec.kind == OutputKind.BUFFER_MUTATION:
+                    buffers.append((strip_wrapper(out_spec.target), value))
+                elif loss is None and out_spec.kind in (
+                    OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT
+                ):  # fmt: skip
+                    loss = value
+            check_loss(loss)
+            losses.append(loss)
+        if copies > 1:
+            _refuse_buffer_updates(buffers, copies)
+            with node_meta_preserved(), contexts():
+                loss = functools.reduce(operator.add, losses) / copies
         grads: Sequence[torch.Tensor | None] = ()
         if leaves:  # an evaluation program (nothing trained) is its forward alone
             with node_meta_preserved(), annotated({"plait_phase": "backward"}), contexts():
@@ -647,6 +689,51 @@ class OutputSpec:
     shape: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     constant: Any = None
+
+
+def _copy_inputs(
+    inputs: Sequence[_Input], local: Sequence[torch.Tensor], mesh: DeviceMesh, copies: int
+) -> list[list[Any]]:
+    """The executor's inputs for each copy: parameters, buffers and constants shared, each
+    batch input's local piece cut into ``copies`` along dim 0 (this rank's part of each copy:
+    its rows of the batch, whatever their layout, cut alike on every rank), the cut tagged
+    with its copy for :func:`~plait.runtime.program.interleave.interleave_copies`."""
+    if copies == 1:
+        return [_laid_out_inputs(inputs, local, mesh)]
+    runs: list[list[Any]] = [[] for _ in range(copies)]
+    pieces = iter(local)
+    for spec in inputs:
+        if spec.placements is None:
+            for run in runs:
+                run.append(spec.constant)
+            continue
+        assert spec.shape is not None and spec.stride is not None
+        piece = next(pieces)
+        if spec.kind != InputKind.USER_INPUT:
+            value = dtensor_from_local(piece, mesh, spec.placements, spec.shape, spec.stride)
+            for run in runs:
+                run.append(value)
+            continue
+        rows = piece.shape[0] // copies
+        for j, run in enumerate(runs):
+            with node_meta_preserved(), annotated({COPY_TAG: j}):
+                part = piece.narrow(0, j * rows, rows)
+            run.append(dtensor_from_local(part, mesh, spec.placements, spec.shape, spec.stride))
+    return runs
+
+
+def _refuse_buffer_updates(buffers: Sequence[tuple[str, torch.Tensor]], copies: int) -> None:
+    """Copies run side by side: a buffer the forward updates (BatchNorm's running statistics)
+    would be updated by each from the same old value, and one copy's update lost."""
+    if buffers:
+        names = sorted({name for name, _ in buffers})
+        raise ConfigError(
+            f"ParallelConfig(interleave_num={copies}): the model's forward updates buffers "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), which copies run "
+            "side by side cannot: each would update them from the same old value; leave "
+            "interleave_num out for this model, or stop the updates (the module in eval mode, "
+            "BatchNorm's track_running_stats=False)"
+        )
 
 
 def _laid_out_inputs(

@@ -1,0 +1,173 @@
+"""Multi-copy parallel (``ParallelConfig(interleave_num=k)``) on simulated ranks.
+
+Each micro-batch is cut into k copies along the batch; the plan is made for one copy and the
+per-rank program runs every copy, ordered so that a copy's collective is in flight while
+another copy computes (:mod:`plait.runtime.program.interleave`). TinyGPT with Megatron's
+annotations on dp=2 x tp=2: training equals one device (fp32, AdamW, rtol 1e-4: every
+parameter of TinyGPT has a gradient, none is a key bias); the step's collectives are exactly
+the plan's (each copy's, half the bytes; the gradient reductions once); the program's order
+puts another copy's compute between each forward all-reduce and its wait. Through
+``parallelize`` (mode auto) with ZeRO-3 and gradient accumulation too. Settings it cannot
+serve are refused by name before anything runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import plait
+from plait import support
+from plait.annotate import megatron
+from plait.config import ParallelConfig
+from plait.errors import ConfigError, NotBuiltError, ShardingError
+from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.runtime.program.interleave import copy_masks
+from plait.runtime.program.remat import is_collective
+from plait.testing.comm import CollectiveLog
+from plait.testing.equivalence import Run, assert_same_run, reference_run
+from tests.sim.test_plan_exec import (
+    adamw,
+    debug_counts,
+    executed_collectives,
+    gpt_batches,
+    planned_collectives,
+    sgd,
+)
+
+GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2)
+MESH = {"dp": 2, "tp": 2}
+RTOL = 1e-4
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _turns(graph) -> tuple[int, int]:
+    """(covered, uncovered): collectives of one copy between whose start and wait the
+    program computes something of the other copy, and those where it does not."""
+    nodes = list(graph.nodes)
+    backward = next(
+        n for n in nodes if (n.meta.get("custom") or {}).get("plait_phase") == "backward"
+    )
+    masks = copy_masks(graph, backward)
+    position = {n: i for i, n in enumerate(nodes)}
+    covered = uncovered = 0
+    for wait in (n for n in nodes if n.target is _WAIT):
+        start = wait.args[0]
+        if masks[start] not in (1, 2):
+            continue  # a collective of no single copy (the gradient buckets, the loss)
+        other = 3 - masks[start]
+        between = nodes[position[start] + 1 : position[wait]]
+        if any(masks[n] == other and not is_collective(n) for n in between):
+            covered += 1
+        else:
+            uncovered += 1
+    return covered, uncovered
+
+
+def test_copies_train_as_one_device_each_with_its_own_collectives() -> None:
+    """semi_auto on dp=2 x tp=2 with interleave_num=2 (AdamW): equal to one device; step 2's
+    collectives are the plan's (plait's log and CommDebugMode alike), each copy's the
+    collectives of one micro-batch on half its rows; the program takes turns."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    megatron(model, 2)
+    batches = gpt_batches(GPT, 3)
+    expected = reference_run(model, gpt_loss, adamw, batches)
+    one = plait.plan(model, ParallelConfig(mode="semi_auto", mesh=MESH), example_batch=batches[0],
+                     loss_fn=gpt_loss)  # fmt: skip
+    cfg = ParallelConfig(mode="semi_auto", mesh=MESH, interleave_num=2)
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        plan = job.loss_fn.plan
+        losses = [job.step(batches[0])]
+        with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
+            losses.append(job.step(batches[1]))
+        losses.append(job.step(batches[2]))
+        actual = Run(losses, job.full_state_dict())
+        graph = job.program.graph_module.graph
+    assert_same_run(expected, actual, rtol=RTOL, atol=1e-6)
+    executed = executed_collectives(log)
+    assert executed == planned_collectives(plan)
+    assert sum(debug_counts(debug).values()) == sum(executed.values())
+    assert job.loss_fn.mismatches == []
+    assert plan.interleave_num == 2 and job.program.copies == 2
+    assert plan.batch == tuple((s[0] // 2, *s[1:]) for s in one.batch)
+    # Each copy issues the tensor-parallel collectives of one micro-batch on half its rows:
+    # twice as many, each half the bytes. The gradients are summed over the copies inside
+    # the program and reduced over dp once, in the same buckets; the loss is reduced once.
+    planned_one = planned_collectives(one)
+    over_tp = Counter({(k, b // 2): 2 * n for (k, a, b), n in planned_one.items() if a == "tp"})
+    assert Counter({(k, b): n for (k, a, b), n in executed.items() if a == "tp"}) == over_tp
+    gradients = {key: n for key, n in planned_one.items() if key[1] == "dp" and key[2] > 64}
+    assert {key: n for key, n in executed.items() if key[1] == "dp" and key[2] > 64} == gradients
+    reasons = [c.reason for c in plan.collectives if "tp" in c.axes]
+    assert reasons and all(r.endswith("(each of 2 copies, interleaved)") for r in reasons)
+    # Between each tp collective a copy starts and its wait, the other copy computes (5 in
+    # forward and 5 in backward a copy), but where a copy has nothing left to compute
+    covered, uncovered = _turns(graph)
+    assert covered >= 16 and uncovered <= 4, (covered, uncovered)
+
+
+def test_auto_with_zero3_and_accumulation_trains_as_one_device() -> None:
+    """parallelize in mode auto on dp=2 x tp=2 with interleave_num=2, ZeRO-3 and
+    grad_accumulation=2 (SGD): equal to one device; what runs is what the plan lists; evaluate
+    takes the step's batch."""
+    torch.manual_seed(1)
+    model = TinyGPT(GPT)
+    megatron(model, 2)
+    batches = gpt_batches(GPT, 3, batch=8)
+    expected = reference_run(model, gpt_loss, sgd, batches)
+    cfg = ParallelConfig(
+        mode="auto", search="dynamic_programming", mesh=MESH, interleave_num=2,
+        grad_accumulation=2, optimizer_shard=3,
+    )  # fmt: skip
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        plan = job.loss_fn.plan
+        losses = [job.step(batches[0])]
+        with CollectiveLog(job.device_mesh) as log:
+            losses.append(job.step(batches[1]))
+        losses.append(job.step(batches[2]))
+        actual = Run(losses, job.full_state_dict())
+        evaluated = job.evaluate(batches[0])
+    assert_same_run(expected, actual, rtol=RTOL, atol=1e-5)
+    assert executed_collectives(log) == planned_collectives(plan)
+    assert plan.batch == ((2, GPT.seq), (2, GPT.seq))  # 8 rows: 2 micro-steps x 2 copies
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(expected.state)
+    with torch.no_grad():
+        quarters = [
+            gpt_loss(trained, tuple(x[i : i + 2] for x in batches[0])) for i in (0, 2, 4, 6)
+        ]
+    assert evaluated == pytest.approx(float(sum(quarters)) / 4, rel=1e-5)
+
+
+def test_settings_it_cannot_serve_are_refused_by_name() -> None:
+    model = TinyGPT(GPT)
+    megatron(model, 2)
+    batch = gpt_batches(GPT, 1)[0]
+    with pytest.raises(ConfigError, match=r"interleave_num=2.*would do nothing.*'tp' axis"):
+        plait.plan(model, ParallelConfig(mode="data_parallel", devices=4, interleave_num=2),
+                   example_batch=batch, loss_fn=gpt_loss)  # fmt: skip
+    with pytest.raises(NotBuiltError, match=r"interleave_num=2.*pipeline"):
+        plait.plan(model, ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2},
+                                         interleave_num=2),
+                   example_batch=batch, loss_fn=gpt_loss)  # fmt: skip
+    with pytest.raises(NotBuiltError, match=r"interleave_num=2, mode='hybrid'"):
+        support.check(ParallelConfig(mode="hybrid", mesh=MESH, interleave_num=2))
+    with pytest.raises(ConfigError, match=r"interleave_num=0 is not allowed"):
+        ParallelConfig(interleave_num=0)
+    with pytest.raises(ShardingError, match=r"grad_accumulation=1 micro-batches of "
+                                             r"interleave_num=3 copies"):  # fmt: skip
+        plait.plan(model, ParallelConfig(mode="semi_auto", mesh=MESH, interleave_num=3),
+                   example_batch=batch, loss_fn=gpt_loss)  # fmt: skip
+    with pytest.raises(ConfigError, match="did you mean interleave_num"):
+        ParallelConfig(multi_copy=2)  # type: ignore[call-arg]

@@ -3,6 +3,8 @@
     .venv/bin/python bench/published.py                 # every row of Table 1 (~30 s here)
     .venv/bin/python bench/published.py --rows 1.7b 1t  # some rows
     .venv/bin/python bench/published.py --detail        # also each row's anatomy (below)
+    .venv/bin/python bench/published.py --rows 3.6b 7.5b 18b --interleave 2
+                                                        # the cost model's multi-copy what-if
 
 What it checks: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM", SC'21 (arXiv 2104.04473), Table 1 measured GPT training from 1.7B
@@ -64,6 +66,7 @@ a09a590.)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import subprocess
@@ -256,8 +259,9 @@ def compute_anatomy(plan: Plan, graph: OpGraph) -> dict[str, float]:
     return {k: v * scale for k, v in parts.items()}
 
 
-def plan_row(row: Row) -> Planned:
-    """Build the row's GPT on the meta device, capture it, plan it on the fixed mesh."""
+def plan_row(row: Row, copies: int = 1) -> Planned:
+    """Build the row's GPT on the meta device, capture it, plan it on the fixed mesh; with
+    ``copies``, multi-copy parallel (``interleave_num``: the plan is one copy's batch)."""
     from plait.graph import capture
     from plait.models import ModelSpec, annotate_megatron, build
     from plait.planning import plan_graph
@@ -265,7 +269,7 @@ def plan_row(row: Row) -> Planned:
 
     # gradient accumulation (no stages: row_config) plans one micro-step's batch, as
     # plait.plan does when it is handed the whole step's
-    steps = 1 if row.pp > 1 else row.micro_batches
+    steps = (1 if row.pp > 1 else row.micro_batches) * copies
     spec = ModelSpec(
         kind="gpt", layers=row.layers, hidden=row.hidden, heads=row.heads, seq=SEQ,
         vocab=VOCAB, batch=row.batch // steps,
@@ -276,7 +280,7 @@ def plan_row(row: Row) -> Planned:
         model, batch, loss = build(spec)
     if row.tp > 1:
         annotate_megatron(model, tp=row.tp)
-    cfg = row_config(row)
+    cfg = dataclasses.replace(row_config(row), interleave_num=copies)
     timing = kw.get("timing")
     if timing is not None:
         with timing.phase("capture"):
@@ -360,14 +364,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", choices=list(BY_NAME), help="rows to plan")
     parser.add_argument("--detail", action="store_true", help="anatomy, collectives, what-ifs")
+    parser.add_argument(
+        "--interleave", type=int, default=1,
+        help="plan with interleave_num=K (multi-copy; rows without pipeline stages only)",
+    )  # fmt: skip
     args = parser.parse_args()
     rows = [BY_NAME[n] for n in args.rows] if args.rows else list(ROWS)
+    if args.interleave > 1:
+        rows = [row for row in rows if row.pp == 1]
     print(header())
     print("| " + " | ".join(HEAD) + " |")
     print("|" + "---|" * len(HEAD))
     details: list[str] = []
     for row in rows:
-        got = plan_row(row)
+        got = plan_row(row, args.interleave)
         print("| " + " | ".join(table_cells(row, got)) + " |", flush=True)
         details += detail_lines(row, got)
     if args.detail:

@@ -163,6 +163,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="per-module recompute: PATH=full|selective, comma-separated (blocks.0=full)",
     )
     cfg.add_argument("--grad-accumulation", type=int, default=1)
+    cfg.add_argument(
+        "--interleave-num",
+        type=int,
+        default=1,
+        help="multi-copy parallel: each micro-batch run as N copies (ParallelConfig.interleave_num)",
+    )
     cfg.add_argument("--comm-fusion", type=_comm_fusion, help="size:MB or index:I,J")
     cfg.add_argument("--offload", choices=get_args(Offload))
     cfg.add_argument(
@@ -242,6 +248,7 @@ def config_from_args(args: argparse.Namespace):  # -> ParallelConfig
         recompute=args.recompute,
         recompute_modules=args.recompute_modules,
         grad_accumulation=args.grad_accumulation,
+        interleave_num=args.interleave_num,
         comm_fusion=args.comm_fusion,
         offload=args.offload,
         host_modules=args.host_modules,

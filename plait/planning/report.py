@@ -192,6 +192,12 @@ def _header_lines(plan: PlanContents) -> list[str]:
             if plan.grad_accumulation > 1
             else ""
         )
+        if plan.interleave_num > 1:
+            per = (
+                f" per copy, {plan.interleave_num} copies interleaved (multi-copy: each copy's "
+                "collectives run while another copy computes)"
+                + (f", {plan.grad_accumulation} micro-steps" if plan.grad_accumulation > 1 else "")
+            )
         lines.append("  batch " + ", ".join(str(s) for s in plan.batch) + per)
     return lines
 

@@ -106,6 +106,7 @@ def test_copies_train_as_one_device_each_with_its_own_collectives() -> None:
     assert Counter({(k, b): n for (k, a, b), n in executed.items() if a == "tp"}) == over_tp
     gradients = {key: n for key, n in planned_one.items() if key[1] == "dp" and key[2] > 64}
     assert {key: n for key, n in executed.items() if key[1] == "dp" and key[2] > 64} == gradients
+    assert "per copy, 2 copies interleaved" in plan.summary()
     reasons = [c.reason for c in plan.collectives if "tp" in c.axes]
     assert reasons and all(r.endswith("(each of 2 copies, interleaved)") for r in reasons)
     # Between each tp collective a copy starts and its wait, the other copy computes (5 in
@@ -171,3 +172,38 @@ def test_settings_it_cannot_serve_are_refused_by_name() -> None:
                    example_batch=batch, loss_fn=gpt_loss)  # fmt: skip
     with pytest.raises(ConfigError, match="did you mean interleave_num"):
         ParallelConfig(multi_copy=2)  # type: ignore[call-arg]
+
+
+def test_the_plan_prices_the_copies_overlap() -> None:
+    """On a profile whose collectives run beside compute (a100-80g: comm_overlap 1), two
+    copies hide part of the ops' tp collectives behind the other copy's compute, where one
+    copy hides none of them: the prediction's overlapped seconds grow by what
+    ``interleaved_seconds`` gives, and the copies' activations are held at once."""
+    from plait.planning.estimate import interleaved_seconds
+
+    model = TinyGPT(GPTConfig(vocab=256, seq=64, width=128, heads=4, layers=2))
+    megatron(model, 2)
+    batch = gpt_batches(GPTConfig(vocab=256, seq=64, width=128, heads=4, layers=2), 1, batch=16)[0]
+    plans = {
+        k: plait.plan(
+            model,
+            ParallelConfig(mode="semi_auto", mesh=MESH, interleave_num=k, hardware="a100-80g"),
+            example_batch=batch,
+            loss_fn=gpt_loss,
+        )
+        for k in (1, 2)
+    }
+    one, two = plans[1].predicted, plans[2].predicted
+    params = {p.name for p in plans[2].parameters}
+    op_comm = sum(
+        c.seconds * c.count
+        for c in plans[2].collectives
+        if c.op not in params and c.op != "loss" and "tp" in c.axes
+    )
+    assert op_comm > 0
+    gained = two.overlapped_s - one.overlapped_s
+    # at most the other copy's share of compute; never more than the step communicates
+    assert 0 < gained <= interleaved_seconds(two.communication_s, two.compute_s, 0.0, 2, 1.0)
+    assert gained >= interleaved_seconds(op_comm, two.compute_s, one.overlapped_s, 2, 1.0)
+    assert two.overlapped_s <= two.communication_s
+    assert two.memory_by_kind["activations"] > 0.9 * one.memory_by_kind["activations"]

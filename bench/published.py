@@ -366,12 +366,12 @@ def main() -> None:
     parser.add_argument("--detail", action="store_true", help="anatomy, collectives, what-ifs")
     parser.add_argument(
         "--interleave", type=int, default=1,
-        help="plan with interleave_num=K (multi-copy; rows without pipeline stages only)",
+        help="plan with interleave_num=K (multi-copy; rows with tp and without pipeline stages)",
     )  # fmt: skip
     args = parser.parse_args()
     rows = [BY_NAME[n] for n in args.rows] if args.rows else list(ROWS)
     if args.interleave > 1:
-        rows = [row for row in rows if row.pp == 1]
+        rows = [row for row in rows if row.pp == 1 and row.tp > 1]  # refused elsewhere
     print(header())
     print("| " + " | ".join(HEAD) + " |")
     print("|" + "---|" * len(HEAD))

@@ -115,10 +115,10 @@ def test_copies_train_as_one_device_each_with_its_own_collectives() -> None:
     assert covered >= 16 and uncovered <= 4, (covered, uncovered)
 
 
-def test_auto_with_zero3_and_accumulation_trains_as_one_device() -> None:
-    """parallelize in mode auto on dp=2 x tp=2 with interleave_num=2, ZeRO-3 and
-    grad_accumulation=2 (SGD): equal to one device; what runs is what the plan lists; evaluate
-    takes the step's batch."""
+def test_auto_with_zero3_accumulation_and_recompute_trains_as_one_device() -> None:
+    """parallelize in mode auto on dp=2 x tp=2 with interleave_num=2, ZeRO-3,
+    grad_accumulation=2 and full recompute (SGD): equal to one device; what runs is what the
+    plan lists; evaluate takes the step's batch."""
     torch.manual_seed(1)
     model = TinyGPT(GPT)
     megatron(model, 2)
@@ -126,7 +126,7 @@ def test_auto_with_zero3_and_accumulation_trains_as_one_device() -> None:
     expected = reference_run(model, gpt_loss, sgd, batches)
     cfg = ParallelConfig(
         mode="auto", search="dynamic_programming", mesh=MESH, interleave_num=2,
-        grad_accumulation=2, optimizer_shard=3,
+        grad_accumulation=2, optimizer_shard=3, recompute="full",
     )  # fmt: skip
     with plait.testing.simulate(world_size=4):
         job = plait.parallelize(

@@ -1,7 +1,7 @@
 """Test selection shared by every test folder.
 
 Tests marked ``nightly`` (the larger cases of a test matrix) are deselected from ``make test``
-to keep it under 15 minutes on a 2-core machine; ``make test-nightly`` (``PLAIT_NIGHTLY=1``)
+to keep it near 15 minutes on a 2-core machine; ``make test-nightly`` (``PLAIT_NIGHTLY=1``)
 runs them. They are listed as deselected in every run, never silently skipped.
 """
 

@@ -525,18 +525,12 @@ def compile_program(
         for x, spec in zip(flat, inputs, strict=True)
         if spec.placements
     ]
-    if outputs:
-        traced = trace_per_rank(
-            lambda: _traced_forward(executor, model, inputs, contexts, record),
-            examples,
-            device_mesh,
-        )
-    else:
-        traced = trace_per_rank(
-            lambda: _traced_step(executor, model, inputs, contexts, record, copies),
-            examples,
-            device_mesh,
-        )
+    traced_fn = (
+        functools.partial(_traced_forward, executor, model, inputs, contexts, record)
+        if outputs
+        else functools.partial(_traced_step, executor, model, inputs, contexts, record, copies)
+    )
+    traced = trace_per_rank(traced_fn, examples, device_mesh)
     seconds = time.perf_counter() - started
     for graph_module in traced.values():
         drop_aliases(graph_module)
@@ -723,16 +717,17 @@ def _copy_inputs(
 
 
 def _refuse_buffer_updates(buffers: Sequence[tuple[str, torch.Tensor]], copies: int) -> None:
-    """Copies run side by side: a buffer the forward updates (BatchNorm's running statistics)
-    would be updated by each from the same old value, and one copy's update lost."""
+    """Copies run side by side: a buffer the exported forward returns updated (an output, not
+    an in-place update, which each copy applies after the one before, as BatchNorm's running
+    statistics are) would be computed by each copy from the same old value, and all but one
+    copy's update lost."""
     if buffers:
         names = sorted({name for name, _ in buffers})
         raise ConfigError(
-            f"ParallelConfig(interleave_num={copies}): the model's forward updates buffers "
-            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), which copies run "
-            "side by side cannot: each would update them from the same old value; leave "
-            "interleave_num out for this model, or stop the updates (the module in eval mode, "
-            "BatchNorm's track_running_stats=False)"
+            f"ParallelConfig(interleave_num={copies}): the model's forward returns updated "
+            f"buffers ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}), which copies "
+            "run side by side cannot: each would compute them from the same old value; leave "
+            "interleave_num out for this model, or update the buffers in place"
         )
 
 

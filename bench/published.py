@@ -75,7 +75,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -175,6 +175,8 @@ class Planned:
     phases: str
     comm_by_kind: dict[str, float]
     anatomy: dict[str, float]
+    copies: int = 1
+    """Copies of each micro-batch the plan runs (``interleave_num``)."""
 
 
 def row_config(row: Row) -> ParallelConfig:
@@ -259,35 +261,41 @@ def compute_anatomy(plan: Plan, graph: OpGraph) -> dict[str, float]:
     return {k: v * scale for k, v in parts.items()}
 
 
-def plan_row(row: Row, copies: int = 1) -> Planned:
+def plan_row(row: Row, copies: int | str = 1) -> Planned:
     """Build the row's GPT on the meta device, capture it, plan it on the fixed mesh; with
-    ``copies``, multi-copy parallel (``interleave_num``: the plan is one copy's batch)."""
+    ``copies``, multi-copy parallel (``interleave_num``: the plan is one copy's batch;
+    ``"auto"``: mode auto weighs 1 and 2 copies, :func:`plait.planning.copies.weigh_copies`)."""
     from plait.graph import capture
     from plait.models import ModelSpec, annotate_megatron, build
     from plait.planning import plan_graph
+    from plait.planning.copies import weigh_copies
     from plait.planning.setup import mesh_of
 
-    # gradient accumulation (no stages: row_config) plans one micro-step's batch, as
-    # plait.plan does when it is handed the whole step's
-    steps = (1 if row.pp > 1 else row.micro_batches) * copies
-    spec = ModelSpec(
-        kind="gpt", layers=row.layers, hidden=row.hidden, heads=row.heads, seq=SEQ,
-        vocab=VOCAB, batch=row.batch // steps,
-    )  # fmt: skip
     kw = _timing_kw()
-    start = time.perf_counter()
-    with torch.device("meta"):
-        model, batch, loss = build(spec)
-    if row.tp > 1:
-        annotate_megatron(model, tp=row.tp)
-    cfg = dataclasses.replace(row_config(row), interleave_num=copies)
     timing = kw.get("timing")
-    if timing is not None:
-        with timing.phase("capture"):
+    start = time.perf_counter()
+
+    def plan_one(cfg: ParallelConfig) -> tuple[Any, Any]:
+        # gradient accumulation (no stages: row_config) plans one micro-step's batch, as
+        # plait.plan does when it is handed the whole step's
+        steps = (1 if row.pp > 1 else row.micro_batches) * cfg.copies
+        spec = ModelSpec(
+            kind="gpt", layers=row.layers, hidden=row.hidden, heads=row.heads, seq=SEQ,
+            vocab=VOCAB, batch=row.batch // steps,
+        )  # fmt: skip
+        with torch.device("meta"):
+            model, batch, loss = build(spec)
+        if row.tp > 1:
+            annotate_megatron(model, tp=row.tp)
+        if timing is not None:
+            with timing.phase("capture"):
+                graph = capture(model, batch, loss)
+        else:
             graph = capture(model, batch, loss)
-    else:
-        graph = capture(model, batch, loss)
-    plan = plan_graph(graph, cfg, mesh=mesh_of(cfg), model=model, **kw)
+        return plan_graph(graph, cfg, mesh=mesh_of(cfg), model=model, **kw), graph
+
+    cfg = dataclasses.replace(row_config(row), interleave_num=copies)  # type: ignore[arg-type]
+    plan, graph = weigh_copies(cfg, plan_one) if copies == "auto" else plan_one(cfg)
     plan_s = time.perf_counter() - start
     p = plan.predicted
     return Planned(
@@ -299,6 +307,7 @@ def plan_row(row: Row, copies: int = 1) -> Planned:
         optimizer_s=p.optimizer_s,
         memory_gib=p.memory_bytes / 2**30,
         plan_s=plan_s,
+        copies=plan.interleave_num,
         phases=_phases({"timing": timing.as_dict()}) if timing is not None else "-",
         comm_by_kind=busiest_comm(plan),
         anatomy=compute_anatomy(plan, graph),
@@ -360,26 +369,36 @@ def header() -> str:
     )
 
 
+def _copies(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", choices=list(BY_NAME), help="rows to plan")
     parser.add_argument("--detail", action="store_true", help="anatomy, collectives, what-ifs")
     parser.add_argument(
-        "--interleave", type=int, default=1,
-        help="plan with interleave_num=K (multi-copy; rows with tp and without pipeline stages)",
+        "--interleave", type=_copies, default=1,
+        help="plan with interleave_num=K (multi-copy; rows with tp and without pipeline "
+        "stages), or 'auto': the planner weighs 1 and 2 copies per row",
     )  # fmt: skip
     args = parser.parse_args()
     rows = [BY_NAME[n] for n in args.rows] if args.rows else list(ROWS)
-    if args.interleave > 1:
+    if args.interleave != 1:
         rows = [row for row in rows if row.pp == 1 and row.tp > 1]  # refused elsewhere
     print(header())
     print("| " + " | ".join(HEAD) + " |")
     print("|" + "---|" * len(HEAD))
     details: list[str] = []
+    chosen: list[str] = []
     for row in rows:
         got = plan_row(row, args.interleave)
         print("| " + " | ".join(table_cells(row, got)) + " |", flush=True)
         details += detail_lines(row, got)
+        if args.interleave == "auto":
+            chosen.append(f"{row.params_b:g}B: {got.copies} {'copy' if got.copies == 1 else 'copies'}")
+    if chosen:
+        print("interleave_num='auto' chose: " + ", ".join(chosen))
     if args.detail:
         print("\n".join(details))
 

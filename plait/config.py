@@ -236,12 +236,14 @@ class ParallelConfig:
     marks, MindSpore's ``Cell.recompute()``); held as sorted (path, mode) pairs."""
     grad_accumulation: int = 1
     """Micro-steps per optimizer step."""
-    interleave_num: int = 1
+    interleave_num: int | Literal["auto"] = 1
     """Multi-copy parallel (MindSpore's ``MicroBatchInterleaved(net, interleave_num)``): each
     micro-batch is cut into this many copies along dim 0, run as one program in which one
     copy's tensor-parallel collectives are in flight while another copy computes
     (:mod:`plait.runtime.program.interleave`). The plan is made for one copy's batch; the
-    copies' gradients are summed inside the program and reduced once. 1 = off."""
+    copies' gradients are summed inside the program and reduced once. 1 = off. ``"auto"``
+    (mode auto only): the planner weighs 1 and 2 copies, each planned on its own batch
+    piece, and keeps the faster (:func:`plait.planning.copies.weigh_copies`)."""
     comm_fusion: CommFusion | None = None
     """Gradient fusion buckets; None = plait's default."""
     offload: Offload | None = None
@@ -505,8 +507,16 @@ class ParallelConfig:
             )
 
     def _check_counts(self) -> None:
-        for name in ("pipeline_stages", "micro_batches", "grad_accumulation", "interleave_num"):
+        for name in ("pipeline_stages", "micro_batches", "grad_accumulation"):
             _check_positive_int(name, getattr(self, name))
+        if self.interleave_num != "auto":
+            _check_positive_int("interleave_num", self.interleave_num)
+        elif self.mode != "auto":
+            raise ConfigError(
+                f"ParallelConfig(interleave_num='auto') with mode={self.mode!r}: only mode "
+                "'auto' searches the copy count; give mode='auto' or a count (1 = off, 2 = two "
+                "copies)"
+            )
         if self.devices is not None:
             _check_positive_int("devices", self.devices)
         if not isinstance(self.dp_axis, str) or not self.dp_axis:
@@ -581,8 +591,19 @@ class ParallelConfig:
     @property
     def planned_pieces(self) -> int:
         """Pieces a step's batch is cut into along dim 0, the plan made for one: the
-        ``grad_accumulation`` micro-steps, each of ``interleave_num`` copies."""
-        return self.grad_accumulation * self.interleave_num
+        ``grad_accumulation`` micro-steps, each of ``interleave_num`` copies (a count:
+        ``"auto"`` is resolved by the planner first, :attr:`copies`)."""
+        return self.grad_accumulation * self.copies
+
+    @property
+    def copies(self) -> int:
+        """``interleave_num`` as a count; ``"auto"`` has none until the planner picks one."""
+        if self.interleave_num == "auto":
+            raise ConfigError(
+                "ParallelConfig(interleave_num='auto') has no copy count before planning: "
+                "plan with plait.plan or plait.parallelize (mode 'auto'), which pick one"
+            )
+        return self.interleave_num
 
     @property
     def data_parallel_size(self) -> int:

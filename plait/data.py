@@ -646,7 +646,7 @@ def _linear_rank(mesh: MeshSpec, coord: Sequence[int]) -> int:
 def planned_piece(batch: Any, config: ParallelConfig) -> Any:
     """The piece of a step's ``batch`` a plan is made for (and a job's program traced on):
     1/``grad_accumulation`` of it, and of that one of ``interleave_num`` copies."""
-    k, copies = config.grad_accumulation, config.interleave_num
+    k, copies = config.grad_accumulation, config.copies
     named = f"grad_accumulation={k} micro-batches"
     if copies > 1:
         named = f"grad_accumulation={k} micro-batches of interleave_num={copies} copies"

@@ -385,7 +385,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "interleave_data_parallel",
         "a mesh of data parallel alone",
-        lambda c, w: c.interleave_num > 1 and _only_data_parallel(c),
+        lambda c, w: c.interleave_num != 1 and _only_data_parallel(c),
         lambda c: f"interleave_num={c.interleave_num}",
         "multi-copy parallel on data parallel alone (it runs one copy's tensor-parallel "
         "collectives while another copy computes; the gradient reductions of data parallel "
@@ -398,7 +398,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "interleave_hybrid",
         "hybrid",
-        lambda c, w: c.interleave_num > 1 and c.mode == "hybrid",
+        lambda c, w: c.interleave_num != 1 and c.mode == "hybrid",
         lambda c: f"interleave_num={c.interleave_num}, mode='hybrid'",
         "multi-copy parallel for hand-written layouts (it is a pass over a plan's program)",
         "modes semi_auto and auto run it",
@@ -406,7 +406,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "interleave_stages",
         "pipeline stages",
-        lambda c, w: _on(w, "pipeline") and c.interleave_num > 1,
+        lambda c, w: _on(w, "pipeline") and c.interleave_num != 1,
         lambda c: f"interleave_num={c.interleave_num}",
         "multi-copy parallel in pipeline stages",
         "the pipeline's micro-batches already overlap one stage's transfers with another's "

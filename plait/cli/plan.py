@@ -50,6 +50,18 @@ EXIT_DOES_NOT_FIT = 3
 MODELS = ("gpt", "llama", "mlp", "bert", "cnn")
 
 
+def _interleave_num(text: str) -> int | str:
+    """``--interleave-num``: a count or ``auto`` (ParallelConfig validates the value)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--interleave-num {text!r}: give a count (1 = off) or 'auto'"
+        ) from None
+
+
 def _recompute_modules(text: str) -> tuple[tuple[str, str], ...]:
     """``blocks.0=full,blocks.1=selective`` -> (("blocks.0", "full"), ...)."""
     out = []
@@ -165,9 +177,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_argument("--grad-accumulation", type=int, default=1)
     cfg.add_argument(
         "--interleave-num",
-        type=int,
+        type=_interleave_num,
         default=1,
-        help="multi-copy parallel: each micro-batch run as N copies (ParallelConfig.interleave_num)",
+        help="multi-copy parallel: each micro-batch run as N copies, or 'auto' (mode auto "
+        "weighs 1 and 2) (ParallelConfig.interleave_num)",
     )
     cfg.add_argument("--comm-fusion", type=_comm_fusion, help="size:MB or index:I,J")
     cfg.add_argument("--offload", choices=get_args(Offload))

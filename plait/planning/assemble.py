@@ -171,7 +171,7 @@ def assemble_plan(
     # With gradient accumulation the graph is one micro-step's (with interleave_num, one
     # copy's): its activation collectives repeat per micro-step and copy; the gradient
     # reductions (after the last) and the reported loss's reduction (of the sum) happen once.
-    step = _Step(topology, repeat=cfg.planned_pieces, copies=cfg.interleave_num)
+    step = _Step(topology, repeat=cfg.planned_pieces, copies=cfg.copies)
     param_layouts: dict[str, tuple[TensorLayout, str, OpStrategy, int]] = {}
     for op in graph.ops:
         _op_collectives(ctx, op, step, param_layouts)
@@ -207,7 +207,7 @@ def assemble_plan(
         batch=tuple(g.meta.shape for g in graph.inputs if g.kind == "input"),
         memory_limit=cast("int | None", cfg.memory_limit),  # ParallelConfig parsed text to bytes
         grad_accumulation=cfg.grad_accumulation,
-        interleave_num=cfg.interleave_num,
+        interleave_num=cfg.copies,
         dp_axis=cfg.dp_axis,
         dataset_strategy=cfg.dataset_strategy,
         comm_fusion=cfg.comm_fusion,

@@ -289,6 +289,8 @@ class PlanOption:
     memory_bytes: int
     feasible: bool
     note: str = ""
+    interleave_num: int = 1
+    """Copies of each micro-batch (multi-copy parallel; ``interleave_num="auto"`` weighs 1 and 2)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mapping) or not self.mesh:
@@ -304,6 +306,7 @@ class PlanOption:
         check_int("PlanOption.memory_bytes", self.memory_bytes)
         check_bool("PlanOption.feasible", self.feasible)
         check_str("PlanOption.note", self.note)
+        check_int("PlanOption.interleave_num", self.interleave_num, 1)
 
 
 @dataclass(frozen=True, slots=True)

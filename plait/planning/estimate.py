@@ -359,7 +359,7 @@ def stage_memory(
             stage, cfg.pipeline_stages, m, cast(Schedule, cfg.schedule), cfg.virtual_stages or 1
         )
         if cfg.pipeline_stages > 1
-        else m * cfg.interleave_num  # multi-copy: every copy's forward before any backward
+        else m * cfg.copies  # multi-copy: every copy's forward before any backward
     )
     on_device = cfg.offload != "optimizer"
     return step_peak(
@@ -1102,7 +1102,7 @@ class MeshEstimate:
         hidden = [
             clock.hidden(s, level.overlappable[s] + _sends(pipe, s), overlap) for s in range(stages)
         ]
-        copies = self.base.interleave_num
+        copies = self.base.copies
         if copies > 1:
             hidden = [
                 h + interleaved_seconds(self.op_sums[s][0], compute[s], h, copies, overlap)

@@ -67,6 +67,7 @@ from plait.cost.compute import optimizer_seconds
 from plait.errors import ConfigError, PlaitError
 from plait.graph import OpGraph, OpNode
 from plait.planning.assemble import assemble_plan
+from plait.planning.copies import runs_copies
 from plait.planning.estimate import PP_AXIS, GraphFacts, MeshEstimate, work_pieces
 from plait.planning.records import Plan, PlanOption
 from plait.planning.report import fmt_bytes, fmt_seconds
@@ -627,7 +628,9 @@ def _weigh(
             estimate = est.predict(vcfg)
             timing.reused += 1
             timing.options += 1
-            option = _option(done.mesh, variant, estimate.step_time_s, estimate.memory_bytes, limit)
+            option = _option(
+                done.mesh, variant, estimate.step_time_s, estimate.memory_bytes, limit, vcfg.copies
+            )
             found[i] = _Trial(option, vcfg, k)
             if option.feasible:
                 local.add(option.step_time_s)
@@ -678,6 +681,14 @@ def _meshes(
     meshes = mesh_candidates(cfg.devices, cfg, graph, devices_per_node)  # type: ignore[arg-type]
     if runnable_only:
         meshes = [m for m in meshes if m.get("pp", 1) == 1]
+    if cfg.copies > 1:  # copies run without stages, beside an axis other than dp
+        meshes = [m for m in meshes if runs_copies(m, cfg.dp_axis)]
+        if not meshes:
+            raise ConfigError(
+                f"interleave_num={cfg.copies} on {cfg.devices} devices: no mesh runs copies "
+                "(each needs an axis besides data parallel and no pipeline stages); leave "
+                "interleave_num out or give more devices"
+            )
     return meshes
 
 
@@ -698,7 +709,8 @@ def _assemble_all(
         timing.assembled += 1
         timing.options += 1
         step, memory = plan.predicted.step_time_s, plan.predicted.memory_bytes
-        out.append(_Trial(_option(done.mesh, variant, step, memory, limit), vcfg, k, plan))
+        option = _option(done.mesh, variant, step, memory, limit, vcfg.copies)
+        out.append(_Trial(option, vcfg, k, plan))
     return out
 
 
@@ -718,7 +730,7 @@ def _assemble(graph: OpGraph, cfg: ParallelConfig, done: _Searched, model_name: 
 
 
 def _option(
-    mesh: dict[str, int], variant: _Variant, step: float, memory: int, limit: int
+    mesh: dict[str, int], variant: _Variant, step: float, memory: int, limit: int, copies: int
 ) -> PlanOption:
     fits = memory <= limit
     note = "" if fits else f"needs {fmt_bytes(memory)} > {fmt_bytes(limit)}"
@@ -731,6 +743,7 @@ def _option(
         memory,
         fits,
         note,
+        copies,
     )
 
 
@@ -801,7 +814,11 @@ def _advice(cfg: ParallelConfig) -> str:
 def _describe(o: PlanOption) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in o.mesh.items())
     zero = "off" if o.optimizer_shard is None else str(o.optimizer_shard)
-    return f"mesh {mesh}, micro-batches {o.micro_batches}, optimizer shard {zero}, recompute {o.recompute}"
+    copies = f", {o.interleave_num} copies interleaved" if o.interleave_num > 1 else ""
+    return (
+        f"mesh {mesh}, micro-batches {o.micro_batches}, optimizer shard {zero}, "
+        f"recompute {o.recompute}{copies}"
+    )
 
 
 def _why(

@@ -32,6 +32,7 @@ from plait.graph import OpGraph, capture, in_mode
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
 from plait.planning.assemble import assemble_plan
+from plait.planning.copies import weigh_copies
 from plait.planning.outer import auto_plan
 from plait.planning.records import Plan
 from plait.planning.servers import (
@@ -114,11 +115,18 @@ def plan(
     # A plan is for training steps; with gradient accumulation each micro-step runs on 1/k of
     # the step's batch (and with interleave_num on one copy of that), so the graph is traced
     # on that piece (as parallelize does).
-    micro = planned_piece(example_batch, config)
-    with _gc_paused():
+
+    def plan_one(cfg: ParallelConfig) -> tuple[Plan, None]:
+        micro = planned_piece(example_batch, cfg)
         with timing.phase("capture"), in_mode(model, training=True):
             graph = capture(model, micro, loss_fn)
-        result = _plan_graph(graph, config, None, model, hardware_file, False, timing)
+        return _plan_graph(graph, cfg, None, model, hardware_file, False, timing), None
+
+    with _gc_paused():
+        if config.interleave_num == "auto":  # one capture and search per copy count
+            result = weigh_copies(config, plan_one)[0]
+        else:
+            result = plan_one(config)[0]
     if config.host_modules:
         note = (
             f"host_modules {', '.join(config.host_modules)}: kept and computed on the host when "

@@ -383,27 +383,15 @@ def _planned_job(
         where = f"plan file {os.fspath(config.plan)!r}"
     else:
         where = f"mode {config.mode!r}"
-    # With gradient accumulation each micro-step runs the graph on 1/k of the batch (and with
-    # interleave_num, each copy on 1/copies of that): the plan is made for (and the model
-    # traced on) that piece.
-    micro = planned_piece(example_batch, config)
     if plan is None and config.plan is not None:
         plan = Plan.load(config.plan)
         _refuse_plan_overrides(plan, config, where)
     if plan is not None:
-        _check_plan_batch(plan, config, micro, where)
-    world = current_world()
-    assert world is not None
-    # what Job.step runs; a meta model's on this rank's device (meta init)
-    captured = capture_on_device(
-        model, micro, loss_fn, training=True, device=_device_of(world.device_type)
-    )
+        _check_plan_batch(plan, config, planned_piece(example_batch, config), where)
     planned_here = plan is None
-    if plan is None:
-        if config.mesh is None and config.devices is None:
-            config = dataclasses.replace(config, devices=world_size)
-        # pipeline stages send to each other point to point: real processes only
-        plan = plan_graph(captured.graph, config, model=model, runnable_only=world.simulated)
+    plan, config, micro, captured = _captured_plan(
+        model, config, loss_fn, example_batch, world_size=world_size, plan=plan
+    )
     logger.info("running plan on mesh %s (%s)", plan.mesh.as_dict(), plan.search)
     if plan.pipeline_stages > 1:
         try:
@@ -424,6 +412,51 @@ def _planned_job(
     if planned_here and job.program_for is not None:
         job.replan = _replanner(model, config, loss_fn, plan, job.program_for)
     return job
+
+
+def _captured_plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    loss_fn: LossFn,
+    example_batch: Any,
+    *,
+    world_size: int,
+    plan: Plan | None,
+) -> tuple[Plan, ParallelConfig, Any, Any]:
+    """(the plan, the config it runs with, the batch piece its program is traced on, that
+    piece's capture on this rank's device). The piece: with gradient accumulation each
+    micro-step runs the graph on 1/k of the batch, and with interleave_num each copy on
+    1/copies of that; the plan is made for (and the model traced on) that piece. Without ``plan``, one is made on the capture
+    (semi_auto from the annotations, auto by search; ``interleave_num="auto"``: a capture and
+    a search per copy count, the faster kept and the config given its count)."""
+    from plait.planning import plan_graph
+    from plait.planning.copies import weigh_copies
+
+    world = current_world()
+    assert world is not None
+
+    def capture_for(cfg: ParallelConfig) -> tuple[Any, Any]:
+        """What Job.step runs; a meta model's on this rank's device (meta init)."""
+        micro = planned_piece(example_batch, cfg)
+        device = _device_of(world.device_type)
+        return micro, capture_on_device(model, micro, loss_fn, training=True, device=device)
+
+    if plan is not None:
+        return (plan, config, *capture_for(config))
+    if config.mesh is None and config.devices is None:
+        config = dataclasses.replace(config, devices=world_size)
+
+    def plan_one(cfg: ParallelConfig) -> tuple[Plan, tuple[Any, Any]]:
+        made = capture_for(cfg)
+        # pipeline stages send to each other point to point: real processes only
+        return plan_graph(made[1].graph, cfg, model=model, runnable_only=world.simulated), made
+
+    if config.interleave_num == "auto":
+        made_plan, (micro, captured) = weigh_copies(config, plan_one)
+        config = dataclasses.replace(config, interleave_num=made_plan.interleave_num)
+    else:
+        made_plan, (micro, captured) = plan_one(config)
+    return made_plan, config, micro, captured
 
 
 def _replanner(
@@ -675,7 +708,7 @@ def _check_plan_batch(plan: Plan, config: ParallelConfig, micro: Any, where: str
     shapes = tuple(tuple(x.shape) for x in tree_leaves(micro) if isinstance(x, torch.Tensor))
     if plan.batch and shapes != plan.batch:
         per = " per micro-step" if config.grad_accumulation > 1 else ""
-        per = " per copy" if config.interleave_num > 1 else per
+        per = " per copy" if config.interleave_num != 1 else per
         raise PlanError(
             f"{where} was made for batch shapes {list(plan.batch)}{per} but example_batch gives "
             f"{list(shapes)}{per}; train with the planned batch size or plan again for this one"

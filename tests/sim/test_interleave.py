@@ -14,7 +14,9 @@ serve are refused by name before anything runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,8 @@ import plait
 from plait import support
 from plait.annotate import megatron
 from plait.config import ParallelConfig
+from plait.cost.hardware import local_defaults, save_profile
+from plait.cost.link import Link
 from plait.errors import ConfigError, NotBuiltError, ShardingError
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.runtime.program.interleave import copy_masks
@@ -207,3 +211,84 @@ def test_the_plan_prices_the_copies_overlap() -> None:
     assert gained >= interleaved_seconds(op_comm, two.compute_s, one.overlapped_s, 2, 1.0)
     assert two.overlapped_s <= two.communication_s
     assert two.memory_by_kind["activations"] > 0.9 * one.memory_by_kind["activations"]
+
+
+def _profile(home: Path, *, overlap: float) -> None:
+    """``local`` (``$PLAIT_HOME/local.json``) as a machine whose compute is slow beside its
+    links (1e7 FLOP/s, 1 MB/s, no latency), so the ops' tp collectives are most of a step;
+    ``overlap``: the share of them that runs beside compute (``comm_overlap``)."""
+    base = local_defaults()
+    link = Link(bandwidth=1e6, latency=0.0)
+    slow = dataclasses.replace(
+        base,
+        comm_overlap=overlap,
+        peak_flops=dict.fromkeys(base.peak_flops, 1e7),
+        memory_bandwidth=1e7,
+        intra_node=link,
+        inter_node=link,
+    )
+    save_profile(slow, home / "local.json")
+
+
+def test_auto_weighs_the_copy_count_and_trains_the_one_it_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``interleave_num="auto"``: mode auto plans 1 and 2 copies (each on its own batch
+    piece) and keeps the faster. Where collectives run beside compute, 2 copies hide part of
+    Megatron's tp all-reduces and win; the plan is the one ``interleave_num=2`` gives, its
+    options hold both counts and its note says what each predicted. Where nothing overlaps,
+    copies only add collectives: 1 is kept. parallelize takes the same choice and trains
+    equal to one device (SGD)."""
+    monkeypatch.setenv("PLAIT_HOME", str(tmp_path))
+    torch.manual_seed(2)
+    model = TinyGPT(GPT)
+    megatron(model, 2)
+    batches = gpt_batches(GPT, 2)
+
+    def plan(k: int | str) -> plait.Plan:
+        cfg = ParallelConfig(mode="auto", mesh=MESH, interleave_num=k)  # type: ignore[arg-type]
+        return plait.plan(model, cfg, example_batch=batches[0], loss_fn=gpt_loss)
+
+    _profile(tmp_path, overlap=1.0)
+    chosen, one, two = plan("auto"), plan(1), plan(2)
+    assert chosen.interleave_num == 2 and chosen.batch == two.batch
+    assert chosen.predicted.step_time_s == two.predicted.step_time_s
+    assert two.predicted.step_time_s < 0.95 * one.predicted.step_time_s
+    assert {o.interleave_num for o in chosen.options} == {1, 2}
+    assert chosen.options[0].interleave_num == 2
+    assert "interleave_num='auto' chose 2 copies; weighed 1 copy: " in chosen.notes[-1]
+    assert "2 copies interleaved" in chosen.notes[-2]  # the outer planner's why, per copy count
+    with plait.testing.simulate(world_size=4):
+        cfg = ParallelConfig(mode="auto", mesh=MESH, interleave_num="auto")
+        job = plait.parallelize(
+            copy.deepcopy(model), cfg, optimizer=sgd, loss_fn=gpt_loss, example_batch=batches[0]
+        )
+        losses = [job.step(b) for b in batches]
+        actual = Run(losses, job.full_state_dict())
+    assert job.loss_fn.plan.interleave_num == 2 and job.program.copies == 2
+    assert job.config.interleave_num == 2
+    assert_same_run(reference_run(model, gpt_loss, sgd, batches), actual, rtol=RTOL, atol=1e-6)
+
+    _profile(tmp_path, overlap=0.0)
+    kept = plan("auto")
+    assert kept.interleave_num == 1
+    assert kept.predicted.step_time_s == plan(1).predicted.step_time_s
+    assert "chose 1 copy (multi-copy off)" in kept.notes[-1]
+
+
+def test_auto_copy_count_is_refused_where_it_cannot_choose() -> None:
+    """``interleave_num="auto"`` is mode auto's to choose; on a mesh of data parallel alone
+    it would do nothing; a count whose batch does not divide is left out by name."""
+    model = TinyGPT(GPT)
+    megatron(model, 2)
+    with pytest.raises(ConfigError, match=r"interleave_num='auto'\) with mode='semi_auto'.*"
+                                          r"only mode 'auto'"):  # fmt: skip
+        ParallelConfig(mode="semi_auto", mesh=MESH, interleave_num="auto")
+    with pytest.raises(ConfigError, match=r"interleave_num=auto.*would do nothing"):
+        plait.plan(model, ParallelConfig(mode="auto", mesh={"dp": 4}, interleave_num="auto"),
+                   example_batch=gpt_batches(GPT, 1)[0], loss_fn=gpt_loss)  # fmt: skip
+    odd = gpt_batches(GPT, 1, batch=2)[0]  # 2 rows on dp=2: no room for 2 copies
+    plan = plait.plan(model, ParallelConfig(mode="auto", mesh=MESH, interleave_num="auto"),
+                      example_batch=odd, loss_fn=gpt_loss)  # fmt: skip
+    assert plan.interleave_num == 1
+    assert "2 copies not weighed" in plan.notes[-1]

@@ -347,7 +347,7 @@ def _compile(
         trained=trained,
         contexts=contexts,
         outputs=outputs,
-        copies=1 if evaluation else cfg.interleave_num,
+        copies=1 if evaluation else cfg.copies,
     )
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "layout_of",
     "local_piece",
     "mesh_spec_of",
+    "pending_beside",
     "pin_grad_layout",
     "replicate_placement",
     "start_all_reduce",
@@ -391,6 +392,25 @@ def is_pending_sum_over(grad: torch.Tensor, param: torch.Tensor, axis_index: int
     expected = list(param.placements)
     expected[axis_index] = TPartial("sum")
     return tuple(grad.placements) == tuple(expected)
+
+
+def pending_beside(
+    have: Sequence[TPlacement], own: Sequence[TPlacement], index: int
+) -> tuple[int, ...] | None:
+    """The other mesh dims on which a gradient laid out ``have`` is also a pending sum, where
+    its parameter (``own``) is replicated, when ``have`` is ``own`` but for pending sums on
+    ``index`` and those dims (a sequence-parallel norm's weight: pending over dp and tp).
+    None when it is not, or when it is pending over ``index`` alone."""
+    if len(have) != len(own) or have[index] != TPartial("sum"):
+        return None
+    beside = []
+    for k, (h, o) in enumerate(zip(have, own, strict=True)):
+        if k == index or h == o:
+            continue
+        if h != TPartial("sum") or not isinstance(o, TReplicate):
+            return None
+        beside.append(k)
+    return tuple(beside) or None
 
 
 def any_rank_true(flag: bool, device_mesh: DeviceMesh | None) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,6 +282,8 @@ def fuse_output_reductions(
     graph_module: torch.fx.GraphModule,
     buckets: Sequence[Sequence[int]],
     group_name: str,
+    *,
+    pre: Sequence[Mapping[tuple[str, ...], Sequence[int]]] = (),
 ) -> None:
     """A pass: sum-all-reduce groups of a program's outputs inside the program, in place.
 
@@ -290,13 +292,22 @@ def fuse_output_reductions(
     runs while the rest of the program (the rest of backward) computes; the waits come just
     before the program returns, where the reduced values replace the outputs (DDP's overlapped
     buckets, MindSpore's ``comm_fusion``, as functional collectives in the graph).
+
+    ``pre`` (one per bucket, or none): groups of a bucket's positions pending over other
+    axes too, each packed and summed over those groups (by name, one after the other) right
+    after its last value, before it joins the bucket
+    (:data:`plait.runtime.program.grad_sync.PreSums`).
     """
     graph = graph_module.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    order = {n: i for i, n in enumerate(graph.nodes)}
     functional = torch.ops._c10d_functional
-    for bucket in buckets:
+    for k, bucket in enumerate(buckets):
+        for names, positions in (pre[k] if pre else {}).items():
+            summed = _summed_over(graph, [outs[i] for i in positions], names)
+            for i, value in zip(positions, summed, strict=True):
+                outs[i] = value
+        order = {n: i for i, n in enumerate(graph.nodes)}
         values = [outs[i] for i in bucket]
         metas = [v.meta["val"] for v in values]
         last = max(values, key=lambda v: order[v])
@@ -316,3 +327,42 @@ def fuse_output_reductions(
     output.args = (tuple(outs),)
     graph.lint()
     graph_module.recompile()
+
+
+def _summed_over(
+    graph: torch.fx.Graph, values: Sequence[torch.fx.Node], names: Sequence[str]
+) -> list[torch.fx.Node]:
+    """``values`` packed into one buffer and summed over each group of ``names`` in turn
+    (each waited before the next), right after the last of them; their summed views."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    metas = [v.meta["val"] for v in values]
+    functional = torch.ops._c10d_functional
+    at = max(values, key=lambda v: order[v])
+    flat = []
+    for v in values:
+        with graph.inserting_after(at):
+            at = graph.call_function(torch.ops.aten.reshape.default, (v, [-1]))
+        flat.append(at)
+    with graph.inserting_after(at):
+        node = graph.call_function(torch.ops.aten.cat.default, (flat,))
+    node.meta["val"] = torch.empty(sum(m.numel() for m in metas), dtype=metas[0].dtype, device="meta")
+    for name in names:
+        with graph.inserting_after(node):
+            started = graph.call_function(functional.all_reduce.default, (node, "sum", name))
+        with graph.inserting_after(started):
+            done = graph.call_function(functional.wait_tensor.default, (started,))
+        started.meta["val"] = done.meta["val"] = node.meta["val"]
+        node = done
+    with graph.inserting_after(node):
+        pieces = graph.call_function(
+            torch.ops.aten.split_with_sizes.default, (node, [m.numel() for m in metas])
+        )
+    out, at = [], pieces
+    for k, m in enumerate(metas):
+        with graph.inserting_after(at):
+            piece = graph.call_function(operator.getitem, (pieces, k))
+        with graph.inserting_after(piece):
+            at = graph.call_function(torch.ops.aten.view.default, (piece, list(m.shape)))
+        at.meta["val"] = m
+        out.append(at)
+    return out

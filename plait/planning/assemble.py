@@ -369,9 +369,9 @@ def _parameters(
             why += f"; its gradient stays pending over {', '.join(kept)} from {op}'s output"
         nbytes = _local_bytes(g, layout)
         for axis in axes:
-            if fused and axes == (ctx.cfg.dp_axis,):
+            if _bucketed(ctx, axes):
                 continue  # in a bucket (_fused_reductions)
-            # GradSync reduces a gradient pending over dp and another axis by itself
+            # a pipeline stage reduces a gradient pending over dp and another axis by itself
             several = fused and ctx.cfg.dp_axis in axes and len(axes) > 1
             alone = " (reduced alone: pending over several axes)" if several else ""
             _gradient_reduction(step, g.target, op, axis, nbytes, note=alone)
@@ -384,6 +384,16 @@ def _parameters(
     if fused:
         _fused_reductions(ctx, step, planned)
     return tuple(planned)
+
+
+def _bucketed(ctx: _Context, axes: tuple[str, ...]) -> bool:
+    """Is a gradient pending over ``axes`` reduced in a dp bucket (:func:`_fused_reductions`)?
+    Over dp alone, always (when dp's reductions are fused); over dp and other axes (its
+    parameter replicated there), without pipeline stages: the per-rank program and GradSync
+    sum a bucket's such gradients over those axes first, together."""
+    if not _fused_dp(ctx) or ctx.cfg.dp_axis not in axes:
+        return False
+    return len(axes) == 1 or max(ctx.stage_of.values(), default=0) == 0
 
 
 def _local_bytes(g: GraphInput, layout: TensorLayout) -> int:
@@ -465,10 +475,10 @@ def _fused_reductions(
     for _, entries in sorted(per_stage.items()):  # stage by stage, as the runtime's buckets
         buckets = plan_buckets([size for _, size in entries], fusion)
         for k, bucket in enumerate(buckets):
-            members = [
-                entries[i] for i in sorted(bucket) if entries[i][0].grad_reduce_axes == (dp,)
-            ]
+            in_bucket = [entries[i] for i in sorted(bucket)]
+            members = [m for m in in_bucket if m[0].grad_reduce_axes == (dp,)]
             where = f"bucket {k + 1} of {len(buckets)}, {_fusion_text(fusion)}"
+            members += _summed_first(ctx, step, in_bucket, where)
             sharded = [m for m in members if m[0].optimizer_shard_dim is not None]
             summed = members if level == 1 else [m for m in members if m not in sharded]
             if summed:
@@ -534,6 +544,36 @@ def _fusion_text(fusion: CommFusion) -> str:
     if fusion.mode == "index":
         return f"comm_fusion cut at parameters {list(fusion.boundaries)}"
     return f"comm_fusion buckets of {fusion.bucket_mb:g} MB"
+
+
+def _summed_first(
+    ctx: _Context,
+    step: _Step,
+    in_bucket: Sequence[tuple[PlannedParameter, int]],
+    where: str,
+) -> list[tuple[PlannedParameter, int]]:
+    """A bucket's gradients pending over dp and other axes too (:func:`_bucketed`): per set of
+    other axes, one all-reduce a axis of them all, before they join the bucket's sum over dp
+    (the runtime's order: plait.runtime.program.grad_sync). Returns them, runs in turn."""
+    dp = ctx.cfg.dp_axis
+    runs: dict[tuple[str, ...], list[tuple[PlannedParameter, int]]] = {}
+    for m in in_bucket:
+        axes = m[0].grad_reduce_axes
+        if len(axes) > 1 and _bucketed(ctx, axes):
+            beside = tuple(a for a in ctx.mesh.axis_names if a in axes and a != dp)
+            runs.setdefault(beside, []).append(m)
+    for beside, run in runs.items():
+        for axis in beside:
+            step.add(
+                "all_reduce",
+                (axis,),
+                sum(size for _, size in run),
+                ("backward", run[0][0].name),
+                f"gradients of {_names(run)} summed over {axis!r} in one fused all-reduce "
+                f"(pending there too: their readers split the work over {axis!r}), before "
+                f"their sum over {dp!r} ({where})",
+            )
+    return [m for run in runs.values() for m in run]
 
 
 def _gradient_reduction(

@@ -475,6 +475,9 @@ class _Bucket:
     split_bytes: int
     split_names: frozenset[str]
     names: tuple[str, ...] = ()  # every member's value name, in model order
+    first: tuple[tuple[tuple[str, ...], int], ...] = ()
+    """Members also pending over other axes: per set of axes, their bytes, summed over each of
+    those axes (one all-reduce an axis) before the bucket's sum over dp."""
 
 
 @dataclass
@@ -782,10 +785,17 @@ class MeshEstimate:
                 axes = with_kept_axes(self.mesh, axes, (kept,))
             self.params.append(_Param(g, layout, strategy, axes, stage, numel, nbytes))
             for axis in axes:
-                if self.fused and axes == (self.dp,):
+                if self._bucketed(axes):
                     continue  # in a bucket
                 items[stage].append((self._seconds("all_reduce", axis, nbytes), False))
         return items
+
+    def _bucketed(self, axes: tuple[str, ...]) -> bool:
+        """Is a gradient pending over ``axes`` reduced in a dp bucket (assemble's
+        ``_bucketed``: over dp alone, or over dp and other axes without pipeline stages)?"""
+        if not self.fused or self.dp not in axes:
+            return False
+        return len(axes) == 1 or self.stages == 1
 
     def _loss(self) -> list[list[_Item]]:
         items: list[list[_Item]] = [[] for _ in range(self.stages)]
@@ -889,7 +899,13 @@ class MeshEstimate:
                 sizes = [self.params[n].nbytes for n in entries]
                 for bucket in plan_buckets(sizes, fusion):
                     members = [entries[i] for i in sorted(bucket)]
-                    members = [n for n in members if self.params[n].axes == (dp,)]
+                    runs: dict[tuple[str, ...], int] = {}  # summed over other axes first
+                    for n in members:
+                        axes = self.params[n].axes
+                        if len(axes) > 1 and self._bucketed(axes):
+                            beside = tuple(a for a in self.mesh.axis_names if a in axes and a != dp)
+                            runs[beside] = runs.get(beside, 0) + self.params[n].nbytes
+                    members = [n for n in members if self._bucketed(self.params[n].axes)]
                     whole = [n for n in members if dims[n] is None]
                     split = [n for n in members if dims[n] is not None]
                     self._buckets.append(
@@ -902,6 +918,7 @@ class MeshEstimate:
                             sum(self.params[n].nbytes for n in split),
                             frozenset(self.params[n].g.name for n in split),
                             tuple(self.params[n].g.name for n in members),
+                            tuple(runs.items()),
                         )
                     )
         return self._buckets
@@ -926,6 +943,9 @@ class MeshEstimate:
                 overlappable.append(Overlappable(role, members, seconds))
 
         split = tuple(n for n in bucket.names if n in bucket.split_names)
+        for beside, nbytes in bucket.first:
+            for axis in beside:
+                add(self._seconds("all_reduce", axis, nbytes), False, REDUCE, bucket.names)
         if level in (None, 1) and bucket.members:  # no member is split without ZeRO
             add(self._seconds("all_reduce", dp, bucket.all_bytes), False, REDUCE, bucket.names)
         elif level in (2, 3) and bucket.whole:

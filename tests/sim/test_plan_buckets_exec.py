@@ -62,13 +62,17 @@ def test_default_fusion_plan_with_frozen_parameters_runs_exactly_its_collectives
     captured = capture_program(model, batches[0], gpt_loss)
     plan = plan_graph(captured.graph, cfg, model=model)
 
-    [bucket] = [c for c in plan.collectives if c.reason.startswith("gradients of")]
-    assert bucket.axes == ("dp",)  # the tiny model's dp gradients fit one 25 MB bucket
+    buckets = [c for c in plan.collectives if c.reason.startswith("gradients of")]
+    [bucket] = [c for c in buckets if c.axes == ("dp",)]  # one 25 MB bucket holds them all
     assert all(c.op not in FROZEN for c in plan.collectives)
     params = {p.name: p for p in plan.parameters}
     assert all(params[n].grad_reduce_axes == () for n in FROZEN)
-    alone = {p.name for p in plan.parameters if len(p.grad_reduce_axes) > 1}
-    assert alone == ({"ln.weight", "ln.bias", "head.weight"} if sequence_parallel_head else set())
+    both = {p.name for p in plan.parameters if len(p.grad_reduce_axes) > 1}
+    assert both == ({"ln.weight", "ln.bias", "head.weight"} if sequence_parallel_head else set())
+    # those pending over dp and tp are summed over tp together first, then join the bucket
+    first = [c for c in buckets if c.axes == ("tp",)]
+    assert len(first) == (1 if both else 0)
+    assert all(f"gradients of {len(both)} parameters" in c.reason for c in first)
 
     expected = reference_run(model, gpt_loss, adamw, batches)
     run, executed, debug, executor = run_plan(

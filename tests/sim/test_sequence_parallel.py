@@ -13,10 +13,12 @@ and the plan's activations are smaller. Bad marks are refused by name before any
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import pytest
 import torch
+from torch.distributed.tensor.debug import CommDebugMode
 
 import plait
 from plait.annotate import get_shard_spec, megatron, split_sequence
@@ -25,8 +27,16 @@ from plait.errors import LayoutError, ShardingError
 from plait.graph import capture_program
 from plait.models import GPTConfig, TinyGPT, gpt_loss
 from plait.planning import plan_graph
-from plait.testing.equivalence import assert_same_run, reference_run
-from tests.sim.test_plan_exec import adamw, gpt_batches, planned_collectives, run_plan
+from plait.testing.comm import CollectiveLog
+from plait.testing.equivalence import Run, assert_same_run, reference_run
+from tests.sim.test_plan_exec import (
+    adamw,
+    debug_counts,
+    executed_collectives,
+    gpt_batches,
+    planned_collectives,
+    run_plan,
+)
 
 GPT = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=2)
 MESH = {"dp": 2, "tp": 2}
@@ -86,10 +96,19 @@ def test_sequence_parallel_trains_as_one_device_with_reduce_scatters(gpt_and_bat
     assert sp[("all_gather", "backward")] == split
     assert sp[("all_gather", "forward")] == tp[("all_gather", "forward")] + split
     # what it all-reduces over tp besides: gradients of parameters read on a slice of the
-    # sequence (the norms, the position embedding), summed over the slices
+    # sequence (the norms, the position embedding: 11 here), summed over the slices, all in
+    # one all-reduce (#32 item 4: once one each, and each over dp alone too), then over dp
+    # in their bucket with the rest
+    pending = {p.name for p in sp_plan.parameters if p.grad_reduce_axes == ("dp", "tp")}
+    assert {"blocks.0.ln1.weight", "ln.bias", "pos.weight"} <= pending and len(pending) == 11
     summed = [c for c in sp_plan.collectives if c.kind == "all_reduce" and "tp" in c.axes]
-    assert {c.op for c in summed} >= {"blocks.0.ln1.weight", "ln.bias", "pos.weight"}
-    assert all(c.phase == "backward" and c.reason.startswith("gradient of") for c in summed)
+    nbytes = sum(4 * math.prod(p.shape) for p in sp_plan.parameters if p.name in pending)
+    assert [(c.count, c.phase, c.nbytes) for c in summed] == [(1, "backward", nbytes)]
+    assert summed[0].reason.startswith("gradients of 11 parameters (pos.weight, ")
+    assert "summed over 'tp' in one fused all-reduce" in summed[0].reason
+    over_dp = [c for c in sp_plan.collectives if c.axes == ("dp",) and c.phase == "backward"]
+    assert [c.kind for c in over_dp] == ["all_reduce"]  # one bucket, the norms' among them
+    assert not [c for c in sp_plan.collectives if "reduced alone" in c.reason]
     # the norms' and adds' activations are split: less kept per device
     activations = [p.predicted.memory_by_kind["activations"] for p in (sp_plan, tp_plan)]
     assert activations[0] < activations[1]
@@ -144,3 +163,39 @@ def test_a_mark_the_mesh_or_batch_cannot_take_is_refused_at_planning(mesh, seq, 
     config = ParallelConfig(mode="semi_auto", mesh=mesh)
     with pytest.raises(error, match=match):
         plait.plan(model, config, example_batch=batch, loss_fn=gpt_loss)
+
+
+@pytest.mark.parametrize("optimizer_shard", [None, 2])
+def test_sequence_parallel_norm_gradients_are_summed_in_their_bucket(
+    gpt_and_batches, optimizer_shard
+):
+    """The norms' gradients, pending over dp and tp, are summed over tp once for all of them,
+    then over dp with their bucket: inside the program's backward, and with gradient
+    accumulation (the program's gradients summed first, reduced once a step by the Job's
+    buckets) the same collectives; with ZeRO-2 the split parameters' reduce-scatter beside
+    (the norms stay whole). Equal to one device (AdamW; the norms' true gradients are not
+    zero), and what runs is the plan's list (plait's log and CommDebugMode)."""
+    model, batches, expected = gpt_and_batches
+    model = copy.deepcopy(model)
+    megatron(model, 2, sequence_parallel=True)
+    for k in (1, 2):
+        cfg = ParallelConfig(
+            mode="semi_auto", mesh=MESH, grad_accumulation=k, optimizer_shard=optimizer_shard
+        )
+        with plait.testing.simulate(world_size=4):
+            job = plait.parallelize(
+                copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss,
+                example_batch=batches[0],
+            )  # fmt: skip
+            losses = [job.step(batches[0])]
+            with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
+                losses.append(job.step(batches[1]))
+            losses.append(job.step(batches[2]))
+            actual = Run(losses, job.full_state_dict())
+        plan = job.loss_fn.plan
+        assert_same_run(expected, actual, rtol=RTOL, atol=1e-6)
+        executed = executed_collectives(log)
+        assert executed == planned_collectives(plan), k
+        assert sum(debug_counts(debug).values()) == sum(executed.values())
+        first = [c for c in plan.collectives if "in one fused all-reduce (pending there" in c.reason]
+        assert [(c.axes, c.count) for c in first] == [(("tp",), 1)], (k, first)

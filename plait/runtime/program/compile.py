@@ -50,6 +50,7 @@ from plait.comm.dtensor import (
     dtensor_from_local,
     is_dtensor,
     local_piece,
+    pending_beside,
     replicate_placement,
 )
 from plait.comm.lower import (
@@ -218,11 +219,7 @@ class Program:
         """
         names = tuple(self.device_mesh.mesh_dim_names or ())
         index = names.index(axis)
-        chosen = [
-            [i for i in bucket if _pending_only_over(self.grad_placements[i], placements[i], index)]
-            for bucket in buckets
-        ]
-        chosen = [b for b in chosen if b]
+        chosen, pre = self._bucket_members(buckets, placements, index)
         if not chosen:
             return
         group = self.device_mesh.get_group(axis).group_name
@@ -232,11 +229,17 @@ class Program:
         in_place = not self.simulated
         for graph_module in self.graphs.values():
             outputs = [[1 + i for i in b] for b in chosen]
+            sums = [
+                {g: [1 + i for i in run] for g, run in by_groups.items()} for by_groups in pre
+            ]
             left = outputs
             if into_buffers:
-                left = write_buckets_in_place(graph_module, outputs, group, in_place=in_place)
+                left = write_buckets_in_place(
+                    graph_module, outputs, group, in_place=in_place, pre=sums
+                )
             if left:  # gradients of mixed dtypes or devices: packed by a copy
-                fuse_output_reductions(graph_module, left, group)
+                left_sums = [sums[outputs.index(b)] for b in left]
+                fuse_output_reductions(graph_module, left, group, pre=left_sums)
         grad_placements = list(self.grad_placements)
         for bucket in chosen:
             for i in bucket:
@@ -245,6 +248,35 @@ class Program:
         self.fused_buckets = len(chosen)
         first = self.graphs[self._ranks[0]].code
         self._same_code = all(self.graphs[r].code == first for r in self._ranks[1:])
+
+    def _bucket_members(
+        self,
+        buckets: Sequence[Sequence[int]],
+        placements: Sequence[tuple[Any, ...]],
+        index: int,
+    ) -> tuple[list[list[int]], list[dict[tuple[str, ...], list[int]]]]:
+        """Per non-empty bucket, its members in buffer order (those pending over mesh dim
+        ``index`` alone, then runs of those pending over other dims too, where their parameter
+        is replicated: a sequence-parallel norm's weight) and those runs by the groups each is
+        summed over first (:data:`~plait.runtime.program.grad_sync.PreSums`)."""
+        chosen: list[list[int]] = []
+        pre: list[dict[tuple[str, ...], list[int]]] = []
+        names = tuple(self.device_mesh.mesh_dim_names or ())
+        for bucket in buckets:
+            alone = [
+                i for i in bucket if _pending_only_over(self.grad_placements[i], placements[i], index)
+            ]
+            runs: dict[tuple[str, ...], list[int]] = {}
+            for i in bucket:
+                beside = pending_beside(self.grad_placements[i], placements[i], index)
+                if beside is not None:
+                    groups = tuple(self.device_mesh.get_group(names[k]).group_name for k in beside)
+                    runs.setdefault(groups, []).append(i)
+            members = alone + [i for run in runs.values() for i in run]
+            if members:
+                chosen.append(members)
+                pre.append(runs)
+        return chosen, pre
 
     def reduce_scatter_gradients(
         self,

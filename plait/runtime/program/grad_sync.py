@@ -9,14 +9,18 @@ bucket's last gradient is ready, so communication overlaps the rest of backward 
 Bucketing is :func:`plait.fusion.plan_buckets` (pure, re-exported here), the same function
 the planner uses to list one all-reduce per bucket in a plan.
 
-A gradient that arrives in another layout than expected (e.g. also pending over a
-tensor-parallel axis) is reduced on its own, to stay correct.
+A gradient also pending over another axis where its parameter is replicated (a
+sequence-parallel norm's weight: summed over the sequence's slices on tp and over dp) joins
+its bucket too: a bucket's such gradients are first summed over that axis in one collective
+for them all, then with the rest over dp (the planner lists the same,
+:func:`plait.planning.assemble._fused_reductions`). A gradient in any other unexpected layout is
+reduced on its own, to stay correct.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,6 +31,7 @@ from torch import nn
 from plait.comm.dtensor import (
     DeviceMesh,
     is_pending_sum_over,
+    pending_beside,
     start_all_reduce,
     sync_grad,
     wait_for,
@@ -128,6 +133,7 @@ class GradSync(_BucketedSync):
         names = tuple(device_mesh.mesh_dim_names or ())
         self._axis_index = names.index(axis)
         self._group_mesh = device_mesh[axis]
+        self._mesh = device_mesh
         sizes = [p.to_local().numel() * p.element_size() for p in params]  # type: ignore[attr-defined]
         super().__init__(params, sizes, fusion)
         self.skip: set[int] = set()
@@ -135,21 +141,33 @@ class GradSync(_BucketedSync):
         reduce-scatter): left as they are."""
 
     def _launch(self, bucket: _Bucket) -> None:
-        members = [
-            p
-            for p in bucket.params
-            if p.grad is not None
-            and id(p) not in self.skip
-            and is_pending_sum_over(p.grad, p, self._axis_index)
-        ]
-        chosen = {id(p) for p in members} | self.skip
+        """The bucket's gradients pending over the axis alone, then those pending over other
+        axes too (their parameter replicated there: a sequence-parallel norm's weight), which
+        are first summed over those axes, one collective an axis for them all (as the program's
+        pass does, :func:`write_buckets_in_place`); then one sum over the axis, started."""
+        names = tuple(self._mesh.mesh_dim_names or ())
+        alone: list[nn.Parameter] = []
+        runs: dict[tuple[int, ...], list[nn.Parameter]] = {}
         for p in bucket.params:
-            if p.grad is not None and id(p) not in chosen:
+            if p.grad is None or id(p) in self.skip:
+                continue
+            if is_pending_sum_over(p.grad, p, self._axis_index):
+                alone.append(p)
+                continue
+            beside = pending_beside(p.grad.placements, p.placements, self._axis_index)  # type: ignore[attr-defined]
+            if beside is None:
                 sync_grad(p)  # unexpected layout: reduce it alone
-        bucket.members = members
-        if members:
-            flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])  # type: ignore[union-attr]
-            bucket.result = start_all_reduce(flat, self._group_mesh)
+            else:
+                runs.setdefault(beside, []).append(p)
+        pieces = [p.grad.to_local().reshape(-1) for p in alone]  # type: ignore[union-attr]
+        for beside, run in runs.items():
+            flat = torch.cat([p.grad.to_local().reshape(-1) for p in run])  # type: ignore[union-attr]
+            for k in beside:
+                flat = wait_for(start_all_reduce(flat, self._mesh[names[k]]))
+            pieces.append(flat)
+        bucket.members = alone + [p for run in runs.values() for p in run]
+        if pieces:
+            bucket.result = start_all_reduce(torch.cat(pieces), self._group_mesh)
 
     def _local_grad(self, param: nn.Parameter) -> torch.Tensor:
         return param.grad.to_local()  # type: ignore[union-attr]
@@ -184,12 +202,19 @@ class _Writer:
     """The views from ``node`` up to the gradient output (dropped once outputs read the buffer)."""
 
 
+PreSums = Mapping[tuple[str, ...], Sequence[int]]
+"""A bucket's gradients pending over more axes than the bucket's: the groups (by name) each run
+of them is summed over, one after the other, before the bucket's own sum (positions in the
+output tuple, a run of the bucket's positions)."""
+
+
 def write_buckets_in_place(
     graph_module: torch.fx.GraphModule,
     buckets: Sequence[Sequence[int]],
     group_name: str,
     *,
     in_place: bool = True,
+    pre: Sequence[PreSums] = (),
 ) -> list[list[int]]:
     """A pass: each bucket's gradient outputs computed straight into one flat buffer, summed
     over ``group_name`` by one all-reduce started after the bucket's last gradient.
@@ -204,14 +229,17 @@ def write_buckets_in_place(
     buffer, waited on just before the program returns, so the sum overlaps the rest of
     backward. Numerics are unchanged: the same kernels compute the same values.
 
-    ``buckets`` hold positions in the output tuple. Returns the buckets left for the caller
-    (their gradients of mixed dtypes or devices, or one output given twice).
+    ``buckets`` hold positions in the output tuple. ``pre`` (one per bucket, or none): runs of
+    a bucket's gradients that are pending over other axes too (:data:`PreSums`), each summed
+    in place over those axes' groups right after its last gradient, before the bucket's sum
+    starts: one collective a group for the run, not one a gradient. Returns the buckets left
+    for the caller (their gradients of mixed dtypes or devices, or one output given twice).
     """
     graph = graph_module.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
     left: list[list[int]] = []
-    for bucket in buckets:
+    for k, bucket in enumerate(buckets):
         values = [outs[i] for i in bucket]
         if not _bucketable(values, outs):
             left.append(list(bucket))
@@ -225,7 +253,10 @@ def write_buckets_in_place(
         if ref is None:
             left.append(list(bucket))
             continue
-        views = _write_bucket(graph, values, writers, first, ref, group_name, in_place, output)
+        runs = _runs(bucket, pre[k] if pre else {})
+        views = _write_bucket(
+            graph, values, writers, first, ref, (group_name, runs), in_place, output
+        )
         for i, view in zip(bucket, views, strict=True):
             outs[i] = view
         output.args = (tuple(outs),)
@@ -247,17 +278,30 @@ def _bucketable(values: Sequence[Any], outs: Sequence[Any]) -> bool:
     return same and all(sum(o is v for o in outs) == 1 for v in values)
 
 
+def _runs(bucket: Sequence[int], pre: PreSums) -> list[tuple[tuple[str, ...], int, int]]:
+    """``pre``'s runs as (groups, first index in the bucket, count)."""
+    out = []
+    for groups, positions in pre.items():
+        start = list(bucket).index(positions[0])
+        if list(bucket[start : start + len(positions)]) != list(positions):
+            raise ValueError(f"pre-sum run {list(positions)} is not a run of bucket {list(bucket)}")
+        out.append((groups, start, len(positions)))
+    return out
+
+
 def _write_bucket(
     graph: torch.fx.Graph,
     values: Sequence[torch.fx.Node],
     writers: Sequence[_Writer],
     first: torch.fx.Node,
     ref: torch.fx.Node,
-    group_name: str,
+    groups: tuple[str, list[tuple[tuple[str, ...], int, int]]],
     in_place: bool,
     output: torch.fx.Node,
 ) -> list[torch.fx.Node]:
-    """Rewrites one bucket (see :func:`write_buckets_in_place`); returns its new outputs."""
+    """Rewrites one bucket (see :func:`write_buckets_in_place`); returns its new outputs.
+    ``groups``: the bucket's group and its pre-summed runs (:func:`_runs`)."""
+    group_name, runs = groups
     metas = [cast(torch.Tensor, _val(v)) for v in values]
     sizes = [m.numel() for m in metas]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
@@ -275,6 +319,11 @@ def _write_bucket(
     written: list[torch.fx.Node] = []
     for writer, meta, offset in zip(writers, metas, offsets, strict=True):
         written.append(_write(graph, writer, buffer, offset, meta))
+    for names, start, count in runs:
+        run = written[start : start + count]
+        size = sum(sizes[start : start + count])
+        piece = torch.empty(size, dtype=dtype, device="meta")
+        written.append(_sum_run(graph, buffer, offsets[start], piece, run, names, in_place))
     last = max(written, key=lambda n: _position(graph, n))
     reduce = _F.all_reduce_.default if in_place else _F.all_reduce.default
     with graph.inserting_after(last):
@@ -284,6 +333,38 @@ def _write_bucket(
         done = graph.call_function(_F.wait_tensor.default, (started,))
         done.meta["val"] = buffer.meta["val"]
         return [_slice_view(graph, done, o, m) for o, m in zip(offsets, metas, strict=True)]
+
+
+def _sum_run(
+    graph: torch.fx.Graph,
+    buffer: torch.fx.Node,
+    offset: int,
+    piece: torch.Tensor,
+    run: Sequence[torch.fx.Node],
+    names: Sequence[str],
+    in_place: bool,
+) -> torch.fx.Node:
+    """Sum ``buffer[offset : offset + piece.numel()]`` (a run of gradients written by ``run``)
+    over each group of ``names`` in turn, right after the run's last write; each sum waited
+    before the next. Returns the last node, after which the bucket's own sum may start."""
+    last = max(run, key=lambda n: _position(graph, n))
+    at = last
+    for name in names:
+        with graph.inserting_after(at):
+            view = _slice_view(graph, buffer, offset, piece, like=last)
+        reduce = _F.all_reduce_.default if in_place else _F.all_reduce.default
+        with graph.inserting_after(view):
+            started = _node(graph, reduce, (view, "sum", name), last)
+            started.meta["val"] = view.meta["val"]
+        with graph.inserting_after(started):
+            done = _node(graph, _F.wait_tensor.default, (started,), last)
+            done.meta["val"] = view.meta["val"]
+        at = done
+        if not in_place:  # a simulated rank's sum is a copy: written back into the buffer
+            with graph.inserting_after(done):
+                at = _node(graph, _A.copy_.default, (view, done), last)
+                at.meta["val"] = view.meta["val"]
+    return at
 
 
 def _writer_of(value: torch.fx.Node, output: torch.fx.Node) -> _Writer:

@@ -1,6 +1,10 @@
 """Pipeline parallel on real gloo processes: pp=2 x dp=2 on 4 workers equals one device.
 
-One spawn (a spawn costs ~15 s) trains a 4-layer TinyGPT for 2 SGD steps under every CPU
+Two spawns (a spawn costs ~15 s): the default suite's (:func:`_workers`, about 95 s here) and
+a nightly one (:func:`_nightly_workers`, about 90 s) with the legs named below that the
+default one leaves out (gpipe and zero_bubble on pp x dp, recompute auto, selective and per
+module, fp16, offload, zero bubble with tp, the host optimizer beside compiled stages, mode
+auto's ZeRO-3 cut). Together they train a 4-layer TinyGPT for 2 SGD steps under every CPU
 schedule (gpipe, 1f1b, interleaved_1f1b with 2 stages a rank, zero_bubble, and zero_bubble_v's
 V: stages 0 and 3 on one rank, 1 and 2 on the other, handed over in memory), each from the
 same weights and batches: every step's loss and the final parameters equal single-device
@@ -231,9 +235,12 @@ def _zero_bubble_tp_leg(out: dict, schedule: str) -> None:
     out[("pp_tp", schedule)] = (losses, job.full_state_dict(), counts, graphs, passes)
 
 
-def _workers(root: str) -> dict:
-    out = {}
-    for schedule in SCHEDULES:
+DEFAULT_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble_v")
+"""The schedules the default suite's spawn runs on pp=2 x dp=2 (the other two: nightly)."""
+
+
+def _schedule_legs(out: dict, schedules: tuple[str, ...]) -> None:
+    for schedule in schedules:
         job, losses = _train(ParallelConfig(**PIPE, schedule=schedule))
         out[schedule] = (losses, job.full_state_dict())
         if schedule == "1f1b":
@@ -243,8 +250,14 @@ def _workers(root: str) -> dict:
             with ProcessGroupLog() as log:
                 job.step(_local(job, _batches()[0]))
             out["v_collectives"] = (dict(log.counts), job.stage_indices)
-    job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
-    out["recompute"] = (losses, job.full_state_dict())
+
+
+def _nightly_workers(root: str) -> dict:
+    """The legs the default suite's spawn leaves out (:func:`_workers`): the other two
+    schedules, recompute auto, selective and per module, fp16, offload, zero bubble with tp
+    in the stages, the host optimizer beside compiled stages, and mode auto's ZeRO-3 cut."""
+    out: dict = {}
+    _schedule_legs(out, ("1f1b", *(s for s in SCHEDULES if s not in DEFAULT_SCHEDULES)))
     # recompute="auto": nothing fits 1 KiB, so the planner's last resort, full recompute
     job, losses = _train(ParallelConfig(**PIPE, recompute="auto", memory_limit="1KiB"))
     out["recompute_auto"] = (losses, job.full_state_dict(), job.config.recompute)
@@ -254,6 +267,52 @@ def _workers(root: str) -> dict:
     job, losses = _train(ParallelConfig(**PIPE, recompute_modules=per_module))
     out["per_module"] = (losses, job.full_state_dict())
     out["saved_per_module"] = _saved_tensors(job)
+    _offload_legs(out, root)
+    # fp16 with dynamic loss scaling: steps at a sane scale; then a step at a scale that
+    # overflows is skipped on every rank (scale halved, parameters untouched)
+    batches = _batches()
+    fp16 = plait.parallelize(
+        _model(), ParallelConfig(**PIPE, precision="fp16"), optimizer=_sgd, loss_fn=gpt_loss,
+        example_batch=batches[0],
+    )  # fmt: skip
+    fp16.loss_scaler.scale = 1024.0
+    losses = [fp16.step(_local(fp16, b)) for b in batches]
+    state = fp16.full_state_dict()
+    fp16.loss_scaler.scale = 2.0**40
+    with ProcessGroupLog() as log:
+        fp16.step(_local(fp16, batches[0]))
+    unchanged = all(torch.equal(v, fp16.full_state_dict()[k]) for k, v in state.items())
+    skipped = (fp16.loss_scaler.skipped_steps, fp16.loss_scaler.scale, dict(log.counts))
+    out["fp16"] = (losses, state, skipped, unchanged)
+    # zero bubble with tp in the stages (2 stages of one block a rank): each compiled
+    # stage's backward cut into an input-gradient graph and a weight-gradient graph run
+    # later, at the schedule's weight action (the V: the 8-process test, nightly too)
+    _zero_bubble_tp_leg(out, "zero_bubble")
+    # the optimizer on the host beside compiled stages (their gradients reach its copies)
+    host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
+                          offload="optimizer")  # fmt: skip
+    built: list[int] = []
+
+    def counted(params):  # the user's factory: called once to check its class, once to build
+        built.append(1)
+        return _momentum(params)
+
+    job, losses = _train(host, megatron=True, optimizer=counted)
+    out["pp_tp_host"] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
+    out["factory_calls"] = len(built)
+    auto = ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}, optimizer_shard=3,
+                          optimizer_shard_threshold=0, recompute="full")  # fmt: skip
+    job, losses = _train(auto)
+    out["auto_zero3"] = (losses, job.full_state_dict(), job.stage_starts)
+    return out
+
+
+def _workers(root: str) -> dict:
+    """The default suite's legs (the rest: :func:`_nightly_workers`)."""
+    out: dict = {}
+    _schedule_legs(out, DEFAULT_SCHEDULES)
+    job, losses = _train(ParallelConfig(**PIPE, recompute="full"))
+    out["recompute"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), tied=True)
     out["tied"] = (losses, job.full_state_dict())
     job, losses = _train(ParallelConfig(**PIPE), marked=True)
@@ -287,23 +346,6 @@ def _workers(root: str) -> dict:
     with ProcessGroupLog() as log:  # a third step, on the first batch again
         job.step(_local(job, _batches()[0]))
     out["zero1"] = (losses, state, dict(log.counts), len(job._dp_averaged))
-    _offload_legs(out, root)
-    # fp16 with dynamic loss scaling: steps at a sane scale; then a step at a scale that
-    # overflows is skipped on every rank (scale halved, parameters untouched)
-    batches = _batches()
-    fp16 = plait.parallelize(
-        _model(), ParallelConfig(**PIPE, precision="fp16"), optimizer=_sgd, loss_fn=gpt_loss,
-        example_batch=batches[0],
-    )  # fmt: skip
-    fp16.loss_scaler.scale = 1024.0
-    losses = [fp16.step(_local(fp16, b)) for b in batches]
-    state = fp16.full_state_dict()
-    fp16.loss_scaler.scale = 2.0**40
-    with ProcessGroupLog() as log:
-        fp16.step(_local(fp16, batches[0]))
-    unchanged = all(torch.equal(v, fp16.full_state_dict()[k]) for k, v in state.items())
-    skipped = (fp16.loss_scaler.skipped_steps, fp16.loss_scaler.scale, dict(log.counts))
-    out["fp16"] = (losses, state, skipped, unchanged)
     # tensor parallel inside the stages: pp=2 x tp=2, Megatron annotations, mode semi_auto
     job, losses = _train(PP_TP, megatron=True)
     with CollectiveLog(job.inner_mesh) as inner, ProcessGroupLog() as log, DTensorOps() as ops:
@@ -312,22 +354,6 @@ def _workers(root: str) -> dict:
     out["pp_tp_collectives"] = (inner.counts(), dict(log.counts))
     params = sum(1 for m in job.stage_modules for _ in m.parameters())
     out["pp_tp_program"] = (_program(job), dict(ops.counts), params)
-    # zero bubble with tp in the stages (2 stages of one block a rank): each compiled
-    # stage's backward cut into an input-gradient graph and a weight-gradient graph run
-    # later, at the schedule's weight action (the V: nightly)
-    _zero_bubble_tp_leg(out, "zero_bubble")
-    # the optimizer on the host beside compiled stages (their gradients reach its copies)
-    host = ParallelConfig(mode="semi_auto", mesh={"pp": 2, "tp": 2}, micro_batches=4,
-                          offload="optimizer")  # fmt: skip
-    built: list[int] = []
-
-    def counted(params):  # the user's factory: called once to check its class, once to build
-        built.append(1)
-        return _momentum(params)
-
-    job, losses = _train(host, megatron=True, optimizer=counted)
-    out["pp_tp_host"] = (losses, job.full_state_dict(), [p.calls for p in job.stage_programs])
-    out["factory_calls"] = len(built)
     # (after pp_tp's count: a later mesh of the same shape renames its groups) plans of
     # mode auto with pipeline stages run as pipelines: the plan's stage split,
     # micro-batches, ZeRO level and recompute; its parameter layouts inside the stages
@@ -339,10 +365,6 @@ def _workers(root: str) -> dict:
     out["auto_pp_tp_collectives"] = (_planned_against_ran(job), job.plan_mismatches)
     job.load_pretrained(Path(root) / "untied.safetensors")  # into the stages' tp pieces
     out["pretrained_pp_tp"] = job.full_state_dict()
-    auto = ParallelConfig(mode="auto", mesh={"pp": 2, "dp": 2}, optimizer_shard=3,
-                          optimizer_shard_threshold=0, recompute="full")  # fmt: skip
-    job, losses = _train(auto)
-    out["auto_zero3"] = (losses, job.full_state_dict(), job.stage_starts)
     job, losses = _train(ParallelConfig(**PIPE), marked=True)  # back to 2 steps
     out["evaluate"] = job.evaluate(_local(job, _batches()[0]))
     out["predict"] = job.predict((_batches()[0][0],))  # the whole batch, the same everywhere
@@ -561,14 +583,11 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
     # every schedule, marks, recompute, ties and ZeRO-3; and mode auto's pipeline plans (with
     # Megatron annotations the plan splits parameters over tp inside the stages)
     for name, ref in [
-        *((name, short) for name in (*SCHEDULES, "marked", "recompute", "recompute_auto", "selective", "per_module", "auto_zero3")),
+        *((name, short) for name in (*DEFAULT_SCHEDULES, "marked", "recompute")),
         ("tied", tied), ("zero3_tied", tied), ("auto_pp_tp", megatron_short),
     ]:  # fmt: skip
         _same_run(*results[0][name][:2], ref, name)
     assert results[0]["marked"][2] == ["blocks.1"]
-    assert results[0]["recompute_auto"][2] == "full"
-    for rank, r in enumerate(results):  # per-module recompute keeps fewer tensors, each stage
-        assert r["saved_per_module"] < r["saved_plain"], (rank, r["saved_per_module"])
     for rank, r in enumerate(results):  # a rank holds its stage's parameters, not the model's
         held, local, whole = r["held_plain"]
         assert held == local and 0 < local < whole, (rank, r["held_plain"])
@@ -592,11 +611,7 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
             rank,
             r["bf16_collectives"],
         )
-    _check_fp16(results)
-    _check_offload(results)
     assert results[0]["auto_pp_tp"][2] > 0
-
-    assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
     # ZeRO-1 (run as FSDP2's ZeRO-2): equal to one device; per step each rank gathers its
     # stage's sharded parameters once and reduce-scatters their gradients once; the gradients
     # of parameters under 1 KiB (norms, biases: kept whole) are averaged in one all-reduce,
@@ -665,16 +680,41 @@ def test_pipeline_schedules_and_checkpoints_equal_one_device(tmp_path: Path) -> 
         }, f"rank {rank}: {program}"  # fmt: skip
         assert set(ops) == {"aten.div_.Tensor", "aten.add_.Tensor"}, f"rank {rank}: {ops}"
         assert max(ops.values()) <= params, f"rank {rank}: {ops}, {params} parameters"
-        assert r["pp_tp_host"][2] == [8], f"rank {rank}: {r['pp_tp_host'][2]}"
-        # parallelize's check of the optimizer's class, then the one the job steps with
-        assert r["factory_calls"] == 2, f"rank {rank}: {r['factory_calls']} factory calls"
-    _check_zero_bubble_tp(results, megatron, "zero_bubble")
-    momentum = reference_run(_model(megatron=True), gpt_loss, _momentum, _batches())
-    _same_run(*results[0]["pp_tp_host"][:2], momentum, "pp_tp_host")
     losses, state = results[0]["reshard"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference.losses[STEPS:]))
     for key, value in reference.state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.nightly
+def test_pipeline_schedules_precision_offload_and_recompute_equal_one_device(
+    tmp_path: Path,
+) -> None:
+    """The legs the default suite's spawn leaves out (:func:`_nightly_workers`), each equal
+    to one device: gpipe and zero_bubble on pp=2 x dp=2, recompute auto (full under a limit
+    nothing fits), selective and per module (fewer tensors kept than 1f1b's), fp16 with
+    dynamic loss scaling, offload of the optimizer and of activations (and their
+    checkpoints), zero bubble with tp in the stages, the host optimizer beside compiled
+    stages, and mode auto's ZeRO-3 cut."""
+    results = run_workers(_nightly_workers, 4, str(tmp_path), timeout_s=280.0)
+    short = reference_run(_model(), gpt_loss, _sgd, _batches())
+    names = ("gpipe", "zero_bubble", "recompute_auto", "selective", "per_module", "auto_zero3")
+    for name in names:
+        _same_run(*results[0][name][:2], short, name)
+    assert results[0]["recompute_auto"][2] == "full"
+    assert results[0]["auto_zero3"][2] == ["blocks.2"]  # the planner's cut: 2 layers a stage
+    for rank, r in enumerate(results):  # per-module recompute keeps fewer tensors, each stage
+        assert r["saved_per_module"] < r["saved_plain"], (rank, r["saved_per_module"])
+    _check_fp16(results)
+    _check_offload(results)
+    megatron = reference_run(_model(megatron=True), gpt_loss, _sgd, [*_batches(), _batches()[0]])
+    _check_zero_bubble_tp(results, megatron, "zero_bubble")
+    momentum = reference_run(_model(megatron=True), gpt_loss, _momentum, _batches())
+    _same_run(*results[0]["pp_tp_host"][:2], momentum, "pp_tp_host")
+    for rank, r in enumerate(results):
+        assert r["pp_tp_host"][2] == [8], f"rank {rank}: {r['pp_tp_host'][2]}"
+        # parallelize's check of the optimizer's class, then the one the job steps with
+        assert r["factory_calls"] == 2, f"rank {rank}: {r['factory_calls']} factory calls"
 
 
 def _check_pipeline_collectives(results: list[dict]) -> None:

@@ -482,14 +482,7 @@ def _fused_reductions(
             sharded = [m for m in members if m[0].optimizer_shard_dim is not None]
             summed = members if level == 1 else [m for m in members if m not in sharded]
             if summed:
-                step.add(
-                    "all_reduce",
-                    (dp,),
-                    sum(size for _, size in summed),
-                    ("backward", summed[0][0].name),
-                    f"gradients of {_names(summed)} summed over {dp!r} in one fused all-reduce "
-                    f"({where})",
-                )
+                _fused_all_reduce(step, dp, summed, f"({where})")
             if not sharded:
                 continue
             full = sum(size for _, size in sharded)
@@ -564,16 +557,26 @@ def _summed_first(
             runs.setdefault(beside, []).append(m)
     for beside, run in runs.items():
         for axis in beside:
-            step.add(
-                "all_reduce",
-                (axis,),
-                sum(size for _, size in run),
-                ("backward", run[0][0].name),
-                f"gradients of {_names(run)} summed over {axis!r} in one fused all-reduce "
+            detail = (
                 f"(pending there too: their readers split the work over {axis!r}), before "
-                f"their sum over {dp!r} ({where})",
+                f"their sum over {dp!r} ({where})"
             )
+            _fused_all_reduce(step, axis, run, detail)
     return [m for run in runs.values() for m in run]
+
+
+def _fused_all_reduce(
+    step: _Step, axis: str, members: Sequence[tuple[PlannedParameter, int]], detail: str
+) -> None:
+    """One all-reduce over ``axis`` of ``members``' gradients in one flat buffer, listed at
+    the first of them."""
+    step.add(
+        "all_reduce",
+        (axis,),
+        sum(size for _, size in members),
+        ("backward", members[0][0].name),
+        f"gradients of {_names(members)} summed over {axis!r} in one fused all-reduce {detail}",
+    )
 
 
 def _gradient_reduction(

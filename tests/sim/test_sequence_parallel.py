@@ -165,37 +165,37 @@ def test_a_mark_the_mesh_or_batch_cannot_take_is_refused_at_planning(mesh, seq, 
         plait.plan(model, config, example_batch=batch, loss_fn=gpt_loss)
 
 
-@pytest.mark.parametrize("optimizer_shard", [None, 2])
+@pytest.mark.parametrize(("optimizer_shard", "accumulation"), [(None, 2), (2, 1)])
 def test_sequence_parallel_norm_gradients_are_summed_in_their_bucket(
-    gpt_and_batches, optimizer_shard
+    gpt_and_batches, optimizer_shard, accumulation
 ):
     """The norms' gradients, pending over dp and tp, are summed over tp once for all of them,
     then over dp with their bucket: inside the program's backward, and with gradient
     accumulation (the program's gradients summed first, reduced once a step by the Job's
     buckets) the same collectives; with ZeRO-2 the split parameters' reduce-scatter beside
     (the norms stay whole). Equal to one device (AdamW; the norms' true gradients are not
-    zero), and what runs is the plan's list (plait's log and CommDebugMode)."""
+    zero), and what runs is the plan's list (plait's log and CommDebugMode). Without
+    either, the first test here checks the same."""
     model, batches, expected = gpt_and_batches
     model = copy.deepcopy(model)
     megatron(model, 2, sequence_parallel=True)
-    for k in (1, 2):
-        cfg = ParallelConfig(
-            mode="semi_auto", mesh=MESH, grad_accumulation=k, optimizer_shard=optimizer_shard
+    cfg = ParallelConfig(
+        mode="semi_auto", mesh=MESH, grad_accumulation=accumulation,
+        optimizer_shard=optimizer_shard,
+    )  # fmt: skip
+    with plait.testing.simulate(world_size=4):
+        job = plait.parallelize(
+            model, cfg, optimizer=adamw, loss_fn=gpt_loss, example_batch=batches[0]
         )
-        with plait.testing.simulate(world_size=4):
-            job = plait.parallelize(
-                copy.deepcopy(model), cfg, optimizer=adamw, loss_fn=gpt_loss,
-                example_batch=batches[0],
-            )  # fmt: skip
-            losses = [job.step(batches[0])]
-            with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
-                losses.append(job.step(batches[1]))
-            losses.append(job.step(batches[2]))
-            actual = Run(losses, job.full_state_dict())
-        plan = job.loss_fn.plan
-        assert_same_run(expected, actual, rtol=RTOL, atol=1e-6)
-        executed = executed_collectives(log)
-        assert executed == planned_collectives(plan), k
-        assert sum(debug_counts(debug).values()) == sum(executed.values())
-        first = [c for c in plan.collectives if "in one fused all-reduce (pending there" in c.reason]
-        assert [(c.axes, c.count) for c in first] == [(("tp",), 1)], (k, first)
+        losses = [job.step(batches[0])]
+        with CommDebugMode() as debug, CollectiveLog(job.device_mesh) as log:
+            losses.append(job.step(batches[1]))
+        losses.append(job.step(batches[2]))
+        actual = Run(losses, job.full_state_dict())
+    plan = job.loss_fn.plan
+    assert_same_run(expected, actual, rtol=RTOL, atol=1e-6)
+    executed = executed_collectives(log)
+    assert executed == planned_collectives(plan)
+    assert sum(debug_counts(debug).values()) == sum(executed.values())
+    first = [c for c in plan.collectives if "in one fused all-reduce (pending there" in c.reason]
+    assert [(c.axes, c.count) for c in first] == [(("tp",), 1)], first

@@ -377,7 +377,8 @@ def _device_memory(args: argparse.Namespace) -> int | None:
 
 
 def _timeline_files(plan: Any, args: argparse.Namespace) -> list[str]:
-    """``--timeline`` and ``--trace``: the predicted pipeline schedule as a PNG and a trace."""
+    """``--timeline`` and ``--trace``: the predicted pipeline schedule (or, without stages and
+    with ``--interleave-num`` above 1, the copies' turns) as a PNG and a trace."""
     if not (args.timeline or args.trace):
         return []
     try:
@@ -386,12 +387,13 @@ def _timeline_files(plan: Any, args: argparse.Namespace) -> list[str]:
         flag = "--timeline" if args.timeline else "--trace"
         raise PlanError(f"{flag}: {e}") from None
     out = []
+    what = "pipeline" if plan.pipeline_stages > 1 else "copies"
     if args.timeline:
         width, height = timeline.to_png(args.timeline)
-        out.append(f"pipeline timeline drawn to {args.timeline} ({width} x {height} pixels)")
+        out.append(f"{what} timeline drawn to {args.timeline} ({width} x {height} pixels)")
     if args.trace:
         timeline.to_chrome_trace(args.trace)
-        out.append(f"pipeline trace written to {args.trace} (open in Perfetto or chrome://tracing)")
+        out.append(f"{what} trace written to {args.trace} (open in Perfetto or chrome://tracing)")
     return out
 
 

@@ -198,7 +198,10 @@ def assemble_plan(
         recompute=cfg.recompute,
         recompute_regions=recompute_regions(graph, cfg),
         offload=cfg.offload,
-        ops=tuple(_planned_op(ctx, op, decisions[op.name], ctx.kept) for op in graph.ops),
+        ops=tuple(
+            _planned_op(ctx, op, decisions[op.name], ctx.kept, estimate.op_seconds(op.name))
+            for op in graph.ops
+        ),
         parameters=parameters,
         collectives=tuple(step.items),
         predicted=found.predicted,
@@ -226,7 +229,11 @@ def _stage_names(
 
 
 def _planned_op(
-    ctx: _Context, op: OpNode, decision: Decision, kept: Mapping[str, tuple[str, ...]]
+    ctx: _Context,
+    op: OpNode,
+    decision: Decision,
+    kept: Mapping[str, tuple[str, ...]],
+    compute_s: float,
 ) -> PlannedOp:
     strategy = ctx.chosen[op.name]
     covered = default_catalogue().covers(op)
@@ -243,6 +250,7 @@ def _planned_op(
         reason=decision.reason if covered else "no rule in the catalogue: replicated",
         layer=op.layer,
         pending_grad=kept.get(op.name, ()),
+        compute_s=compute_s,
         alternatives=tuple(
             Alternative(candidates[i].label, candidates[i].cuts(), c)
             for i, c in decision.alternatives

@@ -105,4 +105,3 @@ def _note(best: _Planned[T], tried: list[_Planned[T]], left_out: list[str]) -> s
 
 def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
-

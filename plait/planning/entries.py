@@ -94,10 +94,14 @@ class PlannedOp:
     """Mesh axes over which the gradient of this op's output comes back as a pending sum and
     stays pending into the gradients of the op's parameters, which the data-parallel buckets
     reduce (a position table added to a batch-split activation: no collective of its own)."""
+    compute_s: float = 0.0
+    """Predicted seconds of the op's forward and backward on one device, for one piece of the
+    step (one micro-step, and with ``interleave_num`` one copy); what the copies' timeline
+    places (:func:`plait.planning.timeline.copies_timeline`). 0 in files written before it."""
     # Names first and the long lists last: the order people read an op in the file.
     file_order: ClassVar[tuple[str, ...]] = (
-        "name", "target", "module_path", "layer", "label", "covered", "strategy", "inputs",
-        "outputs", "pending_grad", "reason", "alternatives",
+        "name", "target", "module_path", "layer", "label", "covered", "compute_s", "strategy",
+        "inputs", "outputs", "pending_grad", "reason", "alternatives",
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -114,6 +118,7 @@ class PlannedOp:
         object.__setattr__(self, "alternatives", tuple(self.alternatives))
         pending = check_names(f"{where}.pending_grad", self.pending_grad)
         object.__setattr__(self, "pending_grad", pending)
+        object.__setattr__(self, "compute_s", check_seconds(f"{where}.compute_s", self.compute_s))
         self._check_inputs(where)
 
     def _check_inputs(self, where: str) -> None:

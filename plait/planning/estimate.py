@@ -607,6 +607,11 @@ class MeshEstimate:
         )  # fmt: skip
         return assign_stages(graph, self._op_time, self.stages, memory)
 
+    def op_seconds(self, name: str) -> float:
+        """Op ``name``'s forward and backward seconds on one device, for one piece of the step
+        (the graph's batch: one micro-step, one copy), under the chosen strategy."""
+        return self._op_time[name]
+
     def for_stages_of(self, cfg: ParallelConfig) -> MeshEstimate:
         """The predictor whose stages are ``cfg``'s: this one, or (another schedule or
         micro-batch count moving a cut) one built for them, kept."""

@@ -470,7 +470,7 @@ def plan_pictures(
     """Write ``plan``'s pictures into ``directory`` (made if missing) and return their paths:
     ``memory.png`` always, ``options.png`` when the outer planner weighed options (mode
     auto; ``limit``: the memory limit it planned against), ``timeline.png`` with pipeline
-    stages (``plan.timeline()``)."""
+    stages or copies (``plan.timeline()``)."""
     require_matplotlib("plan.plot")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -485,6 +485,6 @@ def plan_pictures(
     ]  # fmt: skip
     if plan.options:
         written.append(write_png(options_figure(plan, limit=limit), out / "options.png"))
-    if plan.pipeline_stages > 1:
+    if plan.pipeline_stages > 1 or plan.interleave_num > 1:
         written.append(write_png(timeline_figure(plan.timeline()), out / "timeline.png"))
     return written

@@ -120,7 +120,8 @@ class Plan(PlanContents):
         return report.summary(self)
 
     def timeline(self) -> Timeline:
-        """The predicted pipeline schedule: passes per stage over time (PlanError with one stage).
+        """The predicted pipeline schedule: passes per stage over time; without stages, with
+        ``interleave_num`` above 1, the copies' turns on the device (PlanError otherwise).
 
         ``plan.timeline().to_png("step.png")`` draws it; ``.to_chrome_trace("step.json")``
         writes it for Perfetto (:mod:`plait.planning.timeline`).
@@ -132,7 +133,7 @@ class Plan(PlanContents):
         matplotlib: ``pip install 'plait[plot]'``): ``memory.png`` (the predicted memory per
         device by kind), ``options.png`` (mode auto: the options weighed, step time against
         memory, the chosen one starred, the memory limit drawn) and ``timeline.png`` (with
-        pipeline stages: the predicted schedule). ``limit`` is the memory limit (bytes) the
+        pipeline stages: the predicted schedule; with copies: their turns). ``limit`` is the memory limit (bytes) the
         options were weighed against: default ``memory_limit``, else a built-in hardware
         profile's device memory (:mod:`plait.planning.plots`)."""
         if limit is None and self.memory_limit is None:

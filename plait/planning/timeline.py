@@ -47,6 +47,7 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "bubble_seconds",
+    "copies_timeline",
     "plan_timeline",
     "schedule_order",
     "simulate",
@@ -644,7 +645,9 @@ class Timeline:
 
 
 def plan_timeline(plan: PlanContents) -> Timeline:
-    """The predicted schedule of ``plan``'s pipeline, simulated on its per-stage times.
+    """The predicted schedule of ``plan``'s pipeline, simulated on its per-stage times; for a
+    plan without stages that runs copies (``interleave_num > 1``), the copies' turns
+    (:func:`copies_timeline`).
 
     A stage's compute per micro-batch is split by :data:`BACKWARD_FLOPS_FACTOR` (forward a
     third, the input and weight gradients a third each); its collectives inside the stage are
@@ -652,10 +655,13 @@ def plan_timeline(plan: PlanContents) -> Timeline:
     sends, its gradient reductions and optimizer collectives the sync after its last pass.
     """
     p, m, v = plan.pipeline_stages, plan.micro_batches, plan.virtual_stages
+    if p < 2 and plan.interleave_num > 1:
+        return copies_timeline(plan)
     if p < 2:
         raise PlanError(
             f"plan for {plan.model or 'the model'} has 1 pipeline stage: there is no pipeline "
-            "schedule to draw; plan with --pipeline-stages N (N > 1) or a mesh with a 'pp' axis"
+            "schedule to draw; plan with --pipeline-stages N (N > 1) or a mesh with a 'pp' "
+            "axis (or --interleave-num 2: the copies' turns)"
         )
     times = _plan_stage_times(plan)
     title = (
@@ -665,6 +671,79 @@ def plan_timeline(plan: PlanContents) -> Timeline:
         + (f" ({plan.model})" if plan.model else "")
     )
     return simulate(plan.schedule, p, m, times, v, title=title)
+
+
+def copies_timeline(plan: PlanContents, copies: int | None = None) -> Timeline:
+    """One micro-step of a plan without pipeline stages, its copies (``interleave_num``)
+    taking turns on the device as the program's pass orders them
+    (:mod:`plait.runtime.program.interleave`): each copy runs its ops' compute until an op
+    issues a collective, then the next copy computes while that collective is in flight; a
+    copy waits for its collective before its next turn, and one collective runs at a time.
+    Forward turns first, then backward (each op's compute split by
+    :data:`BACKWARD_FLOPS_FACTOR`, ``PlannedOp.compute_s``), the ops' collectives at the ops
+    the plan lists them under. One row, the device: its idle time (the timeline's bubble) is
+    the collectives it waits for, which copies shorten. ``copies``: draw that many instead of
+    the plan's (1: the same pieces one after another, nothing covered). The gradient
+    reductions and the loss's, once a step, are not drawn."""
+    k = plan.interleave_num if copies is None else copies
+    if plan.pipeline_stages > 1 or k < 1:
+        raise PlanError(
+            f"copies_timeline: the plan has {plan.pipeline_stages} pipeline stages and {k} "
+            "copies; it draws a plan without stages (plan.timeline() draws pipelines)"
+        )
+    if not any(op.compute_s for op in plan.ops):
+        raise PlanError(
+            f"plan for {plan.model or 'the model'} records no per-op compute (a file written "
+            "before PlannedOp.compute_s): plan again to draw its copies"
+        )
+    turns = {phase: _turns(plan, phase) for phase in ("forward", "backward")}
+    events: list[TimelineEvent] = []
+    device = link = 0.0
+    for phase in ("forward", "backward"):
+        ready = [device] * k
+        for index in range(len(turns[phase])):  # turn i of every copy, copy by copy
+            for copy in range(k):
+                compute, comm = turns[phase][index]
+                start = max(device, ready[copy])
+                device = start + compute
+                events.append(TimelineEvent(0, phase, start, device, 0, copy))
+                ready[copy] = device
+                if comm > 0:
+                    begin = max(device, link)
+                    link = ready[copy] = begin + comm
+                    events.append(
+                        TimelineEvent(0, "communication", begin, link, 0, copy, f"copy {copy}")
+                    )
+        device = max([device, *ready])
+    title = (
+        f"predicted micro-step, {k} {'copy' if k == 1 else 'copies interleaved'}"
+        + (f" ({plan.model})" if plan.model else "")
+        + "; idle: waiting on the ops' collectives"
+    )
+    return Timeline(tuple(events), ("device",), title)
+
+
+def _turns(plan: PlanContents, phase: str) -> list[tuple[float, float]]:
+    """A copy's turns in ``phase``: (compute seconds, then the seconds of the collectives it
+    issues) per run of ops ending at an op with collectives of that phase."""
+    parameters = {p.name for p in plan.parameters}
+    pieces = max(1, plan.grad_accumulation * plan.interleave_num)
+    comm: dict[str, float] = {}
+    for c in plan.collectives:
+        if c.phase == phase and c.op not in parameters and PP_AXIS not in c.axes:
+            comm[c.op] = comm.get(c.op, 0.0) + c.seconds * c.count / pieces
+    share = 1 / (1 + BACKWARD_FLOPS_FACTOR)
+    ops = list(plan.ops) if phase == "forward" else list(reversed(plan.ops))
+    turns: list[tuple[float, float]] = []
+    compute = 0.0
+    for op in ops:
+        compute += op.compute_s * (share if phase == "forward" else 1 - share)
+        if comm.get(op.name, 0.0) > 0:
+            turns.append((compute, comm[op.name]))
+            compute = 0.0
+    if compute > 0:
+        turns.append((compute, 0.0))
+    return turns
 
 
 def _plan_stage_times(plan: PlanContents) -> list[StageTimes]:

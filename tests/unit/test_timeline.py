@@ -7,6 +7,7 @@ schedules build and against a real 2-process gloo run (StageTimer around torch's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from fractions import Fraction
@@ -19,7 +20,7 @@ from plait.config import ParallelConfig
 from plait.cost.memory import in_flight_micro_batches
 from plait.errors import PlanError
 from plait.graph import capture
-from plait.models import GPTConfig, TinyGPT, gpt_loss
+from plait.models import GPTConfig, TinyGPT, annotate_megatron, gpt_loss
 from plait.planning import Plan, plan_graph
 from plait.planning.timeline import (
     SCHEDULES,
@@ -27,6 +28,7 @@ from plait.planning.timeline import (
     Timeline,
     TimelineEvent,
     bubble_seconds,
+    copies_timeline,
     schedule_order,
     simulate,
     stage_rank,
@@ -307,3 +309,49 @@ def test_timeline_refuses_unknown_kinds_and_rows() -> None:
         Timeline((TimelineEvent(0, "sleep", 0.0, 1.0),), ("pp 0",))
     with pytest.raises(PlanError, match="rank 2"):
         Timeline((TimelineEvent(2, "forward", 0.0, 1.0),), ("pp 0",))
+
+
+# --------------------------------------------------------------------------- copies
+
+
+def test_a_plan_with_copies_draws_their_turns(tmp_path) -> None:
+    """``interleave_num=2`` without stages: ``plan.timeline()`` is the copies' turns on the
+    device (:func:`copies_timeline`): forward turns, then backward, the copies alternating,
+    each op's collectives in flight while the other copy computes; the device waits less
+    than the same plan's pieces run one after another (one copy), and every op collective of
+    a micro-step is drawn once a copy. One copy and no stages: nothing to draw, by name; a
+    plan file without per-op compute: plan again."""
+    gpt = GPTConfig(vocab=256, seq=64, width=128, heads=4, layers=2)
+    model = TinyGPT(gpt)
+    annotate_megatron(model, tp=2)
+    batch = (torch.randint(0, 256, (16, 64)), torch.randint(0, 256, (16, 64)))
+    cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "tp": 2}, hardware="a100-80g")
+    two = plan_graph(capture(model, tuple(x[:8] for x in batch), gpt_loss),
+                     dataclasses.replace(cfg, interleave_num=2), model=model)  # fmt: skip
+    timeline = two.timeline()
+    assert timeline.labels == ("device",) and "2 copies interleaved" in timeline.title
+    forward = [e.micro_batch for e in timeline.compute(0) if e.kind == "forward"]
+    assert forward[:4] == [0, 1, 0, 1] and len(forward) % 2 == 0
+    assert max(e.end_s for e in timeline.events if e.kind == "forward") <= min(
+        e.start_s for e in timeline.events if e.kind == "backward"
+    )
+    params = {p.name for p in two.parameters}
+    per_copy = sum(
+        c.seconds * c.count / 2 for c in two.collectives if c.op not in params and c.op != "loss"
+        and c.phase in ("forward", "backward")
+    )  # fmt: skip
+    comm = [e for e in timeline.events if e.kind == "communication"]
+    assert sum(e.seconds for e in comm) == pytest.approx(2 * per_copy)
+    assert {e.micro_batch for e in comm} == {0, 1}
+    compute = sum(op.compute_s for op in two.ops)
+    assert timeline.busy_s(0) == pytest.approx(2 * compute)
+    one = copies_timeline(two, copies=1)
+    assert 0 < timeline.bubble_s < one.bubble_s
+    png = tmp_path / "copies.png"
+    timeline.to_png(png)
+    assert _png_size(png.read_bytes())[0] == 1200
+    with pytest.raises(PlanError, match=r"1 pipeline stage.*--interleave-num 2"):
+        dataclasses.replace(two, interleave_num=1).timeline()
+    old = dataclasses.replace(two, ops=tuple(dataclasses.replace(o, compute_s=0.0) for o in two.ops))
+    with pytest.raises(PlanError, match=r"no per-op compute.*plan again"):
+        old.timeline()

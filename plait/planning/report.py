@@ -293,10 +293,12 @@ def _extra_lines(plan: PlanContents) -> list[str]:
         lines.append("pipeline stages")
         lines += [f"  {s}: {few(list(stage), 4)}" for s, stage in enumerate(plan.stages)]
     if plan.options:
+        copies = any(o.interleave_num > 1 for o in plan.options)  # interleave_num="auto"
         rows = [
             [
                 " x ".join(f"{a}={n}" for a, n in o.mesh.items()),
                 str(o.micro_batches),
+                *([str(o.interleave_num)] if copies else []),
                 str(o.optimizer_shard or "-"),
                 o.recompute,
                 fmt_seconds(o.step_time_s),
@@ -306,7 +308,8 @@ def _extra_lines(plan: PlanContents) -> list[str]:
             ]
             for o in plan.options
         ]
-        headers = ["mesh", "micro", "zero", "recompute", "step", "memory", "fits", "note"]
+        headers = ["mesh", "micro", *(["copies"] if copies else []), "zero", "recompute"]
+        headers += ["step", "memory", "fits", "note"]
         lines += ["options weighed", *_table(headers, rows)]
     if plan.notes:
         lines += ["notes", *(f"  {n}" for n in plan.notes)]
@@ -384,9 +387,11 @@ def _explain_options(plan: PlanContents) -> list[str]:
         lines.append("best options weighed (step time, memory per device, fits)")
         for o in plan.options[:5]:
             zero = "off" if o.optimizer_shard is None else o.optimizer_shard
+            copies = f", {o.interleave_num} copies" if o.interleave_num > 1 else ""
             lines.append(
-                f"  {o.mesh!r} micro-batches {o.micro_batches}, optimizer shard {zero}, recompute "
-                f"{o.recompute}: {fmt_seconds(o.step_time_s)}, {fmt_bytes(o.memory_bytes)}, "
+                f"  {o.mesh!r} micro-batches {o.micro_batches}{copies}, optimizer shard {zero}, "
+                f"recompute {o.recompute}: {fmt_seconds(o.step_time_s)}, "
+                f"{fmt_bytes(o.memory_bytes)}, "
                 f"{'fits' if o.feasible else 'does not fit'}{' (' + o.note + ')' if o.note else ''}"
             )
     return lines

@@ -258,6 +258,8 @@ def test_auto_weighs_the_copy_count_and_trains_the_one_it_keeps(
     assert chosen.options[0].interleave_num == 2
     assert "interleave_num='auto' chose 2 copies; weighed 1 copy: " in chosen.notes[-1]
     assert "2 copies interleaved" in chosen.notes[-2]  # the outer planner's why, per copy count
+    header = chosen.summary().split("options weighed\n")[1].splitlines()[0].split()
+    assert header[:3] == ["mesh", "micro", "copies"]  # the options table says each one's count
     with plait.testing.simulate(world_size=4):
         cfg = ParallelConfig(mode="auto", mesh=MESH, interleave_num="auto")
         job = plait.parallelize(

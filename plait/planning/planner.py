@@ -198,6 +198,12 @@ def _auto_with_servers(
     them (a parameter-server plan) against mode auto's plan of the whole model on the devices;
     the faster that fits wins, and its notes say what the other would take."""
     check_servers(config, servers)
+    if config.interleave_num == "auto":
+        raise ConfigError(
+            f"ParallelConfig(interleave_num='auto') with servers={servers}: mode auto weighs "
+            "parameter servers or the copy count, not both yet; give interleave_num a count "
+            "(1 = off) or leave servers out"
+        )
     check_config(config)
     tables, split = servable_tables(model, servers)
     ps_config = ps_config_for(config, mesh_of_auto(config), tables, split)

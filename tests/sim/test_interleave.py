@@ -289,6 +289,9 @@ def test_auto_copy_count_is_refused_where_it_cannot_choose() -> None:
     with pytest.raises(ConfigError, match=r"interleave_num=auto.*would do nothing"):
         plait.plan(model, ParallelConfig(mode="auto", mesh={"dp": 4}, interleave_num="auto"),
                    example_batch=gpt_batches(GPT, 1)[0], loss_fn=gpt_loss)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"interleave_num='auto'\) with servers=2.*not both"):
+        plait.plan(model, ParallelConfig(mode="auto", devices=4, interleave_num="auto"),
+                   example_batch=gpt_batches(GPT, 1)[0], loss_fn=gpt_loss, servers=2)  # fmt: skip
     odd = gpt_batches(GPT, 1, batch=2)[0]  # 2 rows on dp=2: no room for 2 copies
     plan = plait.plan(model, ParallelConfig(mode="auto", mesh=MESH, interleave_num="auto"),
                       example_batch=odd, loss_fn=gpt_loss)  # fmt: skip

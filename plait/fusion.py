@@ -13,6 +13,9 @@ the runtime (:mod:`plait.runtime.program.grad_sync`, which runs them) form exact
 
 Buckets come in launch order (the last parameters' bucket first); indices inside a
 ``"size"`` bucket are in reverse model order, inside an ``"index"`` bucket in model order.
+
+:func:`in_bucket` says which gradients a bucket sums, for the plan's list and the
+predictor alike.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 from plait.config import CommFusion
 
-__all__ = ["plan_buckets"]
+__all__ = ["in_bucket", "plan_buckets"]
 
 
 def plan_buckets(sizes: Sequence[int], fusion: CommFusion) -> list[list[int]]:
@@ -46,3 +49,14 @@ def plan_buckets(sizes: Sequence[int], fusion: CommFusion) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def in_bucket(axes: Sequence[str], dp_axis: str, *, fused: bool, staged: bool) -> bool:
+    """Is a gradient pending over ``axes`` summed in a dp bucket? Over dp alone, whenever dp's
+    reductions are ``fused`` (a dp axis larger than one); over dp and other axes (its parameter
+    replicated there: a sequence-parallel norm's weight), also without pipeline stages
+    (``staged`` False): the program and GradSync sum a bucket's such gradients over those
+    axes first, together (:mod:`plait.runtime.program.grad_sync`)."""
+    if not fused or dp_axis not in axes:
+        return False
+    return len(axes) == 1 or not staged

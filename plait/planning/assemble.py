@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from plait.config import CommFusion, ParallelConfig
 from plait.cost.comm import Topology
-from plait.fusion import plan_buckets
+from plait.fusion import in_bucket, plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode
 from plait.layout import TensorLayout, optimizer_shard_dim, why_whole
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
@@ -395,13 +395,10 @@ def _parameters(
 
 
 def _bucketed(ctx: _Context, axes: tuple[str, ...]) -> bool:
-    """Is a gradient pending over ``axes`` reduced in a dp bucket (:func:`_fused_reductions`)?
-    Over dp alone, always (when dp's reductions are fused); over dp and other axes (its
-    parameter replicated there), without pipeline stages: the per-rank program and GradSync
-    sum a bucket's such gradients over those axes first, together."""
-    if not _fused_dp(ctx) or ctx.cfg.dp_axis not in axes:
-        return False
-    return len(axes) == 1 or max(ctx.stage_of.values(), default=0) == 0
+    """Is a gradient pending over ``axes`` reduced in a dp bucket (:func:`_fused_reductions`,
+    :func:`plait.fusion.in_bucket`)?"""
+    staged = max(ctx.stage_of.values(), default=0) > 0
+    return in_bucket(axes, ctx.cfg.dp_axis, fused=_fused_dp(ctx), staged=staged)
 
 
 def _local_bytes(g: GraphInput, layout: TensorLayout) -> int:

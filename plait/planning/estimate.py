@@ -51,7 +51,7 @@ from plait.cost.step_memory import (
     stage_states,
     step_peak,
 )
-from plait.fusion import plan_buckets
+from plait.fusion import in_bucket, plan_buckets
 from plait.graph import GraphInput, OpGraph, OpNode, TensorMeta
 from plait.layout import TensorLayout, optimizer_shard_dim, shard_group_size
 from plait.layout.redistribute import LOCAL_KINDS, plan_redistribution
@@ -796,11 +796,9 @@ class MeshEstimate:
         return items
 
     def _bucketed(self, axes: tuple[str, ...]) -> bool:
-        """Is a gradient pending over ``axes`` reduced in a dp bucket (assemble's
-        ``_bucketed``: over dp alone, or over dp and other axes without pipeline stages)?"""
-        if not self.fused or self.dp not in axes:
-            return False
-        return len(axes) == 1 or self.stages == 1
+        """Is a gradient pending over ``axes`` reduced in a dp bucket
+        (:func:`plait.fusion.in_bucket`, as the plan lists it)?"""
+        return in_bucket(axes, self.dp, fused=self.fused, staged=self.stages > 1)
 
     def _loss(self) -> list[list[_Item]]:
         items: list[list[_Item]] = [[] for _ in range(self.stages)]

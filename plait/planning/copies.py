@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
+from plait import support
 from plait.config import ParallelConfig
 from plait.errors import PlaitError
 from plait.planning.records import Plan
@@ -37,13 +38,14 @@ class _Planned(Generic[T]):
     made: T
 
 
-def runs_copies(mesh: Mapping[str, int], dp_axis: str) -> bool:
-    """Whether ``k > 1`` copies do anything on ``mesh``: no pipeline stages (refused there:
-    plait.support's ``interleave_stages``) and some axis besides data parallel (on data
-    parallel alone there is no op collective for a copy to hide)."""
-    if mesh.get("pp", 1) > 1:
-        return False
-    return any(size > 1 for axis, size in mesh.items() if axis != dp_axis)
+def runs_copies(cfg: ParallelConfig, mesh: Mapping[str, int]) -> bool:
+    """Whether ``cfg``'s copies (``interleave_num`` above 1) run on ``mesh``: no multi-copy
+    rule of the support table refuses them there (:data:`plait.support.RULES`: on data
+    parallel alone they would do nothing, in pipeline stages they are not built)."""
+    on = dataclasses.replace(cfg, mesh=dict(mesh), devices=None, pipeline_stages=mesh.get("pp", 1))
+    where = support.Where(support.engine_of(on, mesh, planned=True), planned=True)
+    rules = (r for r in support.RULES if r.key.startswith("interleave_"))
+    return not any(r.refused(on, where) for r in rules)
 
 
 def weigh_copies(
@@ -64,7 +66,7 @@ def weigh_copies(
                 raise
             left_out.append(f"{k} copies not weighed ({_first_line(e)})")
             continue
-        if k > 1 and not runs_copies(plan.mesh.as_dict(), plan.dp_axis):
+        if k > 1 and not runs_copies(cfg, plan.mesh.as_dict()):
             left_out.append(f"{k} copies not weighed (no mesh that runs copies was planned)")
             continue
         tried.append(_Planned(k, plan, made))

@@ -682,7 +682,7 @@ def _meshes(
     if runnable_only:
         meshes = [m for m in meshes if m.get("pp", 1) == 1]
     if cfg.copies > 1:  # copies run without stages, beside an axis other than dp
-        meshes = [m for m in meshes if runs_copies(m, cfg.dp_axis)]
+        meshes = [m for m in meshes if runs_copies(cfg, m)]
         if not meshes:
             raise ConfigError(
                 f"interleave_num={cfg.copies} on {cfg.devices} devices: no mesh runs copies "

@@ -426,9 +426,10 @@ def _captured_plan(
     """(the plan, the config it runs with, the batch piece its program is traced on, that
     piece's capture on this rank's device). The piece: with gradient accumulation each
     micro-step runs the graph on 1/k of the batch, and with interleave_num each copy on
-    1/copies of that; the plan is made for (and the model traced on) that piece. Without ``plan``, one is made on the capture
-    (semi_auto from the annotations, auto by search; ``interleave_num="auto"``: a capture and
-    a search per copy count, the faster kept and the config given its count)."""
+    1/copies of that; the plan is made for (and the model traced on) that piece. Without
+    ``plan``, one is made on the capture (semi_auto from the annotations, auto by search;
+    ``interleave_num="auto"``: a capture and a search per copy count, the faster kept and
+    the config given its count)."""
     from plait.planning import plan_graph
     from plait.planning.copies import weigh_copies
 

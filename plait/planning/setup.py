@@ -27,7 +27,12 @@ from plait.planning.estimate import LOW_PRECISION_ACTIVATIONS, PP_AXIS
 from plait.planning.timeline import BACKWARD_FLOPS_FACTOR
 from plait.rules import default_catalogue
 from plait.rules.registry import OpStrategy
-from plait.search.constraints import allowed_indices, batch_layouts, collect_constraints
+from plait.search.constraints import (
+    allowed_indices,
+    batch_layouts,
+    collect_constraints,
+    with_orders,
+)
 from plait.search.problem import CostModel, SearchProblem
 from plait.support import Where
 
@@ -144,14 +149,14 @@ def prepare(
     dtype = _DTYPES[cfg.precision]
     topology = Topology(mesh, hardware)
     cost = cost_model(mesh, hardware, cfg.precision)
-    candidates = _shared_candidates(graph, mesh)
+    constraints = collect_constraints(
+        model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters, dp_axis=cfg.dp_axis
+    )
+    candidates = with_orders(_shared_candidates(graph, mesh), constraints.orders)
     inputs = batch_layouts(graph, mesh, cfg.dp_axis, cfg.dataset_strategy)
     fused = cfg.dp_axis if cfg.optimizer_shard in (None, 1) else None
     problem = SearchProblem(
         graph, mesh, candidates, inputs, cost, fused_axis=fused, dp_axis=cfg.dp_axis
-    )
-    constraints = collect_constraints(
-        model or nn.Module(), graph, mesh, cfg.mode, fixed_parameters, dp_axis=cfg.dp_axis
     )
     allowed, configured = allowed_indices(graph, candidates, constraints, cfg.dp_axis)
     return SearchSetup(graph, mesh, problem, allowed, configured, topology, hardware, dtype)

@@ -30,7 +30,7 @@ from plait.mesh import MeshSpec
 from plait.rules.common import to_mesh
 from plait.rules.registry import OpStrategy
 
-__all__ = ["Constraints", "batch_layouts", "collect_constraints"]
+__all__ = ["Constraints", "batch_layouts", "collect_constraints", "with_orders"]
 
 Check = Callable[[OpStrategy], bool]
 
@@ -46,11 +46,23 @@ class Constraints:
     explicit_out: set[tuple[str, int]] = field(
         default_factory=set
     )  # (op, output) from out_strategy
+    orders: set[tuple[str, ...]] = field(default_factory=set)
+    """Axis orders the annotations split a dim in other than mesh order (``("mp", "sp")`` on
+    a mesh ``(dp, sp, mp)``): the catalogue lists mesh order only, so each op's candidates
+    get these orders too (:func:`with_orders`)."""
 
     def add(self, op: str, check: Check, why: str, annotated: str | None = None) -> None:
         self.checks.setdefault(op, []).append((check, why))
         if annotated:
             self.annotated.setdefault(op, annotated)
+
+    def name_orders(self, layout: TensorLayout) -> TensorLayout:
+        """Note the dims ``layout`` splits over several axes out of mesh order; ``layout``."""
+        mesh = layout.mesh
+        for axes in layout.dims:
+            if list(axes) != sorted(axes, key=mesh.axis_index):
+                self.orders.add(tuple(axes))
+        return layout
 
 
 def _layout_of(strategy: object, mesh: MeshSpec, shape: Sequence[int], where: str) -> TensorLayout:
@@ -144,7 +156,7 @@ def collect_constraints(
             fqn = f"{path}.{pname}" if path else pname
             if fqn not in by_fqn:
                 continue  # not read by the captured forward: nothing to place
-            layout = _layout_of(strategy, mesh, params[fqn].meta.shape, fqn)
+            layout = found.name_orders(_layout_of(strategy, mesh, params[fqn].meta.shape, fqn))
             _record_param(annotated_params, by_fqn[fqn], fqn, layout, where)
         if spec.in_strategy or spec.out_strategy or spec.sequence_split:
             by_module = by_module or _ops_by_module(graph)
@@ -293,6 +305,7 @@ def _module_inputs(
         if ins[k] is None:
             continue
         layout = _layout_of(ins[k], mesh, graph.meta(ref).shape, f"{where} in_strategy[{k}]")
+        found.name_orders(layout)
         for op, i, r in entering:
             if r != ref:
                 continue
@@ -370,6 +383,7 @@ def _module_outputs(
         layout = layout_of(n, op, k)
         if layout is None:
             continue
+        found.name_orders(layout)
         found.explicit_out.add((op.name, k))
         found.add(
             op.name,
@@ -443,6 +457,44 @@ def allowed_indices(
                 configured[op.name] = constraints.annotated[op.name]
     _check_conflicts(graph, candidates, allowed, constraints)
     return allowed, configured
+
+
+def with_orders(
+    candidates: Mapping[str, Sequence[OpStrategy]], orders: set[tuple[str, ...]]
+) -> dict[str, Sequence[OpStrategy]]:
+    """``candidates`` with, after each op's own, their variants splitting over the axes of
+    each of ``orders`` in that order instead of mesh order (the annotations name them).
+
+    The catalogue enumerates a dim split over several axes in mesh order only (outer axis
+    first). Reordering one axis set wherever a strategy splits a dim over exactly those axes,
+    on every input and output alike, keeps the strategy valid: each device's pieces of the
+    dims that share a letter are still the same block of it (numbered in the new order), so
+    the local op computes the same piece of the output. Ops with no such split keep their
+    lists (the same objects: prices kept per list carry over)."""
+    if not orders:
+        return dict(candidates)
+    made: dict[TensorLayout, TensorLayout] = {}  # one object per layout (prices by identity)
+
+    def reordered(layout: TensorLayout, order: tuple[str, ...]) -> TensorLayout:
+        mesh = layout.mesh
+        plain = tuple(sorted(order, key=mesh.axis_index))
+        if plain not in layout.dims:
+            return layout
+        dims = tuple(order if axes == plain else axes for axes in layout.dims)
+        new = TensorLayout(mesh, dims, layout.partial, layout.reduce_op)
+        return made.setdefault(new, new)
+
+    out: dict[str, Sequence[OpStrategy]] = {}
+    for op, cands in candidates.items():
+        extra: list[OpStrategy] = []
+        for order in sorted(orders):
+            for s in cands:
+                ins = tuple(reordered(x, order) for x in s.inputs)
+                outs = tuple(reordered(x, order) for x in s.outputs)
+                if ins != s.inputs or outs != s.outputs:
+                    extra.append(OpStrategy(ins, outs, f"{s.label} ({', '.join(order)})"))
+        out[op] = [*cands, *extra] if extra else cands
+    return out
 
 
 def _splits_batch(layout: TensorLayout, dp_axis: str) -> bool:

@@ -77,16 +77,23 @@ def test_gpt_matches_single_device(case, gpt_and_batches):
     assert_same_run(expected, simulated_run(model, config, gpt_loss, adamw, batches, world))
 
 
+def heads_over(model, axes: tuple[str, ...]):
+    """Megatron's split on mesh dp x sp x mp with heads and MLP columns over ``axes`` (two
+    axes on one dim, in that order)."""
+    layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
+    for block in model.blocks:
+        for lin in (block.attn.q, block.attn.k, block.attn.v, block.fc1):
+            plait.shard(lin, parameter_strategy={"weight": layout(axes, "None")})
+        for lin in (block.attn.out, block.fc2):
+            plait.shard(lin, parameter_strategy={"weight": layout("None", axes)})
+    return model
+
+
 def test_gpt_three_axis_layout_heads_over_two_axes_matches(gpt_and_batches):
     """8 ranks, mesh dp x sp x mp; heads and MLP columns split over ("sp", "mp") together."""
     model, batches = gpt_and_batches
     expected = reference_run(model, gpt_loss, adamw, batches)
-    layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
-    for block in model.blocks:
-        for lin in (block.attn.q, block.attn.k, block.attn.v, block.fc1):
-            plait.shard(lin, parameter_strategy={"weight": layout(("sp", "mp"), "None")})
-        for lin in (block.attn.out, block.fc2):
-            plait.shard(lin, parameter_strategy={"weight": layout("None", ("sp", "mp"))})
+    heads_over(model, ("sp", "mp"))
     config = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "sp": 2, "mp": 2})
     assert_same_run(expected, simulated_run(model, config, gpt_loss, adamw, batches, 8))
 

@@ -33,6 +33,7 @@ from plait.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
 from plait.planning import plan_graph
 from plait.rules.registry import OpStrategy
 from plait.search.constraints import with_orders
+from tests.sim.test_equivalence import heads_over
 from tests.sim.test_plan_exec import check_case, gpt_batches, sgd
 
 XY = Layout((2, 2), ("x", "y"))
@@ -152,13 +153,7 @@ def test_mlp_weights_split_over_two_axes_against_mesh_order_match_one_device():
 def test_gpt_heads_split_over_two_axes_against_mesh_order_match_one_device():
     torch.manual_seed(0)
     cfg_model = GPTConfig(vocab=32, seq=8, width=16, heads=4, layers=1)
-    model = TinyGPT(cfg_model)
-    layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
-    for block in model.blocks:
-        for lin in (block.attn.q, block.attn.k, block.attn.v, block.fc1):
-            plait.shard(lin, parameter_strategy={"weight": layout(("mp", "sp"), "None")})
-        for lin in (block.attn.out, block.fc2):
-            plait.shard(lin, parameter_strategy={"weight": layout("None", ("mp", "sp"))})
+    model = heads_over(TinyGPT(cfg_model), ("mp", "sp"))
     cfg = ParallelConfig(mode="semi_auto", mesh={"dp": 2, "sp": 2, "mp": 2})
     check_case(model, gpt_batches(cfg_model, 3), cfg, gpt_loss, sgd, 8)
 

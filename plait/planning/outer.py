@@ -6,7 +6,9 @@ It weighs every option a user could pin, and takes the fastest that fits the mem
 - meshes ``pp x dp x tp``: every pipeline degree that divides the devices (3, 5, 35 as well
   as powers of two; no more stages than repeated layers), every tensor-parallel degree that
   divides a node's devices (at most :data:`MAX_TP`), data parallel over the rest where the
-  global batch divides over it (:func:`mesh_candidates`);
+  global batch divides over it (:func:`mesh_candidates`); and, without stages, ``dp x tpx x
+  tp``: model parallel over more than a node as two axes, ``tp`` inside the node and ``tpx``
+  across nodes (2-D tensor parallel, :func:`_two_model_axes`);
 - per mesh, every micro-batch count the pipeline runs (each divisor of the per-replica batch,
   at least ``pp`` but under GPipe, whole rounds under the interleaved schedules; 1 without
   stages), every recompute policy (none, selective, full: "auto" is one of them) and ZeRO
@@ -126,11 +128,39 @@ def mesh_candidates(
                 continue  # fewer rows per replica than the schedule needs micro-batches
             mesh = {"pp": pp, cfg.dp_axis: dp, "tp": tp}
             found.append({k: v for k, v in mesh.items() if v > 1 or k == cfg.dp_axis})
+    if 1 in stages:
+        found += _two_model_axes(devices, cfg, batch, devices_per_node)
     if not found:
         raise ConfigError(
             f"no mesh of {devices} devices fits: the global batch {batch} must divide over the "
             "data-parallel axis; use a batch that is a multiple of the devices, or give mesh={...}"
         )
+    return found
+
+
+TPX = "tpx"
+"""The outer of the two model axes of 2-D tensor parallel meshes (``dp x tpx x tp``): ``tp``
+inside a node, ``tpx`` across nodes."""
+
+
+def _two_model_axes(
+    devices: int, cfg: ParallelConfig, batch: int, devices_per_node: int
+) -> list[dict[str, int]]:
+    """Meshes ``dp x tpx x tp`` whose model axes span more than a node, without stages: ``tp``
+    the whole node's tensor-parallel degree (:data:`MAX_TP` at most), ``tpx`` 2 to
+    :data:`MAX_TP` nodes' worth, the rest data parallel. One model axis that large crosses
+    nodes in every collective; two let the search reduce inside the node first and across
+    nodes on the piece left (and split a weight's two dims one axis each: MindSpore's 2-D
+    tensor parallel), which the cost model weighs against ``pp x dp x tp``."""
+    tp = max(_divisors(devices_per_node, MAX_TP))
+    found: list[dict[str, int]] = []
+    if tp < 2 or devices % tp:
+        return found
+    for tpx in _divisors(devices // tp, MAX_TP):
+        dp = devices // (tp * tpx)
+        if tpx < 2 or batch % dp or dp % (cfg.optimizer_weight_shard_size or 1):
+            continue
+        found.append({cfg.dp_axis: dp, TPX: tpx, "tp": tp})
     return found
 
 
@@ -813,6 +843,8 @@ def _advice(cfg: ParallelConfig) -> str:
 
 def _describe(o: PlanOption) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in o.mesh.items())
+    if TPX in o.mesh:
+        mesh += f" (model parallel over two axes: {TPX} across nodes, tp inside one)"
     zero = "off" if o.optimizer_shard is None else str(o.optimizer_shard)
     copies = f", {o.interleave_num} copies interleaved" if o.interleave_num > 1 else ""
     return (

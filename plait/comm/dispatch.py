@@ -7,7 +7,9 @@ Active during a Job's forward and backward as a ``TorchFunctionMode``. Five case
    ``soft_margin_loss``) on each rank's piece with that piece's element count, so with the batch
    split ``n`` ways their ``reduction="mean"`` gradient comes out ``n`` times too large (the
    value is right). Computed as ``reduction="none"`` then ``.mean()`` they are exact, because
-   DTensor's ``mean`` knows the global count.
+   DTensor's ``mean`` knows the global count; the terms are computed on the local pieces
+   (:func:`elementwise_terms`), where DTensor's strategy for their backward would add
+   collectives.
 2. **Batched matmul with matching batch splits** (attention's ``q @ k.T`` and ``p @ v``).
    DTensor prices every candidate strategy of ``bmm`` with a search over placements that,
    on a 3-D mesh with 4-D activations, takes minutes. When both operands split their batch
@@ -213,7 +215,40 @@ def _mean_loss_op_as_none(func: Any, args: Any, kwargs: dict[str, Any]) -> Any |
         kwargs = {**kwargs, "reduction": _NONE}
     else:
         return None
-    return func(*args, **kwargs).mean()
+    return elementwise_terms(func, args, kwargs).mean()
+
+
+def elementwise_terms(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """An elementwise loss with ``reduction="none"`` (``kwargs`` say so): on the local pieces
+    when its two tensors are DTensors laid out alike (same shape, placements, no pending sum),
+    each rank's terms of its own elements; else DTensor's dispatch.
+
+    Why local: DTensor's strategy for the backward kernel (``mse_loss_backward`` and
+    friends) given the replicated gradient of the ``mean`` after it splits its inputs over
+    every mesh axis they are replicated on, then all-gathers the result back, collectives the
+    plan does not list (on a dp x sp x mp mesh: one all-gather over mp and one over sp). On
+    the pieces, backward is the kernel on the pieces and the gradient of the terms arrives
+    laid out as they are (a replicated gradient is cut locally)."""
+    x, target = args[0], args[1] if len(args) > 1 else None
+    if (
+        isinstance(x, DTensor)
+        and isinstance(target, DTensor)
+        and x.shape == target.shape
+        and x.device_mesh == target.device_mesh
+        and tuple(x.placements) == tuple(target.placements)
+        and not any(p.is_partial() for p in x.placements)
+        and not any(isinstance(a, DTensor) for a in (*args[2:], *kwargs.values()))
+    ):
+        terms = func(x.to_local(), target.to_local(), *args[2:], **kwargs)
+        return DTensor.from_local(
+            terms,
+            x.device_mesh,
+            x.placements,
+            run_check=False,
+            shape=x.shape,
+            stride=contiguous_stride(x.shape),
+        )
+    return func(*args, **kwargs)
 
 
 _CLASS_LOSSES = {F.cross_entropy, F.nll_loss}
@@ -252,7 +287,7 @@ class PlaitDispatchMode(TorchFunctionMode):
             and any(isinstance(a, DTensor) for a in args)
         ):
             kwargs["reduction"] = "none"
-            return func(*args, **kwargs).mean()
+            return elementwise_terms(func, args, kwargs).mean()
         if func in _CLASS_LOSSES:
             out = exact_mean_class_loss(func, args, kwargs)
             if out is not None:

@@ -214,6 +214,24 @@ def assemble_plan(
         dp_axis=cfg.dp_axis,
         dataset_strategy=cfg.dataset_strategy,
         comm_fusion=cfg.comm_fusion,
+        notes=_high_dimensional(parameters),
+    )
+
+
+def _high_dimensional(parameters: Sequence[PlannedParameter]) -> tuple[str, ...]:
+    """A note naming the parameters split on two dims or more (MindSpore's high-dimensional
+    tensor parallel), none without."""
+    split = [p for p in parameters if sum(1 for axes in p.layout.dims if axes) >= 2]
+    if not split:
+        return ()
+    shown = ", ".join(f"{p.name} {p.layout.describe()}" for p in split[:4])
+    more = f" and {len(split) - 4} more" if len(split) > 4 else ""
+    return (
+        f"high-dimensional tensor parallel: {len(split)} parameter(s) split on two dims or "
+        f"more, one set of axes each ({shown}{more}): a matmul with such a weight gathers its "
+        "input over the axes of the weight's input dim only and reduces its partial sums over "
+        "those alone, where a split on one dim over the same axes gathers or reduces over all "
+        "of them",
     )
 
 

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from sides import in_turns
 
 import plait
 from plait import ParallelConfig
@@ -80,15 +80,6 @@ def _local(job: Any, batch: Any) -> Any:
     return tuple(x.chunk(job.mesh.axis_size("dp"))[dp] for x in batch)
 
 
-def _timed(job: Any, batch: Any) -> tuple[float, float]:
-    dist.barrier()
-    start = time.perf_counter()
-    loss = job.step(_local(job, batch))
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), float(loss)
-
-
 def _tp_seconds(plan: Any) -> float:
     """The plan's predicted seconds of its collectives over tp a step (the cost model's
     alpha-beta time of each, on the profile the plan was made for)."""
@@ -99,14 +90,7 @@ def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     batches = token_batches(cfg, args.batch, args.warmup + args.steps + 1)
     jobs = {name: _job(cfg, batches[0], *side) for name, side in SIDES.items()}
-    times: dict[str, list[float]] = {name: [] for name in SIDES}
-    losses: dict[str, list[float]] = {name: [] for name in SIDES}
-    for i, batch in enumerate(batches[:-1]):
-        for name in SIDES if i % 2 == 0 else reversed(SIDES):
-            seconds, loss = _timed(jobs[name], batch)
-            losses[name].append(loss)
-            if i >= args.warmup:
-                times[name].append(seconds)
+    times, losses = in_turns(jobs, batches[:-1], args.warmup, _local)
     out: dict[str, Any] = {}
     for name, job in jobs.items():
         memory = measure_step_memory(job, _local(job, batches[-1]))

@@ -38,38 +38,18 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
+from sides import in_turns
 
 import plait
 from plait import ParallelConfig
 from plait.graph import capture_program
 from plait.launch.local import run_workers
+from plait.models import FeedForward, mlp_loss
 from plait.planning import plan_graph
 from plait.runtime.engine.measure import measure_step_memory
 
 MESHES = ({"tp": 16}, {"x": 4, "y": 4}, {"x": 2, "y": 8})
 ROWS = (64, 1024, 4096)
-
-
-class FeedForward(nn.Module):
-    """Residual feed-forward blocks, two matmuls each."""
-
-    def __init__(self, hidden: int, blocks: int) -> None:
-        super().__init__()
-        inner = 4 * hidden
-        self.ups = nn.ModuleList(nn.Linear(hidden, inner, bias=False) for _ in range(blocks))
-        self.downs = nn.ModuleList(nn.Linear(inner, hidden, bias=False) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for up, down in zip(self.ups, self.downs, strict=True):
-            x = x + down(torch.relu(up(x)))
-        return x
-
-
-def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return ((model(x) - y) ** 2).mean()
 
 
 def _split(dims: tuple[tuple[str, ...], ...]) -> str:
@@ -83,9 +63,9 @@ def _split(dims: tuple[tuple[str, ...], ...]) -> str:
 
 def row(width: int, rows: int, blocks: int) -> list[list[str]]:
     with torch.device("meta"):
-        model = FeedForward(width, blocks)
+        model = FeedForward(width, 4 * width, blocks)
         batch = (torch.randn(rows, width), torch.randn(rows, width))
-    captured = capture_program(model, batch, _mse)
+    captured = capture_program(model, batch, mlp_loss)
     out: list[list[str]] = []
     base = None
     for mesh in MESHES:
@@ -131,15 +111,6 @@ def _annotated(model: FeedForward, side: str) -> tuple[FeedForward, dict[str, in
     return model, {"x": 2, "y": 2}
 
 
-def _timed(job: Any, batch: Any) -> tuple[float, float]:
-    dist.barrier()
-    start = time.perf_counter()
-    loss = job.step(batch)
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), float(loss)
-
-
 def measure_worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
@@ -151,22 +122,15 @@ def measure_worker(args: argparse.Namespace) -> dict[str, Any]:
     jobs = {}
     for name, side in MEASURED.items():
         torch.manual_seed(0)
-        model, mesh = _annotated(FeedForward(width, 4), side)
+        model, mesh = _annotated(FeedForward(width, 4 * width, 4), side)
         jobs[name] = plait.parallelize(
             model,
             ParallelConfig(mode="semi_auto", mesh=mesh),
             optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
-            loss_fn=_mse,
+            loss_fn=mlp_loss,
             example_batch=batches[0],
         )
-    times: dict[str, list[float]] = {name: [] for name in MEASURED}
-    losses: dict[str, list[float]] = {name: [] for name in MEASURED}
-    for i, batch in enumerate(batches[:-1]):
-        for name in MEASURED if i % 2 == 0 else reversed(MEASURED):
-            seconds, loss = _timed(jobs[name], batch)
-            losses[name].append(loss)
-            if i >= args.warmup:
-                times[name].append(seconds)
+    times, losses = in_turns(jobs, batches[:-1], args.warmup)
     out: dict[str, Any] = {}
     for name, job in jobs.items():
         memory = measure_step_memory(job, batches[-1])

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from sides import in_turns
 
 import plait
 from plait import ParallelConfig
@@ -83,16 +83,12 @@ def _job(cfg: GPTConfig, args: argparse.Namespace, extra: dict[str, Any], compil
     return job
 
 
-def _timed(job: Any, batch: Any) -> tuple[float, float]:
-    if "dp" in job.mesh.axis_names:  # each dp rank trains on its slice of the global batch
-        dp = job.device_mesh.get_coordinate()[job.mesh.axis_index("dp")]
-        batch = tuple(x.chunk(job.mesh.axis_size("dp"))[dp] for x in batch)
-    dist.barrier()
-    start = time.perf_counter()
-    loss = job.step(batch)
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed), float(loss)
+def _local(job: Any, batch: Any) -> Any:
+    """This rank's slice of the global batch (each dp rank trains on its own)."""
+    if "dp" not in job.mesh.axis_names:
+        return batch
+    dp = job.device_mesh.get_coordinate()[job.mesh.axis_index("dp")]
+    return tuple(x.chunk(job.mesh.axis_size("dp"))[dp] for x in batch)
 
 
 def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -101,14 +97,7 @@ def worker(cfg: GPTConfig, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, extra in SETTINGS.items():
         jobs = {side: _job(cfg, args, extra, side == "compiled") for side in ("compiled", "eager")}
-        times: dict[str, list[float]] = {"compiled": [], "eager": []}
-        losses: dict[str, list[float]] = {"compiled": [], "eager": []}
-        for i, batch in enumerate(batches):
-            for side in ("compiled", "eager") if i % 2 == 0 else ("eager", "compiled"):
-                seconds, loss = _timed(jobs[side], batch)
-                losses[side].append(loss)
-                if i >= args.warmup:
-                    times[side].append(seconds)
+        times, losses = in_turns(jobs, batches, args.warmup, _local)
         programs = jobs["compiled"].stage_programs
         offload = jobs["compiled"].activation_offload
         out[name] = {

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
-from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements
+from plait.comm.dtensor import contiguous_stride, layout_of, to_dtensor_placements, with_local
 from plait.graph.convert import EXPORT_ASSERTIONS
 from plait.layout import TensorLayout
 
@@ -239,15 +239,7 @@ def elementwise_terms(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         and not any(p.is_partial() for p in x.placements)
         and not any(isinstance(a, DTensor) for a in (*args[2:], *kwargs.values()))
     ):
-        terms = func(x.to_local(), target.to_local(), *args[2:], **kwargs)
-        return DTensor.from_local(
-            terms,
-            x.device_mesh,
-            x.placements,
-            run_check=False,
-            shape=x.shape,
-            stride=contiguous_stride(x.shape),
-        )
+        return with_local(x, func(x.to_local(), target.to_local(), *args[2:], **kwargs))
     return func(*args, **kwargs)
 
 

@@ -17,7 +17,7 @@ from plait.models.gpt import (
     token_batches,
 )
 from plait.models.llama import Llama, lm_loss
-from plait.models.mlp import MLP, mlp_loss
+from plait.models.mlp import MLP, FeedForward, mlp_loss
 from plait.models.spec import KINDS, Batch, LossFn, ModelSpec
 from plait.models.zoo import build, parameter_count
 
@@ -27,6 +27,7 @@ __all__ = [
     "Batch",
     "Bert",
     "Block",
+    "FeedForward",
     "GPTConfig",
     "Llama",
     "LossFn",

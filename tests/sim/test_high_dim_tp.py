@@ -21,7 +21,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch import nn
 
 import plait
 from plait import Layout, ParallelConfig
@@ -29,7 +28,7 @@ from plait.errors import ShardingError
 from plait.graph import capture_program
 from plait.layout import TensorLayout
 from plait.mesh import MeshSpec
-from plait.models import MLP, GPTConfig, TinyGPT, gpt_loss, mlp_loss
+from plait.models import MLP, FeedForward, GPTConfig, TinyGPT, gpt_loss, mlp_loss
 from plait.planning import plan_graph
 from plait.planning.outer import mesh_candidates
 from plait.rules.registry import OpStrategy
@@ -39,26 +38,6 @@ from tests.sim.test_plan_exec import check_case, gpt_batches, sgd
 
 XY = Layout((2, 2), ("x", "y"))
 """MindSpore's device matrix for 2-D tensor parallel: 4 devices as x=2 by y=2."""
-
-
-class FeedForward(nn.Module):
-    """Residual feed-forward blocks ``x + down(relu(up(x)))``: two matmuls a block, as in
-    MindSpore's page (activation ``[bs, h]``, weights ``[h, e]`` and ``[e, h]``)."""
-
-    def __init__(self, hidden: int = 16, inner: int = 32, blocks: int = 2) -> None:
-        super().__init__()
-        self.ups = nn.ModuleList(nn.Linear(hidden, inner, bias=False) for _ in range(blocks))
-        self.downs = nn.ModuleList(nn.Linear(inner, hidden, bias=False) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for up, down in zip(self.ups, self.downs, strict=True):
-            x = x + down(torch.relu(up(x)))
-        return x
-
-
-def _mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return ((model(x) - y) ** 2).mean()
 
 
 def _feed_forward_2d(model: FeedForward) -> FeedForward:
@@ -92,7 +71,7 @@ def test_2d_tensor_parallel_gathers_in_one_axis_and_reduce_scatters_in_the_other
     model = _feed_forward_2d(FeedForward())
     batches = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(4)]
     cfg = ParallelConfig(mode="semi_auto", mesh={"x": 2, "y": 2})
-    plan = check_case(model, batches, cfg, _mse, sgd, 4)
+    plan = check_case(model, batches, cfg, mlp_loss, sgd, 4)
     # every matmul reads its activation gathered in one axis and reduce-scatters its partial
     # sums in the other, so the activations between them are held split over both axes
     # (a quarter each): no all-reduce anywhere
@@ -128,7 +107,7 @@ def test_3d_weight_split_over_three_axes_matches_one_device():
     )
     batches = [(torch.randn(8, 16), torch.randn(8, 16)) for _ in range(3)]
     cfg = ParallelConfig(mode="semi_auto", mesh={"x": 2, "y": 2, "z": 2})
-    plan = check_case(model, batches, cfg, _mse, sgd, 8)
+    plan = check_case(model, batches, cfg, mlp_loss, sgd, 8)
     ops = {op.name: op for op in plan.ops}
     assert ops["relu"].inputs[0].dims == ((), ("y", "x", "z"))
 
@@ -199,7 +178,7 @@ def test_auto_on_two_model_axes_chooses_2d_for_wide_layers():
     with torch.device("meta"):
         model = FeedForward(hidden=hidden, inner=4 * hidden, blocks=1)
         batch = (torch.randn(4096, hidden), torch.randn(4096, hidden))
-    captured = capture_program(model, batch, _mse)
+    captured = capture_program(model, batch, mlp_loss)
     plans = {
         name: plan_graph(
             captured.graph,
@@ -221,7 +200,7 @@ def test_free_mesh_search_weighs_two_model_axes_across_nodes():
     with torch.device("meta"):
         model = FeedForward(hidden=hidden, inner=4 * hidden, blocks=2)
         batch = (torch.randn(1024, hidden), torch.randn(1024, hidden))
-    captured = capture_program(model, batch, _mse)
+    captured = capture_program(model, batch, mlp_loss)
     cfg = ParallelConfig(mode="auto", devices=16, hardware="h100", search="dynamic_programming")
     meshes = mesh_candidates(16, cfg, captured.graph, devices_per_node=8)
     assert {"dp": 1, "tpx": 2, "tp": 8} in meshes

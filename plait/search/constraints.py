@@ -279,7 +279,9 @@ def _module_io(
         _module_outputs(found, graph, ops, where, _given_layouts(mesh, spec.out_strategy, where))
     if spec.sequence_split is not None:
         axis, dim = spec.sequence_split
-        _module_outputs(found, graph, ops, where, _sequence_layouts(mesh, axis, dim, dp_axis, where))
+        _module_outputs(
+            found, graph, ops, where, _sequence_layouts(mesh, axis, dim, dp_axis, where)
+        )
 
 
 def _module_inputs(
@@ -484,8 +486,7 @@ def with_orders(
         new = TensorLayout(mesh, dims, layout.partial, layout.reduce_op)
         return made.setdefault(new, new)
 
-    out: dict[str, Sequence[OpStrategy]] = {}
-    for op, cands in candidates.items():
+    def extended(cands: Sequence[OpStrategy]) -> Sequence[OpStrategy]:
         extra: list[OpStrategy] = []
         for order in sorted(orders):
             for s in cands:
@@ -493,8 +494,14 @@ def with_orders(
                 outs = tuple(reordered(x, order) for x in s.outputs)
                 if ins != s.inputs or outs != s.outputs:
                     extra.append(OpStrategy(ins, outs, f"{s.label} ({', '.join(order)})"))
-        out[op] = [*cands, *extra] if extra else cands
-    return out
+        return [*cands, *extra] if extra else cands
+
+    # ops with equal signatures share one list: extended once, and still shared
+    done: dict[int, Sequence[OpStrategy]] = {}
+    return {
+        op: done[id(cands)] if id(cands) in done else done.setdefault(id(cands), extended(cands))
+        for op, cands in candidates.items()
+    }
 
 
 def _splits_batch(layout: TensorLayout, dp_axis: str) -> bool:
